@@ -1,0 +1,240 @@
+//! Finding the interpreter inside a process: which mapped ELF holds `_PyRuntime`, its load
+//! bias, its symbols. Works for libpython shared or static, stripped or not, PIE or not, on the
+//! host or in a container (files opened through `/proc/PID/map_files` or `/proc/PID/root`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+
+/// One mapping from `/proc/PID/maps`.
+#[derive(Debug, Clone)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub offset: u64,
+    pub perms: String,
+    pub path: String,
+}
+
+/// Parse `/proc/PID/maps` text.
+pub fn parse_maps(text: &str) -> Vec<Mapping> {
+    text.lines()
+        .filter_map(|line| {
+            let mut it = line.split_whitespace();
+            let range = it.next()?;
+            let perms = it.next()?.to_string();
+            let offset = u64::from_str_radix(it.next()?, 16).ok()?;
+            let _dev = it.next()?;
+            let _inode = it.next()?;
+            let path = it.collect::<Vec<_>>().join(" ");
+            let (s, e) = range.split_once('-')?;
+            Some(Mapping {
+                start: u64::from_str_radix(s, 16).ok()?,
+                end: u64::from_str_radix(e, 16).ok()?,
+                offset,
+                perms,
+                path,
+            })
+        })
+        .collect()
+}
+
+/// The interpreter core of a process: the ELF file holding `_PyRuntime`, as loaded.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InterpreterBinary {
+    /// The path as the target sees it (inside its mount namespace).
+    pub path: String,
+    /// Where we opened it from.
+    pub opened_from: PathBuf,
+    pub is_shared_lib: bool,
+    pub pie: bool,
+    pub stripped: bool,
+    pub build_id: Option<String>,
+    /// Load bias: runtime address = file virtual address + bias.
+    pub bias: u64,
+    /// Runtime address of `_PyRuntime`.
+    pub runtime_addr: u64,
+    /// How `_PyRuntime` was found: "dynsym", "symtab" or ".PyRuntime section".
+    pub runtime_found_by: String,
+    /// Runtime addresses of other symbols we use, where present.
+    pub symbols: HashMap<String, u64>,
+    /// Runtime address range of `.bss` (for the 3.10 version-string scan).
+    pub bss: Option<(u64, u64)>,
+}
+
+/// Symbols worth resolving. Debian builds carry LTO suffixes (`take_gil.lto_priv.0`); names are
+/// matched up to the first `.`.
+const WANTED: &[&str] = &[
+    "_PyRuntime",
+    "Py_Version",
+    "PyCode_Type",
+    "_Py_NoneStruct",
+    "take_gil",
+    "drop_gil",
+    "gc_collect_main",
+];
+
+/// Open a mapped file the way that works from the host whatever the target's mount namespace:
+/// `/proc/PID/map_files/START-END`, then `/proc/PID/root/PATH`, then `PATH`.
+pub fn open_mapped_file(pid: i32, m: &Mapping) -> Option<(PathBuf, Vec<u8>)> {
+    let candidates = [
+        PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)),
+        Path::new(&format!("/proc/{pid}/root")).join(m.path.trim_start_matches('/')),
+        PathBuf::from(&m.path),
+    ];
+    for c in candidates {
+        if let Ok(bytes) = std::fs::read(&c) {
+            return Some((c, bytes));
+        }
+    }
+    None
+}
+
+/// Inspect one ELF image; `None` if it does not hold `_PyRuntime`.
+pub fn inspect_elf(data: &[u8]) -> Option<ElfFacts> {
+    let file = object::File::parse(data).ok()?;
+    let mut symbols: HashMap<String, u64> = HashMap::new();
+    let mut runtime_found_by = None;
+    for (table, label) in [
+        (file.dynamic_symbols(), "dynsym"),
+        (file.symbols(), "symtab"),
+    ] {
+        for sym in table {
+            let Ok(name) = sym.name() else { continue };
+            let base = name.split('.').next().unwrap_or(name);
+            if WANTED.contains(&base) && sym.address() != 0 && !name.ends_with(".cold") {
+                if base == "_PyRuntime" && runtime_found_by.is_none() {
+                    runtime_found_by = Some(label.to_string());
+                }
+                symbols.entry(base.to_string()).or_insert(sym.address());
+            }
+        }
+    }
+    if !symbols.contains_key("_PyRuntime") {
+        // 3.13+ keep `_PyRuntime` in its own section so tools can find it without symbols.
+        if let Some(sec) = file.section_by_name(".PyRuntime") {
+            symbols.insert("_PyRuntime".into(), sec.address());
+            runtime_found_by = Some(".PyRuntime section".into());
+        }
+    }
+    let runtime_found_by = runtime_found_by?;
+    let is_dyn = matches!(file.kind(), object::ObjectKind::Dynamic);
+    let first_load = file.segments().map(|s| s.address()).min().unwrap_or(0);
+    let bss = file
+        .section_by_name(".bss")
+        .map(|s| (s.address(), s.address() + s.size()));
+    let build_id = file
+        .build_id()
+        .ok()
+        .flatten()
+        .map(|b| b.iter().map(|x| format!("{x:02x}")).collect());
+    Some(ElfFacts {
+        symbols,
+        runtime_found_by,
+        is_dyn,
+        first_load_vaddr: first_load,
+        stripped: file.symbols().next().is_none(),
+        build_id,
+        bss,
+    })
+}
+
+/// What [`inspect_elf`] learned from a file, before relocation.
+#[derive(Debug, Clone)]
+pub struct ElfFacts {
+    pub symbols: HashMap<String, u64>,
+    pub runtime_found_by: String,
+    pub is_dyn: bool,
+    pub first_load_vaddr: u64,
+    pub stripped: bool,
+    pub build_id: Option<String>,
+    pub bss: Option<(u64, u64)>,
+}
+
+/// Find the interpreter core among a process's mappings.
+pub fn find_interpreter(pid: i32, maps: &[Mapping]) -> Option<InterpreterBinary> {
+    // Candidate files in map order (the executable comes first), each once.
+    let mut seen = std::collections::HashSet::new();
+    for m in maps {
+        if m.offset != 0
+            || m.path.is_empty()
+            || m.path.starts_with('[')
+            || !seen.insert(m.path.clone())
+        {
+            continue;
+        }
+        let base_name = m.path.rsplit('/').next().unwrap_or("");
+        // Cheap filter: only files that can be an interpreter core. Names are a hint for which
+        // file to open, never for the version.
+        let plausible = base_name.contains("python") || m.path == exe_path(pid).unwrap_or_default();
+        if !plausible {
+            continue;
+        }
+        let Some((opened_from, data)) = open_mapped_file(pid, m) else {
+            continue;
+        };
+        let Some(facts) = inspect_elf(&data) else {
+            continue;
+        };
+        // The mapping with file offset 0 is the start of the first PT_LOAD segment.
+        let bias = if facts.is_dyn {
+            m.start.wrapping_sub(facts.first_load_vaddr & !0xfff)
+        } else {
+            0
+        };
+        let symbols: HashMap<String, u64> = facts
+            .symbols
+            .iter()
+            .map(|(k, v)| (k.clone(), v.wrapping_add(bias)))
+            .collect();
+        return Some(InterpreterBinary {
+            path: m.path.clone(),
+            opened_from,
+            is_shared_lib: base_name.contains(".so"),
+            pie: facts.is_dyn,
+            stripped: facts.stripped,
+            build_id: facts.build_id,
+            bias,
+            runtime_addr: symbols["_PyRuntime"],
+            runtime_found_by: facts.runtime_found_by,
+            symbols,
+            bss: facts
+                .bss
+                .map(|(s, e)| (s.wrapping_add(bias), e.wrapping_add(bias))),
+        });
+    }
+    None
+}
+
+fn exe_path(pid: i32) -> Option<String> {
+    std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .map(|p| p.to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_parse() {
+        let m = parse_maps(
+            "00400000-00422000 r--p 00000000 fe:01 123 /usr/bin/python3.14\n\
+             7f00-7f10 rw-p 00000000 00:00 0 \n\
+             7f10-7f20 r-xp 00001000 fe:01 9 /opt/my dir/libpython3.12.so.1.0\n\
+             garbage\n",
+        );
+        assert_eq!(m.len(), 3);
+        assert_eq!(m[0].start, 0x400000);
+        assert_eq!(m[1].path, "");
+        assert_eq!(m[2].path, "/opt/my dir/libpython3.12.so.1.0");
+        assert_eq!(m[2].offset, 0x1000);
+    }
+
+    #[test]
+    fn not_an_elf() {
+        assert!(inspect_elf(b"not an elf at all").is_none());
+        assert!(inspect_elf(&[]).is_none());
+    }
+}

@@ -1,0 +1,11 @@
+//! Reading CPython from outside: binaries, versions, offsets, objects, frames.
+
+pub mod binary;
+pub mod linetable;
+pub mod memory;
+pub mod objects;
+pub mod offsets;
+pub mod reader;
+pub mod version;
+
+pub use reader::{AttachError, Frame, PythonProcess, Snapshot, ThreadSnapshot};

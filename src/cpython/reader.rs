@@ -1,0 +1,715 @@
+//! Attaching to a CPython process and reading consistent-enough snapshots of its threads, all
+//! from outside: no ptrace stop, no signal, nothing written.
+
+use std::collections::{HashMap, HashSet};
+
+use super::binary::{self, InterpreterBinary};
+use super::memory::{MemorySource, ProcessMemory, ReadError};
+use super::objects::{CodeCache, ObjectError};
+use super::offsets::{self, FrameKind, Offsets};
+use super::version::{scan_for_version, PyVersion};
+use crate::procinfo::{self, TaskInfo};
+
+/// Deepest Python stack we walk; deeper means garbage or a cycle we failed to see.
+pub const MAX_FRAMES: usize = 4096;
+/// Most threads (and interpreters × threads) we walk.
+pub const MAX_THREADS: usize = 4096;
+const MAX_INTERPRETERS: usize = 64;
+
+/// Oldest and newest minor versions we read.
+pub const SUPPORTED: (u8, u8) = (10, 15);
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error("process {0} does not exist (or has exited)")]
+    Gone(i32),
+    #[error("permission denied reading process {0}: run enginescope as root (sudo), or grant it CAP_SYS_PTRACE (setcap cap_sys_ptrace+ep); in a container add --cap-add SYS_PTRACE and share the PID namespace (--pid=host)")]
+    Permission(i32),
+    #[error(
+        "process {pid} ({cmd}) is not a CPython process: no mapped ELF file defines _PyRuntime"
+    )]
+    NotPython { pid: i32, cmd: String },
+    #[error("process {pid} runs Python {version}; enginescope reads CPython 3.{}–3.{}", SUPPORTED.0, SUPPORTED.1)]
+    Unsupported { pid: i32, version: String },
+    #[error("cannot tell which Python version process {0} runs (no Py_Version symbol, no _Py_DebugOffsets, no version string in .bss)")]
+    UnknownVersion(i32),
+    #[error("process {pid}: invalid _Py_DebugOffsets: {err}")]
+    DebugOffsets {
+        pid: i32,
+        err: offsets::DebugOffsetsError,
+    },
+    #[error("process {pid}: {what}: {err}")]
+    Read {
+        pid: i32,
+        what: &'static str,
+        err: ReadError,
+    },
+    #[error("reading /proc/{pid}: {err}")]
+    Proc { pid: i32, err: std::io::Error },
+}
+
+fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
+    match err {
+        ReadError::Gone(p) => AttachError::Gone(p),
+        ReadError::Permission { pid } => AttachError::Permission(pid),
+        err => AttachError::Read { pid, what, err },
+    }
+}
+
+/// One frame of a Python stack.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Frame {
+    /// Qualified name (`Class.method`, `outer.<locals>.inner`); `co_name` on 3.10.
+    pub function: String,
+    pub file: String,
+    /// `null` where the instruction has no line (rare: artificial instructions).
+    pub line: Option<i32>,
+}
+
+/// One thread as read at one moment.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct ThreadSnapshot {
+    /// Host thread id (`None` only if the thread could not be matched to a task, e.g. it was
+    /// exiting while we read).
+    pub tid: Option<i32>,
+    /// The thread id inside the target's PID namespace (differs from `tid` in containers).
+    pub ns_tid: Option<i32>,
+    /// OS thread name (`/proc/PID/task/TID/comm`).
+    pub name: String,
+    pub holds_gil: bool,
+    /// Whether a garbage collection is running in this thread's interpreter.
+    pub gc_collecting: bool,
+    /// Innermost first.
+    pub frames: Vec<Frame>,
+    /// Set when the walk stopped early; the frames before it are still right.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
+    /// Address of the `PyThreadState`.
+    #[serde(skip)]
+    pub tstate: u64,
+}
+
+/// All threads of a process at one moment.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Snapshot {
+    pub threads: Vec<ThreadSnapshot>,
+    /// Bad reads that were skipped (counted, never fatal).
+    pub read_errors: u64,
+}
+
+/// An attached CPython process.
+pub struct PythonProcess {
+    pub pid: i32,
+    pub mem: Box<dyn MemorySource>,
+    pub binary: InterpreterBinary,
+    pub version: PyVersion,
+    /// How the version was found.
+    pub version_source: &'static str,
+    pub offsets: Offsets,
+    /// For 3.10: offset of `tid` inside glibc's `struct pthread`, found and validated at attach.
+    pthread_tid_offset: std::cell::Cell<Option<u64>>,
+}
+
+impl PythonProcess {
+    pub fn attach(pid: i32) -> Result<Self, AttachError> {
+        let proc_dir = format!("/proc/{pid}");
+        if !std::path::Path::new(&proc_dir).exists() {
+            return Err(AttachError::Gone(pid));
+        }
+        let maps_text =
+            std::fs::read_to_string(format!("{proc_dir}/maps")).map_err(|e| match e.kind() {
+                std::io::ErrorKind::PermissionDenied => AttachError::Permission(pid),
+                std::io::ErrorKind::NotFound => AttachError::Gone(pid),
+                _ => AttachError::Proc { pid, err: e },
+            })?;
+        let maps = binary::parse_maps(&maps_text);
+        let mem = ProcessMemory::open(pid).map_err(|e| map_read(pid, "opening memory", e))?;
+        let binary = binary::find_interpreter(pid, &maps).ok_or_else(|| {
+            if !std::path::Path::new(&proc_dir).exists() {
+                AttachError::Gone(pid)
+            } else {
+                AttachError::NotPython {
+                    pid,
+                    cmd: procinfo::cmdline(pid),
+                }
+            }
+        })?;
+        // Probe readability once, so permission problems surface with advice.
+        mem.read_u64(binary.runtime_addr)
+            .map_err(|e| map_read(pid, "reading _PyRuntime", e))?;
+
+        let (version, version_source) =
+            detect_version(&mem, &binary).ok_or(AttachError::UnknownVersion(pid))?;
+        if version.major != 3 || version.minor < SUPPORTED.0 || version.minor > SUPPORTED.1 {
+            return Err(AttachError::Unsupported {
+                pid,
+                version: version.to_string(),
+            });
+        }
+        let offsets = if version.minor >= 13 {
+            offsets::read_debug_offsets(&mem, binary.runtime_addr, Some(version))
+                .map_err(|err| AttachError::DebugOffsets { pid, err })?
+                .2
+        } else {
+            Offsets::static_table(version).ok_or(AttachError::Unsupported {
+                pid,
+                version: version.to_string(),
+            })?
+        };
+        Ok(PythonProcess {
+            pid,
+            mem: Box::new(mem),
+            binary,
+            version,
+            version_source,
+            offsets,
+            pthread_tid_offset: std::cell::Cell::new(None),
+        })
+    }
+
+    /// Assemble a process view from parts (tests use fake memory and hand-made binaries).
+    pub fn from_parts(
+        pid: i32,
+        mem: Box<dyn MemorySource>,
+        binary: InterpreterBinary,
+        version: PyVersion,
+        offsets: Offsets,
+    ) -> Self {
+        PythonProcess {
+            pid,
+            mem,
+            binary,
+            version,
+            version_source: "given",
+            offsets,
+            pthread_tid_offset: std::cell::Cell::new(None),
+        }
+    }
+
+    fn read(&self, addr: u64) -> Result<u64, ReadError> {
+        self.mem.read_u64(addr)
+    }
+
+    /// Addresses of all interpreters (the main one first in practice), bounded.
+    pub fn interpreters(&self) -> Result<Vec<u64>, ReadError> {
+        let o = &self.offsets;
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        let mut interp = self.read(self.binary.runtime_addr + o.runtime_interpreters_head)?;
+        while interp != 0 && out.len() < MAX_INTERPRETERS && seen.insert(interp) {
+            out.push(interp);
+            interp = self.read(interp + o.interp_next)?;
+        }
+        Ok(out)
+    }
+
+    /// `PyThreadState` addresses of one interpreter, bounded, cycle-safe.
+    pub fn thread_states(&self, interp: u64) -> Result<Vec<u64>, ReadError> {
+        let o = &self.offsets;
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        let mut t = self.read(interp + o.interp_threads_head)?;
+        while t != 0 && out.len() < MAX_THREADS && seen.insert(t) {
+            out.push(t);
+            t = self.read(t + o.tstate_next)?;
+        }
+        Ok(out)
+    }
+
+    /// The GIL holder's `PyThreadState` (0 if the GIL is free) of one interpreter.
+    pub fn gil_holder(&self, interp: u64) -> Result<u64, ReadError> {
+        let o = &self.offsets;
+        let gil = match (o.runtime_gil, o.interp_ceval_gil_ptr) {
+            (Some(off), _) => self.binary.runtime_addr + off,
+            (None, Some(ptr)) => self.read(interp + ptr)?,
+            (None, None) => return Ok(0),
+        };
+        if gil == 0 {
+            return Ok(0);
+        }
+        let locked = self.mem.read_i32(gil + o.gil_locked)?;
+        if locked == 0 {
+            return Ok(0);
+        }
+        self.read(gil + o.gil_last_holder)
+    }
+
+    pub fn gc_collecting(&self, interp: u64) -> Result<bool, ReadError> {
+        let o = &self.offsets;
+        Ok(self.mem.read_i32(interp + o.interp_gc + o.gc_collecting)? != 0)
+    }
+
+    /// The thread's id inside its PID namespace.
+    pub fn ns_tid(&self, tstate: u64, tasks: &[TaskInfo]) -> Option<i32> {
+        let o = &self.offsets;
+        if let Some(off) = o.tstate_native_thread_id {
+            let v = self.read(tstate + off).ok()?;
+            return i32::try_from(v).ok().filter(|&t| t > 0);
+        }
+        // 3.10 keeps only the pthread_t, which on glibc/x86-64 is the address of the thread's
+        // `struct pthread`; its `tid` field sits at a libc-specific offset, found once and
+        // validated against the process's real thread ids.
+        let pthread = self.read(tstate + o.tstate_thread_id).ok()?;
+        let off = match self.pthread_tid_offset.get() {
+            Some(off) => off,
+            None => {
+                let off = self.find_pthread_tid_offset(tasks)?;
+                self.pthread_tid_offset.set(Some(off));
+                off
+            }
+        };
+        let tid = self.mem.read_i32(pthread + off).ok()?;
+        tasks.iter().any(|t| t.ns_tid == tid).then_some(tid)
+    }
+
+    fn find_pthread_tid_offset(&self, tasks: &[TaskInfo]) -> Option<u64> {
+        let o = &self.offsets;
+        let ns: HashSet<i32> = tasks.iter().map(|t| t.ns_tid).collect();
+        let mut pthreads = Vec::new();
+        for interp in self.interpreters().ok()? {
+            for t in self.thread_states(interp).ok()? {
+                if let Ok(p) = self.read(t + o.tstate_thread_id) {
+                    pthreads.push(p);
+                }
+            }
+        }
+        if pthreads.is_empty() {
+            return None;
+        }
+        // glibc's offset on x86-64 first (0x2d0), then every other 4-byte slot in the first 4 KiB.
+        let candidates = std::iter::once(0x2d0u64).chain((0..4096u64).step_by(4));
+        for off in candidates {
+            let mut vals = HashSet::new();
+            let ok = pthreads.iter().all(|&p| {
+                self.mem
+                    .read_i32(p + off)
+                    .is_ok_and(|v| ns.contains(&v) && vals.insert(v))
+            });
+            if ok {
+                return Some(off);
+            }
+        }
+        None
+    }
+
+    /// Walk one thread's Python stack, innermost first.
+    pub fn walk_stack(&self, tstate: u64, cache: &mut CodeCache) -> (Vec<Frame>, Option<String>) {
+        let o = &self.offsets;
+        let mut frames = Vec::new();
+        let first = (|| -> Result<u64, ReadError> {
+            let f = self.read(tstate + o.tstate_frame)?;
+            match o.cframe_current_frame {
+                Some(cf) if f != 0 => self.read(f + cf),
+                _ => Ok(f),
+            }
+        })();
+        let mut frame = match first {
+            Ok(f) => f,
+            Err(e) => return (frames, Some(e.to_string())),
+        };
+        let code_type = self.binary.symbols.get("PyCode_Type").copied();
+        let mut seen = HashSet::new();
+        let mut steps = 0;
+        while frame != 0 {
+            steps += 1;
+            if steps > MAX_FRAMES {
+                return (
+                    frames,
+                    Some(format!("stack deeper than {MAX_FRAMES} frames; truncated")),
+                );
+            }
+            if !seen.insert(frame) {
+                return (
+                    frames,
+                    Some(format!("frame cycle at {frame:#x}; truncated")),
+                );
+            }
+            match self.read_frame(frame, code_type, cache) {
+                Ok((Some(f), prev)) => {
+                    frames.push(f);
+                    frame = prev;
+                }
+                Ok((None, prev)) => frame = prev,
+                Err(e) => return (frames, Some(e.to_string())),
+            }
+        }
+        (frames, None)
+    }
+
+    /// One frame: `(frame if it is a real Python frame, previous frame address)`.
+    fn read_frame(
+        &self,
+        frame: u64,
+        code_type: Option<u64>,
+        cache: &mut CodeCache,
+    ) -> Result<(Option<Frame>, u64), ObjectError> {
+        let o = &self.offsets;
+        let prev = self.read(frame + o.frame_previous)?;
+        if let Some(owner_off) = o.frame_owner {
+            // FRAME_OWNED_BY_CSTACK (3.12/3.13) and FRAME_OWNED_BY_INTERPRETER (3.14+) mark
+            // shim/entry frames that are not Python code: owner >= 3 in every epoch.
+            if self.mem.read_u8(frame + owner_off)? >= 3 {
+                return Ok((None, prev));
+            }
+        }
+        let code = self.read(frame + o.frame_code)? & !o.frame_code_tag_mask;
+        if code == 0 {
+            return Ok((None, prev));
+        }
+        if let Some(ct) = code_type {
+            // 3.13+: f_executable can be a non-code object (None for C entry frames).
+            if self.read(code + 8)? != ct {
+                return Ok((None, prev));
+            }
+        }
+        let info = cache.get(self.mem.as_ref(), o, code)?;
+        let addr: i64 = match o.frame_kind {
+            FrameKind::FrameObject => {
+                let lasti = self.mem.read_i32(frame + o.frame_instr)?;
+                if lasti < 0 {
+                    -1
+                } else {
+                    lasti as i64 * 2
+                }
+            }
+            FrameKind::Interpreter => {
+                let instr = self.read(frame + o.frame_instr)?;
+                let base = code + o.code_code_adaptive.unwrap_or(0);
+                (instr as i64).wrapping_sub(base as i64)
+            }
+        };
+        let line = info.line_at(o.frame_kind, addr);
+        Ok((
+            Some(Frame {
+                function: info.qualname.clone(),
+                file: info.filename.clone(),
+                line,
+            }),
+            prev,
+        ))
+    }
+
+    /// Read every thread of every interpreter.
+    pub fn snapshot(&self) -> Result<Snapshot, AttachError> {
+        let pid = self.pid;
+        let tasks = procinfo::tasks(pid).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                AttachError::Gone(pid)
+            } else {
+                AttachError::Proc { pid, err: e }
+            }
+        })?;
+        let snap = self.snapshot_with_tasks(&tasks)?;
+        if snap.threads.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            return Err(AttachError::Gone(pid));
+        }
+        Ok(snap)
+    }
+
+    /// Read every thread, matching them to `tasks` (the process's threads from `/proc`).
+    pub fn snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<Snapshot, AttachError> {
+        let pid = self.pid;
+        let by_ns: HashMap<i32, &TaskInfo> = procinfo::by_ns_tid(tasks);
+        let mut cache = CodeCache::default();
+        let mut threads = Vec::new();
+        let mut read_errors = 0;
+        let interps = self
+            .interpreters()
+            .map_err(|e| map_read(pid, "reading the interpreter list", e))?;
+        for interp in interps {
+            let tstates = self
+                .thread_states(interp)
+                .map_err(|e| map_read(pid, "reading the thread list", e))?;
+            let holder = self.gil_holder(interp).unwrap_or_else(|_| {
+                read_errors += 1;
+                0
+            });
+            let collecting = self.gc_collecting(interp).unwrap_or_else(|_| {
+                read_errors += 1;
+                false
+            });
+            for t in tstates {
+                let ns_tid = self.ns_tid(t, tasks);
+                let task = ns_tid.and_then(|n| by_ns.get(&n));
+                let (frames, error) = self.walk_stack(t, &mut cache);
+                if error.is_some() {
+                    read_errors += 1;
+                }
+                threads.push(ThreadSnapshot {
+                    tid: task.map(|t| t.host_tid),
+                    ns_tid,
+                    name: task.map(|t| t.comm.clone()).unwrap_or_default(),
+                    holds_gil: holder != 0 && holder == t,
+                    gc_collecting: collecting,
+                    frames,
+                    error,
+                    tstate: t,
+                });
+            }
+        }
+        Ok(Snapshot {
+            threads,
+            read_errors,
+        })
+    }
+}
+
+/// The version, from the binary itself: `Py_Version` (3.11+), else the `_Py_DebugOffsets`
+/// header, else the `sys.version` text `Py_GetVersion` keeps in `.bss` (3.10).
+pub fn detect_version(
+    mem: &dyn MemorySource,
+    b: &InterpreterBinary,
+) -> Option<(PyVersion, &'static str)> {
+    if let Some(&addr) = b.symbols.get("Py_Version") {
+        if let Ok(hex) = mem.read_u32(addr) {
+            let v = PyVersion::from_hex(hex as u64);
+            if v.major == 3 {
+                return Some((v, "Py_Version"));
+            }
+        }
+    }
+    if let Ok(head) = mem.read_vec(b.runtime_addr, 16) {
+        if &head[..8] == b"xdebugpy" {
+            let hex = u64::from_le_bytes(head[8..16].try_into().ok()?);
+            return Some((PyVersion::from_hex(hex), "_Py_DebugOffsets"));
+        }
+    }
+    let (start, end) = b.bss?;
+    let len = end.checked_sub(start)?.min(16 << 20) as usize;
+    // Read in chunks so one unreadable page does not hide the rest.
+    let chunk = 1 << 16;
+    let mut off = 0;
+    while off < len {
+        let n = chunk.min(len - off) + 64.min(len - off - chunk.min(len - off));
+        if let Ok(bytes) = mem.read_vec(start + off as u64, n) {
+            if let Some(v) = scan_for_version(&bytes) {
+                return Some((v, "sys.version in .bss"));
+            }
+        }
+        off += chunk;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpython::memory::FakeMemory;
+    use crate::cpython::offsets::PY312;
+
+    const RUNTIME: u64 = 0x10_0000;
+    const INTERP: u64 = 0x20_0000;
+    const CODE_TYPE: u64 = 0x30_0000;
+
+    /// A fake 3.12 process: one interpreter, threads with frames made of code objects.
+    struct Fake {
+        mem: FakeMemory,
+        next: u64,
+    }
+
+    impl Fake {
+        fn new() -> Self {
+            let mut mem = FakeMemory::new();
+            mem.map(RUNTIME, vec![0; 4096]);
+            mem.map(INTERP, vec![0; 4096]);
+            mem.map(CODE_TYPE, vec![0; 64]);
+            mem.put_u64(RUNTIME + PY312.runtime_interpreters_head, INTERP);
+            Fake {
+                mem,
+                next: 0x100_0000,
+            }
+        }
+        fn alloc(&mut self, size: usize) -> u64 {
+            let a = self.next;
+            self.mem.map(a, vec![0; size]);
+            self.next += 0x1_0000;
+            a
+        }
+        fn str(&mut self, s: &str) -> u64 {
+            let o = &PY312;
+            let a = self.alloc(64 + s.len());
+            self.mem.put_u64(a + o.unicode_length, s.len() as u64);
+            self.mem
+                .put_u32(a + o.unicode_state, (1 << 2) | (1 << 5) | (1 << 6));
+            self.mem.put(a + o.unicode_ascii_size, s.as_bytes());
+            a
+        }
+        /// A code object whose every instruction is on `line`.
+        fn code(&mut self, name: &str, line: i32) -> u64 {
+            let o = &PY312;
+            let a = self.alloc(512);
+            let n = self.str(name);
+            let f = self.str("fake.py");
+            // linetable: one no-column entry of 8 code units, line delta +0.
+            let lt = self.alloc(64);
+            self.mem.put_u64(lt + o.bytes_size, 2);
+            self.mem.put(lt + o.bytes_data, &[0x80 | (13 << 3) | 7, 0]);
+            self.mem.put_u64(a + 8, CODE_TYPE);
+            self.mem.put_u64(a + o.code_name, n);
+            self.mem.put_u64(a + o.code_qualname.unwrap(), n);
+            self.mem.put_u64(a + o.code_filename, f);
+            self.mem.put_u64(a + o.code_linetable, lt);
+            self.mem.put_u32(a + o.code_firstlineno, line as u32);
+            a
+        }
+        fn frame(&mut self, code: u64, previous: u64, owner: u8) -> u64 {
+            let o = &PY312;
+            let a = self.alloc(128);
+            self.mem.put_u64(a + o.frame_code, code);
+            self.mem.put_u64(a + o.frame_previous, previous);
+            self.mem
+                .put_u64(a + o.frame_instr, code + o.code_code_adaptive.unwrap() + 4);
+            self.mem.put(a + o.frame_owner.unwrap(), &[owner]);
+            a
+        }
+        fn thread(&mut self, top_frame: u64, next: u64) -> u64 {
+            let o = &PY312;
+            let t = self.alloc(512);
+            let cframe = self.alloc(64);
+            self.mem
+                .put_u64(cframe + o.cframe_current_frame.unwrap(), top_frame);
+            self.mem.put_u64(t + o.tstate_frame, cframe);
+            self.mem.put_u64(t + o.tstate_next, next);
+            t
+        }
+        fn process(self, head: u64) -> PythonProcess {
+            let mut mem = self.mem;
+            mem.put_u64(INTERP + PY312.interp_threads_head, head);
+            let mut symbols = HashMap::new();
+            symbols.insert("PyCode_Type".to_string(), CODE_TYPE);
+            let binary = InterpreterBinary {
+                path: "fake".into(),
+                opened_from: "fake".into(),
+                is_shared_lib: false,
+                pie: false,
+                stripped: true,
+                build_id: None,
+                bias: 0,
+                runtime_addr: RUNTIME,
+                runtime_found_by: "test".into(),
+                symbols,
+                bss: None,
+            };
+            PythonProcess::from_parts(1, Box::new(mem), binary, PyVersion::new(3, 12, 1), PY312)
+        }
+    }
+
+    #[test]
+    fn walks_frames_and_skips_shims() {
+        let mut f = Fake::new();
+        let outer = f.code("outer", 10);
+        let inner = f.code("Klass.inner", 20);
+        let f1 = f.frame(outer, 0, 0);
+        let shim = f.frame(outer, f1, 3); // FRAME_OWNED_BY_CSTACK: skipped
+        let f2 = f.frame(inner, shim, 0);
+        let t = f.thread(f2, 0);
+        let p = f.process(t);
+        let s = p.snapshot_with_tasks(&[]).unwrap();
+        assert_eq!(s.threads.len(), 1);
+        let names: Vec<_> = s.threads[0]
+            .frames
+            .iter()
+            .map(|f| (f.function.as_str(), f.line))
+            .collect();
+        assert_eq!(names, vec![("Klass.inner", Some(20)), ("outer", Some(10))]);
+        assert!(s.threads[0].error.is_none());
+    }
+
+    #[test]
+    fn frame_cycle_is_cut() {
+        let mut f = Fake::new();
+        let c = f.code("loop", 1);
+        let a = f.frame(c, 0, 0);
+        let b = f.frame(c, a, 0);
+        f.mem.put_u64(a + PY312.frame_previous, b); // a -> b -> a
+        let t = f.thread(b, 0);
+        let s = f.process(t).snapshot_with_tasks(&[]).unwrap();
+        assert_eq!(s.threads[0].frames.len(), 2);
+        assert!(s.threads[0].error.as_deref().unwrap().contains("cycle"));
+    }
+
+    #[test]
+    fn thread_cycle_is_cut() {
+        let mut f = Fake::new();
+        let t1 = f.thread(0, 0);
+        let t2 = f.thread(0, t1);
+        f.mem.put_u64(t1 + PY312.tstate_next, t2);
+        let s = f.process(t2).snapshot_with_tasks(&[]).unwrap();
+        assert_eq!(s.threads.len(), 2);
+    }
+
+    #[test]
+    fn truncated_memory_gives_partial_stack() {
+        let mut f = Fake::new();
+        let c = f.code("ok", 5);
+        let a = f.frame(c, 0xdead_0000, 0); // previous frame is unmapped
+        let t = f.thread(a, 0);
+        let s = f.process(t).snapshot_with_tasks(&[]).unwrap();
+        assert_eq!(s.threads[0].frames.len(), 1);
+        assert!(s.threads[0].error.is_some());
+        assert_eq!(s.read_errors, 1);
+    }
+
+    #[test]
+    fn non_code_executable_is_skipped() {
+        let mut f = Fake::new();
+        let c = f.code("real", 5);
+        let bogus = f.alloc(64); // ob_type is not PyCode_Type
+        let a = f.frame(c, 0, 0);
+        let b = f.frame(bogus, a, 0);
+        let t = f.thread(b, 0);
+        let s = f.process(t).snapshot_with_tasks(&[]).unwrap();
+        assert_eq!(s.threads[0].frames.len(), 1);
+        assert_eq!(s.threads[0].frames[0].function, "real");
+    }
+
+    #[test]
+    fn garbage_memory_never_panics_or_hangs() {
+        // Every region filled with pseudo-random words that often point back into the regions.
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for round in 0..50 {
+            let mut mem = FakeMemory::new();
+            let bases: Vec<u64> = (0..16).map(|i| 0x100_0000 + i * 0x1000).collect();
+            for &b in &bases {
+                let mut bytes = Vec::with_capacity(4096);
+                for _ in 0..512 {
+                    let r = rnd();
+                    let w = if r % 3 == 0 {
+                        bases[(r >> 8) as usize % bases.len()] + (r >> 20) % 4000
+                    } else {
+                        r
+                    };
+                    bytes.extend_from_slice(&w.to_le_bytes());
+                }
+                mem.map(b, bytes);
+            }
+            let binary = InterpreterBinary {
+                path: "garbage".into(),
+                opened_from: "garbage".into(),
+                is_shared_lib: false,
+                pie: false,
+                stripped: true,
+                build_id: None,
+                bias: 0,
+                runtime_addr: bases[round % bases.len()],
+                runtime_found_by: "test".into(),
+                symbols: HashMap::new(),
+                bss: None,
+            };
+            let p = PythonProcess::from_parts(
+                1,
+                Box::new(mem),
+                binary,
+                PyVersion::new(3, 12, 1),
+                PY312,
+            );
+            let _ = p.snapshot_with_tasks(&[]);
+        }
+    }
+}

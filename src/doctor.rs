@@ -1,0 +1,136 @@
+//! `enginescope doctor`: what was detected in a target and what this machine allows, for bug
+//! reports.
+
+use std::fmt::Write as _;
+
+use crate::cpython::PythonProcess;
+
+/// What the kernel and our privileges allow.
+#[derive(Debug, serde::Serialize)]
+pub struct MachineFacts {
+    pub kernel: String,
+    pub euid: u32,
+    pub btf: bool,
+    pub perf_event_paranoid: Option<i32>,
+    pub ptrace_scope: Option<i32>,
+    pub effective_caps: String,
+    pub cap_sys_ptrace: bool,
+    pub cap_bpf: bool,
+    pub cap_perfmon: bool,
+    pub cap_sys_admin: bool,
+}
+
+fn read_int(path: &str) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+pub fn machine_facts() -> MachineFacts {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let caps = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let bits = u64::from_str_radix(&caps, 16).unwrap_or(0);
+    let has = |n: u32| bits & (1u64 << n) != 0;
+    MachineFacts {
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        euid: unsafe { libc::geteuid() },
+        btf: std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
+        perf_event_paranoid: read_int("/proc/sys/kernel/perf_event_paranoid"),
+        ptrace_scope: read_int("/proc/sys/kernel/yama/ptrace_scope"),
+        effective_caps: caps,
+        cap_sys_ptrace: has(19),
+        cap_sys_admin: has(21),
+        cap_perfmon: has(38),
+        cap_bpf: has(39),
+    }
+}
+
+pub fn report(p: Option<&PythonProcess>, as_json: bool) -> String {
+    let m = machine_facts();
+    if as_json {
+        let target = p.map(|p| {
+            serde_json::json!({
+                "pid": p.pid,
+                "version": p.version.to_string(),
+                "version_source": p.version_source,
+                "binary": &p.binary,
+                "offsets": &p.offsets,
+            })
+        });
+        return serde_json::to_string_pretty(&serde_json::json!({"machine": m, "target": target}))
+            .unwrap_or_default();
+    }
+    let mut out = String::new();
+    let _ = writeln!(out, "machine:");
+    let _ = writeln!(out, "  kernel               {}", m.kernel);
+    let _ = writeln!(out, "  euid                 {}", m.euid);
+    let _ = writeln!(
+        out,
+        "  capabilities         {} (SYS_PTRACE {}, BPF {}, PERFMON {}, SYS_ADMIN {})",
+        m.effective_caps, m.cap_sys_ptrace, m.cap_bpf, m.cap_perfmon, m.cap_sys_admin
+    );
+    let _ = writeln!(
+        out,
+        "  BTF                  {}",
+        if m.btf {
+            "yes (/sys/kernel/btf/vmlinux)"
+        } else {
+            "no"
+        }
+    );
+    let _ = writeln!(out, "  perf_event_paranoid  {:?}", m.perf_event_paranoid);
+    let _ = writeln!(out, "  yama ptrace_scope    {:?}", m.ptrace_scope);
+    if let Some(p) = p {
+        let b = &p.binary;
+        let _ = writeln!(out, "target {}:", p.pid);
+        let _ = writeln!(
+            out,
+            "  python               {} (from {})",
+            p.version, p.version_source
+        );
+        let _ = writeln!(
+            out,
+            "  interpreter core     {} (opened via {})",
+            b.path,
+            b.opened_from.display()
+        );
+        let _ = writeln!(
+            out,
+            "  build                {}, {}, {}",
+            if b.is_shared_lib {
+                "shared libpython"
+            } else {
+                "static (libpython linked in)"
+            },
+            if b.pie { "PIE" } else { "non-PIE" },
+            if b.stripped {
+                "stripped (no .symtab)"
+            } else {
+                "with .symtab"
+            }
+        );
+        let _ = writeln!(
+            out,
+            "  build-id             {}",
+            b.build_id.as_deref().unwrap_or("-")
+        );
+        let _ = writeln!(out, "  load bias            {:#x}", b.bias);
+        let _ = writeln!(
+            out,
+            "  _PyRuntime           {:#x} (found by {})",
+            b.runtime_addr, b.runtime_found_by
+        );
+        let _ = writeln!(out, "  offsets              {:?}", p.offsets.source);
+        let mut syms: Vec<_> = b.symbols.iter().collect();
+        syms.sort();
+        for (name, addr) in syms {
+            let _ = writeln!(out, "  symbol               {name} = {addr:#x}");
+        }
+    }
+    out
+}

@@ -1,0 +1,126 @@
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Parser, Subcommand};
+use enginescope::cpython::{AttachError, PythonProcess};
+use enginescope::{doctor, dump};
+
+#[derive(Parser)]
+#[command(
+    name = "enginescope",
+    version,
+    about = "See where a running Python inference engine spends its CPU time, from outside"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print every thread's Python stack once, without pausing the process.
+    Dump {
+        #[arg(long, short)]
+        pid: i32,
+        /// JSON output (schema: docs/dump-json.md).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show what enginescope detects in a process and what this machine allows.
+    Doctor {
+        #[arg(long, short)]
+        pid: Option<i32>,
+        #[arg(long)]
+        json: bool,
+        /// Print the built-in offset table for a version (3.10, 3.11, 3.12) as name=value lines,
+        /// for checking against the CPython headers (tools/pyoffsets.c).
+        #[arg(long, value_name = "VERSION")]
+        offsets_table: Option<String>,
+    },
+    /// Run a bundled sample workload and show what enginescope sees in it.
+    Demo {
+        /// Python interpreter to run the sample with.
+        #[arg(long, default_value = "python3")]
+        python: String,
+    },
+}
+
+/// One place that turns failures into advice.
+fn advise(e: &anyhow::Error) -> String {
+    let mut msg = format!("error: {e:#}");
+    if let Some(a) = e.downcast_ref::<AttachError>() {
+        let hint = match a {
+            AttachError::Gone(_) => "check the PID (`ps -ef | grep python`); the process may have exited",
+            AttachError::Permission(_) => "",
+            AttachError::NotPython { .. } => "point --pid at the Python process itself (for vLLM: the API server, EngineCore or worker PIDs), not a shell or launcher",
+            AttachError::Unsupported { .. } => "supported: CPython 3.10 to 3.15 with the GIL (not free-threaded builds)",
+            AttachError::UnknownVersion(_) | AttachError::DebugOffsets { .. } => {
+                "please report this with the output of `enginescope doctor --pid PID`"
+            }
+            AttachError::Read { .. } | AttachError::Proc { .. } => "the process may be exiting; try again",
+        };
+        if !hint.is_empty() {
+            msg.push_str(&format!("\nhint: {hint}"));
+        }
+    }
+    msg
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Dump { pid, json } => {
+            let t0 = Instant::now();
+            let p = PythonProcess::attach(pid)?;
+            let snap = p.snapshot()?;
+            let ms = t0.elapsed().as_secs_f64() * 1000.0;
+            if json {
+                println!("{}", dump::to_json(&p, &snap, ms));
+            } else {
+                print!("{}", dump::to_text(&p, &snap, ms));
+            }
+        }
+        Cmd::Doctor {
+            pid,
+            json,
+            offsets_table,
+        } => {
+            if let Some(v) = offsets_table {
+                let ver = enginescope::cpython::version::PyVersion::parse_version_string(&format!(
+                    "{v}.0 ("
+                ))
+                .ok_or_else(|| anyhow::anyhow!("bad version {v:?}; expected e.g. 3.12"))?;
+                let t =
+                    enginescope::cpython::offsets::Offsets::static_table(ver).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "no static table for {v}: 3.13+ read _Py_DebugOffsets at run time"
+                        )
+                    })?;
+                for l in t.header_check_lines() {
+                    println!("{l}");
+                }
+                return Ok(());
+            }
+            let p = match pid {
+                Some(pid) => Some(PythonProcess::attach(pid)?),
+                None => None,
+            };
+            print!("{}", doctor::report(p.as_ref(), json));
+            if json {
+                println!();
+            }
+        }
+        Cmd::Demo { python } => enginescope::demo::run(&python)?,
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", advise(&e));
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! Facts about processes and threads from `/proc`: thread lists, names, namespace ids.
+
+use std::collections::HashMap;
+
+/// One thread of a process, as the host sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskInfo {
+    /// Thread id in the host's PID namespace.
+    pub host_tid: i32,
+    /// Thread id in the target's own (innermost) PID namespace.
+    pub ns_tid: i32,
+    /// `/proc/PID/task/TID/comm`.
+    pub comm: String,
+}
+
+/// Parse the `NSpid:` line of `/proc/.../status`: host id first, innermost last.
+pub fn parse_nspid(status: &str) -> Option<Vec<i32>> {
+    let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+    let ids: Option<Vec<i32>> = line["NSpid:".len()..]
+        .split_whitespace()
+        .map(|x| x.parse().ok())
+        .collect();
+    ids.filter(|v| !v.is_empty())
+}
+
+/// All threads of `pid`, with their namespace ids and names. Threads that exit while we read
+/// are skipped.
+pub fn tasks(pid: i32) -> std::io::Result<Vec<TaskInfo>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let Ok(entry) = entry else { continue };
+        let Some(host_tid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let base = format!("/proc/{pid}/task/{host_tid}");
+        let Ok(status) = std::fs::read_to_string(format!("{base}/status")) else {
+            continue;
+        };
+        let ns_tid = parse_nspid(&status)
+            .and_then(|v| v.last().copied())
+            .unwrap_or(host_tid);
+        let comm = std::fs::read_to_string(format!("{base}/comm"))
+            .map(|s| s.trim_end_matches('\n').to_string())
+            .unwrap_or_default();
+        out.push(TaskInfo {
+            host_tid,
+            ns_tid,
+            comm,
+        });
+    }
+    out.sort_by_key(|t| t.host_tid);
+    Ok(out)
+}
+
+/// Map namespace tid → task.
+pub fn by_ns_tid(tasks: &[TaskInfo]) -> HashMap<i32, &TaskInfo> {
+    tasks.iter().map(|t| (t.ns_tid, t)).collect()
+}
+
+/// The process's command line, NUL-separated arguments joined by spaces.
+pub fn cmdline(pid: i32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            b.split(|&c| c == 0)
+                .filter(|s| !s.is_empty())
+                .map(|s| String::from_utf8_lossy(s).into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_default()
+}
+
+/// Whether `pid` lives in a PID namespace other than ours.
+pub fn in_other_pid_namespace(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| parse_nspid(&s))
+        .is_some_and(|v| v.len() > 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nspid() {
+        assert_eq!(
+            parse_nspid("Name:\tx\nNSpid:\t986\t1\n"),
+            Some(vec![986, 1])
+        );
+        assert_eq!(parse_nspid("NSpid:\t42\n"), Some(vec![42]));
+        assert_eq!(parse_nspid("Name:\tx\n"), None);
+        assert_eq!(parse_nspid("NSpid:\tx\n"), None);
+    }
+
+    #[test]
+    fn own_tasks() {
+        let t = tasks(std::process::id() as i32).unwrap();
+        assert!(t.iter().any(|t| t.host_tid == std::process::id() as i32));
+    }
+}
