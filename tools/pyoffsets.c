@@ -48,9 +48,10 @@ int main(void) {
     P("frame.previous", offsetof(_PyInterpreterFrame, previous));
     P("frame.code", offsetof(_PyInterpreterFrame, f_code));
     P("frame.prev_instr", offsetof(_PyInterpreterFrame, prev_instr));
+#if PY_VERSION_HEX >= 0x030C0000
+    /* 3.12+: owner == FRAME_OWNED_BY_CSTACK marks shim frames. 3.11 has none (is_entry marks
+     * real frames entered from C), so enginescope reads neither field there. */
     P("frame.owner", offsetof(_PyInterpreterFrame, owner));
-#if PY_VERSION_HEX < 0x030C0000
-    P("frame.is_entry", offsetof(_PyInterpreterFrame, is_entry));
 #endif
     P("code.qualname", offsetof(PyCodeObject, co_qualname));
     P("code.code_adaptive", offsetof(PyCodeObject, co_code_adaptive));

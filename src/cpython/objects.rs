@@ -173,13 +173,11 @@ impl CodeCache {
         o: &Offsets,
         addr: u64,
     ) -> Result<&CodeInfo, ObjectError> {
-        if !self.map.contains_key(&addr) {
-            let info = read_code(mem, o, addr)?;
-            self.map.insert(addr, info);
+        use std::collections::hash_map::Entry;
+        match self.map.entry(addr) {
+            Entry::Occupied(e) => Ok(e.into_mut()),
+            Entry::Vacant(v) => Ok(v.insert(read_code(mem, o, addr)?)),
         }
-        self.map
-            .get(&addr)
-            .ok_or_else(|| garbage("code", addr, "cache miss"))
     }
 }
 

@@ -1,0 +1,263 @@
+//! Shared helpers for live tests: the interpreter matrix and starting sample workloads the way
+//! users run them (plain host processes, or container-style in their own mount and PID
+//! namespaces). Workloads signal readiness themselves (a READY line); nothing here sleeps.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+/// How to start one interpreter of the matrix.
+#[derive(Debug, Clone)]
+pub enum Launch {
+    /// A host binary (pyenv builds, the host's /usr/bin/python3.11).
+    Host(PathBuf),
+    /// `/usr/bin/pythonX.Y` inside a Debian rootfs, run through nsrun.sh --pidns (own mount and
+    /// PID namespaces, like a container).
+    Container { root: PathBuf, exe: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct Interp {
+    pub label: String,
+    pub launch: Launch,
+}
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn shared_dir() -> PathBuf {
+    std::env::var_os("ENGINESCOPE_SHARED")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("../shared"))
+}
+
+fn pyenv_root() -> PathBuf {
+    if let Some(r) = std::env::var_os("PYENV_ROOT") {
+        return PathBuf::from(r);
+    }
+    if let Ok(o) = Command::new("pyenv").arg("root").output() {
+        let s = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        if o.status.success() && !s.is_empty() {
+            return PathBuf::from(s);
+        }
+    }
+    PathBuf::from("/root/.pyenv")
+}
+
+fn pyvers_prefix() -> PathBuf {
+    std::env::var_os("PYVERS_PREFIX")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/pyvers"))
+}
+
+/// The interpreter for a matrix label: `pyenv-3.12`, `sid-3.14`, `host-3.11`.
+pub fn interp(label: &str) -> Interp {
+    let (src, ver) = label.split_once('-').expect("label like pyenv-3.12");
+    let launch = match src {
+        "pyenv" => {
+            let full = match ver {
+                "3.10" => "3.10.13",
+                "3.11" => "3.11.7",
+                "3.12" => "3.12.1",
+                "3.13" => "3.13.0",
+                _ => panic!("no pyenv version for {ver}"),
+            };
+            Launch::Host(
+                pyenv_root()
+                    .join("versions")
+                    .join(full)
+                    .join("bin")
+                    .join(format!("python{ver}")),
+            )
+        }
+        "host" => Launch::Host(PathBuf::from(format!("/usr/bin/python{ver}"))),
+        "sid" => Launch::Container {
+            root: pyvers_prefix().join("sid"),
+            exe: format!("/usr/bin/python{ver}"),
+        },
+        _ => panic!("unknown source {src}"),
+    };
+    Interp {
+        label: label.to_string(),
+        launch,
+    }
+}
+
+/// Whether the interpreter is here. Under CI=true a missing one fails the test instead of
+/// skipping it.
+pub fn available(i: &Interp) -> bool {
+    let ok = match &i.launch {
+        Launch::Host(p) => p.exists(),
+        Launch::Container { root, exe } => {
+            root.join(exe.trim_start_matches('/')).exists()
+                && shared_dir().join("harness/pyvers/nsrun.sh").exists()
+        }
+    };
+    if !ok {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("interpreter {} is missing (CI=true: the matrix must be complete; run scripts/test-env.sh)", i.label);
+        }
+        eprintln!(
+            "SKIP {}: interpreter not installed (scripts/test-env.sh installs it)",
+            i.label
+        );
+    }
+    ok
+}
+
+/// A running sample workload. Killed (with everything in its namespace) on drop.
+pub struct Workload {
+    pub child: Child,
+    /// The Python process's host PID.
+    pub pid: i32,
+    /// Host path of the workload's scratch directory (truth files land here).
+    pub dir: PathBuf,
+    /// The same directory as the workload sees it.
+    pub inner_dir: String,
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) with a pid we started; harmless if it already exited.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn children_of(pid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc") {
+        for e in rd.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
+                // ppid is the 2nd field after the ")" that ends comm.
+                if let Some(rest) = stat.rsplit_once(')').map(|x| x.1) {
+                    let ppid: i32 = rest
+                        .split_whitespace()
+                        .nth(1)
+                        .and_then(|x| x.parse().ok())
+                        .unwrap_or(0);
+                    if ppid == pid {
+                        out.push(p);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The descendant of `pid` (or `pid` itself) whose executable is a Python interpreter.
+fn find_python(pid: i32) -> Option<i32> {
+    let mut stack = vec![pid];
+    while let Some(p) = stack.pop() {
+        let exe = std::fs::read_link(format!("/proc/{p}/exe")).ok()?;
+        let name = exe.file_name()?.to_string_lossy().into_owned();
+        if name.starts_with("python") {
+            return Some(p);
+        }
+        stack.extend(children_of(p));
+    }
+    None
+}
+
+/// Start `samples/<script>` with `args` (`{dir}` in an argument is replaced by the scratch
+/// directory as the workload sees it) and wait for its READY line.
+pub fn start(i: &Interp, script: &str, args: &[&str]) -> Workload {
+    static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let name = format!("es-test-{}-{}-{}", i.label, std::process::id(), n);
+    let (dir, inner_dir, mut cmd) = match &i.launch {
+        Launch::Host(exe) => {
+            let dir = std::env::temp_dir().join(&name);
+            let inner = dir.to_string_lossy().into_owned();
+            (dir, inner, Command::new(exe))
+        }
+        Launch::Container { root, exe } => {
+            let dir = root.join("tmp").join(&name);
+            let inner = format!("/tmp/{name}");
+            let mut c = Command::new("bash");
+            c.arg(shared_dir().join("harness/pyvers/nsrun.sh"))
+                .arg("--pidns")
+                .arg(root)
+                .arg(exe);
+            (dir, inner, c)
+        }
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(repo_root().join("samples").join(script), dir.join(script)).unwrap();
+    cmd.arg(format!("{inner_dir}/{script}"));
+    for a in args {
+        cmd.arg(a.replace("{dir}", &inner_dir));
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn workload");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        let n = out.read_line(&mut line).unwrap();
+        if n == 0 {
+            let st = child.wait();
+            panic!("{}: workload exited before READY: {st:?}", i.label);
+        }
+        if line.trim() == "READY" {
+            break;
+        }
+    }
+    // Keep draining stdout so the workload never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while out.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+            sink.clear();
+        }
+    });
+    let pid = find_python(child.id() as i32).expect("python process of the workload");
+    Workload {
+        child,
+        pid,
+        dir,
+        inner_dir,
+    }
+}
+
+/// Map a thread id inside the workload's PID namespace to the host's, from NSpid lines
+/// (independently of enginescope's own mapping).
+pub fn host_tid(pid: i32, ns_tid: i32) -> Option<i32> {
+    for e in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let host: i32 = e.file_name().to_str()?.parse().ok()?;
+        let status = std::fs::read_to_string(e.path().join("status")).ok()?;
+        let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
+        let inner: i32 = line.split_whitespace().last()?.parse().ok()?;
+        if inner == ns_tid {
+            return Some(host);
+        }
+    }
+    None
+}
+
+/// Run the enginescope binary.
+pub fn enginescope(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args(args)
+        .output()
+        .expect("run enginescope")
+}
+
+pub fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
