@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use object::{Object, ObjectSection, ObjectSegment, ObjectSymbol};
+use object::{Object, ObjectSection, ObjectSegment};
 
 /// One mapping from `/proc/PID/maps`.
 #[derive(Debug, Clone)]
@@ -77,37 +77,78 @@ const WANTED: &[&str] = &[
 
 /// Open a mapped file the way that works from the host whatever the target's mount namespace:
 /// `/proc/PID/map_files/START-END`, then `/proc/PID/root/PATH`, then `PATH`.
-pub fn open_mapped_file(pid: i32, m: &Mapping) -> Option<(PathBuf, Vec<u8>)> {
+pub fn open_mapped_file(
+    pid: i32,
+    m: &Mapping,
+) -> Option<(PathBuf, object::ReadCache<std::fs::File>)> {
     let candidates = [
         PathBuf::from(format!("/proc/{pid}/map_files/{:x}-{:x}", m.start, m.end)),
         Path::new(&format!("/proc/{pid}/root")).join(m.path.trim_start_matches('/')),
         PathBuf::from(&m.path),
     ];
     for c in candidates {
-        if let Ok(bytes) = std::fs::read(&c) {
-            return Some((c, bytes));
+        // Read on demand (headers, symbol tables): binaries with debug info are tens of MB, and
+        // a file the target owns must not be able to crash us the way a truncated mmap would.
+        if let Ok(file) = std::fs::File::open(&c) {
+            return Some((c, object::ReadCache::new(file)));
         }
     }
     None
 }
 
 /// Inspect one ELF image; `None` if it does not hold `_PyRuntime`.
-pub fn inspect_elf(data: &[u8]) -> Option<ElfFacts> {
+pub fn inspect_elf<'data, R: object::ReadRef<'data>>(data: R) -> Option<ElfFacts> {
+    use object::read::elf::{SectionHeader as _, Sym as _};
+    let elf = object::read::elf::ElfFile64::<object::Endianness, R>::parse(data).ok()?;
     let file = object::File::parse(data).ok()?;
+    let endian = elf.endian();
+    let sections = elf.elf_section_table();
     let mut symbols: HashMap<String, u64> = HashMap::new();
     let mut runtime_found_by = None;
-    for (table, label) in [
-        (file.dynamic_symbols(), "dynsym"),
-        (file.symbols(), "symtab"),
+    let mut has_symtab = false;
+    // Walk .dynsym then .symtab with each table and its string table read in one piece: the
+    // generic symbol iterator reads names piecemeal, which is slow through a read cache.
+    for (kind, label) in [
+        (object::elf::SHT_DYNSYM, "dynsym"),
+        (object::elf::SHT_SYMTAB, "symtab"),
     ] {
-        for sym in table {
-            let Ok(name) = sym.name() else { continue };
-            let base = name.split('.').next().unwrap_or(name);
-            if WANTED.contains(&base) && sym.address() != 0 && !name.ends_with(".cold") {
-                if base == "_PyRuntime" && runtime_found_by.is_none() {
-                    runtime_found_by = Some(label.to_string());
+        for sec in sections.iter().filter(|s| s.sh_type(endian) == kind) {
+            has_symtab |= kind == object::elf::SHT_SYMTAB;
+            let Ok(raw) = sec.data(endian, data) else {
+                continue;
+            };
+            let Ok(strsec) = sections.section(object::SectionIndex(sec.sh_link(endian) as usize))
+            else {
+                continue;
+            };
+            let Ok(strings) = strsec.data(endian, data) else {
+                continue;
+            };
+            let Ok((syms, _)) =
+                object::pod::slice_from_bytes::<object::elf::Sym64<object::Endianness>>(
+                    raw,
+                    raw.len() / std::mem::size_of::<object::elf::Sym64<object::Endianness>>(),
+                )
+            else {
+                continue;
+            };
+            for sym in syms {
+                let start = sym.st_name(endian) as usize;
+                let Some(tail) = strings.get(start..) else {
+                    continue;
+                };
+                let end = tail.iter().position(|&b| b == 0).unwrap_or(tail.len());
+                let Ok(name) = std::str::from_utf8(&tail[..end]) else {
+                    continue;
+                };
+                let base = name.split('.').next().unwrap_or(name);
+                let addr = sym.st_value(endian);
+                if WANTED.contains(&base) && addr != 0 && !name.ends_with(".cold") {
+                    if base == "_PyRuntime" && runtime_found_by.is_none() {
+                        runtime_found_by = Some(label.to_string());
+                    }
+                    symbols.entry(base.to_string()).or_insert(addr);
                 }
-                symbols.entry(base.to_string()).or_insert(sym.address());
             }
         }
     }
@@ -134,7 +175,7 @@ pub fn inspect_elf(data: &[u8]) -> Option<ElfFacts> {
         runtime_found_by,
         is_dyn,
         first_load_vaddr: first_load,
-        stripped: file.symbols().next().is_none(),
+        stripped: !has_symtab,
         build_id,
         bss,
     })
@@ -234,7 +275,7 @@ mod tests {
 
     #[test]
     fn not_an_elf() {
-        assert!(inspect_elf(b"not an elf at all").is_none());
-        assert!(inspect_elf(&[]).is_none());
+        assert!(inspect_elf(&b"not an elf at all"[..]).is_none());
+        assert!(inspect_elf(&[][..]).is_none());
     }
 }

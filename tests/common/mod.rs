@@ -198,6 +198,18 @@ pub fn start(i: &Interp, script: &str, args: &[&str]) -> Workload {
     for a in args {
         cmd.arg(a.replace("{dir}", &inner_dir));
     }
+    // nsrun.sh creates and removes `ROOT/.nsrun-oldroot` around its pivot_root, so two starts in
+    // the same rootfs at once can break each other: serialize container starts until READY
+    // (across test threads with a mutex, across test processes with flock).
+    static NSRUN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = matches!(i.launch, Launch::Container { .. }).then(|| {
+        let g = NSRUN.lock().unwrap_or_else(|e| e.into_inner());
+        let lock =
+            std::fs::File::create(std::env::temp_dir().join("enginescope-nsrun.lock")).unwrap();
+        // SAFETY: flock on a file descriptor we own; released when `lock` is dropped.
+        unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) };
+        (g, lock)
+    });
     let mut child = cmd
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
@@ -216,6 +228,7 @@ pub fn start(i: &Interp, script: &str, args: &[&str]) -> Workload {
             break;
         }
     }
+    drop(_guard);
     // Keep draining stdout so the workload never blocks on a full pipe.
     std::thread::spawn(move || {
         let mut sink = String::new();
