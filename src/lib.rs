@@ -8,3 +8,4 @@ pub mod demo;
 pub mod doctor;
 pub mod dump;
 pub mod procinfo;
+pub mod record;

@@ -57,7 +57,7 @@ fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
 }
 
 /// One frame of a Python stack.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Frame {
     /// Qualified name (`Class.method`, `outer.<locals>.inner`); `co_name` on 3.10.
     pub function: String,

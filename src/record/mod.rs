@@ -1,0 +1,8 @@
+//! Recordings: the versioned, streaming file `record` writes and every view reads
+//! (docs/recording-format.md).
+
+pub mod format;
+pub mod model;
+
+pub use format::{read_recording, RecordingWriter};
+pub use model::*;
