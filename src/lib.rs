@@ -7,5 +7,7 @@ pub mod cpython;
 pub mod demo;
 pub mod doctor;
 pub mod dump;
+pub mod bpf;
 pub mod procinfo;
 pub mod record;
+pub mod sampler;

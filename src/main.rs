@@ -37,6 +37,30 @@ enum Cmd {
         #[arg(long, value_name = "VERSION")]
         offsets_table: Option<String>,
     },
+    /// Sample every thread of running Python processes and write a recording (.esrec).
+    Record {
+        /// Target process ids (comma-separated or repeated).
+        #[arg(long, short, value_delimiter = ',', required = true)]
+        pid: Vec<i32>,
+        /// Seconds to record; without it, until Ctrl-C.
+        #[arg(long, short)]
+        duration: Option<f64>,
+        /// Samples per second per CPU.
+        #[arg(long, short, default_value_t = 99)]
+        rate: u32,
+        /// Output file.
+        #[arg(long, short, default_value = "enginescope.esrec")]
+        output: std::path::PathBuf,
+        /// bpf (kernel-side stack walks), memory (user-space polling), or auto.
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: enginescope::sampler::Backend,
+        /// Do not trace off-CPU intervals (sched_switch).
+        #[arg(long)]
+        no_offcpu: bool,
+        /// Print the summary as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a bundled sample workload and show what enginescope sees in it.
     Demo {
         /// Python interpreter to run the sample with.
@@ -107,6 +131,40 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", doctor::report(p.as_ref(), json));
             if json {
                 println!();
+            }
+        }
+        Cmd::Record {
+            pid,
+            duration,
+            rate,
+            output,
+            backend,
+            no_offcpu,
+            json,
+        } => {
+            let opts = enginescope::sampler::RecordOptions {
+                pids: pid,
+                duration: duration.map(std::time::Duration::from_secs_f64),
+                rate_hz: rate,
+                output: output.clone(),
+                backend,
+                offcpu: !no_offcpu,
+                quiet: false,
+            };
+            let s = enginescope::sampler::record(&opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                eprintln!(
+                    "enginescope: wrote {} ({} samples, {} off-CPU intervals, {:.1} s, {} bytes = {:.1} B/sample, {} lost)",
+                    output.display(),
+                    s.samples,
+                    s.offcpu_intervals,
+                    s.duration_s,
+                    s.bytes,
+                    s.bytes as f64 / s.samples.max(1) as f64,
+                    s.lost
+                );
             }
         }
         Cmd::Demo { python } => enginescope::demo::run(&python)?,

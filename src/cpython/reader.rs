@@ -216,14 +216,20 @@ impl PythonProcess {
         Ok(out)
     }
 
+    /// Address of the `_gil_runtime_state` an interpreter uses (0 if none).
+    pub fn gil_addr(&self, interp: u64) -> Result<u64, ReadError> {
+        let o = &self.offsets;
+        match (o.runtime_gil, o.interp_ceval_gil_ptr) {
+            (Some(off), _) => Ok(self.binary.runtime_addr + off),
+            (None, Some(ptr)) => self.read(interp + ptr),
+            (None, None) => Ok(0),
+        }
+    }
+
     /// The GIL holder's `PyThreadState` (0 if the GIL is free) of one interpreter.
     pub fn gil_holder(&self, interp: u64) -> Result<u64, ReadError> {
         let o = &self.offsets;
-        let gil = match (o.runtime_gil, o.interp_ceval_gil_ptr) {
-            (Some(off), _) => self.binary.runtime_addr + off,
-            (None, Some(ptr)) => self.read(interp + ptr)?,
-            (None, None) => return Ok(0),
-        };
+        let gil = self.gil_addr(interp)?;
         if gil == 0 {
             return Ok(0);
         }
@@ -234,9 +240,38 @@ impl PythonProcess {
         self.read(gil + o.gil_last_holder)
     }
 
+    /// Address of the main interpreter's `gcstate->collecting`.
+    pub fn gc_collecting_addr(&self, interp: u64) -> u64 {
+        interp + self.offsets.interp_gc + self.offsets.gc_collecting
+    }
+
+    /// The main interpreter: the oldest one (new interpreters are pushed at the list head).
+    pub fn main_interpreter(&self) -> Result<u64, ReadError> {
+        self.interpreters()?
+            .last()
+            .copied()
+            .ok_or(ReadError::Unreadable {
+                addr: self.binary.runtime_addr,
+                len: 8,
+                reason: "no interpreter (finalizing?)".into(),
+            })
+    }
+
+    /// Every thread state with its host thread id, where it can be matched to a task.
+    pub fn threads_with_tids(&self, tasks: &[TaskInfo]) -> Result<Vec<(u64, Option<i32>)>, ReadError> {
+        let by_ns = procinfo::by_ns_tid(tasks);
+        let mut out = Vec::new();
+        for interp in self.interpreters()? {
+            for t in self.thread_states(interp)? {
+                let host = self.ns_tid(t, tasks).and_then(|n| by_ns.get(&n).map(|t| t.host_tid));
+                out.push((t, host));
+            }
+        }
+        Ok(out)
+    }
+
     pub fn gc_collecting(&self, interp: u64) -> Result<bool, ReadError> {
-        let o = &self.offsets;
-        Ok(self.mem.read_i32(interp + o.interp_gc + o.gc_collecting)? != 0)
+        Ok(self.mem.read_i32(self.gc_collecting_addr(interp))? != 0)
     }
 
     /// The thread's id inside its PID namespace.

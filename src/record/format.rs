@@ -126,6 +126,9 @@ impl RecordingWriter {
         w.json(tag::META, meta)?;
         // Stack 0 is the empty stack.
         w.intern_stack(&[])?;
+        // The header is on disk before anything else happens: a recorder killed at once still
+        // leaves a readable (empty) recording.
+        w.out.flush()?;
         Ok(w)
     }
 

@@ -1,0 +1,279 @@
+// SPDX-License-Identifier: GPL-2.0 OR MIT
+/* enginescope's kernel side: cpu-clock samples and sched_switch intervals of target threads,
+ * each with the thread's Python stack read in place (code object address + instruction offset
+ * per frame). Everything here records raw facts; names and lines are resolved in user space.
+ * Events go to a ring buffer without wakeups (BPF_RB_NO_WAKEUP); user space polls on a timer. */
+#include <linux/types.h>
+#include <linux/bpf.h>
+#include <linux/bpf_perf_event.h>
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include <bpf/bpf_core_read.h>
+
+#include "sampler.h"
+
+char LICENSE[] SEC("license") = "Dual MIT/GPL";
+
+/* Only the fields we read; CO-RE relocates them against the running kernel's BTF. */
+struct task_struct {
+    int pid;
+    int tgid;
+} __attribute__((preserve_access_index));
+
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, ES_MAX_TARGETS);
+    __type(key, __u32);
+    __type(value, struct es_target);
+} targets SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, ES_MAX_THREADS);
+    __type(key, __u32);
+    __type(value, struct es_thread);
+} threads SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_RINGBUF);
+    __uint(max_entries, 16 << 20);
+} events SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, ES_C_COUNT);
+    __type(key, __u32);
+    __type(value, __u64);
+} counters SEC(".maps");
+
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, __u32);
+    __type(value, struct es_event);
+} scratch SEC(".maps");
+
+static __always_inline void count(__u32 which)
+{
+    __u64 *c = bpf_map_lookup_elem(&counters, &which);
+    if (c)
+        *c += 1;
+}
+
+struct walk_ctx {
+    const struct es_target *t;
+    struct es_event *ev;
+    __u64 frame;
+    __u32 n;
+    __u8 flags;
+};
+
+static long walk_one(__u64 index, void *data)
+{
+    struct walk_ctx *w = data;
+    const struct es_target *t = w->t;
+    __u64 frame = w->frame, prev = 0, code = 0;
+    if (frame == 0)
+        return 1;
+    if (bpf_probe_read_user(&prev, sizeof(prev), (void *)(frame + t->frame_previous)) ||
+        bpf_probe_read_user(&code, sizeof(code), (void *)(frame + t->frame_code))) {
+        w->flags |= ES_EV_PARTIAL;
+        count(ES_C_READ_FRAME_ERR);
+        return 1;
+    }
+    w->frame = prev;
+    if (t->frame_owner >= 0) {
+        __u8 owner = 0;
+        if (bpf_probe_read_user(&owner, 1, (void *)(frame + t->frame_owner))) {
+            w->flags |= ES_EV_PARTIAL;
+            count(ES_C_READ_FRAME_ERR);
+            return 1;
+        }
+        /* FRAME_OWNED_BY_CSTACK (3.12/3.13) / _INTERPRETER (3.14+): shim frames. */
+        if (owner >= 3) {
+            count(ES_C_SKIPPED_SHIM);
+            return 0;
+        }
+    }
+    code &= ~t->code_tag_mask;
+    if (code == 0)
+        return 0;
+    if (t->code_type_addr) {
+        __u64 type = 0;
+        if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)) || type != t->code_type_addr) {
+            count(ES_C_SKIPPED_NONCODE);
+            return 0;
+        }
+    }
+    __s32 firstlineno = 0, offset = -1;
+    if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno))) {
+        w->flags |= ES_EV_PARTIAL;
+        count(ES_C_READ_FRAME_ERR);
+        return 1;
+    }
+    if (t->frame_kind == 0) {
+        __s32 lasti = -1;
+        if (bpf_probe_read_user(&lasti, sizeof(lasti), (void *)(frame + t->frame_instr)) == 0)
+            offset = lasti < 0 ? -1 : lasti * 2;
+    } else {
+        __u64 instr = 0;
+        if (bpf_probe_read_user(&instr, sizeof(instr), (void *)(frame + t->frame_instr)) == 0)
+            offset = (__s32)(instr - (code + t->code_adaptive));
+    }
+    __u32 n = w->n;
+    if (n >= ES_MAX_FRAMES) {
+        w->flags |= ES_EV_TRUNCATED;
+        count(ES_C_TRUNCATED);
+        return 1;
+    }
+    w->ev->frames[n].code = code;
+    w->ev->frames[n].instr_offset = offset;
+    w->ev->frames[n].firstlineno = firstlineno;
+    w->n = n + 1;
+    return 0;
+}
+
+/* Fill ev->frames with the current thread's Python stack; returns the flags. */
+static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, struct es_event *ev)
+{
+    struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0 };
+    __u64 f = 0;
+    if (bpf_probe_read_user(&f, sizeof(f), (void *)(tstate + t->tstate_frame))) {
+        count(ES_C_READ_TSTATE_ERR);
+        ev->h.nframes = 0;
+        return ES_EV_PARTIAL;
+    }
+    if (t->cframe_current_frame >= 0 && f) {
+        __u64 cf = f;
+        f = 0;
+        if (bpf_probe_read_user(&f, sizeof(f), (void *)(cf + t->cframe_current_frame))) {
+            count(ES_C_READ_TSTATE_ERR);
+            ev->h.nframes = 0;
+            return ES_EV_PARTIAL;
+        }
+    }
+    w.frame = f;
+    /* Shim frames are skipped without using an output slot, so allow some extra steps. */
+    bpf_loop(ES_MAX_FRAMES + 32, walk_one, &w, 0);
+    if (w.frame != 0 && !(w.flags & (ES_EV_PARTIAL | ES_EV_TRUNCATED))) {
+        w.flags |= ES_EV_TRUNCATED;
+        count(ES_C_TRUNCATED);
+    }
+    ev->h.nframes = w.n;
+    return w.flags;
+}
+
+static __always_inline __u8 gil_gc_flags(const struct es_target *t, __u64 tstate)
+{
+    __u8 flags = 0;
+    if (t->gil_locked_addr) {
+        int locked = 0;
+        __u64 holder = 0;
+        if (bpf_probe_read_user(&locked, sizeof(locked), (void *)t->gil_locked_addr) ||
+            bpf_probe_read_user(&holder, sizeof(holder), (void *)t->gil_holder_addr))
+            count(ES_C_GIL_READ_ERR);
+        else if (locked && holder == tstate)
+            flags |= ES_EV_GIL;
+    }
+    if (t->gc_collecting_addr) {
+        int collecting = 0;
+        if (bpf_probe_read_user(&collecting, sizeof(collecting), (void *)t->gc_collecting_addr))
+            count(ES_C_GC_READ_ERR);
+        else if (collecting)
+            flags |= ES_EV_GC;
+    }
+    return flags;
+}
+
+static __always_inline void submit(struct es_event *ev)
+{
+    __u32 n = ev->h.nframes;
+    if (n > ES_MAX_FRAMES)
+        n = ES_MAX_FRAMES;
+    __u64 size = sizeof(struct es_event_header) + (__u64)n * sizeof(struct es_frame);
+    if (size > sizeof(struct es_event))
+        size = sizeof(struct es_event);
+    if (bpf_ringbuf_output(&events, ev, size, BPF_RB_NO_WAKEUP))
+        count(ES_C_RINGBUF_FULL);
+}
+
+/* Record the current (target) thread with its stack. */
+static __always_inline void record_current(__u8 kind, const struct es_target *t, __u32 tgid, __u32 tid,
+                                           __u64 ip, __u8 extra_flags)
+{
+    __u32 zero = 0;
+    struct es_event *ev = bpf_map_lookup_elem(&scratch, &zero);
+    if (!ev)
+        return;
+    ev->h.kind = kind;
+    ev->h.tgid = tgid;
+    ev->h.tid = tid;
+    ev->h.cpu = bpf_get_smp_processor_id();
+    ev->h.time_ns = bpf_ktime_get_ns();
+    ev->h.ip = ip;
+    ev->h.nframes = 0;
+    __u8 flags = extra_flags;
+    struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    if (!th || th->tgid != tgid) {
+        count(ES_C_NO_TSTATE);
+        flags |= ES_EV_NO_TSTATE;
+    } else {
+        flags |= walk_stack(t, th->tstate, ev);
+        flags |= gil_gc_flags(t, th->tstate);
+    }
+    ev->h.flags = flags;
+    submit(ev);
+}
+
+SEC("perf_event")
+int on_sample(struct bpf_perf_event_data *ctx)
+{
+    __u64 id = bpf_get_current_pid_tgid();
+    __u32 tgid = id >> 32, tid = (__u32)id;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
+    if (!t)
+        return 0;
+    count(ES_C_SAMPLES);
+    /* uapi pt_regs: 8-byte cs (narrower context loads are rejected by the verifier). */
+    __u64 cs = ctx->regs.cs;
+    __u64 ip = ctx->regs.rip;
+    __u8 flags = 0;
+    if ((cs & 3) == 0) {
+        flags |= ES_EV_KERNEL | ES_EV_NATIVE;
+    } else if (ip < t->text_lo || ip >= t->text_hi) {
+        flags |= ES_EV_NATIVE;
+    }
+    record_current(ES_EV_SAMPLE, t, tgid, tid, ip, flags);
+    return 0;
+}
+
+SEC("tp_btf/sched_switch")
+int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
+{
+    __u32 prev_tgid = BPF_CORE_READ(prev, tgid);
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &prev_tgid);
+    if (t && (t->flags & ES_TARGET_OFFCPU)) {
+        /* Runs in prev's context: its memory is the current address space. */
+        count(ES_C_SWITCH_OUT);
+        __u8 flags = (preempt || prev_state == 0) ? ES_EV_PREEMPTED : 0;
+        record_current(ES_EV_SWITCH_OUT, t, prev_tgid, BPF_CORE_READ(prev, pid), 0, flags);
+    }
+    __u32 next_tgid = BPF_CORE_READ(next, tgid);
+    t = bpf_map_lookup_elem(&targets, &next_tgid);
+    if (t && (t->flags & ES_TARGET_OFFCPU)) {
+        count(ES_C_SWITCH_IN);
+        struct es_event_header h = {
+            .kind = ES_EV_SWITCH_IN,
+            .flags = 0,
+            .nframes = 0,
+            .tgid = next_tgid,
+            .tid = BPF_CORE_READ(next, pid),
+            .cpu = bpf_get_smp_processor_id(),
+            .time_ns = bpf_ktime_get_ns(),
+            .ip = 0,
+        };
+        if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
+            count(ES_C_RINGBUF_FULL);
+    }
+    return 0;
+}

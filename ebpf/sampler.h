@@ -1,0 +1,97 @@
+/* Structures shared by the BPF programs (sampler.bpf.c) and user space (src/bpf/abi.rs, which
+ * mirrors each one with #[repr(C)] and compile-time size/offset asserts). Change both together
+ * and bump ES_ABI_VERSION. */
+#ifndef ENGINESCOPE_SAMPLER_H
+#define ENGINESCOPE_SAMPLER_H
+
+#define ES_ABI_VERSION 1
+#define ES_MAX_FRAMES 128
+#define ES_MAX_TARGETS 256
+#define ES_MAX_THREADS 16384
+
+/* Per-process facts pushed by user space: where to find things in this interpreter. All
+ * offsets in bytes; absolute addresses are in the target's address space. */
+struct es_target {
+    __u64 gil_locked_addr;      /* &_gil_runtime_state.locked (int); 0 = unknown */
+    __u64 gil_holder_addr;      /* &_gil_runtime_state.last_holder (PyThreadState *) */
+    __u64 gc_collecting_addr;   /* &gcstate->collecting (int) of the main interpreter */
+    __u64 code_type_addr;       /* &PyCode_Type, to reject non-code executables; 0 = no check */
+    __u64 code_tag_mask;        /* low bits to clear from f_executable (3.14 _PyStackRef) */
+    __u64 text_lo, text_hi;     /* interpreter core's executable mapping: IP inside = Python */
+    __u32 frame_kind;           /* 0: PyFrameObject chain (3.10); 1: _PyInterpreterFrame */
+    __u32 tstate_frame;         /* PyThreadState -> frame / cframe / current_frame */
+    __s32 cframe_current_frame; /* _PyCFrame.current_frame, -1 when there is no cframe */
+    __u32 frame_previous;
+    __u32 frame_code;
+    __u32 frame_instr;          /* f_lasti (int, 3.10) / prev_instr / instr_ptr (pointer) */
+    __s32 frame_owner;          /* -1: no owner field; frames with owner >= 3 are shims */
+    __u32 code_firstlineno;
+    __u32 code_adaptive;        /* offsetof(PyCodeObject, co_code_adaptive), 3.11+ */
+    __u32 flags;                /* ES_TARGET_* */
+};
+
+#define ES_TARGET_OFFCPU 1      /* trace sched_switch for this process */
+
+/* One thread: its PyThreadState, found by user space walking interp->threads. */
+struct es_thread {
+    __u64 tstate;
+    __u32 tgid;
+    __u32 pad;
+};
+
+/* One Python frame as the kernel saw it: raw facts, resolved by user space. */
+struct es_frame {
+    __u64 code;          /* code object address */
+    __s32 instr_offset;  /* byte offset into the bytecode of the current instruction */
+    __s32 firstlineno;   /* co_firstlineno, to check a cached code object is still the same */
+};
+
+enum es_event_kind {
+    ES_EV_SAMPLE = 1,     /* cpu-clock sample of a target thread */
+    ES_EV_SWITCH_OUT = 2, /* target thread switched out: time, state, Python stack */
+    ES_EV_SWITCH_IN = 3,  /* target thread switched back in */
+};
+
+#define ES_EV_GIL 1        /* thread held the GIL */
+#define ES_EV_GC 2         /* collection running */
+#define ES_EV_NATIVE 4     /* IP outside the interpreter core */
+#define ES_EV_KERNEL 8     /* CPU in kernel mode */
+#define ES_EV_PARTIAL 16   /* stack walk stopped on an error */
+#define ES_EV_NO_TSTATE 32 /* thread not (yet) known to user space */
+#define ES_EV_TRUNCATED 64 /* more than ES_MAX_FRAMES frames */
+#define ES_EV_PREEMPTED 128 /* switch-out while still runnable */
+
+struct es_event_header {
+    __u8 kind;
+    __u8 flags;
+    __u16 nframes;
+    __u32 tgid;
+    __u32 tid;
+    __u32 cpu;
+    __u64 time_ns; /* bpf_ktime_get_ns (CLOCK_MONOTONIC) */
+    __u64 ip;
+};
+
+struct es_event {
+    struct es_event_header h;
+    struct es_frame frames[ES_MAX_FRAMES];
+};
+
+/* Counters (per-CPU array, summed by user space). Every failure path has one. */
+enum es_counter {
+    ES_C_SAMPLES = 0,        /* perf_event program runs in a target */
+    ES_C_SWITCH_OUT,
+    ES_C_SWITCH_IN,
+    ES_C_NO_TSTATE,
+    ES_C_READ_FRAME_ERR,     /* a frame read failed (stack partial) */
+    ES_C_READ_TSTATE_ERR,
+    ES_C_TRUNCATED,
+    ES_C_RINGBUF_FULL,       /* event dropped: ring buffer full (lost samples) */
+    ES_C_SKIPPED_SHIM,
+    ES_C_SKIPPED_NONCODE,
+    ES_C_GIL_READ_ERR,
+    ES_C_GC_READ_ERR,
+    ES_C_COUNT,
+};
+
+#endif

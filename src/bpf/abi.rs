@@ -1,0 +1,175 @@
+//! Rust mirrors of `ebpf/sampler.h`. Each struct is `#[repr(C)]` with its size and key field
+//! offsets asserted at compile time; `tests/bpf_abi.rs` compiles the C header and checks the
+//! same numbers from the C side, so the two cannot drift apart silently.
+
+#![allow(dead_code)]
+
+pub const ABI_VERSION: u32 = 1;
+pub const MAX_FRAMES: usize = 128;
+
+/// `struct es_target`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EsTarget {
+    pub gil_locked_addr: u64,
+    pub gil_holder_addr: u64,
+    pub gc_collecting_addr: u64,
+    pub code_type_addr: u64,
+    pub code_tag_mask: u64,
+    pub text_lo: u64,
+    pub text_hi: u64,
+    pub frame_kind: u32,
+    pub tstate_frame: u32,
+    pub cframe_current_frame: i32,
+    pub frame_previous: u32,
+    pub frame_code: u32,
+    pub frame_instr: u32,
+    pub frame_owner: i32,
+    pub code_firstlineno: u32,
+    pub code_adaptive: u32,
+    pub flags: u32,
+}
+
+pub const TARGET_OFFCPU: u32 = 1;
+
+/// `struct es_thread`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EsThread {
+    pub tstate: u64,
+    pub tgid: u32,
+    pub pad: u32,
+}
+
+/// `struct es_frame`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EsFrame {
+    pub code: u64,
+    pub instr_offset: i32,
+    pub firstlineno: i32,
+}
+
+/// `struct es_event_header`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EsEventHeader {
+    pub kind: u8,
+    pub flags: u8,
+    pub nframes: u16,
+    pub tgid: u32,
+    pub tid: u32,
+    pub cpu: u32,
+    pub time_ns: u64,
+    pub ip: u64,
+}
+
+pub mod kind {
+    pub const SAMPLE: u8 = 1;
+    pub const SWITCH_OUT: u8 = 2;
+    pub const SWITCH_IN: u8 = 3;
+}
+
+pub mod ev {
+    pub const GIL: u8 = 1;
+    pub const GC: u8 = 2;
+    pub const NATIVE: u8 = 4;
+    pub const KERNEL: u8 = 8;
+    pub const PARTIAL: u8 = 16;
+    pub const NO_TSTATE: u8 = 32;
+    pub const TRUNCATED: u8 = 64;
+    pub const PREEMPTED: u8 = 128;
+}
+
+/// `enum es_counter`, in order.
+pub const COUNTER_NAMES: &[&str] = &[
+    "bpf_samples",
+    "bpf_switch_out",
+    "bpf_switch_in",
+    "bpf_no_tstate",
+    "bpf_read_frame_errors",
+    "bpf_read_tstate_errors",
+    "bpf_truncated_stacks",
+    "bpf_ringbuf_full_lost",
+    "bpf_skipped_shim_frames",
+    "bpf_skipped_noncode_frames",
+    "bpf_gil_read_errors",
+    "bpf_gc_read_errors",
+];
+
+// SAFETY: plain-old-data #[repr(C)] structs without padding holes that matter to the kernel
+// (every field is written), valid for any bit pattern.
+unsafe impl aya::Pod for EsTarget {}
+// SAFETY: as above.
+unsafe impl aya::Pod for EsThread {}
+
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<EsTarget>() == 96);
+    assert!(offset_of!(EsTarget, frame_kind) == 56);
+    assert!(offset_of!(EsTarget, frame_owner) == 80);
+    assert!(offset_of!(EsTarget, flags) == 92);
+    assert!(size_of::<EsThread>() == 16);
+    assert!(size_of::<EsFrame>() == 16);
+    assert!(offset_of!(EsFrame, firstlineno) == 12);
+    assert!(size_of::<EsEventHeader>() == 32);
+    assert!(offset_of!(EsEventHeader, tid) == 8);
+    assert!(offset_of!(EsEventHeader, time_ns) == 16);
+    assert!(offset_of!(EsEventHeader, ip) == 24);
+};
+
+/// Parse one ring-buffer record: header and frames. `None` for a malformed record.
+pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
+    let hsize = std::mem::size_of::<EsEventHeader>();
+    if bytes.len() < hsize {
+        return None;
+    }
+    let u32_at = |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+    let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap_or([0; 8]));
+    let h = EsEventHeader {
+        kind: bytes[0],
+        flags: bytes[1],
+        nframes: u16::from_le_bytes([bytes[2], bytes[3]]),
+        tgid: u32_at(4),
+        tid: u32_at(8),
+        cpu: u32_at(12),
+        time_ns: u64_at(16),
+        ip: u64_at(24),
+    };
+    let n = (h.nframes as usize).min(MAX_FRAMES);
+    if bytes.len() < hsize + n * 16 {
+        return None;
+    }
+    let frames = (0..n)
+        .map(|i| {
+            let o = hsize + i * 16;
+            EsFrame {
+                code: u64_at(o),
+                instr_offset: u32_at(o + 8) as i32,
+                firstlineno: u32_at(o + 12) as i32,
+            }
+        })
+        .collect();
+    Some((h, frames))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_parse_bounds() {
+        assert!(parse_event(&[0; 31]).is_none());
+        let mut b = vec![0u8; 32 + 16];
+        b[0] = kind::SAMPLE;
+        b[2] = 1; // one frame
+        b[8] = 42;
+        b[32] = 0x10;
+        b[40] = 6;
+        let (h, f) = parse_event(&b).unwrap();
+        assert_eq!(h.tid, 42);
+        assert_eq!(f, vec![EsFrame { code: 0x10, instr_offset: 6, firstlineno: 0 }]);
+        b[2] = 2; // claims two frames, has one
+        assert!(parse_event(&b).is_none());
+    }
+}

@@ -1,0 +1,136 @@
+//! The kernel side's user-space half: load `ebpf/sampler.bpf.o` with aya, attach it, feed it
+//! targets and threads, drain its ring buffer, read its counters.
+//!
+//! Everything attached here is owned by file descriptors of this process: when enginescope
+//! exits, however it exits (SIGKILL included), the kernel detaches and frees all of it.
+
+pub mod abi;
+
+use anyhow::{anyhow, Context};
+use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
+use aya::programs::{BtfTracePoint, PerfEvent};
+use aya::{Btf, Ebpf, EbpfLoader};
+
+pub use abi::{EsEventHeader, EsFrame, EsTarget, EsThread};
+
+/// The BPF object: built by build.rs when clang is present, else the committed one.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/sampler.bpf.o"));
+
+/// Why BPF cannot be used here, in words a user can act on.
+pub fn unavailable_reason() -> Option<String> {
+    let facts = crate::doctor::machine_facts();
+    if facts.euid != 0 && !(facts.cap_bpf && facts.cap_perfmon) {
+        return Some("not root and no CAP_BPF+CAP_PERFMON (run with sudo, or `setcap cap_bpf,cap_perfmon,cap_sys_ptrace+ep enginescope`)".into());
+    }
+    if !facts.btf {
+        return Some("the kernel has no BTF (/sys/kernel/btf/vmlinux missing; needs CONFIG_DEBUG_INFO_BTF)".into());
+    }
+    None
+}
+
+/// A loaded and attached sampler.
+pub struct BpfSampler {
+    bpf: Ebpf,
+    ring: RingBuf<MapData>,
+    targets: BpfHashMap<MapData, u32, EsTarget>,
+    threads: BpfHashMap<MapData, u32, EsThread>,
+    counters: PerCpuArray<MapData, u64>,
+}
+
+impl BpfSampler {
+    /// Load the programs, start cpu-clock sampling on every online CPU at `rate_hz`, and (when
+    /// `offcpu`) trace sched_switch. Nothing is recorded until targets are added.
+    pub fn start(rate_hz: u32, offcpu: bool) -> anyhow::Result<Self> {
+        let mut bpf = EbpfLoader::new()
+            .load(OBJECT)
+            .map_err(|e| anyhow!("loading the BPF object failed: {e:#}"))?;
+        let period_ns = 1_000_000_000u64 / rate_hz.max(1) as u64;
+        {
+            let prog: &mut PerfEvent = bpf
+                .program_mut("on_sample")
+                .context("BPF object has no on_sample program")?
+                .try_into()?;
+            prog.load().map_err(|e| anyhow!("verifier rejected on_sample: {e:#}"))?;
+            let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
+            for cpu in cpus {
+                prog.attach(
+                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
+                    PerfEventScope::AllProcessesOneCpu { cpu },
+                    SamplePolicy::Period(period_ns),
+                    false,
+                )
+                .with_context(|| format!("opening a cpu-clock perf event on CPU {cpu}"))?;
+            }
+        }
+        if offcpu {
+            let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
+            let prog: &mut BtfTracePoint = bpf
+                .program_mut("on_switch")
+                .context("BPF object has no on_switch program")?
+                .try_into()?;
+            prog.load("sched_switch", &btf)
+                .map_err(|e| anyhow!("verifier rejected on_switch: {e:#}"))?;
+            prog.attach().context("attaching to sched_switch")?;
+        }
+        let ring = RingBuf::try_from(bpf.take_map("events").context("no events map")?)?;
+        let targets = BpfHashMap::try_from(bpf.take_map("targets").context("no targets map")?)?;
+        let threads = BpfHashMap::try_from(bpf.take_map("threads").context("no threads map")?)?;
+        let counters = PerCpuArray::try_from(bpf.take_map("counters").context("no counters map")?)?;
+        Ok(BpfSampler {
+            bpf,
+            ring,
+            targets,
+            threads,
+            counters,
+        })
+    }
+
+    pub fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {
+        self.targets.insert(tgid, *t, 0).context("updating the targets map")
+    }
+
+    pub fn remove_target(&mut self, tgid: u32) {
+        let _ = self.targets.remove(&tgid);
+    }
+
+    pub fn set_thread(&mut self, tid: u32, t: &EsThread) -> anyhow::Result<()> {
+        self.threads.insert(tid, *t, 0).context("updating the threads map")
+    }
+
+    pub fn remove_thread(&mut self, tid: u32) {
+        let _ = self.threads.remove(&tid);
+    }
+
+    /// Hand every pending ring-buffer record to `f`, at most `max` of them.
+    pub fn drain(&mut self, max: usize, mut f: impl FnMut(&[u8])) -> usize {
+        let mut n = 0;
+        while n < max {
+            let Some(item) = self.ring.next() else { break };
+            f(&item);
+            n += 1;
+        }
+        n
+    }
+
+    /// Counters summed over CPUs, by name.
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        abi::COUNTER_NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let v = self
+                    .counters
+                    .get(&(i as u32), 0)
+                    .map(|per_cpu| per_cpu.iter().sum())
+                    .unwrap_or(0);
+                (*name, v)
+            })
+            .collect()
+    }
+
+    /// Keep the object alive (programs and links are owned by it).
+    pub fn object(&self) -> &Ebpf {
+        &self.bpf
+    }
+}

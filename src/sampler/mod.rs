@@ -1,0 +1,453 @@
+//! `enginescope record`: sample target processes and write a recording.
+//!
+//! Two backends feed the same pipeline: `bpf` (cpu-clock perf events and sched_switch with the
+//! Python stack walked in the kernel) and `memory` (user-space polling through the same CPython
+//! reader; for machines without BPF). See ARCHITECTURE.md for one sample's path end to end.
+
+pub mod memory;
+pub mod target;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use crate::bpf::abi::{self, kind};
+use crate::bpf::{BpfSampler, EsThread};
+use crate::cpython::PythonProcess;
+use crate::record::{flags, EndInfo, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample, ThreadInfo};
+use target::Target;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    Auto,
+    Bpf,
+    Memory,
+}
+
+#[derive(Debug, Clone)]
+pub struct RecordOptions {
+    pub pids: Vec<i32>,
+    pub duration: Option<Duration>,
+    pub rate_hz: u32,
+    pub output: PathBuf,
+    pub backend: Backend,
+    pub offcpu: bool,
+    pub quiet: bool,
+}
+
+/// What a finished recording contains, for the closing line and tests.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RecordSummary {
+    pub backend: String,
+    pub samples: u64,
+    pub offcpu_intervals: u64,
+    pub bytes: u64,
+    pub duration_s: f64,
+    pub lost: u64,
+    pub counters: BTreeMap<String, u64>,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Stop cleanly (finish the file) on SIGINT and SIGTERM.
+fn install_stop_handlers() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+}
+
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Per-thread off-CPU bookkeeping: the pending switch-out, or the stack read at start.
+#[derive(Default)]
+struct ThreadTimeline {
+    /// (switch-out time, stack id, preempted)
+    pending_out: Option<(u64, u32, bool)>,
+    /// Stack at recording start, for a thread that had not run yet.
+    initial_stack: Option<u32>,
+    seen_event: bool,
+}
+
+/// Shared by both backends: turns resolved events into recording records.
+pub struct Pipeline {
+    pub writer: RecordingWriter,
+    pub start_ns: u64,
+    pub weight_ns: u32,
+    timelines: HashMap<(i32, i32), ThreadTimeline>,
+    pub samples: u64,
+    pub offcpu: u64,
+}
+
+impl Pipeline {
+    fn rel(&self, t: u64) -> u64 {
+        t.saturating_sub(self.start_ns)
+    }
+
+    pub fn sample(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, fl: u8) -> anyhow::Result<()> {
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        tl.seen_event = true;
+        tl.initial_stack = None;
+        let t = self.rel(t_ns);
+        self.samples += 1;
+        self.writer.sample(&Sample {
+            t_ns: t,
+            pid,
+            tid,
+            stack,
+            flags: fl,
+            weight_ns: self.weight_ns,
+        })
+    }
+
+    pub fn switch_out(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, preempted: bool) {
+        let t = self.rel(t_ns);
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        tl.seen_event = true;
+        tl.initial_stack = None;
+        tl.pending_out = Some((t, stack, preempted));
+    }
+
+    pub fn switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
+        let t = self.rel(t_ns);
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        let first = !tl.seen_event;
+        tl.seen_event = true;
+        let iv = match (tl.pending_out.take(), tl.initial_stack.take()) {
+            (Some((start, stack, preempted)), _) => Some((start, stack, preempted)),
+            // Blocked since before the recording started: off CPU from the start.
+            (None, Some(stack)) if first => Some((0, stack, false)),
+            _ => None,
+        };
+        if let Some((start, stack, preempted)) = iv {
+            self.offcpu += 1;
+            self.writer.offcpu(&OffCpu {
+                pid,
+                tid,
+                start_ns: start,
+                dur_ns: t.saturating_sub(start),
+                stack,
+                preempted,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Remember a thread's stack at start: if its first event is a switch-in, it was off CPU
+    /// (there) from the start; if it never has an event, for the whole recording.
+    pub fn initial_stack(&mut self, pid: i32, tid: i32, stack: u32) {
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        if !tl.seen_event {
+            tl.initial_stack = Some(stack);
+        }
+    }
+
+    /// Close intervals still open at the end.
+    pub fn close(&mut self, end_ns: u64) -> anyhow::Result<()> {
+        let end = self.rel(end_ns);
+        let mut open = Vec::new();
+        for (&(pid, tid), tl) in self.timelines.iter_mut() {
+            if let Some((start, stack, preempted)) = tl.pending_out.take() {
+                open.push((pid, tid, start, stack, preempted));
+            } else if let (Some(stack), false) = (tl.initial_stack.take(), tl.seen_event) {
+                open.push((pid, tid, 0, stack, false));
+            }
+        }
+        open.sort_by_key(|x| (x.0, x.1));
+        for (pid, tid, start, stack, preempted) in open {
+            self.offcpu += 1;
+            self.writer.offcpu(&OffCpu {
+                pid,
+                tid,
+                start_ns: start,
+                dur_ns: end.saturating_sub(start),
+                stack,
+                preempted,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn sample_flags(ev_flags: u8) -> u8 {
+    let mut f = 0;
+    if ev_flags & abi::ev::GIL != 0 {
+        f |= flags::GIL;
+    }
+    if ev_flags & abi::ev::GC != 0 {
+        f |= flags::GC;
+    }
+    if ev_flags & abi::ev::NATIVE != 0 {
+        f |= flags::NATIVE;
+    }
+    if ev_flags & abi::ev::KERNEL != 0 {
+        f |= flags::KERNEL;
+    }
+    if ev_flags & (abi::ev::PARTIAL | abi::ev::TRUNCATED | abi::ev::NO_TSTATE) != 0 {
+        f |= flags::PARTIAL;
+    }
+    f
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Attach to every pid, choose a backend, record until the duration ends or SIGINT/SIGTERM.
+pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
+    anyhow::ensure!(!opts.pids.is_empty(), "no target: pass --pid PID[,PID…]");
+    anyhow::ensure!((1..=20_000).contains(&opts.rate_hz), "--rate must be 1..=20000 Hz");
+    let mut targets = Vec::new();
+    for &pid in &opts.pids {
+        targets.push(Target::new(PythonProcess::attach(pid)?));
+    }
+    install_stop_handlers();
+
+    let (backend, reason, mut bpf) = match opts.backend {
+        Backend::Memory => ("memory", "asked for with --backend memory".to_string(), None),
+        Backend::Bpf => (
+            "bpf",
+            "asked for with --backend bpf".to_string(),
+            Some(BpfSampler::start(opts.rate_hz, opts.offcpu).context("starting the BPF sampler (try --backend memory)")?),
+        ),
+        Backend::Auto => match crate::bpf::unavailable_reason() {
+            Some(why) => ("memory", format!("BPF unavailable: {why}"), None),
+            None => match BpfSampler::start(opts.rate_hz, opts.offcpu) {
+                Ok(b) => ("bpf", "BPF available".to_string(), Some(b)),
+                Err(e) => ("memory", format!("BPF failed to start: {e:#}"), None),
+            },
+        },
+    };
+    let rate = if backend == "memory" { opts.rate_hz.min(memory::MAX_RATE_HZ) } else { opts.rate_hz };
+    if !opts.quiet {
+        eprintln!(
+            "enginescope: recording {} process(es) with the {backend} backend ({reason}) at {rate} Hz{} -> {}",
+            targets.len(),
+            opts.duration.map(|d| format!(" for {:.1} s", d.as_secs_f64())).unwrap_or_default(),
+            opts.output.display()
+        );
+        if rate != opts.rate_hz {
+            eprintln!("enginescope: the memory backend samples at most {} Hz", memory::MAX_RATE_HZ);
+        }
+    }
+
+    let start_ns = monotonic_ns();
+    let meta = Meta {
+        tool_version: env!("CARGO_PKG_VERSION").into(),
+        start_unix_s: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0),
+        start_mono_ns: start_ns,
+        rate_hz: rate,
+        backend: backend.into(),
+        backend_reason: reason,
+        hostname: hostname(),
+        kernel: crate::doctor::machine_facts().kernel,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        cpus: aya::util::online_cpus().map(|c| c.len() as u32).unwrap_or(0),
+    };
+    let writer = RecordingWriter::create(&opts.output, &meta)?;
+    let mut pipe = Pipeline {
+        writer,
+        start_ns,
+        weight_ns: (1_000_000_000u64 / rate as u64) as u32,
+        timelines: HashMap::new(),
+        samples: 0,
+        offcpu: 0,
+    };
+    for t in &targets {
+        pipe.writer.process(&ProcessInfo {
+            pid: t.pid,
+            cmdline: t.cmdline.clone(),
+            python_version: t.proc.version.to_string(),
+            role: String::new(),
+        })?;
+    }
+
+    let deadline = opts.duration.map(|d| Instant::now() + d);
+    let result = match bpf.as_mut() {
+        Some(b) => run_bpf(b, &mut targets, &mut pipe, opts, deadline),
+        None => memory::run(&mut targets, &mut pipe, rate, deadline, &STOP),
+    };
+    let end_ns = monotonic_ns();
+    pipe.close(end_ns)?;
+    let mut counters = BTreeMap::new();
+    if let Some(b) = &bpf {
+        for (k, v) in b.counters() {
+            counters.insert(k.to_string(), v);
+        }
+    }
+    counters.insert("unresolved_frames".into(), targets.iter().map(|t| t.unresolved_frames).sum());
+    counters.insert("code_object_rereads".into(), targets.iter().map(|t| t.code_rereads).sum());
+    pipe.writer.counters(&counters)?;
+    let reason = match &result {
+        Ok(r) => r.clone(),
+        Err(e) => format!("error: {e:#}"),
+    };
+    let samples = pipe.samples;
+    let offcpu = pipe.offcpu;
+    let bytes = pipe.writer.finish(&EndInfo {
+        duration_ns: end_ns - start_ns,
+        reason,
+    })?;
+    drop(bpf);
+    result?;
+    Ok(RecordSummary {
+        backend: backend.into(),
+        samples,
+        offcpu_intervals: offcpu,
+        bytes,
+        duration_s: (end_ns - start_ns) as f64 / 1e9,
+        lost: counters.get("bpf_ringbuf_full_lost").copied().unwrap_or(0),
+        counters,
+    })
+}
+
+/// Push thread changes of every target to the BPF threads map and the recording.
+fn sync_threads(b: &mut BpfSampler, targets: &mut [Target], pipe: &mut Pipeline) -> anyhow::Result<()> {
+    let now = monotonic_ns();
+    for t in targets.iter_mut() {
+        let (changed, gone) = t.refresh_threads();
+        for (tid, tstate, name) in changed {
+            b.set_thread(
+                tid as u32,
+                &EsThread {
+                    tstate,
+                    tgid: t.pid as u32,
+                    pad: 0,
+                },
+            )?;
+            pipe.writer.thread(&ThreadInfo {
+                pid: t.pid,
+                tid,
+                name,
+                t_ns: now.saturating_sub(pipe.start_ns),
+            })?;
+        }
+        for tid in gone {
+            b.remove_thread(tid as u32);
+        }
+    }
+    Ok(())
+}
+
+fn run_bpf(
+    b: &mut BpfSampler,
+    targets: &mut [Target],
+    pipe: &mut Pipeline,
+    opts: &RecordOptions,
+    deadline: Option<Instant>,
+) -> anyhow::Result<String> {
+    // Threads first, then targets: once a target is in the map its threads' samples count.
+    sync_threads(b, targets, pipe)?;
+    // Stacks at start, for threads that are blocked when we begin.
+    for t in targets.iter_mut() {
+        if let Ok(snap) = t.proc.snapshot() {
+            for th in snap.threads {
+                if let Some(tid) = th.tid {
+                    let stack = pipe.writer.intern_stack(&th.frames)?;
+                    pipe.initial_stack(t.pid, tid, stack);
+                }
+            }
+        }
+    }
+    for t in targets.iter() {
+        b.set_target(t.pid as u32, &t.bpf_config(opts.offcpu)?)?;
+    }
+    let index: HashMap<i32, usize> = targets.iter().enumerate().map(|(i, t)| (t.pid, i)).collect();
+    let poll = Duration::from_millis(20);
+    let mut last_threads = Instant::now();
+    let mut last_flush = Instant::now();
+    let mut alive: Vec<bool> = vec![true; targets.len()];
+    let reason = loop {
+        if STOP.load(Ordering::SeqCst) {
+            break "stopped by signal".to_string();
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            break "duration reached".to_string();
+        }
+        std::thread::sleep(poll);
+        drain_events(b, targets, &index, pipe)?;
+        if last_threads.elapsed() >= Duration::from_millis(100) {
+            last_threads = Instant::now();
+            sync_threads(b, targets, pipe)?;
+            for (i, t) in targets.iter().enumerate() {
+                if alive[i] && !std::path::Path::new(&format!("/proc/{}", t.pid)).exists() {
+                    alive[i] = false;
+                    b.remove_target(t.pid as u32);
+                    if !opts.quiet {
+                        eprintln!("enginescope: process {} exited", t.pid);
+                    }
+                }
+            }
+            if !alive.iter().any(|a| *a) {
+                break "all targets exited".to_string();
+            }
+        }
+        if last_flush.elapsed() >= Duration::from_millis(200) {
+            last_flush = Instant::now();
+            pipe.writer.flush()?;
+        }
+    };
+    // Stop new events, then drain what is left.
+    for t in targets.iter() {
+        b.remove_target(t.pid as u32);
+    }
+    drain_events(b, targets, &index, pipe)?;
+    Ok(reason)
+}
+
+/// Resolve and record every event waiting in the ring buffer.
+fn drain_events(
+    b: &mut BpfSampler,
+    targets: &mut [Target],
+    index: &HashMap<i32, usize>,
+    pipe: &mut Pipeline,
+) -> anyhow::Result<()> {
+    let mut err = None;
+    b.drain(usize::MAX, |bytes| {
+        if err.is_some() {
+            return;
+        }
+        let Some((h, frames)) = abi::parse_event(bytes) else { return };
+        let pid = h.tgid as i32;
+        let tid = h.tid as i32;
+        let Some(&ti) = index.get(&pid) else { return };
+        let r = match h.kind {
+            kind::SAMPLE => {
+                let resolved = targets[ti].resolve(&frames);
+                pipe.writer
+                    .intern_stack(&resolved)
+                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)))
+            }
+            kind::SWITCH_OUT => {
+                let resolved = targets[ti].resolve(&frames);
+                pipe.writer
+                    .intern_stack(&resolved)
+                    .map(|s| pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0))
+            }
+            kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
+            _ => Ok(()),
+        };
+        if let Err(e) = r {
+            err = Some(e);
+        }
+    });
+    err.map_or(Ok(()), Err)
+}

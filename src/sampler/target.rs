@@ -1,0 +1,169 @@
+//! One profiled process: its reader, its BPF configuration, its threads, and the cache that
+//! turns raw frames (code object address + instruction offset) into names and lines.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::bpf::abi::{self, EsFrame, EsTarget};
+use crate::cpython::binary;
+use crate::cpython::objects::{self, CodeInfo};
+use crate::cpython::offsets::FrameKind;
+use crate::cpython::{Frame, PythonProcess};
+use crate::procinfo;
+
+/// A code object as cached: valid while the address still holds a code object with the same
+/// `co_firstlineno` (the kernel reads that field with every frame, so a freed and reused
+/// address is noticed and re-read).
+struct CachedCode {
+    firstlineno: i32,
+    info: Arc<CodeInfo>,
+}
+
+pub struct Target {
+    pub proc: PythonProcess,
+    pub pid: i32,
+    pub cmdline: String,
+    /// host tid → (PyThreadState address, thread name)
+    pub threads: HashMap<i32, (u64, String)>,
+    code: HashMap<u64, CachedCode>,
+    lines: HashMap<(u64, i32), Frame>,
+    /// Frames that could not be resolved (code object gone or unreadable).
+    pub unresolved_frames: u64,
+    pub code_rereads: u64,
+}
+
+impl Target {
+    pub fn new(proc: PythonProcess) -> Self {
+        let pid = proc.pid;
+        Target {
+            cmdline: procinfo::cmdline(pid),
+            proc,
+            pid,
+            threads: HashMap::new(),
+            code: HashMap::new(),
+            lines: HashMap::new(),
+            unresolved_frames: 0,
+            code_rereads: 0,
+        }
+    }
+
+    /// The per-process configuration the BPF programs need.
+    pub fn bpf_config(&self, offcpu: bool) -> anyhow::Result<EsTarget> {
+        let p = &self.proc;
+        let o = &p.offsets;
+        let interp = p.main_interpreter()?;
+        let gil = p.gil_addr(interp)?;
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.pid))?;
+        let (text_lo, text_hi) = binary::parse_maps(&maps)
+            .iter()
+            .filter(|m| m.path == p.binary.path && m.perms.contains('x'))
+            .fold((u64::MAX, 0), |(lo, hi), m| (lo.min(m.start), hi.max(m.end)));
+        Ok(EsTarget {
+            gil_locked_addr: if gil != 0 { gil + o.gil_locked } else { 0 },
+            gil_holder_addr: if gil != 0 { gil + o.gil_last_holder } else { 0 },
+            gc_collecting_addr: p.gc_collecting_addr(interp),
+            code_type_addr: p.binary.symbols.get("PyCode_Type").copied().unwrap_or(0),
+            code_tag_mask: o.frame_code_tag_mask,
+            text_lo: if text_hi == 0 { 0 } else { text_lo },
+            text_hi,
+            frame_kind: match o.frame_kind {
+                FrameKind::FrameObject => 0,
+                FrameKind::Interpreter => 1,
+            },
+            tstate_frame: o.tstate_frame as u32,
+            cframe_current_frame: o.cframe_current_frame.map(|x| x as i32).unwrap_or(-1),
+            frame_previous: o.frame_previous as u32,
+            frame_code: o.frame_code as u32,
+            frame_instr: o.frame_instr as u32,
+            frame_owner: o.frame_owner.map(|x| x as i32).unwrap_or(-1),
+            code_firstlineno: o.code_firstlineno as u32,
+            code_adaptive: o.code_code_adaptive.unwrap_or(0) as u32,
+            flags: if offcpu { abi::TARGET_OFFCPU } else { 0 },
+        })
+    }
+
+    /// Re-read the thread list. Returns (new or renamed threads, threads gone).
+    pub fn refresh_threads(&mut self) -> (Vec<(i32, u64, String)>, Vec<i32>) {
+        let Ok(tasks) = procinfo::tasks(self.pid) else {
+            let gone: Vec<i32> = self.threads.keys().copied().collect();
+            self.threads.clear();
+            return (vec![], gone);
+        };
+        let comm: HashMap<i32, &str> = tasks.iter().map(|t| (t.host_tid, t.comm.as_str())).collect();
+        let mut seen = HashMap::new();
+        if let Ok(list) = self.proc.threads_with_tids(&tasks) {
+            for (tstate, host) in list {
+                if let Some(h) = host {
+                    seen.insert(h, tstate);
+                }
+            }
+        }
+        let mut changed = Vec::new();
+        for (&tid, &tstate) in &seen {
+            let name = comm.get(&tid).copied().unwrap_or("").to_string();
+            let entry = self.threads.get(&tid);
+            if entry.is_none_or(|(ts, n)| *ts != tstate || *n != name) {
+                changed.push((tid, tstate, name.clone()));
+                self.threads.insert(tid, (tstate, name));
+            }
+        }
+        let gone: Vec<i32> = self.threads.keys().filter(|t| !seen.contains_key(t)).copied().collect();
+        for t in &gone {
+            self.threads.remove(t);
+        }
+        (changed, gone)
+    }
+
+    /// Resolve raw frames (innermost first) to names and lines.
+    pub fn resolve(&mut self, frames: &[EsFrame]) -> Vec<Frame> {
+        let kind = self.proc.offsets.frame_kind;
+        let mut out = Vec::with_capacity(frames.len());
+        for f in frames {
+            let key = (f.code, f.instr_offset);
+            let fresh = self.code.get(&f.code).is_some_and(|c| c.firstlineno == f.firstlineno);
+            if fresh {
+                if let Some(fr) = self.lines.get(&key) {
+                    out.push(fr.clone());
+                    continue;
+                }
+            } else {
+                if self.code.remove(&f.code).is_some() {
+                    self.code_rereads += 1;
+                    self.lines.retain(|(c, _), _| *c != f.code);
+                }
+                match objects::read_code(self.proc.mem.as_ref(), &self.proc.offsets, f.code) {
+                    Ok(info) if info.firstlineno == f.firstlineno => {
+                        self.code.insert(
+                            f.code,
+                            CachedCode {
+                                firstlineno: info.firstlineno,
+                                info: Arc::new(info),
+                            },
+                        );
+                    }
+                    _ => {
+                        self.unresolved_frames += 1;
+                        out.push(Frame {
+                            function: "<unknown>".into(),
+                            file: String::new(),
+                            line: None,
+                        });
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = self.code.get(&f.code) else { continue };
+            let fr = Frame {
+                function: c.info.qualname.clone(),
+                file: c.info.filename.clone(),
+                line: c.info.line_at(kind, f.instr_offset as i64),
+            };
+            if self.lines.len() > 1_000_000 {
+                self.lines.clear();
+            }
+            self.lines.insert(key, fr.clone());
+            out.push(fr);
+        }
+        out
+    }
+}

@@ -1,0 +1,133 @@
+//! No BPF program, link or perf event outlives enginescope: after a normal exit, SIGINT and
+//! SIGKILL, every program the recorder held while running is gone from the kernel.
+
+mod common;
+
+use common::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+
+/// BPF program ids held by `pid`, from its fds' fdinfo (`prog_id:` lines).
+fn programs_held_by(pid: u32) -> Vec<u64> {
+    let mut ids = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap().flatten() {
+        let info = std::fs::read_to_string(e.path()).unwrap_or_default();
+        if let Some(id) = info.lines().find_map(|l| l.strip_prefix("prog_id:")) {
+            ids.push(id.trim().parse().unwrap());
+        }
+    }
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+/// Every BPF program id loaded in the kernel now.
+fn all_program_ids() -> Vec<u64> {
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "--json"])
+        .output()
+        .expect("bpftool (apt-get install bpftool)");
+    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array().unwrap().iter().filter_map(|p| p["id"].as_u64()).collect()
+}
+
+/// BPF link ids held by `pid` (aya attaches perf events and tracepoints through links).
+fn links_held_by(pid: u32) -> Vec<u64> {
+    let mut ids = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap().flatten() {
+        let info = std::fs::read_to_string(e.path()).unwrap_or_default();
+        if let Some(id) = info.lines().find_map(|l| l.strip_prefix("link_id:")) {
+            ids.push(id.trim().parse().unwrap());
+        }
+    }
+    ids
+}
+
+fn all_link_ids() -> Vec<u64> {
+    let out = Command::new("bpftool").args(["link", "show", "--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::json!([]));
+    v.as_array().map(|a| a.iter().filter_map(|l| l["id"].as_u64()).collect()).unwrap_or_default()
+}
+
+fn check(how: &str) {
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let w = start(&i, "stacks.py", &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"]);
+    let out = w.dir.join("x.esrec");
+    let duration = if how == "exit" { "1" } else { "60" };
+    let mut rec = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args(["record", "--backend", "bpf", "--rate", "499", "--duration", duration, "--pid", &w.pid.to_string(), "-o"])
+        .arg(&out)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The recorder says "recording ..." once its programs are loaded and attached.
+    let mut err = BufReader::new(rec.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    assert!(line.contains("recording") && line.contains("bpf"), "{line}");
+    let held = programs_held_by(rec.id());
+    assert!(held.len() >= 2, "the recorder should hold on_sample and on_switch, held {held:?}");
+    let links = links_held_by(rec.id());
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    assert!(links.len() > cpus, "one perf-event link per CPU plus sched_switch, got {links:?}");
+    assert!(links.iter().all(|id| all_link_ids().contains(id)));
+    assert!(held.iter().all(|id| all_program_ids().contains(id)));
+    match how {
+        "exit" => {}
+        "sigint" => unsafe {
+            libc::kill(rec.id() as i32, libc::SIGINT);
+        },
+        "sigkill" => unsafe {
+            libc::kill(rec.id() as i32, libc::SIGKILL);
+        },
+        _ => unreachable!(),
+    }
+    let st = rec.wait().unwrap();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut err, &mut rest);
+    match how {
+        "sigkill" => assert!(!st.success()),
+        _ => assert!(st.success(), "{how}: {st:?} {rest}"),
+    }
+    // The kernel frees a program and its id after an RCU grace period once the last fd is
+    // closed, so ids can stay listed for a moment after the process is gone. Ids are never
+    // reused, so a survivor after that bound is a real leak. Bounded, and the time is printed.
+    let t0 = std::time::Instant::now();
+    let (left_progs, left_links) = loop {
+        let progs = all_program_ids();
+        let lnks = all_link_ids();
+        let lp: Vec<u64> = held.iter().filter(|id| progs.contains(id)).copied().collect();
+        let ll: Vec<u64> = links.iter().filter(|id| lnks.contains(id)).copied().collect();
+        if (lp.is_empty() && ll.is_empty()) || t0.elapsed() > std::time::Duration::from_secs(5) {
+            break (lp, ll);
+        }
+        std::thread::yield_now();
+    };
+    eprintln!("{how}: programs and links released {:.0} ms after exit", t0.elapsed().as_secs_f64() * 1e3);
+    assert!(left_progs.is_empty(), "{how}: BPF programs left behind: {left_progs:?}");
+    assert!(left_links.is_empty(), "{how}: BPF links (perf events, tracepoints) left behind: {left_links:?}");
+    // After SIGINT the recording is finished cleanly; after SIGKILL it still reads.
+    let r = enginescope::record::read_recording(&out).unwrap();
+    if how != "sigkill" {
+        assert!(r.end.is_some(), "{how}: no end record");
+    }
+}
+
+#[test]
+fn no_probe_left_after_normal_exit() {
+    check("exit");
+}
+
+#[test]
+fn no_probe_left_after_sigint() {
+    check("sigint");
+}
+
+#[test]
+fn no_probe_left_after_sigkill() {
+    check("sigkill");
+}
