@@ -16,6 +16,20 @@ export ENGINESCOPE_SHARED=${ENGINESCOPE_SHARED:-$REPO/../shared}
 
 step() { printf '\n==> %s\n' "$*"; }
 
+step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks)"
+need=()
+for pkg in clang llvm libbpf-dev bpftool; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${need[@]}" >/dev/null
+fi
+echo "clang: $(clang --version | head -1)"
+
+step "BPF objects match their sources"
+bash scripts/check-bpf-objects.sh
+
 step "Python interpreters (pyenv + Debian sid chroot)"
 t0=$(date +%s)
 bash "$ENGINESCOPE_SHARED/harness/pyvers/setup.sh" 3.10 3.11 3.12 3.13 3.14 3.15

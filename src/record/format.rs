@@ -1,6 +1,6 @@
 //! The `.esrec` file format, version 1 (docs/recording-format.md).
 //!
-//! `ESREC\0` + u16 version, then records `[tag: u8][len: u32 LE][payload]`. Payloads are JSON
+//! `ESREC\0` + u16 version, then records `[tag: u8][len: varint][payload]`. Payloads are JSON
 //! for rare records (meta, processes, threads, counters, end) and LEB128 varints for the
 //! frequent ones (frames, stacks, samples, off-CPU intervals). Records are only ever appended
 //! and the writer flushes whole records, so a recorder killed at any moment leaves a file that
@@ -106,6 +106,7 @@ pub struct RecordingWriter {
     buf: Vec<u8>,
     bytes: u64,
     samples: u64,
+    last_sample_ns: u64,
 }
 
 impl RecordingWriter {
@@ -119,6 +120,7 @@ impl RecordingWriter {
             buf: Vec::with_capacity(256),
             bytes: 0,
             samples: 0,
+            last_sample_ns: 0,
         };
         w.out.write_all(MAGIC)?;
         w.out.write_all(&VERSION.to_le_bytes())?;
@@ -133,10 +135,22 @@ impl RecordingWriter {
     }
 
     fn record(&mut self, tag: u8) -> anyhow::Result<()> {
-        self.out.write_all(&[tag])?;
-        self.out.write_all(&(self.buf.len() as u32).to_le_bytes())?;
+        let mut head = [0u8; 11];
+        head[0] = tag;
+        let mut n = 1;
+        let mut len = self.buf.len() as u64;
+        loop {
+            let b = (len & 0x7f) as u8;
+            len >>= 7;
+            head[n] = if len == 0 { b } else { b | 0x80 };
+            n += 1;
+            if len == 0 {
+                break;
+            }
+        }
+        self.out.write_all(&head[..n])?;
         self.out.write_all(&self.buf)?;
-        self.bytes += 5 + self.buf.len() as u64;
+        self.bytes += (n + self.buf.len()) as u64;
         Ok(())
     }
 
@@ -199,7 +213,10 @@ impl RecordingWriter {
 
     pub fn sample(&mut self, s: &Sample) -> anyhow::Result<()> {
         self.buf.clear();
-        put_varint(&mut self.buf, s.t_ns);
+        // Time as a signed delta from the previous sample (samples from several CPUs can be
+        // slightly out of order): 2–3 bytes instead of 5–6.
+        put_varint(&mut self.buf, zigzag(s.t_ns as i64 - self.last_sample_ns as i64));
+        self.last_sample_ns = s.t_ns;
         put_varint(&mut self.buf, zigzag(s.pid as i64));
         put_varint(&mut self.buf, zigzag(s.tid as i64));
         put_varint(&mut self.buf, s.stack as u64);
@@ -262,18 +279,24 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
     let mut r = Recording::default();
     let mut i = 8;
     let mut saw_meta = false;
+    let mut last_sample_ns: u64 = 0;
     while i < data.len() {
-        if i + 5 > data.len() {
-            r.truncated = true;
-            break;
-        }
         let t = data[i];
-        let len = u32::from_le_bytes([data[i + 1], data[i + 2], data[i + 3], data[i + 4]]) as usize;
-        let Some(end) = (i + 5).checked_add(len).filter(|&e| e <= data.len()) else {
+        let mut head = Cur { b: data, i: i + 1 };
+        let Ok(len) = head.varint() else {
             r.truncated = true;
             break;
         };
-        let p = &data[i + 5..end];
+        let start = head.i;
+        let Some(end) = usize::try_from(len)
+            .ok()
+            .and_then(|l| start.checked_add(l))
+            .filter(|&e| e <= data.len())
+        else {
+            r.truncated = true;
+            break;
+        };
+        let p = &data[start..end];
         i = end;
         let mut c = Cur { b: p, i: 0 };
         match t {
@@ -323,8 +346,10 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
                 r.stacks.push(v);
             }
             tag::SAMPLE => {
+                let delta = unzigzag(c.varint()?);
+                last_sample_ns = last_sample_ns.checked_add_signed(delta).context("sample time out of range")?;
                 let s = Sample {
-                    t_ns: c.varint()?,
+                    t_ns: last_sample_ns,
                     pid: c.i32()?,
                     tid: c.i32()?,
                     stack: c.varint()? as u32,
@@ -441,7 +466,7 @@ mod tests {
             .unwrap();
             w.bytes_written() - before
         };
-        assert!(per_sample <= 20, "{per_sample} bytes per sample");
+        assert!(per_sample <= 16, "{per_sample} bytes per sample");
         w.finish(&EndInfo {
             duration_ns: 5,
             reason: "done".into(),
