@@ -74,6 +74,18 @@ pub fn cmdline(pid: i32) -> String {
         .unwrap_or_default()
 }
 
+/// Whether `pid` still runs: it exists and is not a zombie waiting for its parent to reap it.
+pub fn is_running(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .unwrap_or("");
+    !matches!(state, "Z" | "X" | "x")
+}
+
 /// Whether `pid` lives in a PID namespace other than ours.
 pub fn in_other_pid_namespace(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -95,6 +107,25 @@ mod tests {
         assert_eq!(parse_nspid("NSpid:\t42\n"), Some(vec![42]));
         assert_eq!(parse_nspid("Name:\tx\n"), None);
         assert_eq!(parse_nspid("NSpid:\tx\n"), None);
+    }
+
+    #[test]
+    fn zombies_are_not_running() {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id() as i32;
+        assert!(is_running(std::process::id() as i32));
+        // Wait for it to exit without reaping it: it stays a zombie until `wait`.
+        // SAFETY: waitid with WNOWAIT on our own child leaves it unreaped; `info` is a plain
+        // C struct the call fills in.
+        let rc = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            libc::waitid(libc::P_PID, pid as u32, &mut info, libc::WEXITED | libc::WNOWAIT)
+        };
+        assert_eq!(rc, 0);
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+        assert!(!is_running(pid));
+        c.wait().unwrap();
+        assert!(!is_running(pid));
     }
 
     #[test]

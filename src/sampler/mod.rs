@@ -388,7 +388,7 @@ fn run_bpf(
             last_threads = Instant::now();
             sync_threads(b, targets, pipe)?;
             for (i, t) in targets.iter().enumerate() {
-                if alive[i] && !std::path::Path::new(&format!("/proc/{}", t.pid)).exists() {
+                if alive[i] && !crate::procinfo::is_running(t.pid) {
                     alive[i] = false;
                     b.remove_target(t.pid as u32);
                     if !opts.quiet {
