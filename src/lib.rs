@@ -10,4 +10,5 @@ pub mod dump;
 pub mod bpf;
 pub mod procinfo;
 pub mod record;
+pub mod views;
 pub mod sampler;

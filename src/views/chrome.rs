@@ -1,0 +1,224 @@
+//! Chrome Trace Event export (Perfetto, chrome://tracing): each thread's timeline of on-CPU
+//! and off-CPU time.
+//!
+//! Per process a `pid`, per thread a `tid` with `process_name`/`thread_name` metadata. On-CPU
+//! time becomes complete ("X") events in category `on-cpu`: consecutive samples of a thread
+//! with the same stack and flags merge into one event named by the innermost Python frame,
+//! with the whole stack in `args`. A sample at `t` with weight `w` covers `[t, t + w)`; a run
+//! breaks at a gap longer than 1.5 sampling periods, at a stack change, or where the thread
+//! went off CPU, and never extends past the next event of its thread (events on one track
+//! must nest). Off-CPU intervals become "X" events in category `off-cpu`, named by the frame
+//! the thread blocked in. Timestamps and durations are microseconds since the recording's start.
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use serde_json::{json, Value};
+
+use super::{format_utc, process_name, FrameLabels, Selection, SHAPE_FLAGS};
+use crate::record::{flags, OffCpu, Recording, Sample};
+
+fn us(ns: u64) -> f64 {
+    ns as f64 / 1000.0
+}
+
+/// Event name: the innermost Python frame, else the innermost synthetic frame.
+fn leaf_name(stack: &[&str], fallback: &str) -> String {
+    stack
+        .iter()
+        .rev()
+        .find(|f| !f.starts_with('['))
+        .or_else(|| stack.last())
+        .map_or_else(|| fallback.to_string(), |s| s.to_string())
+}
+
+fn mode(bits: u8) -> &'static str {
+    if bits & flags::KERNEL != 0 {
+        "kernel"
+    } else if bits & flags::NATIVE != 0 {
+        "native"
+    } else {
+        "python"
+    }
+}
+
+/// One merged stretch of identical samples.
+struct Run<'a> {
+    first: &'a Sample,
+    last: &'a Sample,
+    samples: u64,
+    gil: u64,
+    weight_ns: u64,
+}
+
+/// Merge a thread's samples (time-sorted) into runs; `offs` are its off-CPU intervals sorted by
+/// start.
+fn runs<'a>(samples: &[&'a Sample], offs: &[&OffCpu]) -> Vec<Run<'a>> {
+    let off_between = |a: u64, b: u64| {
+        // Any off-CPU interval starting in (a, b]?
+        let i = offs.partition_point(|o| o.start_ns <= a);
+        offs.get(i).is_some_and(|o| o.start_ns <= b)
+    };
+    let mut out: Vec<Run<'a>> = Vec::new();
+    for &s in samples {
+        if let Some(r) = out.last_mut() {
+            let p = r.last;
+            let max_gap = u64::from(p.weight_ns) + u64::from(p.weight_ns) / 2;
+            if p.stack == s.stack
+                && (p.flags & SHAPE_FLAGS) == (s.flags & SHAPE_FLAGS)
+                && s.t_ns.saturating_sub(p.t_ns) <= max_gap
+                && !off_between(p.t_ns, s.t_ns)
+            {
+                r.last = s;
+                r.samples += 1;
+                r.gil += u64::from(s.flags & flags::GIL != 0);
+                r.weight_ns += u64::from(s.weight_ns);
+                continue;
+            }
+        }
+        out.push(Run {
+            first: s,
+            last: s,
+            samples: 1,
+            gil: u64::from(s.flags & flags::GIL != 0),
+            weight_ns: u64::from(s.weight_ns),
+        });
+    }
+    out
+}
+
+/// Build the trace document.
+pub fn build(rec: &Recording, sel: &Selection) -> Value {
+    let labels = FrameLabels::new(rec);
+    let mut samples: HashMap<(i32, i32), Vec<&Sample>> = HashMap::new();
+    for s in sel.samples(rec) {
+        samples.entry((s.pid, s.tid)).or_default().push(s);
+    }
+    let mut offcpu: HashMap<(i32, i32), Vec<&OffCpu>> = HashMap::new();
+    for o in sel.offcpu(rec) {
+        offcpu.entry((o.pid, o.tid)).or_default().push(o);
+    }
+    let mut events = Vec::new();
+    for pid in sel.pids() {
+        events.push(json!({
+            "ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+            "args": {"name": process_name(rec, pid)},
+        }));
+    }
+    for (pid, tid) in sel.threads() {
+        let name = rec.thread_name(pid, tid);
+        events.push(json!({
+            "ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+            "args": {"name": if name.is_empty() { "thread" } else { name }},
+        }));
+        let mut ss = samples.remove(&(pid, tid)).unwrap_or_default();
+        ss.sort_by_key(|s| s.t_ns);
+        let mut offs = offcpu.remove(&(pid, tid)).unwrap_or_default();
+        offs.sort_by_key(|o| o.start_ns);
+        let runs = runs(&ss, &offs);
+        for (i, r) in runs.iter().enumerate() {
+            let start = r.first.t_ns;
+            let mut end = r.last.t_ns + u64::from(r.last.weight_ns);
+            if let Some(next) = runs.get(i + 1) {
+                end = end.min(next.first.t_ns);
+            }
+            let j = offs.partition_point(|o| o.start_ns < start);
+            if let Some(o) = offs.get(j) {
+                end = end.min(o.start_ns.max(start));
+            }
+            let bits = r.first.flags & SHAPE_FLAGS;
+            let stack = labels.stack(rec, r.first.stack, bits);
+            events.push(json!({
+                "ph": "X", "cat": "on-cpu", "name": leaf_name(&stack, "[no Python frame]"),
+                "pid": pid, "tid": tid, "ts": us(start), "dur": us(end - start),
+                "args": {
+                    "stack": stack,
+                    "samples": r.samples,
+                    "cpu_ns": r.weight_ns,
+                    "gil_samples": r.gil,
+                    "mode": mode(bits),
+                    "gc": bits & flags::GC != 0,
+                },
+            }));
+        }
+        for o in offs {
+            let stack = labels.stack(rec, o.stack, 0);
+            events.push(json!({
+                "ph": "X", "cat": "off-cpu", "name": leaf_name(&stack, "[off CPU]"),
+                "pid": pid, "tid": tid, "ts": us(o.start_ns), "dur": us(o.dur_ns),
+                "args": {"stack": stack, "preempted": o.preempted},
+            }));
+        }
+    }
+    json!({
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "exporter": format!("enginescope {}", env!("CARGO_PKG_VERSION")),
+            "recorded_at": format_utc(rec.meta.start_unix_s),
+            "backend": rec.meta.backend,
+            "rate_hz": rec.meta.rate_hz.to_string(),
+            "command": rec.meta.command,
+            "hostname": rec.meta.hostname,
+            "selection": sel.description(),
+            "truncated": rec.truncated.to_string(),
+        },
+    })
+}
+
+pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
+    serde_json::to_vec(&build(rec, sel)).context("serializing the Chrome trace")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(t_ns: u64, stack: u32, flags: u8) -> Sample {
+        Sample {
+            t_ns,
+            pid: 1,
+            tid: 1,
+            stack,
+            flags,
+            weight_ns: 10,
+        }
+    }
+
+    #[test]
+    fn runs_merge_and_break() {
+        let v = [
+            s(0, 1, flags::GIL),
+            s(10, 1, 0),
+            s(20, 1, flags::GIL),    // merges: 3 samples
+            s(30, 2, 0),             // stack change
+            s(40, 2, flags::NATIVE), // flag change
+            s(50, 2, flags::NATIVE),
+            s(80, 2, flags::NATIVE), // gap of 30 > 15
+            s(90, 2, flags::NATIVE), // off-CPU at 85 in between
+        ];
+        let refs: Vec<&Sample> = v.iter().collect();
+        let off = OffCpu {
+            pid: 1,
+            tid: 1,
+            start_ns: 85,
+            dur_ns: 3,
+            stack: 0,
+            preempted: false,
+        };
+        let r = runs(&refs, &[&off]);
+        let shape: Vec<(u64, u64, u64)> =
+            r.iter().map(|r| (r.first.t_ns, r.samples, r.gil)).collect();
+        assert_eq!(
+            shape,
+            [(0, 3, 2), (30, 1, 0), (40, 2, 0), (80, 1, 0), (90, 1, 0)]
+        );
+    }
+
+    #[test]
+    fn leaf_names() {
+        assert_eq!(leaf_name(&["a", "b", "[native]"], "x"), "b");
+        assert_eq!(leaf_name(&["[native]"], "x"), "[native]");
+        assert_eq!(leaf_name(&[], "x"), "x");
+    }
+}

@@ -1,0 +1,353 @@
+//! pprof export: a gzipped `perftools.profiles.Profile` protobuf (go tool pprof, Pyroscope,
+//! Grafana, speedscope all read it).
+//!
+//! Two sample types, `samples/count` and `cpu/nanoseconds` (the default). One pprof sample
+//! per distinct (thread, stack, flags), labelled `pid`, `tid` (numbers) and `thread_name`.
+//! Locations are Python frames (function + file, with the line); the synthetic frames for
+//! sample flags (`[native]`, `[gc]`, ...) are locations too, so they show in pprof as in the
+//! flamegraph.
+
+use std::collections::HashMap;
+use std::io::Write;
+
+use anyhow::Context;
+use prost::Message;
+
+use super::{flag_leaves, Selection, PARTIAL_FRAME, SHAPE_FLAGS};
+use crate::record::{flags, Recording};
+
+/// The messages of `profile.proto` (github.com/google/pprof/proto/profile.proto) that this
+/// export writes, declared with prost's derive so no protoc or build script is needed. Field
+/// numbers follow the .proto file; fields we never write are left out (protobuf skips unknown
+/// fields, so readers are unaffected).
+pub mod proto {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Profile {
+        #[prost(message, repeated, tag = "1")]
+        pub sample_type: Vec<ValueType>,
+        #[prost(message, repeated, tag = "2")]
+        pub sample: Vec<Sample>,
+        #[prost(message, repeated, tag = "3")]
+        pub mapping: Vec<Mapping>,
+        #[prost(message, repeated, tag = "4")]
+        pub location: Vec<Location>,
+        #[prost(message, repeated, tag = "5")]
+        pub function: Vec<Function>,
+        #[prost(string, repeated, tag = "6")]
+        pub string_table: Vec<String>,
+        #[prost(int64, tag = "7")]
+        pub drop_frames: i64,
+        #[prost(int64, tag = "8")]
+        pub keep_frames: i64,
+        #[prost(int64, tag = "9")]
+        pub time_nanos: i64,
+        #[prost(int64, tag = "10")]
+        pub duration_nanos: i64,
+        #[prost(message, optional, tag = "11")]
+        pub period_type: Option<ValueType>,
+        #[prost(int64, tag = "12")]
+        pub period: i64,
+        #[prost(int64, repeated, tag = "13")]
+        pub comment: Vec<i64>,
+        #[prost(int64, tag = "14")]
+        pub default_sample_type: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ValueType {
+        #[prost(int64, tag = "1")]
+        pub r#type: i64,
+        #[prost(int64, tag = "2")]
+        pub unit: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Sample {
+        /// Leaf first.
+        #[prost(uint64, repeated, tag = "1")]
+        pub location_id: Vec<u64>,
+        #[prost(int64, repeated, tag = "2")]
+        pub value: Vec<i64>,
+        #[prost(message, repeated, tag = "3")]
+        pub label: Vec<Label>,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Label {
+        #[prost(int64, tag = "1")]
+        pub key: i64,
+        #[prost(int64, tag = "2")]
+        pub str: i64,
+        #[prost(int64, tag = "3")]
+        pub num: i64,
+        #[prost(int64, tag = "4")]
+        pub num_unit: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Mapping {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(uint64, tag = "2")]
+        pub memory_start: u64,
+        #[prost(uint64, tag = "3")]
+        pub memory_limit: u64,
+        #[prost(uint64, tag = "4")]
+        pub file_offset: u64,
+        #[prost(int64, tag = "5")]
+        pub filename: i64,
+        #[prost(int64, tag = "6")]
+        pub build_id: i64,
+        #[prost(bool, tag = "7")]
+        pub has_functions: bool,
+        #[prost(bool, tag = "8")]
+        pub has_filenames: bool,
+        #[prost(bool, tag = "9")]
+        pub has_line_numbers: bool,
+        #[prost(bool, tag = "10")]
+        pub has_inline_frames: bool,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Location {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(uint64, tag = "2")]
+        pub mapping_id: u64,
+        #[prost(uint64, tag = "3")]
+        pub address: u64,
+        #[prost(message, repeated, tag = "4")]
+        pub line: Vec<Line>,
+        #[prost(bool, tag = "5")]
+        pub is_folded: bool,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Line {
+        #[prost(uint64, tag = "1")]
+        pub function_id: u64,
+        #[prost(int64, tag = "2")]
+        pub line: i64,
+    }
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Function {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(int64, tag = "2")]
+        pub name: i64,
+        #[prost(int64, tag = "3")]
+        pub system_name: i64,
+        #[prost(int64, tag = "4")]
+        pub filename: i64,
+        #[prost(int64, tag = "5")]
+        pub start_line: i64,
+    }
+}
+
+/// Interned strings: index 0 is "" as the format requires.
+struct Strings {
+    table: Vec<String>,
+    index: HashMap<String, i64>,
+}
+
+impl Strings {
+    fn new() -> Self {
+        let mut s = Strings {
+            table: Vec::new(),
+            index: HashMap::new(),
+        };
+        s.get("");
+        s
+    }
+
+    fn get(&mut self, v: &str) -> i64 {
+        if let Some(&i) = self.index.get(v) {
+            return i;
+        }
+        let i = self.table.len() as i64;
+        self.table.push(v.to_string());
+        self.index.insert(v.to_string(), i);
+        i
+    }
+}
+
+/// Functions and locations, interned.
+struct Symbols {
+    functions: Vec<proto::Function>,
+    function_ids: HashMap<(i64, i64), u64>,
+    locations: Vec<proto::Location>,
+    location_ids: HashMap<(u64, i64), u64>,
+}
+
+impl Symbols {
+    fn location(&mut self, strings: &mut Strings, name: &str, file: &str, line: i64) -> u64 {
+        let key = (strings.get(name), strings.get(file));
+        let next = self.functions.len() as u64 + 1;
+        let fid = *self.function_ids.entry(key).or_insert(next);
+        if fid == next {
+            self.functions.push(proto::Function {
+                id: fid,
+                name: key.0,
+                system_name: key.0,
+                filename: key.1,
+                start_line: 0,
+            });
+        }
+        let next = self.locations.len() as u64 + 1;
+        let lid = *self.location_ids.entry((fid, line)).or_insert(next);
+        if lid == next {
+            self.locations.push(proto::Location {
+                id: lid,
+                line: vec![proto::Line {
+                    function_id: fid,
+                    line,
+                }],
+                ..Default::default()
+            });
+        }
+        lid
+    }
+}
+
+/// Build the profile (not yet encoded).
+pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
+    let mut by_key: HashMap<(i32, i32, u32, u8), (i64, i64)> = HashMap::new();
+    for s in sel.samples(rec) {
+        let e = by_key
+            .entry((s.pid, s.tid, s.stack, s.flags & SHAPE_FLAGS))
+            .or_default();
+        e.0 += 1;
+        e.1 += i64::from(s.weight_ns);
+    }
+    // Deterministic output: sort by (pid, tid, stack, flags).
+    let mut keys: Vec<_> = by_key.into_iter().collect();
+    keys.sort_unstable_by_key(|&(k, _)| k);
+
+    let mut st = Strings::new();
+    let mut sym = Symbols {
+        functions: Vec::new(),
+        function_ids: HashMap::new(),
+        locations: Vec::new(),
+        location_ids: HashMap::new(),
+    };
+    let sample_type = vec![
+        proto::ValueType {
+            r#type: st.get("samples"),
+            unit: st.get("count"),
+        },
+        proto::ValueType {
+            r#type: st.get("cpu"),
+            unit: st.get("nanoseconds"),
+        },
+    ];
+    let (k_pid, k_tid, k_name) = (st.get("pid"), st.get("tid"), st.get("thread_name"));
+    let mut frame_locs: HashMap<u32, u64> = HashMap::new();
+    let mut samples = Vec::with_capacity(keys.len());
+    for ((pid, tid, stack, bits), (count, ns)) in keys {
+        let mut locs = Vec::new();
+        for leaf in flag_leaves(bits).collect::<Vec<_>>().into_iter().rev() {
+            locs.push(sym.location(&mut st, leaf, "", 0));
+        }
+        for &fid in rec
+            .stacks
+            .get(stack as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            let Some(f) = rec.frames.get(fid as usize) else {
+                continue;
+            };
+            let loc = *frame_locs.entry(fid).or_insert_with(|| {
+                sym.location(
+                    &mut st,
+                    &f.function,
+                    &f.file,
+                    i64::from(f.line.unwrap_or(0)),
+                )
+            });
+            locs.push(loc);
+        }
+        if bits & flags::PARTIAL != 0 {
+            locs.push(sym.location(&mut st, PARTIAL_FRAME, "", 0));
+        }
+        let name = st.get(rec.thread_name(pid, tid));
+        samples.push(proto::Sample {
+            location_id: locs,
+            value: vec![count, ns],
+            label: vec![
+                proto::Label {
+                    key: k_pid,
+                    num: i64::from(pid),
+                    ..Default::default()
+                },
+                proto::Label {
+                    key: k_tid,
+                    num: i64::from(tid),
+                    ..Default::default()
+                },
+                proto::Label {
+                    key: k_name,
+                    str: name,
+                    ..Default::default()
+                },
+            ],
+        });
+    }
+    let period_type = proto::ValueType {
+        r#type: st.get("cpu"),
+        unit: st.get("nanoseconds"),
+    };
+    let m = &rec.meta;
+    let comment = [
+        ("recorded by enginescope", &m.tool_version),
+        ("backend", &m.backend),
+        ("host", &m.hostname),
+        ("command", &m.command),
+    ]
+    .into_iter()
+    .filter(|(_, v)| !v.is_empty())
+    .map(|(k, v)| st.get(&format!("{k} {v}")))
+    .collect();
+    let default_sample_type = st.get("cpu");
+    proto::Profile {
+        sample_type,
+        sample: samples,
+        location: sym.locations,
+        function: sym.functions,
+        time_nanos: (rec.meta.start_unix_s * 1e9) as i64,
+        duration_nanos: i64::try_from(rec.duration_ns()).unwrap_or(i64::MAX),
+        period_type: Some(period_type),
+        period: if rec.meta.rate_hz > 0 {
+            1_000_000_000 / i64::from(rec.meta.rate_hz)
+        } else {
+            0
+        },
+        comment,
+        default_sample_type,
+        string_table: st.table,
+        ..Default::default()
+    }
+}
+
+/// The export: the profile, protobuf-encoded and gzipped.
+pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
+    let raw = profile(rec, sel).encode_to_vec();
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    gz.write_all(&raw)
+        .context("compressing the pprof profile")?;
+    gz.finish().context("compressing the pprof profile")
+}
+
+/// Read back a gzipped (or plain) profile; for tests and tools.
+pub fn decode(bytes: &[u8]) -> anyhow::Result<proto::Profile> {
+    let raw = if bytes.starts_with(&[0x1f, 0x8b]) {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(bytes), &mut out)
+            .context("decompressing the pprof profile")?;
+        out
+    } else {
+        bytes.to_vec()
+    };
+    proto::Profile::decode(raw.as_slice()).context("decoding the pprof profile")
+}
