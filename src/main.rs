@@ -67,6 +67,43 @@ enum Cmd {
         #[arg(long, default_value = "python3")]
         python: String,
     },
+    /// Draw a recording as a flamegraph SVG (docs/views.md).
+    Flame {
+        /// Recording (.esrec).
+        file: std::path::PathBuf,
+        /// Output SVG (`-` for stdout).
+        #[arg(long, short)]
+        output: std::path::PathBuf,
+        #[command(flatten)]
+        filter: enginescope::views::FilterArgs,
+        /// Off-CPU time (where threads waited) instead of on-CPU time.
+        #[arg(long)]
+        offcpu: bool,
+    },
+    /// Convert a recording for other tools: folded, pprof, speedscope, chrome (docs/views.md).
+    Export {
+        /// Recording (.esrec).
+        file: std::path::PathBuf,
+        #[arg(long, short, value_enum)]
+        format: enginescope::views::ExportFormat,
+        /// Output file (`-` for stdout).
+        #[arg(long, short)]
+        output: std::path::PathBuf,
+        #[command(flatten)]
+        filter: enginescope::views::FilterArgs,
+    },
+    /// Summarize a recording: CPU per thread, top functions (docs/report-schema.md).
+    Report {
+        /// Recording (.esrec).
+        file: std::path::PathBuf,
+        #[arg(long, short, value_enum, default_value = "md")]
+        format: enginescope::views::ReportFormat,
+        /// Output file; stdout when absent.
+        #[arg(long, short)]
+        output: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        filter: enginescope::views::FilterArgs,
+    },
 }
 
 /// One place that turns failures into advice.
@@ -168,6 +205,37 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         Cmd::Demo { python } => enginescope::demo::run(&python)?,
+        Cmd::Flame {
+            file,
+            output,
+            filter,
+            offcpu,
+        } => {
+            let (rec, sel) = enginescope::views::open(&file, &filter)?;
+            let svg = enginescope::views::flame::render(&rec, &sel, offcpu)?;
+            enginescope::views::write_output(&output, &svg)?;
+        }
+        Cmd::Export {
+            file,
+            format,
+            output,
+            filter,
+        } => {
+            let (rec, sel) = enginescope::views::open(&file, &filter)?;
+            let bytes = enginescope::views::export(&rec, &sel, format)?;
+            enginescope::views::write_output(&output, &bytes)?;
+        }
+        Cmd::Report {
+            file,
+            format,
+            output,
+            filter,
+        } => {
+            let (rec, sel) = enginescope::views::open(&file, &filter)?;
+            let bytes = enginescope::views::report(&rec, &sel, format)?;
+            let out = output.unwrap_or_else(|| "-".into());
+            enginescope::views::write_output(&out, &bytes)?;
+        }
     }
     Ok(())
 }
