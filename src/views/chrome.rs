@@ -7,7 +7,7 @@
 //! with the whole stack in `args`. A sample at `t` with weight `w` covers `[t, t + w)`; a run
 //! breaks at a gap longer than 1.5 sampling periods, at a stack change, or where the thread
 //! went off CPU, and never extends past the next event of its thread (events on one track
-//! must nest). Off-CPU intervals become "X" events in category `off-cpu`, named by the frame
+//! must nest). A run right after a switch-in starts at the switch-in ([`span`]). Off-CPU intervals become "X" events in category `off-cpu`, named by the frame
 //! the thread blocked in. Timestamps and durations are microseconds since the recording's start.
 
 use std::collections::HashMap;
@@ -87,6 +87,36 @@ fn runs<'a>(samples: &[&'a Sample], offs: &[&OffCpu]) -> Vec<Run<'a>> {
     out
 }
 
+/// Where a run sits on its thread's timeline. It starts at its first sample, or at the thread's
+/// switch-in when that came less than one period before the first sample with no sample in
+/// between (the thread was on CPU since then: a short burst sampled once shows its full
+/// length). It ends one period after its last sample, but no later than the next run or the
+/// next switch-out.
+fn span(r: &Run, prev: Option<&Run>, next: Option<&Run>, offs: &[&OffCpu]) -> (u64, u64) {
+    let first = r.first.t_ns;
+    let period = u64::from(r.first.weight_ns);
+    let mut start = first;
+    // The last interval that started before the first sample.
+    let k = offs.partition_point(|o| o.start_ns < first);
+    if let Some(o) = k.checked_sub(1).and_then(|k| offs.get(k)) {
+        let switch_in = o.start_ns.saturating_add(o.dur_ns);
+        if switch_in <= first
+            && first - switch_in < period
+            && prev.is_none_or(|p| p.last.t_ns < o.start_ns)
+        {
+            start = switch_in;
+        }
+    }
+    let mut end = r.last.t_ns.saturating_add(u64::from(r.last.weight_ns));
+    if let Some(n) = next {
+        end = end.min(n.first.t_ns);
+    }
+    if let Some(o) = offs.get(k) {
+        end = end.min(o.start_ns.max(first));
+    }
+    (start, end.max(start))
+}
+
 /// Build the trace document.
 pub fn build(rec: &Recording, sel: &Selection) -> Value {
     let labels = FrameLabels::new(rec);
@@ -117,15 +147,12 @@ pub fn build(rec: &Recording, sel: &Selection) -> Value {
         offs.sort_by_key(|o| o.start_ns);
         let runs = runs(&ss, &offs);
         for (i, r) in runs.iter().enumerate() {
-            let start = r.first.t_ns;
-            let mut end = r.last.t_ns + u64::from(r.last.weight_ns);
-            if let Some(next) = runs.get(i + 1) {
-                end = end.min(next.first.t_ns);
-            }
-            let j = offs.partition_point(|o| o.start_ns < start);
-            if let Some(o) = offs.get(j) {
-                end = end.min(o.start_ns.max(start));
-            }
+            let (start, end) = span(
+                r,
+                i.checked_sub(1).and_then(|p| runs.get(p)),
+                runs.get(i + 1),
+                &offs,
+            );
             let bits = r.first.flags & SHAPE_FLAGS;
             let stack = labels.stack(rec, r.first.stack, bits);
             events.push(json!({
@@ -213,6 +240,39 @@ mod tests {
             shape,
             [(0, 3, 2), (30, 1, 0), (40, 2, 0), (80, 1, 0), (90, 1, 0)]
         );
+    }
+
+    fn off(start_ns: u64, dur_ns: u64) -> OffCpu {
+        OffCpu {
+            pid: 1,
+            tid: 1,
+            start_ns,
+            dur_ns,
+            stack: 0,
+            preempted: false,
+        }
+    }
+
+    #[test]
+    fn spans_start_at_switch_in_and_end_at_switch_out() {
+        // Off [0, 100), on: samples 103, 113 (stack 1), 118 (stack 2); off [121, 240);
+        // sample 250 (ten after the switch-in: not less than a period, so no extension);
+        // off [300, 400); sample 402.
+        let v = [
+            s(103, 1, 0),
+            s(113, 1, 0),
+            s(118, 2, 0),
+            s(250, 1, 0),
+            s(402, 1, 0),
+        ];
+        let o = [off(0, 100), off(121, 119), off(300, 100)];
+        let refs: Vec<&Sample> = v.iter().collect();
+        let offs: Vec<&OffCpu> = o.iter().collect();
+        let r = runs(&refs, &offs);
+        let spans: Vec<(u64, u64)> = (0..r.len())
+            .map(|i| span(&r[i], i.checked_sub(1).map(|p| &r[p]), r.get(i + 1), &offs))
+            .collect();
+        assert_eq!(spans, [(100, 118), (118, 121), (250, 260), (400, 412)]);
     }
 
     #[test]
