@@ -117,8 +117,25 @@ fn span(r: &Run, prev: Option<&Run>, next: Option<&Run>, offs: &[&OffCpu]) -> (u
     (start, end.max(start))
 }
 
-/// Build the trace document.
-pub fn build(rec: &Recording, sel: &Selection) -> Value {
+/// Events are written one at a time as they are made: a trace has one event per run and per
+/// off-CPU interval, and a tree of them all would cost many times the output's size.
+struct Events {
+    out: Vec<u8>,
+    first: bool,
+}
+
+impl Events {
+    fn push(&mut self, v: &Value) -> anyhow::Result<()> {
+        if !self.first {
+            self.out.push(b',');
+        }
+        self.first = false;
+        serde_json::to_writer(&mut self.out, v).context("serializing the Chrome trace")
+    }
+}
+
+/// The trace document, serialized.
+pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
     let labels = FrameLabels::new(rec);
     let mut samples: HashMap<(i32, i32), Vec<&Sample>> = HashMap::new();
     for s in sel.samples(rec) {
@@ -128,19 +145,22 @@ pub fn build(rec: &Recording, sel: &Selection) -> Value {
     for o in sel.offcpu(rec) {
         offcpu.entry((o.pid, o.tid)).or_default().push(o);
     }
-    let mut events = Vec::new();
+    let mut ev = Events {
+        out: b"{\"traceEvents\":[".to_vec(),
+        first: true,
+    };
     for pid in sel.pids() {
-        events.push(json!({
+        ev.push(&json!({
             "ph": "M", "name": "process_name", "pid": pid, "tid": 0,
             "args": {"name": process_name(rec, pid)},
-        }));
+        }))?;
     }
     for (pid, tid) in sel.threads() {
         let name = rec.thread_name(pid, tid);
-        events.push(json!({
+        ev.push(&json!({
             "ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
             "args": {"name": if name.is_empty() { "thread" } else { name }},
-        }));
+        }))?;
         let mut ss = samples.remove(&(pid, tid)).unwrap_or_default();
         ss.sort_by_key(|s| s.t_ns);
         let mut offs = offcpu.remove(&(pid, tid)).unwrap_or_default();
@@ -155,7 +175,7 @@ pub fn build(rec: &Recording, sel: &Selection) -> Value {
             );
             let bits = r.first.flags & SHAPE_FLAGS;
             let stack = labels.stack(rec, r.first.stack, bits);
-            events.push(json!({
+            ev.push(&json!({
                 "ph": "X", "cat": "on-cpu", "name": leaf_name(&stack, "[no Python frame]"),
                 "pid": pid, "tid": tid, "ts": us(start), "dur": us(end - start),
                 "args": {
@@ -166,35 +186,32 @@ pub fn build(rec: &Recording, sel: &Selection) -> Value {
                     "mode": mode(bits),
                     "gc": bits & flags::GC != 0,
                 },
-            }));
+            }))?;
         }
         for o in offs {
             let stack = labels.stack(rec, o.stack, 0);
-            events.push(json!({
+            ev.push(&json!({
                 "ph": "X", "cat": "off-cpu", "name": leaf_name(&stack, "[off CPU]"),
                 "pid": pid, "tid": tid, "ts": us(o.start_ns), "dur": us(o.dur_ns),
                 "args": {"stack": stack, "preempted": o.preempted},
-            }));
+            }))?;
         }
     }
-    json!({
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "exporter": format!("enginescope {}", env!("CARGO_PKG_VERSION")),
-            "recorded_at": format_utc(rec.meta.start_unix_s),
-            "backend": rec.meta.backend,
-            "rate_hz": rec.meta.rate_hz.to_string(),
-            "command": rec.meta.command,
-            "hostname": rec.meta.hostname,
-            "selection": sel.description(),
-            "truncated": rec.truncated.to_string(),
-        },
-    })
-}
-
-pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
-    serde_json::to_vec(&build(rec, sel)).context("serializing the Chrome trace")
+    let mut out = ev.out;
+    out.extend_from_slice(b"],\"displayTimeUnit\":\"ms\",\"otherData\":");
+    let other = json!({
+        "exporter": format!("enginescope {}", env!("CARGO_PKG_VERSION")),
+        "recorded_at": format_utc(rec.meta.start_unix_s),
+        "backend": rec.meta.backend,
+        "rate_hz": rec.meta.rate_hz.to_string(),
+        "command": rec.meta.command,
+        "hostname": rec.meta.hostname,
+        "selection": sel.description(),
+        "truncated": rec.truncated.to_string(),
+    });
+    serde_json::to_writer(&mut out, &other).context("serializing the Chrome trace")?;
+    out.push(b'}');
+    Ok(out)
 }
 
 #[cfg(test)]
