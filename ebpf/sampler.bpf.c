@@ -106,7 +106,9 @@ static long walk_one(__u64 index, void *data)
         }
     }
     __s32 firstlineno = 0, offset = -1;
-    if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno))) {
+    __u64 name = 0;
+    if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
+        bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
         w->flags |= ES_EV_PARTIAL;
         count(ES_C_READ_FRAME_ERR);
         return 1;
@@ -128,7 +130,7 @@ static long walk_one(__u64 index, void *data)
     }
     w->ev->frames[n].code = code;
     w->ev->frames[n].instr_offset = offset;
-    w->ev->frames[n].firstlineno = firstlineno;
+    w->ev->frames[n].code_id = (__u32)firstlineno ^ (__u32)(name >> 4);
     w->n = n + 1;
     return 0;
 }

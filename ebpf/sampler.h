@@ -28,6 +28,8 @@ struct es_target {
     __u32 code_firstlineno;
     __u32 code_adaptive;        /* offsetof(PyCodeObject, co_code_adaptive), 3.11+ */
     __u32 flags;                /* ES_TARGET_* */
+    __u32 code_name;            /* offsetof(PyCodeObject, co_name) */
+    __u32 pad;
 };
 
 #define ES_TARGET_OFFCPU 1      /* trace sched_switch for this process */
@@ -43,7 +45,8 @@ struct es_thread {
 struct es_frame {
     __u64 code;          /* code object address */
     __s32 instr_offset;  /* byte offset into the bytecode of the current instruction */
-    __s32 firstlineno;   /* co_firstlineno, to check a cached code object is still the same */
+    __u32 code_id;       /* co_firstlineno ^ (co_name >> 4): tells user space whether a cached
+                          * code object at this address is still the same one */
 };
 
 enum es_event_kind {

@@ -22,9 +22,9 @@ int main(void) {
   F(es_target, text_hi); F(es_target, frame_kind); F(es_target, tstate_frame);
   F(es_target, cframe_current_frame); F(es_target, frame_previous); F(es_target, frame_code);
   F(es_target, frame_instr); F(es_target, frame_owner); F(es_target, code_firstlineno);
-  F(es_target, code_adaptive); F(es_target, flags);
+  F(es_target, code_adaptive); F(es_target, flags); F(es_target, code_name);
   S(es_thread); F(es_thread, tgid);
-  S(es_frame); F(es_frame, instr_offset); F(es_frame, firstlineno);
+  S(es_frame); F(es_frame, instr_offset); F(es_frame, code_id);
   S(es_event_header); F(es_event_header, flags); F(es_event_header, nframes);
   F(es_event_header, tgid); F(es_event_header, tid); F(es_event_header, cpu);
   F(es_event_header, time_ns); F(es_event_header, ip);
@@ -42,7 +42,11 @@ int main(void) {
         .arg(&bin)
         .output()
         .unwrap();
-    assert!(cc.status.success(), "{}", String::from_utf8_lossy(&cc.stderr));
+    assert!(
+        cc.status.success(),
+        "{}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
     let out = String::from_utf8(Command::new(&bin).output().unwrap().stdout).unwrap();
     let c: std::collections::HashMap<&str, usize> = out
         .lines()
@@ -51,40 +55,76 @@ int main(void) {
         .collect();
     let rust: Vec<(&str, usize)> = vec![
         ("es_target", size_of::<EsTarget>()),
-        ("es_target.gil_holder_addr", offset_of!(EsTarget, gil_holder_addr)),
-        ("es_target.gc_collecting_addr", offset_of!(EsTarget, gc_collecting_addr)),
-        ("es_target.code_type_addr", offset_of!(EsTarget, code_type_addr)),
-        ("es_target.code_tag_mask", offset_of!(EsTarget, code_tag_mask)),
+        (
+            "es_target.gil_holder_addr",
+            offset_of!(EsTarget, gil_holder_addr),
+        ),
+        (
+            "es_target.gc_collecting_addr",
+            offset_of!(EsTarget, gc_collecting_addr),
+        ),
+        (
+            "es_target.code_type_addr",
+            offset_of!(EsTarget, code_type_addr),
+        ),
+        (
+            "es_target.code_tag_mask",
+            offset_of!(EsTarget, code_tag_mask),
+        ),
         ("es_target.text_lo", offset_of!(EsTarget, text_lo)),
         ("es_target.text_hi", offset_of!(EsTarget, text_hi)),
         ("es_target.frame_kind", offset_of!(EsTarget, frame_kind)),
         ("es_target.tstate_frame", offset_of!(EsTarget, tstate_frame)),
-        ("es_target.cframe_current_frame", offset_of!(EsTarget, cframe_current_frame)),
-        ("es_target.frame_previous", offset_of!(EsTarget, frame_previous)),
+        (
+            "es_target.cframe_current_frame",
+            offset_of!(EsTarget, cframe_current_frame),
+        ),
+        (
+            "es_target.frame_previous",
+            offset_of!(EsTarget, frame_previous),
+        ),
         ("es_target.frame_code", offset_of!(EsTarget, frame_code)),
         ("es_target.frame_instr", offset_of!(EsTarget, frame_instr)),
         ("es_target.frame_owner", offset_of!(EsTarget, frame_owner)),
-        ("es_target.code_firstlineno", offset_of!(EsTarget, code_firstlineno)),
-        ("es_target.code_adaptive", offset_of!(EsTarget, code_adaptive)),
+        (
+            "es_target.code_firstlineno",
+            offset_of!(EsTarget, code_firstlineno),
+        ),
+        (
+            "es_target.code_adaptive",
+            offset_of!(EsTarget, code_adaptive),
+        ),
         ("es_target.flags", offset_of!(EsTarget, flags)),
+        ("es_target.code_name", offset_of!(EsTarget, code_name)),
         ("es_thread", size_of::<EsThread>()),
         ("es_thread.tgid", offset_of!(EsThread, tgid)),
         ("es_frame", size_of::<EsFrame>()),
         ("es_frame.instr_offset", offset_of!(EsFrame, instr_offset)),
-        ("es_frame.firstlineno", offset_of!(EsFrame, firstlineno)),
+        ("es_frame.code_id", offset_of!(EsFrame, code_id)),
         ("es_event_header", size_of::<EsEventHeader>()),
         ("es_event_header.flags", offset_of!(EsEventHeader, flags)),
-        ("es_event_header.nframes", offset_of!(EsEventHeader, nframes)),
+        (
+            "es_event_header.nframes",
+            offset_of!(EsEventHeader, nframes),
+        ),
         ("es_event_header.tgid", offset_of!(EsEventHeader, tgid)),
         ("es_event_header.tid", offset_of!(EsEventHeader, tid)),
         ("es_event_header.cpu", offset_of!(EsEventHeader, cpu)),
-        ("es_event_header.time_ns", offset_of!(EsEventHeader, time_ns)),
+        (
+            "es_event_header.time_ns",
+            offset_of!(EsEventHeader, time_ns),
+        ),
         ("es_event_header.ip", offset_of!(EsEventHeader, ip)),
         ("ES_MAX_FRAMES", MAX_FRAMES),
         ("ES_C_COUNT", COUNTER_NAMES.len()),
         ("ES_ABI_VERSION", ABI_VERSION as usize),
     ];
     for (k, v) in rust {
-        assert_eq!(c.get(k), Some(&v), "{k}: C says {:?}, Rust says {v}", c.get(k));
+        assert_eq!(
+            c.get(k),
+            Some(&v),
+            "{k}: C says {:?}, Rust says {v}",
+            c.get(k)
+        );
     }
 }

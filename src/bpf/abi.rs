@@ -28,6 +28,8 @@ pub struct EsTarget {
     pub code_firstlineno: u32,
     pub code_adaptive: u32,
     pub flags: u32,
+    pub code_name: u32,
+    pub pad: u32,
 }
 
 pub const TARGET_OFFCPU: u32 = 1;
@@ -47,7 +49,13 @@ pub struct EsThread {
 pub struct EsFrame {
     pub code: u64,
     pub instr_offset: i32,
-    pub firstlineno: i32,
+    /// `co_firstlineno ^ (co_name >> 4)`, see [`code_id`].
+    pub code_id: u32,
+}
+
+/// The identity the kernel computes for a code object (`struct es_frame.code_id`).
+pub fn code_id(firstlineno: i32, name_ptr: u64) -> u32 {
+    (firstlineno as u32) ^ ((name_ptr >> 4) as u32)
 }
 
 /// `struct es_event_header`.
@@ -105,13 +113,14 @@ unsafe impl aya::Pod for EsThread {}
 
 const _: () = {
     use std::mem::{offset_of, size_of};
-    assert!(size_of::<EsTarget>() == 96);
+    assert!(size_of::<EsTarget>() == 104);
+    assert!(offset_of!(EsTarget, code_name) == 96);
     assert!(offset_of!(EsTarget, frame_kind) == 56);
     assert!(offset_of!(EsTarget, frame_owner) == 80);
     assert!(offset_of!(EsTarget, flags) == 92);
     assert!(size_of::<EsThread>() == 16);
     assert!(size_of::<EsFrame>() == 16);
-    assert!(offset_of!(EsFrame, firstlineno) == 12);
+    assert!(offset_of!(EsFrame, code_id) == 12);
     assert!(size_of::<EsEventHeader>() == 32);
     assert!(offset_of!(EsEventHeader, tid) == 8);
     assert!(offset_of!(EsEventHeader, time_ns) == 16);
@@ -124,7 +133,8 @@ pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
     if bytes.len() < hsize {
         return None;
     }
-    let u32_at = |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
+    let u32_at =
+        |o: usize| u32::from_le_bytes([bytes[o], bytes[o + 1], bytes[o + 2], bytes[o + 3]]);
     let u64_at = |o: usize| u64::from_le_bytes(bytes[o..o + 8].try_into().unwrap_or([0; 8]));
     let h = EsEventHeader {
         kind: bytes[0],
@@ -146,7 +156,7 @@ pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
             EsFrame {
                 code: u64_at(o),
                 instr_offset: u32_at(o + 8) as i32,
-                firstlineno: u32_at(o + 12) as i32,
+                code_id: u32_at(o + 12),
             }
         })
         .collect();
@@ -168,7 +178,14 @@ mod tests {
         b[40] = 6;
         let (h, f) = parse_event(&b).unwrap();
         assert_eq!(h.tid, 42);
-        assert_eq!(f, vec![EsFrame { code: 0x10, instr_offset: 6, firstlineno: 0 }]);
+        assert_eq!(
+            f,
+            vec![EsFrame {
+                code: 0x10,
+                instr_offset: 6,
+                code_id: 0
+            }]
+        );
         b[2] = 2; // claims two frames, has one
         assert!(parse_event(&b).is_none());
     }

@@ -6,6 +6,8 @@ pub mod memory;
 pub mod objects;
 pub mod offsets;
 pub mod reader;
+#[cfg(test)]
+pub mod testutil;
 pub mod version;
 
 pub use reader::{AttachError, Frame, PythonProcess, Snapshot, ThreadSnapshot};

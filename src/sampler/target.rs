@@ -12,10 +12,10 @@ use crate::cpython::{Frame, PythonProcess};
 use crate::procinfo;
 
 /// A code object as cached: valid while the address still holds a code object with the same
-/// `co_firstlineno` (the kernel reads that field with every frame, so a freed and reused
-/// address is noticed and re-read).
+/// identity (`co_firstlineno` and `co_name`, which the kernel reads with every frame), so a
+/// freed address reused by another code object is noticed and re-read.
 struct CachedCode {
-    firstlineno: i32,
+    id: u32,
     info: Arc<CodeInfo>,
 }
 
@@ -57,7 +57,9 @@ impl Target {
         let (text_lo, text_hi) = binary::parse_maps(&maps)
             .iter()
             .filter(|m| m.path == p.binary.path && m.perms.contains('x'))
-            .fold((u64::MAX, 0), |(lo, hi), m| (lo.min(m.start), hi.max(m.end)));
+            .fold((u64::MAX, 0), |(lo, hi), m| {
+                (lo.min(m.start), hi.max(m.end))
+            });
         Ok(EsTarget {
             gil_locked_addr: if gil != 0 { gil + o.gil_locked } else { 0 },
             gil_holder_addr: if gil != 0 { gil + o.gil_last_holder } else { 0 },
@@ -79,6 +81,8 @@ impl Target {
             code_firstlineno: o.code_firstlineno as u32,
             code_adaptive: o.code_code_adaptive.unwrap_or(0) as u32,
             flags: if offcpu { abi::TARGET_OFFCPU } else { 0 },
+            code_name: o.code_name as u32,
+            pad: 0,
         })
     }
 
@@ -89,7 +93,10 @@ impl Target {
             self.threads.clear();
             return (vec![], gone);
         };
-        let comm: HashMap<i32, &str> = tasks.iter().map(|t| (t.host_tid, t.comm.as_str())).collect();
+        let comm: HashMap<i32, &str> = tasks
+            .iter()
+            .map(|t| (t.host_tid, t.comm.as_str()))
+            .collect();
         let mut seen = HashMap::new();
         if let Ok(list) = self.proc.threads_with_tids(&tasks) {
             for (tstate, host) in list {
@@ -107,7 +114,12 @@ impl Target {
                 self.threads.insert(tid, (tstate, name));
             }
         }
-        let gone: Vec<i32> = self.threads.keys().filter(|t| !seen.contains_key(t)).copied().collect();
+        let gone: Vec<i32> = self
+            .threads
+            .keys()
+            .filter(|t| !seen.contains_key(t))
+            .copied()
+            .collect();
         for t in &gone {
             self.threads.remove(t);
         }
@@ -120,7 +132,7 @@ impl Target {
         let mut out = Vec::with_capacity(frames.len());
         for f in frames {
             let key = (f.code, f.instr_offset);
-            let fresh = self.code.get(&f.code).is_some_and(|c| c.firstlineno == f.firstlineno);
+            let fresh = self.code.get(&f.code).is_some_and(|c| c.id == f.code_id);
             if fresh {
                 if let Some(fr) = self.lines.get(&key) {
                     out.push(fr.clone());
@@ -131,12 +143,19 @@ impl Target {
                     self.code_rereads += 1;
                     self.lines.retain(|(c, _), _| *c != f.code);
                 }
-                match objects::read_code(self.proc.mem.as_ref(), &self.proc.offsets, f.code) {
-                    Ok(info) if info.firstlineno == f.firstlineno => {
+                let mem = self.proc.mem.as_ref();
+                let o = &self.proc.offsets;
+                let read = objects::read_code(mem, o, f.code)
+                    .ok()
+                    .zip(mem.read_u64(f.code + o.code_name).ok());
+                match read {
+                    Some((info, name_ptr))
+                        if abi::code_id(info.firstlineno, name_ptr) == f.code_id =>
+                    {
                         self.code.insert(
                             f.code,
                             CachedCode {
-                                firstlineno: info.firstlineno,
+                                id: f.code_id,
                                 info: Arc::new(info),
                             },
                         );
@@ -152,7 +171,9 @@ impl Target {
                     }
                 }
             }
-            let Some(c) = self.code.get(&f.code) else { continue };
+            let Some(c) = self.code.get(&f.code) else {
+                continue;
+            };
             let fr = Frame {
                 function: c.info.qualname.clone(),
                 file: c.info.filename.clone(),
@@ -165,5 +186,64 @@ impl Target {
             out.push(fr);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpython::offsets::PY312;
+    use crate::cpython::testutil::Fake;
+
+    fn raw(p: &PythonProcess, code: u64) -> EsFrame {
+        let o = &p.offsets;
+        let first = p.mem.read_i32(code + o.code_firstlineno).unwrap();
+        let name = p.mem.read_u64(code + o.code_name).unwrap();
+        EsFrame {
+            code,
+            instr_offset: 4,
+            code_id: abi::code_id(first, name),
+        }
+    }
+
+    #[test]
+    fn cache_notices_a_reused_code_address() {
+        let mut f = Fake::new();
+        let a = f.code("first", 10);
+        let b = f.code("second", 10); // same co_firstlineno, other name
+        let mut t = Target::new(f.process(0));
+        let fa = raw(&t.proc, a);
+        assert_eq!(t.resolve(&[fa])[0].function, "first");
+        assert_eq!(t.resolve(&[fa])[0].function, "first");
+        assert_eq!(t.code_rereads, 0);
+        // The code object at `a` is freed and another one is built at the same address.
+        let fb = raw(&t.proc, b);
+        let o = &PY312;
+        let b_name = t.proc.mem.read_u64(b + o.code_name).unwrap();
+        let mut bytes = vec![0u8; 512];
+        t.proc.mem.read(b, &mut bytes).unwrap();
+        // Rebuild the process view over memory where `a` now holds `b`'s bytes.
+        let mut f2 = Fake::new();
+        let a2 = f2.code("first", 10);
+        let b2 = f2.code("second", 10);
+        assert_eq!((a2, b2), (a, b));
+        f2.mem.put(a, &bytes);
+        t.proc = f2.process(0);
+        let reused = EsFrame {
+            code: a,
+            instr_offset: 4,
+            code_id: fb.code_id,
+        };
+        assert_eq!(abi::code_id(10, b_name), fb.code_id);
+        assert_eq!(t.resolve(&[reused])[0].function, "second");
+        assert_eq!(t.code_rereads, 1);
+        // A frame whose code object cannot be read is reported, not guessed.
+        let gone = EsFrame {
+            code: 0xdead_0000,
+            instr_offset: 0,
+            code_id: 1,
+        };
+        assert_eq!(t.resolve(&[gone])[0].function, "<unknown>");
+        assert_eq!(t.unresolved_frames, 1);
     }
 }
