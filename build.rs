@@ -14,12 +14,21 @@ fn main() {
     }
     println!("cargo:rerun-if-env-changed=ENGINESCOPE_NO_CLANG");
     let have_clang = std::env::var_os("ENGINESCOPE_NO_CLANG").is_none()
-        && Command::new("clang").arg("--version").output().is_ok_and(|o| o.status.success())
-        && Command::new("llvm-strip").arg("--version").output().is_ok_and(|o| o.status.success());
+        && Command::new("clang")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        && Command::new("llvm-strip")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success());
     let committed = ebpf.join("sampler.bpf.o");
     let target = out.join("sampler.bpf.o");
     if have_clang {
-        let st = Command::new("bash").arg(ebpf.join("build.sh")).arg(&out).status();
+        let st = Command::new("bash")
+            .arg(ebpf.join("build.sh"))
+            .arg(&out)
+            .status();
         match st {
             Ok(s) if s.success() => {
                 if std::fs::read(&target).ok() != std::fs::read(&committed).ok() {

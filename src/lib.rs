@@ -3,12 +3,12 @@
 //! Module map (see ARCHITECTURE.md): `cpython` reads interpreters from outside; `procinfo`
 //! wraps `/proc`; `dump` and `doctor` are the first views.
 
+pub mod bpf;
 pub mod cpython;
 pub mod demo;
 pub mod doctor;
 pub mod dump;
-pub mod bpf;
 pub mod procinfo;
 pub mod record;
-pub mod views;
 pub mod sampler;
+pub mod views;

@@ -119,7 +119,12 @@ mod tests {
         // C struct the call fills in.
         let rc = unsafe {
             let mut info: libc::siginfo_t = std::mem::zeroed();
-            libc::waitid(libc::P_PID, pid as u32, &mut info, libc::WEXITED | libc::WNOWAIT)
+            libc::waitid(
+                libc::P_PID,
+                pid as u32,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
         };
         assert_eq!(rc, 0);
         assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());

@@ -10,7 +10,10 @@ use std::process::{Command, Stdio};
 /// BPF program ids held by `pid`, from its fds' fdinfo (`prog_id:` lines).
 fn programs_held_by(pid: u32) -> Vec<u64> {
     let mut ids = Vec::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap().flatten() {
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .unwrap()
+        .flatten()
+    {
         let info = std::fs::read_to_string(e.path()).unwrap_or_default();
         if let Some(id) = info.lines().find_map(|l| l.strip_prefix("prog_id:")) {
             ids.push(id.trim().parse().unwrap());
@@ -27,15 +30,26 @@ fn all_program_ids() -> Vec<u64> {
         .args(["prog", "show", "--json"])
         .output()
         .expect("bpftool (apt-get install bpftool)");
-    assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "bpftool: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v.as_array().unwrap().iter().filter_map(|p| p["id"].as_u64()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["id"].as_u64())
+        .collect()
 }
 
 /// BPF link ids held by `pid` (aya attaches perf events and tracepoints through links).
 fn links_held_by(pid: u32) -> Vec<u64> {
     let mut ids = Vec::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo")).unwrap().flatten() {
+    for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .unwrap()
+        .flatten()
+    {
         let info = std::fs::read_to_string(e.path()).unwrap_or_default();
         if let Some(id) = info.lines().find_map(|l| l.strip_prefix("link_id:")) {
             ids.push(id.trim().parse().unwrap());
@@ -45,9 +59,14 @@ fn links_held_by(pid: u32) -> Vec<u64> {
 }
 
 fn all_link_ids() -> Vec<u64> {
-    let out = Command::new("bpftool").args(["link", "show", "--json"]).output().unwrap();
+    let out = Command::new("bpftool")
+        .args(["link", "show", "--json"])
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::json!([]));
-    v.as_array().map(|a| a.iter().filter_map(|l| l["id"].as_u64()).collect()).unwrap_or_default()
+    v.as_array()
+        .map(|a| a.iter().filter_map(|l| l["id"].as_u64()).collect())
+        .unwrap_or_default()
 }
 
 fn check(how: &str) {
@@ -55,11 +74,26 @@ fn check(how: &str) {
     if !available(&i) {
         return;
     }
-    let w = start(&i, "stacks.py", &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"]);
+    let w = start(
+        &i,
+        "stacks.py",
+        &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"],
+    );
     let out = w.dir.join("x.esrec");
     let duration = if how == "exit" { "1" } else { "60" };
     let mut rec = Command::new(env!("CARGO_BIN_EXE_enginescope"))
-        .args(["record", "--backend", "bpf", "--rate", "499", "--duration", duration, "--pid", &w.pid.to_string(), "-o"])
+        .args([
+            "record",
+            "--backend",
+            "bpf",
+            "--rate",
+            "499",
+            "--duration",
+            duration,
+            "--pid",
+            &w.pid.to_string(),
+            "-o",
+        ])
         .arg(&out)
         .stderr(Stdio::piped())
         .spawn()
@@ -70,10 +104,16 @@ fn check(how: &str) {
     err.read_line(&mut line).unwrap();
     assert!(line.contains("recording") && line.contains("bpf"), "{line}");
     let held = programs_held_by(rec.id());
-    assert!(held.len() >= 2, "the recorder should hold on_sample and on_switch, held {held:?}");
+    assert!(
+        held.len() >= 2,
+        "the recorder should hold on_sample and on_switch, held {held:?}"
+    );
     let links = links_held_by(rec.id());
     let cpus = std::thread::available_parallelism().unwrap().get();
-    assert!(links.len() > cpus, "one perf-event link per CPU plus sched_switch, got {links:?}");
+    assert!(
+        links.len() > cpus,
+        "one perf-event link per CPU plus sched_switch, got {links:?}"
+    );
     assert!(links.iter().all(|id| all_link_ids().contains(id)));
     assert!(held.iter().all(|id| all_program_ids().contains(id)));
     match how {
@@ -100,16 +140,33 @@ fn check(how: &str) {
     let (left_progs, left_links) = loop {
         let progs = all_program_ids();
         let lnks = all_link_ids();
-        let lp: Vec<u64> = held.iter().filter(|id| progs.contains(id)).copied().collect();
-        let ll: Vec<u64> = links.iter().filter(|id| lnks.contains(id)).copied().collect();
+        let lp: Vec<u64> = held
+            .iter()
+            .filter(|id| progs.contains(id))
+            .copied()
+            .collect();
+        let ll: Vec<u64> = links
+            .iter()
+            .filter(|id| lnks.contains(id))
+            .copied()
+            .collect();
         if (lp.is_empty() && ll.is_empty()) || t0.elapsed() > std::time::Duration::from_secs(5) {
             break (lp, ll);
         }
         std::thread::yield_now();
     };
-    eprintln!("{how}: programs and links released {:.0} ms after exit", t0.elapsed().as_secs_f64() * 1e3);
-    assert!(left_progs.is_empty(), "{how}: BPF programs left behind: {left_progs:?}");
-    assert!(left_links.is_empty(), "{how}: BPF links (perf events, tracepoints) left behind: {left_links:?}");
+    eprintln!(
+        "{how}: programs and links released {:.0} ms after exit",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(
+        left_progs.is_empty(),
+        "{how}: BPF programs left behind: {left_progs:?}"
+    );
+    assert!(
+        left_links.is_empty(),
+        "{how}: BPF links (perf events, tracepoints) left behind: {left_links:?}"
+    );
     // After SIGINT the recording is finished cleanly; after SIGKILL it still reads.
     let r = enginescope::record::read_recording(&out).unwrap();
     if how != "sigkill" {

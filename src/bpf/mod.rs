@@ -24,7 +24,10 @@ pub fn unavailable_reason() -> Option<String> {
         return Some("not root and no CAP_BPF+CAP_PERFMON (run with sudo, or `setcap cap_bpf,cap_perfmon,cap_sys_ptrace+ep enginescope`)".into());
     }
     if !facts.btf {
-        return Some("the kernel has no BTF (/sys/kernel/btf/vmlinux missing; needs CONFIG_DEBUG_INFO_BTF)".into());
+        return Some(
+            "the kernel has no BTF (/sys/kernel/btf/vmlinux missing; needs CONFIG_DEBUG_INFO_BTF)"
+                .into(),
+        );
     }
     None
 }
@@ -51,7 +54,8 @@ impl BpfSampler {
                 .program_mut("on_sample")
                 .context("BPF object has no on_sample program")?
                 .try_into()?;
-            prog.load().map_err(|e| anyhow!("verifier rejected on_sample: {e:#}"))?;
+            prog.load()
+                .map_err(|e| anyhow!("verifier rejected on_sample: {e:#}"))?;
             let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
             for cpu in cpus {
                 prog.attach(
@@ -87,7 +91,9 @@ impl BpfSampler {
     }
 
     pub fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {
-        self.targets.insert(tgid, *t, 0).context("updating the targets map")
+        self.targets
+            .insert(tgid, *t, 0)
+            .context("updating the targets map")
     }
 
     pub fn remove_target(&mut self, tgid: u32) {
@@ -95,7 +101,9 @@ impl BpfSampler {
     }
 
     pub fn set_thread(&mut self, tid: u32, t: &EsThread) -> anyhow::Result<()> {
-        self.threads.insert(tid, *t, 0).context("updating the threads map")
+        self.threads
+            .insert(tid, *t, 0)
+            .context("updating the threads map")
     }
 
     pub fn remove_thread(&mut self, tid: u32) {

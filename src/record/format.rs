@@ -215,7 +215,10 @@ impl RecordingWriter {
         self.buf.clear();
         // Time as a signed delta from the previous sample (samples from several CPUs can be
         // slightly out of order): 2–3 bytes instead of 5–6.
-        put_varint(&mut self.buf, zigzag(s.t_ns as i64 - self.last_sample_ns as i64));
+        put_varint(
+            &mut self.buf,
+            zigzag(s.t_ns as i64 - self.last_sample_ns as i64),
+        );
         self.last_sample_ns = s.t_ns;
         put_varint(&mut self.buf, zigzag(s.pid as i64));
         put_varint(&mut self.buf, zigzag(s.tid as i64));
@@ -347,7 +350,9 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
             }
             tag::SAMPLE => {
                 let delta = unzigzag(c.varint()?);
-                last_sample_ns = last_sample_ns.checked_add_signed(delta).context("sample time out of range")?;
+                last_sample_ns = last_sample_ns
+                    .checked_add_signed(delta)
+                    .context("sample time out of range")?;
                 let s = Sample {
                     t_ns: last_sample_ns,
                     pid: c.i32()?,

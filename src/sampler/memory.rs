@@ -41,7 +41,9 @@ pub fn run(
         }
         let mut any_alive = false;
         for t in targets.iter_mut() {
-            let Ok(snap) = t.proc.snapshot() else { continue };
+            let Ok(snap) = t.proc.snapshot() else {
+                continue;
+            };
             any_alive = true;
             let now = monotonic_ns();
             for th in snap.threads {

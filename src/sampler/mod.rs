@@ -17,7 +17,9 @@ use anyhow::Context;
 use crate::bpf::abi::{self, kind};
 use crate::bpf::{BpfSampler, EsThread};
 use crate::cpython::PythonProcess;
-use crate::record::{flags, EndInfo, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample, ThreadInfo};
+use crate::record::{
+    flags, EndInfo, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample, ThreadInfo,
+};
 use target::Target;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -66,7 +68,10 @@ fn install_stop_handlers() {
 }
 
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: clock_gettime writes into the timespec we pass.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -97,7 +102,14 @@ impl Pipeline {
         t.saturating_sub(self.start_ns)
     }
 
-    pub fn sample(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, fl: u8) -> anyhow::Result<()> {
+    pub fn sample(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        stack: u32,
+        fl: u8,
+    ) -> anyhow::Result<()> {
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
@@ -211,7 +223,10 @@ fn hostname() -> String {
 /// Attach to every pid, choose a backend, record until the duration ends or SIGINT/SIGTERM.
 pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     anyhow::ensure!(!opts.pids.is_empty(), "no target: pass --pid PID[,PID…]");
-    anyhow::ensure!((1..=20_000).contains(&opts.rate_hz), "--rate must be 1..=20000 Hz");
+    anyhow::ensure!(
+        (1..=20_000).contains(&opts.rate_hz),
+        "--rate must be 1..=20000 Hz"
+    );
     let mut targets = Vec::new();
     for &pid in &opts.pids {
         targets.push(Target::new(PythonProcess::attach(pid)?));
@@ -219,11 +234,18 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     install_stop_handlers();
 
     let (backend, reason, mut bpf) = match opts.backend {
-        Backend::Memory => ("memory", "asked for with --backend memory".to_string(), None),
+        Backend::Memory => (
+            "memory",
+            "asked for with --backend memory".to_string(),
+            None,
+        ),
         Backend::Bpf => (
             "bpf",
             "asked for with --backend bpf".to_string(),
-            Some(BpfSampler::start(opts.rate_hz, opts.offcpu).context("starting the BPF sampler (try --backend memory)")?),
+            Some(
+                BpfSampler::start(opts.rate_hz, opts.offcpu)
+                    .context("starting the BPF sampler (try --backend memory)")?,
+            ),
         ),
         Backend::Auto => match crate::bpf::unavailable_reason() {
             Some(why) => ("memory", format!("BPF unavailable: {why}"), None),
@@ -233,7 +255,11 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
             },
         },
     };
-    let rate = if backend == "memory" { opts.rate_hz.min(memory::MAX_RATE_HZ) } else { opts.rate_hz };
+    let rate = if backend == "memory" {
+        opts.rate_hz.min(memory::MAX_RATE_HZ)
+    } else {
+        opts.rate_hz
+    };
     if !opts.quiet {
         eprintln!(
             "enginescope: recording {} process(es) with the {backend} backend ({reason}) at {rate} Hz{} -> {}",
@@ -242,7 +268,10 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
             opts.output.display()
         );
         if rate != opts.rate_hz {
-            eprintln!("enginescope: the memory backend samples at most {} Hz", memory::MAX_RATE_HZ);
+            eprintln!(
+                "enginescope: the memory backend samples at most {} Hz",
+                memory::MAX_RATE_HZ
+            );
         }
     }
 
@@ -260,7 +289,9 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         hostname: hostname(),
         kernel: crate::doctor::machine_facts().kernel,
         command: std::env::args().collect::<Vec<_>>().join(" "),
-        cpus: aya::util::online_cpus().map(|c| c.len() as u32).unwrap_or(0),
+        cpus: aya::util::online_cpus()
+            .map(|c| c.len() as u32)
+            .unwrap_or(0),
     };
     let writer = RecordingWriter::create(&opts.output, &meta)?;
     let mut pipe = Pipeline {
@@ -293,8 +324,14 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
             counters.insert(k.to_string(), v);
         }
     }
-    counters.insert("unresolved_frames".into(), targets.iter().map(|t| t.unresolved_frames).sum());
-    counters.insert("code_object_rereads".into(), targets.iter().map(|t| t.code_rereads).sum());
+    counters.insert(
+        "unresolved_frames".into(),
+        targets.iter().map(|t| t.unresolved_frames).sum(),
+    );
+    counters.insert(
+        "code_object_rereads".into(),
+        targets.iter().map(|t| t.code_rereads).sum(),
+    );
     pipe.writer.counters(&counters)?;
     let reason = match &result {
         Ok(r) => r.clone(),
@@ -320,7 +357,11 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
 }
 
 /// Push thread changes of every target to the BPF threads map and the recording.
-fn sync_threads(b: &mut BpfSampler, targets: &mut [Target], pipe: &mut Pipeline) -> anyhow::Result<()> {
+fn sync_threads(
+    b: &mut BpfSampler,
+    targets: &mut [Target],
+    pipe: &mut Pipeline,
+) -> anyhow::Result<()> {
     let now = monotonic_ns();
     for t in targets.iter_mut() {
         let (changed, gone) = t.refresh_threads();
@@ -370,7 +411,11 @@ fn run_bpf(
     for t in targets.iter() {
         b.set_target(t.pid as u32, &t.bpf_config(opts.offcpu)?)?;
     }
-    let index: HashMap<i32, usize> = targets.iter().enumerate().map(|(i, t)| (t.pid, i)).collect();
+    let index: HashMap<i32, usize> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.pid, i))
+        .collect();
     let poll = Duration::from_millis(20);
     let mut last_threads = Instant::now();
     let mut last_flush = Instant::now();
@@ -425,7 +470,9 @@ fn drain_events(
         if err.is_some() {
             return;
         }
-        let Some((h, frames)) = abi::parse_event(bytes) else { return };
+        let Some((h, frames)) = abi::parse_event(bytes) else {
+            return;
+        };
         let pid = h.tgid as i32;
         let tid = h.tid as i32;
         let Some(&ti) = index.get(&pid) else { return };
@@ -438,9 +485,9 @@ fn drain_events(
             }
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
-                pipe.writer
-                    .intern_stack(&resolved)
-                    .map(|s| pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0))
+                pipe.writer.intern_stack(&resolved).map(|s| {
+                    pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
+                })
             }
             kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
             _ => Ok(()),
