@@ -9,6 +9,7 @@ use anyhow::{bail, Context};
 use crate::cpython::PythonProcess;
 
 const STACKS_PY: &str = include_str!("../samples/stacks.py");
+const CPU_MIX_PY: &str = include_str!("../samples/cpu_mix.py");
 
 /// Kills the child when dropped, so no sample outlives the demo.
 struct Reaper(Child);
@@ -25,8 +26,18 @@ pub fn start_stacks_sample(
     dir: &std::path::Path,
     extra: &[&str],
 ) -> anyhow::Result<(Child, std::path::PathBuf)> {
-    let script = dir.join("stacks.py");
-    std::fs::write(&script, STACKS_PY).context("writing the sample script")?;
+    start_sample(python, dir, "stacks.py", STACKS_PY, extra)
+}
+
+fn start_sample(
+    python: &str,
+    dir: &std::path::Path,
+    name: &str,
+    source: &str,
+    extra: &[&str],
+) -> anyhow::Result<(Child, std::path::PathBuf)> {
+    let script = dir.join(name);
+    std::fs::write(&script, source).context("writing the sample script")?;
     let truth = dir.join("truth.json");
     let mut child = Command::new(python)
         .arg(&script)
@@ -50,20 +61,79 @@ pub fn start_stacks_sample(
     Ok((child, truth))
 }
 
-pub fn run(python: &str) -> anyhow::Result<()> {
+pub fn run(python: &str, out_dir: &std::path::Path, seconds: f64) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("enginescope-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let (child, _truth) = start_stacks_sample(python, &dir, &["--threads", "2", "--spin"])?;
+    let result = run_in(python, &dir, out_dir, seconds);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn run_in(
+    python: &str,
+    dir: &std::path::Path,
+    out_dir: &std::path::Path,
+    seconds: f64,
+) -> anyhow::Result<()> {
+    // 1. dump: stacks of a process whose threads are parked at known places.
+    let (child, _truth) = start_stacks_sample(python, dir, &["--threads", "2", "--spin"])?;
     let child = Reaper(child);
     let pid = child.0.id() as i32;
-    println!("Started a sample Python workload (pid {pid}) with threads parked at known stacks.");
-    println!("Reading it from outside, without pausing it:\n");
+    println!("== 1. dump: a sample process (pid {pid}) with threads parked at known stacks, read from outside without pausing it\n");
     let t0 = Instant::now();
     let p = PythonProcess::attach(pid)?;
     let snap = p.snapshot()?;
     let ms = t0.elapsed().as_secs_f64() * 1000.0;
     print!("{}", crate::dump::to_text(&p, &snap, ms));
     drop(child);
-    let _ = std::fs::remove_dir_all(&dir);
+
+    // 2. record: a workload whose threads compute, sleep and block on I/O in known proportions.
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let window = format!("{}", seconds + 1.0);
+    let (child, _truth) = start_sample(
+        python,
+        dir,
+        "cpu_mix.py",
+        CPU_MIX_PY,
+        &["--duration", &window],
+    )?;
+    let child = Reaper(child);
+    let pid = child.0.id() as i32;
+    let rec_path = out_dir.join("demo.esrec");
+    println!("\n== 2. record: {seconds} s of a mixed workload (pid {pid}): mix-cpu splits its CPU 70/30 between hot_a and hot_b, the others mostly wait\n");
+    let summary = crate::sampler::record(&crate::sampler::RecordOptions {
+        pids: vec![pid],
+        duration: Some(std::time::Duration::from_secs_f64(seconds)),
+        rate_hz: 997,
+        output: rec_path.clone(),
+        backend: crate::sampler::Backend::Auto,
+        offcpu: true,
+        quiet: false,
+    })?;
+    drop(child);
+    println!(
+        "{} samples, {} off-CPU intervals, {} bytes, backend {}\n",
+        summary.samples, summary.offcpu_intervals, summary.bytes, summary.backend
+    );
+
+    // 3. views: report and flamegraph.
+    let (rec, sel) = crate::views::open(&rec_path, &crate::views::filter::FilterArgs::default())?;
+    let md = crate::views::report(&rec, &sel, crate::views::ReportFormat::Md)?;
+    let md_path = out_dir.join("report.md");
+    std::fs::write(&md_path, &md)?;
+    let svg = crate::views::flame::render(&rec, &sel, false)?;
+    let svg_path = out_dir.join("flame.svg");
+    std::fs::write(&svg_path, svg)?;
+    let off = crate::views::flame::render(&rec, &sel, true)?;
+    let off_path = out_dir.join("flame-offcpu.svg");
+    std::fs::write(&off_path, off)?;
+    println!("{}", String::from_utf8_lossy(&md));
+    println!(
+        "\n== written: {} (recording), {} (report), {} (on-CPU flamegraph), {} (off-CPU flamegraph)",
+        rec_path.display(),
+        md_path.display(),
+        svg_path.display(),
+        off_path.display()
+    );
     Ok(())
 }

@@ -63,9 +63,15 @@ enum Cmd {
     },
     /// Run a bundled sample workload and show what enginescope sees in it.
     Demo {
-        /// Python interpreter to run the sample with.
+        /// Python interpreter to run the samples with.
         #[arg(long, default_value = "python3")]
         python: String,
+        /// Where to write the recording, report and flamegraphs.
+        #[arg(long, default_value = "enginescope-demo")]
+        out: std::path::PathBuf,
+        /// Seconds to record.
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
     },
     /// Draw a recording as a flamegraph SVG (docs/views.md).
     Flame {
@@ -204,7 +210,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
-        Cmd::Demo { python } => enginescope::demo::run(&python)?,
+        Cmd::Demo {
+            python,
+            out,
+            seconds,
+        } => enginescope::demo::run(&python, &out, seconds)?,
         Cmd::Flame {
             file,
             output,
