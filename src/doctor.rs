@@ -134,3 +134,27 @@ pub fn report(p: Option<&PythonProcess>, as_json: bool) -> String {
     }
     out
 }
+
+/// The BPF part of `doctor --pid`: whether the sampler loads here and what it sees in 0.5 s.
+pub fn bpf_check(pid: i32) -> String {
+    let mut out = String::from("bpf sampler:\n");
+    if let Some(why) = crate::bpf::unavailable_reason() {
+        let _ = writeln!(
+            out,
+            "  unavailable          {why} (record falls back to --backend memory)"
+        );
+        return out;
+    }
+    match crate::sampler::bpf_selftest(pid, std::time::Duration::from_millis(500)) {
+        Ok(counters) => {
+            let _ = writeln!(out, "  loaded and attached  0.5 s at 997 Hz per CPU");
+            for (k, v) in counters {
+                let _ = writeln!(out, "  {k:<28} {v}");
+            }
+        }
+        Err(e) => {
+            let _ = writeln!(out, "  failed               {e:#}");
+        }
+    }
+    out
+}

@@ -174,6 +174,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             print!("{}", doctor::report(p.as_ref(), json));
             if json {
                 println!();
+            } else if let Some(pid) = pid {
+                print!("{}", doctor::bpf_check(pid));
             }
         }
         Cmd::Record {

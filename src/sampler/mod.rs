@@ -498,3 +498,53 @@ fn drain_events(
     });
     err.map_or(Ok(()), Err)
 }
+
+/// A short BPF check for `doctor`: load and attach the programs, sample `pid` for `duration`,
+/// and return the counters plus how many events came back (by kind).
+pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<String, u64>> {
+    let mut targets = vec![Target::new(PythonProcess::attach(pid)?)];
+    let mut b = BpfSampler::start(997, true)?;
+    for t in targets.iter_mut() {
+        let (changed, _) = t.refresh_threads();
+        for (tid, tstate, _) in changed {
+            b.set_thread(
+                tid as u32,
+                &EsThread {
+                    tstate,
+                    tgid: pid as u32,
+                    pad: 0,
+                },
+            )?;
+        }
+        b.set_target(pid as u32, &t.bpf_config(true)?)?;
+    }
+    std::thread::sleep(duration);
+    b.remove_target(pid as u32);
+    let mut out: BTreeMap<String, u64> = b
+        .counters()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+    let mut frames = 0u64;
+    let mut unresolved = 0u64;
+    b.drain(usize::MAX, |bytes| {
+        if let Some((h, f)) = abi::parse_event(bytes) {
+            let key = match h.kind {
+                kind::SAMPLE => "events_sample",
+                kind::SWITCH_OUT => "events_switch_out",
+                kind::SWITCH_IN => "events_switch_in",
+                _ => "events_other",
+            };
+            *out.entry(key.into()).or_default() += 1;
+            let resolved = targets[0].resolve(&f);
+            frames += resolved.len() as u64;
+            unresolved += resolved
+                .iter()
+                .filter(|fr| fr.function == "<unknown>")
+                .count() as u64;
+        }
+    });
+    out.insert("frames_resolved".into(), frames - unresolved);
+    out.insert("frames_unresolved".into(), unresolved);
+    Ok(out)
+}
