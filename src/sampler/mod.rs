@@ -536,7 +536,7 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
                 _ => "events_other",
             };
             *out.entry(key.into()).or_default() += 1;
-            let resolved = targets[0].resolve(&f);
+            let resolved = target.resolve(&f);
             frames += resolved.len() as u64;
             unresolved += resolved
                 .iter()
