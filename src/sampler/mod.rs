@@ -502,22 +502,20 @@ fn drain_events(
 /// A short BPF check for `doctor`: load and attach the programs, sample `pid` for `duration`,
 /// and return the counters plus how many events came back (by kind).
 pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<String, u64>> {
-    let mut targets = vec![Target::new(PythonProcess::attach(pid)?)];
+    let mut target = Target::new(PythonProcess::attach(pid)?);
     let mut b = BpfSampler::start(997, true)?;
-    for t in targets.iter_mut() {
-        let (changed, _) = t.refresh_threads();
-        for (tid, tstate, _) in changed {
-            b.set_thread(
-                tid as u32,
-                &EsThread {
-                    tstate,
-                    tgid: pid as u32,
-                    pad: 0,
-                },
-            )?;
-        }
-        b.set_target(pid as u32, &t.bpf_config(true)?)?;
+    let (changed, _) = target.refresh_threads();
+    for (tid, tstate, _) in changed {
+        b.set_thread(
+            tid as u32,
+            &EsThread {
+                tstate,
+                tgid: pid as u32,
+                pad: 0,
+            },
+        )?;
     }
+    b.set_target(pid as u32, &target.bpf_config(true)?)?;
     std::thread::sleep(duration);
     b.remove_target(pid as u32);
     let mut out: BTreeMap<String, u64> = b
