@@ -1,7 +1,9 @@
 //! The backend without BPF: poll each target from user space through the same CPython reader
-//! (`process_vm_readv`), at a lower rate. A thread counts as on CPU at a tick when the kernel
-//! reports it running (`/proc/PID/task/TID/stat` state `R`); between ticks where it was not
-//! running, it was off CPU at the stack read then. Resolution is one tick.
+//! (`process_vm_readv`), at a lower rate. At each tick every thread's Python stack is read, and
+//! the CPU time the kernel charged to the thread since the previous tick
+//! (`/proc/PID/task/TID/schedstat`, nanoseconds) becomes a sample of that weight at that stack;
+//! the rest of the tick becomes an off-CPU interval at that stack. So per-thread on/off-CPU
+//! totals are exact, and their attribution to stacks is sampled at the tick rate.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,10 +16,10 @@ use crate::record::{flags, ThreadInfo};
 /// Highest rate the memory backend attempts; each tick reads every thread's stack.
 pub const MAX_RATE_HZ: u32 = 250;
 
-fn thread_state(pid: i32, tid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
-    rest.split_whitespace().next()?.chars().next()
+/// Nanoseconds the thread has run on a CPU (first field of schedstat).
+fn thread_cpu_ns(pid: i32, tid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
+    s.split_whitespace().next()?.parse().ok()
 }
 
 pub fn run(
@@ -30,7 +32,8 @@ pub fn run(
     let period = Duration::from_nanos(1_000_000_000 / rate_hz.max(1) as u64);
     let mut next = Instant::now();
     let mut known: HashMap<(i32, i32), String> = HashMap::new();
-    let mut running_before: HashMap<(i32, i32), bool> = HashMap::new();
+    // (thread CPU ns, monotonic ns) at the previous tick
+    let mut last: HashMap<(i32, i32), (u64, u64)> = HashMap::new();
     let mut last_flush = Instant::now();
     loop {
         if stop.load(Ordering::SeqCst) {
@@ -41,13 +44,19 @@ pub fn run(
         }
         let mut any_alive = false;
         for t in targets.iter_mut() {
+            if !crate::procinfo::is_running(t.pid) {
+                continue;
+            }
             let Ok(snap) = t.proc.snapshot() else {
                 continue;
             };
             any_alive = true;
-            let now = monotonic_ns();
             for th in snap.threads {
                 let Some(tid) = th.tid else { continue };
+                let Some(cpu) = thread_cpu_ns(t.pid, tid) else {
+                    continue;
+                };
+                let now = monotonic_ns();
                 let key = (t.pid, tid);
                 if known.get(&key) != Some(&th.name) {
                     known.insert(key, th.name.clone());
@@ -59,12 +68,12 @@ pub fn run(
                     })?;
                 }
                 let stack = pipe.writer.intern_stack(&th.frames)?;
-                let running = thread_state(t.pid, tid) == Some('R');
-                let was = running_before.insert(key, running);
-                if running {
-                    if was == Some(false) {
-                        pipe.switch_in(t.pid, tid, now)?;
-                    }
+                let Some((cpu0, t0)) = last.insert(key, (cpu, now)) else {
+                    continue;
+                };
+                let wall = now.saturating_sub(t0);
+                let on = cpu.saturating_sub(cpu0).min(wall);
+                if on > 0 {
                     let mut fl = 0;
                     if th.holds_gil {
                         fl |= flags::GIL;
@@ -75,13 +84,10 @@ pub fn run(
                     if th.error.is_some() {
                         fl |= flags::PARTIAL;
                     }
-                    pipe.sample(t.pid, tid, now, stack, fl)?;
-                } else if was != Some(false) {
-                    if was.is_none() {
-                        pipe.initial_stack(t.pid, tid, stack);
-                    } else {
-                        pipe.switch_out(t.pid, tid, now, stack, false);
-                    }
+                    pipe.sample_weighted(t.pid, tid, now, stack, fl, on)?;
+                }
+                if wall > on {
+                    pipe.offcpu_interval(t.pid, tid, now - (wall - on), wall - on, stack)?;
                 }
             }
         }

@@ -125,6 +125,48 @@ impl Pipeline {
         })
     }
 
+    /// A sample standing for `weight_ns` of CPU time (the memory backend's measured CPU time).
+    pub fn sample_weighted(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        stack: u32,
+        fl: u8,
+        weight_ns: u64,
+    ) -> anyhow::Result<()> {
+        let t = self.rel(t_ns);
+        self.samples += 1;
+        self.writer.sample(&Sample {
+            t_ns: t,
+            pid,
+            tid,
+            stack,
+            flags: fl,
+            weight_ns: weight_ns.min(u32::MAX as u64) as u32,
+        })
+    }
+
+    /// An off-CPU interval known as a whole (the memory backend's share of a tick off CPU).
+    pub fn offcpu_interval(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        start_ns: u64,
+        dur_ns: u64,
+        stack: u32,
+    ) -> anyhow::Result<()> {
+        self.offcpu += 1;
+        self.writer.offcpu(&OffCpu {
+            pid,
+            tid,
+            start_ns: self.rel(start_ns),
+            dur_ns,
+            stack,
+            preempted: false,
+        })
+    }
+
     pub fn switch_out(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, preempted: bool) {
         let t = self.rel(t_ns);
         let tl = self.timelines.entry((pid, tid)).or_default();
