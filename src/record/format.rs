@@ -27,6 +27,8 @@ mod tag {
     pub const OFFCPU: u8 = 7;
     pub const COUNTERS: u8 = 8;
     pub const END: u8 = 9;
+    pub const GIL_WAIT: u8 = 10;
+    pub const GC_PAUSE: u8 = 11;
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -240,6 +242,29 @@ impl RecordingWriter {
         self.record(tag::OFFCPU)
     }
 
+    pub fn gil_wait(&mut self, g: &GilWait) -> anyhow::Result<()> {
+        self.buf.clear();
+        put_varint(&mut self.buf, g.start_ns);
+        put_varint(&mut self.buf, g.dur_ns);
+        put_varint(&mut self.buf, zigzag(g.pid as i64));
+        put_varint(&mut self.buf, zigzag(g.tid as i64));
+        put_varint(&mut self.buf, zigzag(g.holder_tid as i64));
+        put_varint(&mut self.buf, g.holder_stack as u64);
+        put_varint(&mut self.buf, g.waiter_stack as u64);
+        self.buf.push(g.switch_wait as u8);
+        self.record(tag::GIL_WAIT)
+    }
+
+    pub fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {
+        self.buf.clear();
+        put_varint(&mut self.buf, g.start_ns);
+        put_varint(&mut self.buf, g.dur_ns);
+        put_varint(&mut self.buf, zigzag(g.pid as i64));
+        put_varint(&mut self.buf, zigzag(g.tid as i64));
+        put_varint(&mut self.buf, zigzag(g.generation as i64));
+        self.record(tag::GC_PAUSE)
+    }
+
     /// Push buffered records to the file (whole records only).
     pub fn flush(&mut self) -> anyhow::Result<()> {
         self.out.flush()?;
@@ -380,6 +405,34 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
                 }
                 r.offcpu.push(o);
             }
+            tag::GIL_WAIT => {
+                let g = GilWait {
+                    start_ns: c.varint()?,
+                    dur_ns: c.varint()?,
+                    pid: c.i32()?,
+                    tid: c.i32()?,
+                    holder_tid: c.i32()?,
+                    holder_stack: c.varint()? as u32,
+                    waiter_stack: c.varint()? as u32,
+                    switch_wait: c.u8()? != 0,
+                };
+                if g.holder_stack as usize >= r.stacks.len()
+                    || g.waiter_stack as usize >= r.stacks.len()
+                {
+                    bail!("GIL wait names an unknown stack");
+                }
+                r.gil_waits.push(g);
+            }
+            tag::GC_PAUSE => {
+                let g = GcPause {
+                    start_ns: c.varint()?,
+                    dur_ns: c.varint()?,
+                    pid: c.i32()?,
+                    tid: c.i32()?,
+                    generation: i8::try_from(unzigzag(c.varint()?)).unwrap_or(-1),
+                };
+                r.gc_pauses.push(g);
+            }
             // Unknown tags are skipped: newer writers may add record kinds.
             _ => {}
         }
@@ -458,6 +511,25 @@ mod tests {
             preempted: false,
         })
         .unwrap();
+        let gw = GilWait {
+            pid: 7,
+            tid: 8,
+            start_ns: 100,
+            dur_ns: 5_000_000,
+            holder_tid: 9,
+            holder_stack: s1,
+            waiter_stack: s3,
+            switch_wait: false,
+        };
+        w.gil_wait(&gw).unwrap();
+        let gp = GcPause {
+            pid: 7,
+            tid: 9,
+            start_ns: 200,
+            dur_ns: 1_500_000,
+            generation: 2,
+        };
+        w.gc_pause(&gp).unwrap();
         let per_sample = {
             let before = w.bytes_written();
             w.sample(&Sample {
@@ -490,6 +562,10 @@ mod tests {
         );
         assert_eq!(r.stack_frames(s3).next().unwrap().line, None);
         assert_eq!(r.offcpu.len(), 1);
+        assert_eq!(r.gil_waits, vec![gw]);
+        assert_eq!(r.gc_pauses, vec![gp]);
+        assert_eq!(r.gil_waits, vec![gw]);
+        assert_eq!(r.gc_pauses, vec![gp]);
         assert_eq!(r.thread_name(7, 8), "main");
         assert!(r.end.is_some());
 

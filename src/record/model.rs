@@ -92,6 +92,37 @@ pub struct OffCpu {
     pub preempted: bool,
 }
 
+/// One interval a thread spent blocked on the GIL (a futex wait inside the GIL's struct),
+/// exact from the kernel, with who held the GIL when the wait began.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GilWait {
+    pub pid: i32,
+    pub tid: i32,
+    pub start_ns: u64,
+    pub dur_ns: u64,
+    /// Thread holding the GIL when the wait began (0: free or unknown).
+    pub holder_tid: i32,
+    /// The holder's Python stack when the wait began.
+    pub holder_stack: u32,
+    /// The waiting thread's Python stack.
+    pub waiter_stack: u32,
+    /// false: waiting to take the GIL (cond/mutex); true: a dropping thread waiting for the
+    /// forced switch to happen (switch_cond/switch_mutex).
+    pub switch_wait: bool,
+}
+
+/// One garbage collection: from `collecting = 1` to `collecting = 0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcPause {
+    pub pid: i32,
+    /// The thread that ran the collection.
+    pub tid: i32,
+    pub start_ns: u64,
+    pub dur_ns: u64,
+    /// Collected generation (0–2), -1 when it could not be read.
+    pub generation: i8,
+}
+
 /// A recording, fully read.
 #[derive(Debug, Clone, Default)]
 pub struct Recording {
@@ -104,6 +135,8 @@ pub struct Recording {
     pub stacks: Vec<Vec<u32>>,
     pub samples: Vec<Sample>,
     pub offcpu: Vec<OffCpu>,
+    pub gil_waits: Vec<GilWait>,
+    pub gc_pauses: Vec<GcPause>,
     /// Failure-path and health counters (last value written wins).
     pub counters: BTreeMap<String, u64>,
     /// Present when the recorder finished cleanly.
