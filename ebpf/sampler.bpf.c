@@ -53,6 +53,14 @@ struct {
     __type(value, struct es_event);
 } scratch SEC(".maps");
 
+/* Threads inside a futex wait on the GIL: tid -> start time. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, ES_MAX_THREADS);
+    __type(key, __u32);
+    __type(value, __u64);
+} gil_waiting SEC(".maps");
+
 static __always_inline void count(__u32 which)
 {
     __u64 *c = bpf_map_lookup_elem(&counters, &which);
@@ -199,7 +207,7 @@ static __always_inline void submit(struct es_event *ev)
         count(ES_C_RINGBUF_FULL);
 }
 
-/* Record the current (target) thread with its stack. */
+
 static __always_inline void record_current(__u8 kind, const struct es_target *t, __u32 tgid, __u32 tid,
                                            __u64 ip, __u8 extra_flags)
 {
@@ -277,5 +285,115 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
         if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
             count(ES_C_RINGBUF_FULL);
     }
+    return 0;
+}
+
+#define ES_NR_FUTEX 202 /* x86-64 */
+/* Offset of `di` (first syscall argument) in the kernel's x86-64 struct pt_regs. */
+#define ES_PT_REGS_DI 112
+
+SEC("tp_btf/sys_enter")
+int BPF_PROG(on_sys_enter, void *regs, long id)
+{
+    if (id != ES_NR_FUTEX)
+        return 0;
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
+    if (!t || !(t->flags & ES_TARGET_GIL) || !t->gil_addr)
+        return 0;
+    __u64 uaddr = 0;
+    if (bpf_probe_read_kernel(&uaddr, sizeof(uaddr), (char *)regs + ES_PT_REGS_DI))
+        return 0;
+    __u64 off = uaddr - t->gil_addr;
+    if (off < t->gil_cond_off || off >= t->gil_size)
+        return 0;
+    __u64 now = bpf_ktime_get_ns();
+    bpf_map_update_elem(&gil_waiting, &tid, &now, BPF_ANY);
+    count(ES_C_GIL_WAITS);
+
+    __u32 zero = 0;
+    struct es_event *ev = bpf_map_lookup_elem(&scratch, &zero);
+    if (!ev)
+        return 0;
+    ev->h.kind = ES_EV_GIL_WAIT_START;
+    ev->h.tgid = tgid;
+    ev->h.tid = tid;
+    ev->h.cpu = (__u32)off;
+    ev->h.time_ns = now;
+    ev->h.nframes = 0;
+    __u8 flags = off >= t->gil_switch_off ? ES_EV_SWITCH_WAIT : 0;
+    /* Who holds the GIL now, and what is it running? Same address space: read its stack. */
+    int locked = 0;
+    __u64 holder = 0;
+    if (bpf_probe_read_user(&locked, sizeof(locked), (void *)t->gil_locked_addr) ||
+        bpf_probe_read_user(&holder, sizeof(holder), (void *)t->gil_holder_addr)) {
+        count(ES_C_GIL_READ_ERR);
+        holder = 0;
+    }
+    if (!locked)
+        holder = 0;
+    ev->h.ip = holder;
+    if (holder)
+        flags |= walk_stack(t, holder, ev) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    ev->h.flags = flags;
+    submit(ev);
+    return 0;
+}
+
+SEC("tp_btf/sys_exit")
+int BPF_PROG(on_sys_exit, void *regs, long ret)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tid = (__u32)pid_tgid;
+    __u64 *start = bpf_map_lookup_elem(&gil_waiting, &tid);
+    if (!start)
+        return 0;
+    bpf_map_delete_elem(&gil_waiting, &tid);
+    struct es_event_header h = {
+        .kind = ES_EV_GIL_WAIT_END,
+        .tgid = pid_tgid >> 32,
+        .tid = tid,
+        .cpu = bpf_get_smp_processor_id(),
+        .time_ns = bpf_ktime_get_ns(),
+    };
+    if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
+        count(ES_C_RINGBUF_FULL);
+    return 0;
+}
+
+/* Hardware write watchpoint on gcstate->collecting (cpu-wide, filtered by tgid): fires right
+ * after the write, in the writing thread. */
+SEC("perf_event")
+int on_gc_write(struct bpf_perf_event_data *ctx)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tgid = pid_tgid >> 32;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
+    if (!t || !(t->flags & ES_TARGET_GC))
+        return 0;
+    count(ES_C_GC_EDGES);
+    struct es_gc_edge ev = {};
+    int value = 0;
+    if (bpf_probe_read_user(&value, sizeof(value), (void *)t->gc_collecting_addr)) {
+        count(ES_C_GC_READ_ERR);
+        return 0;
+    }
+    ev.h.kind = ES_EV_GC_EDGE;
+    ev.h.tgid = tgid;
+    ev.h.tid = (__u32)pid_tgid;
+    ev.h.cpu = bpf_get_smp_processor_id();
+    ev.h.time_ns = bpf_ktime_get_ns();
+    ev.h.ip = (__u64)(__s64)value;
+    if (t->gc_stats_addr) {
+        for (int i = 0; i < 3; i++) {
+            __u64 base = t->gc_stats_addr + (__u64)i * t->gc_stats_stride;
+            if (bpf_probe_read_user(&ev.collections[i], 8, (void *)base) ||
+                bpf_probe_read_user(&ev.collected[i], 8, (void *)(base + 8)))
+                count(ES_C_GC_READ_ERR);
+        }
+    }
+    if (bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_NO_WAKEUP))
+        count(ES_C_RINGBUF_FULL);
     return 0;
 }

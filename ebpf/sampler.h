@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 1
+#define ES_ABI_VERSION 2
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -30,9 +30,18 @@ struct es_target {
     __u32 flags;                /* ES_TARGET_* */
     __u32 code_name;            /* offsetof(PyCodeObject, co_name) */
     __u32 pad;
+    /* GIL waits: futex waits of target threads on an address inside the GIL's struct. */
+    __u64 gil_addr;             /* _gil_runtime_state of the main interpreter; 0 = no GIL tracing */
+    __u32 gil_cond_off;         /* offsetof(cond): [cond, switch_cond) = waiting to take the GIL */
+    __u32 gil_switch_off;       /* offsetof(switch_cond): [switch_cond, size) = forced-switch wait */
+    __u32 gil_size;             /* sizeof(struct _gil_runtime_state) */
+    __u32 gc_stats_stride;      /* sizeof(struct gc_generation_stats) */
+    __u64 gc_stats_addr;        /* &gcstate->generation_stats[0] (collections, collected); 0 = unknown */
 };
 
 #define ES_TARGET_OFFCPU 1      /* trace sched_switch for this process */
+#define ES_TARGET_GIL 2         /* trace futex waits on the GIL */
+#define ES_TARGET_GC 4          /* a write watchpoint on gcstate->collecting is set */
 
 /* One thread: its PyThreadState, found by user space walking interp->threads. */
 struct es_thread {
@@ -53,7 +62,14 @@ enum es_event_kind {
     ES_EV_SAMPLE = 1,     /* cpu-clock sample of a target thread */
     ES_EV_SWITCH_OUT = 2, /* target thread switched out: time, state, Python stack */
     ES_EV_SWITCH_IN = 3,  /* target thread switched back in */
+    ES_EV_GIL_WAIT_START = 4, /* futex wait on the GIL begins: ip = holder tstate, cpu = offset
+                               * in the GIL struct, frames = the holder's Python stack */
+    ES_EV_GIL_WAIT_END = 5,   /* that futex wait returned */
+    ES_EV_GC_EDGE = 6,        /* gcstate->collecting written: ip = new value; struct es_gc_edge */
 };
+
+#define ES_EV_SWITCH_WAIT 128 /* on GIL_WAIT_START: the wait is the forced-switch handshake */
+
 
 #define ES_EV_GIL 1        /* thread held the GIL */
 #define ES_EV_GC 2         /* collection running */
@@ -80,6 +96,14 @@ struct es_event {
     struct es_frame frames[ES_MAX_FRAMES];
 };
 
+/* A write to gcstate->collecting, with the per-generation statistics at that moment. */
+struct es_gc_edge {
+    struct es_event_header h;
+    __u64 collections[3];
+    __u64 collected[3];
+};
+
+
 /* Counters (per-CPU array, summed by user space). Every failure path has one. */
 enum es_counter {
     ES_C_SAMPLES = 0,        /* perf_event program runs in a target */
@@ -94,6 +118,9 @@ enum es_counter {
     ES_C_SKIPPED_NONCODE,
     ES_C_GIL_READ_ERR,
     ES_C_GC_READ_ERR,
+    ES_C_GIL_WAITS,          /* futex waits on the GIL seen */
+    ES_C_GC_EDGES,           /* writes to gcstate->collecting seen */
+    ES_C_GIL_WAIT_UNPAIRED,  /* futex exit without a matching enter (attached mid-wait) */
     ES_C_COUNT,
 };
 

@@ -108,6 +108,8 @@ fn run_in(
         output: rec_path.clone(),
         backend: crate::sampler::Backend::Auto,
         offcpu: true,
+        gil: true,
+        gc: true,
         quiet: false,
     })?;
     drop(child);

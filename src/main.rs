@@ -57,6 +57,12 @@ enum Cmd {
         /// Do not trace off-CPU intervals (sched_switch).
         #[arg(long)]
         no_offcpu: bool,
+        /// Do not time GIL waits (futex tracing).
+        #[arg(long)]
+        no_gil: bool,
+        /// Do not time GC pauses (hardware write watchpoint on the GC state).
+        #[arg(long)]
+        no_gc: bool,
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
@@ -185,6 +191,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             output,
             backend,
             no_offcpu,
+            no_gil,
+            no_gc,
             json,
         } => {
             let opts = enginescope::sampler::RecordOptions {
@@ -194,6 +202,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 output: output.clone(),
                 backend,
                 offcpu: !no_offcpu,
+                gil: !no_gil,
+                gc: !no_gc,
                 quiet: false,
             };
             let s = enginescope::sampler::record(&opts)?;

@@ -23,6 +23,9 @@ int main(void) {
   F(es_target, cframe_current_frame); F(es_target, frame_previous); F(es_target, frame_code);
   F(es_target, frame_instr); F(es_target, frame_owner); F(es_target, code_firstlineno);
   F(es_target, code_adaptive); F(es_target, flags); F(es_target, code_name);
+  F(es_target, gil_addr); F(es_target, gil_cond_off); F(es_target, gil_switch_off);
+  F(es_target, gil_size); F(es_target, gc_stats_stride); F(es_target, gc_stats_addr);
+  S(es_gc_edge); F(es_gc_edge, collections); F(es_gc_edge, collected);
   S(es_thread); F(es_thread, tgid);
   S(es_frame); F(es_frame, instr_offset); F(es_frame, code_id);
   S(es_event_header); F(es_event_header, flags); F(es_event_header, nframes);
@@ -96,6 +99,24 @@ int main(void) {
         ),
         ("es_target.flags", offset_of!(EsTarget, flags)),
         ("es_target.code_name", offset_of!(EsTarget, code_name)),
+        ("es_target.gil_addr", offset_of!(EsTarget, gil_addr)),
+        ("es_target.gil_cond_off", offset_of!(EsTarget, gil_cond_off)),
+        (
+            "es_target.gil_switch_off",
+            offset_of!(EsTarget, gil_switch_off),
+        ),
+        ("es_target.gil_size", offset_of!(EsTarget, gil_size)),
+        (
+            "es_target.gc_stats_stride",
+            offset_of!(EsTarget, gc_stats_stride),
+        ),
+        (
+            "es_target.gc_stats_addr",
+            offset_of!(EsTarget, gc_stats_addr),
+        ),
+        ("es_gc_edge", size_of::<EsEventHeader>() + 48),
+        ("es_gc_edge.collections", size_of::<EsEventHeader>()),
+        ("es_gc_edge.collected", size_of::<EsEventHeader>() + 24),
         ("es_thread", size_of::<EsThread>()),
         ("es_thread.tgid", offset_of!(EsThread, tgid)),
         ("es_frame", size_of::<EsFrame>()),

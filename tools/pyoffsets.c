@@ -38,6 +38,7 @@ int main(void) {
     P("interp.next", offsetof(PyInterpreterState, next));
     P("interp.gc", offsetof(PyInterpreterState, gc));
     P("gc.collecting", offsetof(struct _gc_runtime_state, collecting));
+    P("gc.generation_stats", offsetof(struct _gc_runtime_state, generation_stats));
     P("tstate.next", offsetof(PyThreadState, next));
     P("tstate.interp", offsetof(PyThreadState, interp));
     P("tstate.thread_id", offsetof(PyThreadState, thread_id));

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 pub const MAX_FRAMES: usize = 128;
 
 /// `struct es_target`.
@@ -30,9 +30,17 @@ pub struct EsTarget {
     pub flags: u32,
     pub code_name: u32,
     pub pad: u32,
+    pub gil_addr: u64,
+    pub gil_cond_off: u32,
+    pub gil_switch_off: u32,
+    pub gil_size: u32,
+    pub gc_stats_stride: u32,
+    pub gc_stats_addr: u64,
 }
 
 pub const TARGET_OFFCPU: u32 = 1;
+pub const TARGET_GIL: u32 = 2;
+pub const TARGET_GC: u32 = 4;
 
 /// `struct es_thread`.
 #[repr(C)]
@@ -76,6 +84,9 @@ pub mod kind {
     pub const SAMPLE: u8 = 1;
     pub const SWITCH_OUT: u8 = 2;
     pub const SWITCH_IN: u8 = 3;
+    pub const GIL_WAIT_START: u8 = 4;
+    pub const GIL_WAIT_END: u8 = 5;
+    pub const GC_EDGE: u8 = 6;
 }
 
 pub mod ev {
@@ -87,6 +98,8 @@ pub mod ev {
     pub const NO_TSTATE: u8 = 32;
     pub const TRUNCATED: u8 = 64;
     pub const PREEMPTED: u8 = 128;
+    /// On GIL_WAIT_START (same bit as PREEMPTED, which only SWITCH_OUT uses).
+    pub const SWITCH_WAIT: u8 = 128;
 }
 
 /// `enum es_counter`, in order.
@@ -103,6 +116,9 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_skipped_noncode_frames",
     "bpf_gil_read_errors",
     "bpf_gc_read_errors",
+    "bpf_gil_waits",
+    "bpf_gc_edges",
+    "bpf_gil_wait_unpaired",
 ];
 
 // SAFETY: plain-old-data #[repr(C)] structs without padding holes that matter to the kernel
@@ -113,7 +129,9 @@ unsafe impl aya::Pod for EsThread {}
 
 const _: () = {
     use std::mem::{offset_of, size_of};
-    assert!(size_of::<EsTarget>() == 104);
+    assert!(size_of::<EsTarget>() == 136);
+    assert!(offset_of!(EsTarget, gil_addr) == 104);
+    assert!(offset_of!(EsTarget, gc_stats_addr) == 128);
     assert!(offset_of!(EsTarget, code_name) == 96);
     assert!(offset_of!(EsTarget, frame_kind) == 56);
     assert!(offset_of!(EsTarget, frame_owner) == 80);
@@ -126,6 +144,24 @@ const _: () = {
     assert!(offset_of!(EsEventHeader, time_ns) == 16);
     assert!(offset_of!(EsEventHeader, ip) == 24);
 };
+
+/// `struct es_gc_edge` after its header: per-generation (collections, collected).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GcStats {
+    pub collections: [u64; 3],
+    pub collected: [u64; 3],
+}
+
+/// The statistics part of a GC_EDGE record.
+pub fn parse_gc_stats(bytes: &[u8]) -> Option<GcStats> {
+    let h = std::mem::size_of::<EsEventHeader>();
+    let b = bytes.get(h..h + 48)?;
+    let at = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+    Some(GcStats {
+        collections: [at(0), at(1), at(2)],
+        collected: [at(3), at(4), at(5)],
+    })
+}
 
 /// Parse one ring-buffer record: header and frames. `None` for a malformed record.
 pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
@@ -146,6 +182,9 @@ pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
         time_ns: u64_at(16),
         ip: u64_at(24),
     };
+    if h.kind == kind::GC_EDGE {
+        return Some((h, Vec::new()));
+    }
     let n = (h.nframes as usize).min(MAX_FRAMES);
     if bytes.len() < hsize + n * 16 {
         return None;

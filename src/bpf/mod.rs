@@ -45,6 +45,12 @@ impl BpfSampler {
     /// Load the programs, start cpu-clock sampling on every online CPU at `rate_hz`, and (when
     /// `offcpu`) trace sched_switch. Nothing is recorded until targets are added.
     pub fn start(rate_hz: u32, offcpu: bool) -> anyhow::Result<Self> {
+        Self::start_with(rate_hz, offcpu, false)
+    }
+
+    /// As [`start`](Self::start); with `gil`, also trace futex waits (sys_enter/sys_exit) so
+    /// that waits on targets' GILs are timed exactly.
+    pub fn start_with(rate_hz: u32, offcpu: bool, gil: bool) -> anyhow::Result<Self> {
         let mut bpf = EbpfLoader::new()
             .load(OBJECT)
             .map_err(|e| anyhow!("loading the BPF object failed: {e:#}"))?;
@@ -77,6 +83,19 @@ impl BpfSampler {
                 .map_err(|e| anyhow!("verifier rejected on_switch: {e:#}"))?;
             prog.attach().context("attaching to sched_switch")?;
         }
+        if gil {
+            let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
+            for (prog_name, tp) in [("on_sys_enter", "sys_enter"), ("on_sys_exit", "sys_exit")] {
+                let prog: &mut BtfTracePoint = bpf
+                    .program_mut(prog_name)
+                    .with_context(|| format!("BPF object has no {prog_name} program"))?
+                    .try_into()?;
+                prog.load(tp, &btf)
+                    .map_err(|e| anyhow!("verifier rejected {prog_name}: {e:#}"))?;
+                prog.attach()
+                    .with_context(|| format!("attaching to {tp}"))?;
+            }
+        }
         let ring = RingBuf::try_from(bpf.take_map("events").context("no events map")?)?;
         let targets = BpfHashMap::try_from(bpf.take_map("targets").context("no targets map")?)?;
         let threads = BpfHashMap::try_from(bpf.take_map("threads").context("no threads map")?)?;
@@ -88,6 +107,39 @@ impl BpfSampler {
             threads,
             counters,
         })
+    }
+
+    /// Set a hardware write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) on
+    /// every CPU, running `on_gc_write` on each write. x86 has 4 debug registers per CPU, so at
+    /// most 4 targets can be watched at once.
+    pub fn watch_gc(&mut self, addr: u64) -> anyhow::Result<()> {
+        use aya::programs::perf_event::{
+            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
+        };
+        let prog: &mut PerfEvent = self
+            .bpf
+            .program_mut("on_gc_write")
+            .context("BPF object has no on_gc_write program")?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load()
+                .map_err(|e| anyhow!("verifier rejected on_gc_write: {e:#}"))?;
+        }
+        let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
+        for cpu in cpus {
+            prog.attach(
+                PerfEventConfig::Breakpoint(BreakpointConfig::Data {
+                    r#type: PerfBreakpointType::Write,
+                    address: addr,
+                    length: PerfBreakpointLength::Len4,
+                }),
+                PerfEventScope::AllProcessesOneCpu { cpu },
+                SamplePolicy::Period(1),
+                false,
+            )
+            .with_context(|| format!("setting a write watchpoint at {addr:#x} on CPU {cpu} (all 4 debug registers in use?)"))?;
+        }
+        Ok(())
     }
 
     pub fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {

@@ -101,6 +101,11 @@ pub struct Offsets {
     pub bytes_data: u64,
     /// `PyThreadState.holds_gil` (3.14+; from `_Py_DebugOffsets` in 3.15)
     pub tstate_holds_gil: Option<u64>,
+    /// `struct _gc_runtime_state.generation_stats` (pycore_gc.h; pycore_interp_structs.h in
+    /// 3.14): per generation `{collections, collected, uncollectable}`, 24 bytes each. Not in
+    /// `_Py_DebugOffsets`: 3.13 from its headers, 3.14 measured on 3.14.10 (the counters a
+    /// `gc.collect(g)` increments by one); `None` where unknown (3.15 keeps them elsewhere).
+    pub gc_generation_stats: Option<u64>,
 }
 
 impl Offsets {
@@ -140,6 +145,9 @@ impl Offsets {
             ("bytes.ob_size", self.bytes_size),
             ("bytes.ob_sval", self.bytes_data),
         ];
+        if let Some(g) = self.gc_generation_stats {
+            v.push(("gc.generation_stats", g));
+        }
         let opt: [(&str, Option<u64>); 8] = [
             ("runtime.gil", self.runtime_gil),
             ("interp.ceval_gil", self.interp_ceval_gil_ptr),
@@ -205,6 +213,7 @@ pub const PY310: Offsets = Offsets {
     bytes_size: 16,           // cpython/bytesobject.h: PyBytesObject.ob_base.ob_size
     bytes_data: 32,           // cpython/bytesobject.h: PyBytesObject.ob_sval
     tstate_holds_gil: None,
+    gc_generation_stats: Some(128), // pycore_gc.h: struct _gc_runtime_state.generation_stats
 };
 
 /// CPython 3.11 (checked against 3.11.7's headers).
@@ -246,6 +255,7 @@ pub const PY311: Offsets = Offsets {
     bytes_size: 16,
     bytes_data: 32,
     tstate_holds_gil: None,
+    gc_generation_stats: Some(128), // pycore_gc.h
 };
 
 /// CPython 3.12 (checked against 3.12.1's headers).
@@ -286,6 +296,7 @@ pub const PY312: Offsets = Offsets {
     bytes_size: 16,
     bytes_data: 32,
     tstate_holds_gil: None,
+    gc_generation_stats: Some(128), // pycore_gc.h
 };
 
 /// Errors found while reading or checking `_Py_DebugOffsets`.
@@ -748,6 +759,11 @@ pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, Deb
             .get("thread_state.holds_gil")
             .copied()
             .filter(|&o| o + 4 <= d.fields.get("thread_state.size").copied().unwrap_or(0)),
+        gc_generation_stats: match v.minor {
+            13 => Some(128),
+            14 => Some(120),
+            _ => None,
+        },
     })
 }
 

@@ -18,7 +18,8 @@ use crate::bpf::abi::{self, kind};
 use crate::bpf::{BpfSampler, EsThread};
 use crate::cpython::PythonProcess;
 use crate::record::{
-    flags, EndInfo, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample, ThreadInfo,
+    flags, EndInfo, GcPause, GilWait, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample,
+    ThreadInfo,
 };
 use target::Target;
 
@@ -37,6 +38,10 @@ pub struct RecordOptions {
     pub output: PathBuf,
     pub backend: Backend,
     pub offcpu: bool,
+    /// Exact GIL waits (futex tracing; bpf backend).
+    pub gil: bool,
+    /// Exact GC pauses (write watchpoint on gcstate->collecting; bpf backend).
+    pub gc: bool,
     pub quiet: bool,
 }
 
@@ -87,14 +92,34 @@ struct ThreadTimeline {
     seen_event: bool,
 }
 
+/// A GIL wait that has begun and not yet ended.
+struct PendingGilWait {
+    start_ns: u64,
+    holder_tid: i32,
+    holder_stack: u32,
+    waiter_stack: Option<u32>,
+    switch_wait: bool,
+}
+
+/// A collection that has begun: when, in which thread, and the statistics then.
+struct PendingGc {
+    start_ns: u64,
+    tid: i32,
+    stats: abi::GcStats,
+}
+
 /// Shared by both backends: turns resolved events into recording records.
 pub struct Pipeline {
     pub writer: RecordingWriter,
     pub start_ns: u64,
     pub weight_ns: u32,
     timelines: HashMap<(i32, i32), ThreadTimeline>,
+    gil_waits: HashMap<(i32, i32), PendingGilWait>,
+    gc: HashMap<i32, PendingGc>,
     pub samples: u64,
     pub offcpu: u64,
+    pub gil_wait_records: u64,
+    pub gc_pause_records: u64,
 }
 
 impl Pipeline {
@@ -169,6 +194,9 @@ impl Pipeline {
 
     pub fn switch_out(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, preempted: bool) {
         let t = self.rel(t_ns);
+        if let Some(w) = self.gil_waits.get_mut(&(pid, tid)) {
+            w.waiter_stack.get_or_insert(stack);
+        }
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
@@ -209,9 +237,103 @@ impl Pipeline {
         }
     }
 
+    pub fn gil_wait_start(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        holder_tid: i32,
+        holder_stack: u32,
+        switch_wait: bool,
+    ) {
+        let start_ns = self.rel(t_ns);
+        self.gil_waits.insert(
+            (pid, tid),
+            PendingGilWait {
+                start_ns,
+                holder_tid,
+                holder_stack,
+                waiter_stack: None,
+                switch_wait,
+            },
+        );
+    }
+
+    /// Returns false when no wait was open (the recorder attached during it).
+    pub fn gil_wait_end(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<bool> {
+        let end = self.rel(t_ns);
+        let Some(w) = self.gil_waits.remove(&(pid, tid)) else {
+            return Ok(false);
+        };
+        self.write_gil_wait(pid, tid, w, end)?;
+        Ok(true)
+    }
+
+    fn write_gil_wait(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        w: PendingGilWait,
+        end: u64,
+    ) -> anyhow::Result<()> {
+        self.gil_wait_records += 1;
+        self.writer.gil_wait(&GilWait {
+            pid,
+            tid,
+            start_ns: w.start_ns,
+            dur_ns: end.saturating_sub(w.start_ns),
+            holder_tid: w.holder_tid,
+            holder_stack: w.holder_stack,
+            waiter_stack: w.waiter_stack.unwrap_or(0),
+            switch_wait: w.switch_wait,
+        })
+    }
+
+    /// A write to a target's `gcstate->collecting`: 1 starts a pause, 0 ends it.
+    pub fn gc_edge(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        value: i64,
+        stats: abi::GcStats,
+    ) -> anyhow::Result<()> {
+        let t = self.rel(t_ns);
+        if value != 0 {
+            self.gc.entry(pid).or_insert(PendingGc {
+                start_ns: t,
+                tid,
+                stats,
+            });
+            return Ok(());
+        }
+        let Some(p) = self.gc.remove(&pid) else {
+            return Ok(());
+        };
+        // The generation whose `collections` counter moved; the oldest one if several did.
+        let generation = (0..3)
+            .rev()
+            .find(|&g| stats.collections[g] > p.stats.collections[g])
+            .map(|g| g as i8)
+            .unwrap_or(-1);
+        self.gc_pause_records += 1;
+        self.writer.gc_pause(&GcPause {
+            pid,
+            tid: p.tid,
+            start_ns: p.start_ns,
+            dur_ns: t.saturating_sub(p.start_ns),
+            generation,
+        })
+    }
+
     /// Close intervals still open at the end.
     pub fn close(&mut self, end_ns: u64) -> anyhow::Result<()> {
         let end = self.rel(end_ns);
+        let mut waits: Vec<_> = self.gil_waits.drain().collect();
+        waits.sort_by_key(|(k, _)| *k);
+        for ((pid, tid), w) in waits {
+            self.write_gil_wait(pid, tid, w, end)?;
+        }
         let mut open = Vec::new();
         for (&(pid, tid), tl) in self.timelines.iter_mut() {
             if let Some((start, stack, preempted)) = tl.pending_out.take() {
@@ -291,7 +413,7 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         ),
         Backend::Auto => match crate::bpf::unavailable_reason() {
             Some(why) => ("memory", format!("BPF unavailable: {why}"), None),
-            None => match BpfSampler::start(opts.rate_hz, opts.offcpu) {
+            None => match BpfSampler::start_with(opts.rate_hz, opts.offcpu, opts.gil) {
                 Ok(b) => ("bpf", "BPF available".to_string(), Some(b)),
                 Err(e) => ("memory", format!("BPF failed to start: {e:#}"), None),
             },
@@ -341,8 +463,12 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         start_ns,
         weight_ns: (1_000_000_000u64 / rate as u64) as u32,
         timelines: HashMap::new(),
+        gil_waits: HashMap::new(),
+        gc: HashMap::new(),
         samples: 0,
         offcpu: 0,
+        gil_wait_records: 0,
+        gc_pause_records: 0,
     };
     for t in &targets {
         pipe.writer.process(&ProcessInfo {
@@ -451,7 +577,28 @@ fn run_bpf(
         }
     }
     for t in targets.iter() {
-        b.set_target(t.pid as u32, &t.bpf_config(opts.offcpu)?)?;
+        let mut fl = 0;
+        if opts.offcpu {
+            fl |= abi::TARGET_OFFCPU;
+        }
+        if opts.gil {
+            fl |= abi::TARGET_GIL;
+        }
+        let mut cfg = t.bpf_config(fl)?;
+        if opts.gc {
+            match b.watch_gc(cfg.gc_collecting_addr) {
+                Ok(()) => cfg.flags |= abi::TARGET_GC,
+                Err(e) => {
+                    if !opts.quiet {
+                        eprintln!(
+                            "enginescope: no exact GC pauses for process {}: {e:#}",
+                            t.pid
+                        );
+                    }
+                }
+            }
+        }
+        b.set_target(t.pid as u32, &cfg)?;
     }
     let index: HashMap<i32, usize> = targets
         .iter()
@@ -532,6 +679,25 @@ fn drain_events(
                 })
             }
             kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
+            kind::GIL_WAIT_START => {
+                let holder_tid = targets[ti].tid_of_tstate(h.ip).unwrap_or(0);
+                let resolved = targets[ti].resolve(&frames);
+                pipe.writer.intern_stack(&resolved).map(|s| {
+                    pipe.gil_wait_start(
+                        pid,
+                        tid,
+                        h.time_ns,
+                        holder_tid,
+                        s,
+                        h.flags & abi::ev::SWITCH_WAIT != 0,
+                    )
+                })
+            }
+            kind::GIL_WAIT_END => pipe.gil_wait_end(pid, tid, h.time_ns).map(|_| ()),
+            kind::GC_EDGE => match abi::parse_gc_stats(bytes) {
+                Some(st) => pipe.gc_edge(pid, tid, h.time_ns, h.ip as i64, st),
+                None => Ok(()),
+            },
             _ => Ok(()),
         };
         if let Err(e) = r {
@@ -557,7 +723,7 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
             },
         )?;
     }
-    b.set_target(pid as u32, &target.bpf_config(true)?)?;
+    b.set_target(pid as u32, &target.bpf_config(abi::TARGET_OFFCPU)?)?;
     std::thread::sleep(duration);
     b.remove_target(pid as u32);
     let mut out: BTreeMap<String, u64> = b

@@ -47,8 +47,8 @@ impl Target {
         }
     }
 
-    /// The per-process configuration the BPF programs need.
-    pub fn bpf_config(&self, offcpu: bool) -> anyhow::Result<EsTarget> {
+    /// The per-process configuration the BPF programs need. `flags` are `abi::TARGET_*`.
+    pub fn bpf_config(&self, flags: u32) -> anyhow::Result<EsTarget> {
         let p = &self.proc;
         let o = &p.offsets;
         let interp = p.main_interpreter()?;
@@ -80,9 +80,26 @@ impl Target {
             frame_owner: o.frame_owner.map(|x| x as i32).unwrap_or(-1),
             code_firstlineno: o.code_firstlineno as u32,
             code_adaptive: o.code_code_adaptive.unwrap_or(0) as u32,
-            flags: if offcpu { abi::TARGET_OFFCPU } else { 0 },
+            flags,
             code_name: o.code_name as u32,
             pad: 0,
+            // struct _gil_runtime_state (pycore_gil.h, unchanged 3.10–3.15 in GIL builds):
+            // interval, last_holder, locked, switch_number, then cond (48 bytes, glibc),
+            // mutex (40), switch_cond (48), switch_mutex (40): 208 bytes. Used only when the
+            // offsets we know agree with that layout.
+            gil_addr: if gil != 0 && o.gil_last_holder == 8 && o.gil_locked == 16 {
+                gil
+            } else {
+                0
+            },
+            gil_cond_off: 32,
+            gil_switch_off: 120,
+            gil_size: 208,
+            gc_stats_stride: 24,
+            gc_stats_addr: o
+                .gc_generation_stats
+                .map(|g| interp + o.interp_gc + g)
+                .unwrap_or(0),
         })
     }
 
@@ -124,6 +141,17 @@ impl Target {
             self.threads.remove(t);
         }
         (changed, gone)
+    }
+
+    /// The thread whose `PyThreadState` is at `tstate`.
+    pub fn tid_of_tstate(&self, tstate: u64) -> Option<i32> {
+        if tstate == 0 {
+            return None;
+        }
+        self.threads
+            .iter()
+            .find(|(_, (ts, _))| *ts == tstate)
+            .map(|(tid, _)| *tid)
     }
 
     /// Resolve raw frames (innermost first) to names and lines.
