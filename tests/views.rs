@@ -15,8 +15,8 @@ use std::process::Command;
 
 use enginescope::record::format::parse_recording;
 use enginescope::record::{
-    flags, read_recording, EndInfo, Frame, Meta, OffCpu, ProcessInfo, Recording, RecordingWriter,
-    Sample, ThreadInfo,
+    flags, read_recording, EndInfo, Frame, GcPause, GilWait, Meta, OffCpu, ProcessInfo, Recording,
+    RecordingWriter, Sample, ThreadInfo,
 };
 use enginescope::views::{self, ExportFormat, Filter, FilterArgs, ReportFormat, Selection};
 use serde_json::Value;
@@ -647,7 +647,8 @@ fn report_json_numbers_are_exact() {
     );
     assert_eq!(
         v["totals"],
-        serde_json::json!({"samples": 479, "cpu_s": 0.529, "python_s": 0.409, "native_s": 0.12, "offcpu_s": 0.075})
+        serde_json::json!({"samples": 479, "cpu_s": 0.529, "python_s": 0.409, "native_s": 0.12, "offcpu_s": 0.075,
+                           "gil_held_s": 0.4, "gil_wait_s": 0.0, "gil_switch_wait_s": 0.0, "gc_s": 0.0})
     );
 
     let threads = v["threads"].as_array().unwrap();
@@ -665,7 +666,8 @@ fn report_json_numbers_are_exact() {
         serde_json::json!({
             "pid": 100, "tid": 101, "name": "MainThread", "cpu_s": 0.4, "samples": 400,
             "python_s": 0.3, "native_s": 0.1, "offcpu_s": 0.075, "offcpu_preempted_s": 0.025,
-            "gil_held_share": 0.75, "gc_share": 0.0,
+            "gil_held_share": 0.75, "gc_share": 0.0, "gil_held_s": 0.3, "gil_wait_s": 0.0,
+            "gil_waits": 0, "gil_switch_wait_s": 0.0, "gc_s": 0.0, "gc_pauses": 0,
         })
     );
     assert_eq!((t(1, "cpu_s"), t(1, "samples")), (0.1.into(), 50.into()));
@@ -955,4 +957,729 @@ fn cli_commands_write_their_formats() {
     let o = cli(&["report", &svg]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("not an enginescope recording"));
+}
+
+// ---------------------------------------------------------------- GIL and GC
+//
+// A second fixture: pid 300 "python3.12", a launcher thread held up by a writer thread.
+// - tid 301 "launcher": 100 samples of 1 ms in `Worker.execute_model` holding the GIL, then 20
+//   NATIVE samples without it (t 0-120 ms). GIL waits (none a switch wait), starting at 200 ms
+//   every 10 ms: 6 of 3 ms while aux-writer ran `_evict_to_fit` line 50, 4 of 3 ms at line 52,
+//   2 of 4 ms while it ran `put`, 1 of 5 ms while MainThread ran `main`, 1 of 1 ms with the
+//   GIL free (holder 0), 1 of 2 ms while aux-writer ran no Python frame: 46 ms in 15 waits.
+//   Off CPU 200.01-202.99 ms (inside its first GIL wait). GC gen 1: [500, 510) and [520, 526).
+// - tid 302 "aux-writer": 200 samples of 1 ms in `_evict_to_fit` holding the GIL. GIL waits
+//   on the launcher (in execute_model): [600, 602), [628, 632), [700, 702) = 8 ms; switch waits
+//   [800, 800.5) and [810, 810.5) = 1 ms. GC: gen 0 at 400, 410, ..., 440 ms lasting 1..5 ms;
+//   gen 2 [590, 630) (so the wait at 600 nests inside it and the one at 628 sticks out by
+//   2 ms); generation unknown [900, 907).
+// - tid 303 "MainThread": 10 samples of 1 ms in `main` holding the GIL.
+// The recording lasts 1 s.
+
+const GMS: u64 = 1_000_000;
+
+fn evict(line: i32) -> Frame {
+    frame("AuxOutputStore._evict_to_fit", "/srv/aux.py", line)
+}
+fn put() -> Frame {
+    frame("AuxOutputStore.put", "/srv/aux.py", 20)
+}
+fn aux_run() -> Frame {
+    frame("AuxOutputStore.run", "/srv/aux.py", 10)
+}
+fn execute_model() -> Frame {
+    frame("Worker.execute_model", "/srv/worker.py", 30)
+}
+fn worker_loop() -> Frame {
+    frame("Worker.loop", "/srv/worker.py", 5)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gil_wait(
+    tid: i32,
+    start_ns: u64,
+    dur_ns: u64,
+    holder_tid: i32,
+    holder_stack: u32,
+    waiter_stack: u32,
+    switch_wait: bool,
+) -> GilWait {
+    GilWait {
+        pid: 300,
+        tid,
+        start_ns,
+        dur_ns,
+        holder_tid,
+        holder_stack,
+        waiter_stack,
+        switch_wait,
+    }
+}
+
+fn gc_pause(tid: i32, start_ns: u64, dur_ns: u64, generation: i8) -> GcPause {
+    GcPause {
+        pid: 300,
+        tid,
+        start_ns,
+        dur_ns,
+        generation,
+    }
+}
+
+fn write_gil_fixture(path: &Path, finish: bool) {
+    let mut w = RecordingWriter::create(
+        path,
+        &Meta {
+            rate_hz: 1000,
+            backend: "bpf".into(),
+            ..Meta::default()
+        },
+    )
+    .unwrap();
+    w.process(&ProcessInfo {
+        pid: 300,
+        cmdline: "/usr/bin/python3.12 engine.py".into(),
+        python_version: "3.12.1".into(),
+        role: String::new(),
+    })
+    .unwrap();
+    for (tid, name) in [(301, "launcher"), (302, "aux-writer"), (303, "MainThread")] {
+        w.thread(&ThreadInfo {
+            pid: 300,
+            tid,
+            name: name.into(),
+            t_ns: 0,
+        })
+        .unwrap();
+    }
+    let s_exec = w.intern_stack(&[execute_model(), worker_loop()]).unwrap();
+    let s_evict50 = w.intern_stack(&[evict(50), put(), aux_run()]).unwrap();
+    let s_evict52 = w.intern_stack(&[evict(52), put(), aux_run()]).unwrap();
+    let s_put = w.intern_stack(&[put(), aux_run()]).unwrap();
+    let s_main = w.intern_stack(&[frame("main", "/srv/main.py", 1)]).unwrap();
+    for i in 0..200u64 {
+        let t = i * GMS;
+        if i < 120 {
+            let f = if i < 100 { flags::GIL } else { flags::NATIVE };
+            w.sample(&sample(t, 300, 301, s_exec, f, MS)).unwrap();
+        }
+        w.sample(&sample(t, 300, 302, s_evict50, flags::GIL, MS))
+            .unwrap();
+        if i < 10 {
+            w.sample(&sample(t, 300, 303, s_main, flags::GIL, MS))
+                .unwrap();
+        }
+    }
+    w.offcpu(&OffCpu {
+        pid: 300,
+        tid: 301,
+        start_ns: 200 * GMS + 10_000,
+        dur_ns: 2_980_000,
+        stack: s_exec,
+        preempted: false,
+    })
+    .unwrap();
+    for i in 0..15u64 {
+        let (holder, stack, dur) = match i {
+            0..6 => (302, s_evict50, 3),
+            6..10 => (302, s_evict52, 3),
+            10..12 => (302, s_put, 4),
+            12 => (303, s_main, 5),
+            13 => (0, 0, 1),
+            _ => (302, 0, 2),
+        };
+        w.gil_wait(&gil_wait(
+            301,
+            (200 + 10 * i) * GMS,
+            dur * GMS,
+            holder,
+            stack,
+            s_exec,
+            false,
+        ))
+        .unwrap();
+    }
+    for g in 0..5u64 {
+        w.gc_pause(&gc_pause(302, (400 + 10 * g) * GMS, (g + 1) * GMS, 0))
+            .unwrap();
+    }
+    w.gc_pause(&gc_pause(301, 500 * GMS, 10 * GMS, 1)).unwrap();
+    w.gc_pause(&gc_pause(301, 520 * GMS, 6 * GMS, 1)).unwrap();
+    w.gc_pause(&gc_pause(302, 590 * GMS, 40 * GMS, 2)).unwrap();
+    for (start, dur) in [(600, 2), (628, 4), (700, 2)] {
+        w.gil_wait(&gil_wait(
+            302,
+            start * GMS,
+            dur * GMS,
+            301,
+            s_exec,
+            s_evict50,
+            false,
+        ))
+        .unwrap();
+    }
+    for start in [800, 810] {
+        w.gil_wait(&gil_wait(302, start * GMS, GMS / 2, 0, 0, s_put, true))
+            .unwrap();
+    }
+    w.gc_pause(&gc_pause(302, 900 * GMS, 7 * GMS, -1)).unwrap();
+    if finish {
+        w.finish(&EndInfo {
+            duration_ns: 1_000_000_000,
+            reason: "duration".into(),
+        })
+        .unwrap();
+    } else {
+        w.flush().unwrap();
+    }
+}
+
+fn gil_fixture() -> (tempfile::TempDir, Recording) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gil.esrec");
+    write_gil_fixture(&path, true);
+    let rec = read_recording(&path).unwrap();
+    assert_eq!((rec.gil_waits.len(), rec.gc_pauses.len()), (20, 9));
+    (dir, rec)
+}
+
+fn report_json(rec: &Recording, sel: &Selection) -> Value {
+    serde_json::from_slice(&views::report(rec, sel, ReportFormat::Json).unwrap()).unwrap()
+}
+
+fn thread_row(v: &Value, tid: i64) -> &Value {
+    v["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tid"] == tid)
+        .unwrap_or_else(|| panic!("no thread {tid}"))
+}
+
+#[test]
+fn report_gil_and_gc_per_thread() {
+    let (_d, rec) = gil_fixture();
+    let v = report_json(&rec, &Selection::all(&rec));
+    let pick = |tid: i64| {
+        let t = thread_row(&v, tid);
+        [
+            "gil_held_s",
+            "gil_held_share",
+            "gil_wait_s",
+            "gil_waits",
+            "gil_switch_wait_s",
+            "gc_s",
+            "gc_pauses",
+        ]
+        .map(|k| t[k].clone())
+    };
+    let j = |x: f64| Value::from(x);
+    assert_eq!(
+        pick(301),
+        [
+            j(0.1),
+            j(100.0 / 120.0),
+            j(0.046),
+            15.into(),
+            j(0.0),
+            j(0.016),
+            2.into()
+        ]
+    );
+    assert_eq!(
+        pick(302),
+        [
+            j(0.2),
+            j(1.0),
+            j(0.008),
+            3.into(),
+            j(0.001),
+            j(0.062),
+            7.into()
+        ]
+    );
+    assert_eq!(
+        pick(303),
+        [j(0.01), j(1.0), j(0.0), 0.into(), j(0.0), j(0.0), 0.into()]
+    );
+    let t = &v["totals"];
+    assert_eq!(
+        [
+            &t["gil_held_s"],
+            &t["gil_wait_s"],
+            &t["gil_switch_wait_s"],
+            &t["gc_s"]
+        ],
+        [&j(0.31), &j(0.054), &j(0.001), &j(0.078)]
+    );
+}
+
+#[test]
+fn report_gil_blocking_rows_in_order() {
+    let (_d, rec) = gil_fixture();
+    let v = report_json(&rec, &Selection::all(&rec));
+    let rows: Vec<(i64, i64, String, String, f64, u64, String)> = v["gil_blocking"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["waiter_tid"].as_i64().unwrap(),
+                r["holder_tid"].as_i64().unwrap(),
+                r["holder_name"].as_str().unwrap().to_string(),
+                r["holder_function"].as_str().unwrap().to_string(),
+                r["wait_s"].as_f64().unwrap(),
+                r["waits"].as_u64().unwrap(),
+                r["holder_file"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let r = |w: i64, h: i64, hn: &str, f: &str, s: f64, n: u64, file: &str| {
+        (w, h, hn.to_string(), f.to_string(), s, n, file.to_string())
+    };
+    assert_eq!(
+        rows,
+        [
+            // Lines 50 and 52 of _evict_to_fit merge: one function.
+            r(
+                301,
+                302,
+                "aux-writer",
+                "AuxOutputStore._evict_to_fit",
+                0.03,
+                10,
+                "/srv/aux.py"
+            ),
+            r(
+                301,
+                302,
+                "aux-writer",
+                "AuxOutputStore.put",
+                0.008,
+                2,
+                "/srv/aux.py"
+            ),
+            r(
+                302,
+                301,
+                "launcher",
+                "Worker.execute_model",
+                0.008,
+                3,
+                "/srv/worker.py"
+            ),
+            r(301, 303, "MainThread", "main", 0.005, 1, "/srv/main.py"),
+            r(301, 302, "aux-writer", "<unknown>", 0.002, 1, ""),
+            r(301, 0, "", "<gil free>", 0.001, 1, ""),
+        ]
+    );
+    assert_eq!(v["gil_blocking"][0]["waiter_name"], "launcher");
+    assert_eq!(v["gil_blocking"][0]["waiter_pid"], 300);
+
+    let pairs = v["gil_blocking_pairs"].as_array().unwrap();
+    let shape: Vec<(i64, i64, f64, u64, f64)> = pairs
+        .iter()
+        .map(|p| {
+            (
+                p["waiter_tid"].as_i64().unwrap(),
+                p["holder_tid"].as_i64().unwrap(),
+                p["wait_s"].as_f64().unwrap(),
+                p["waits"].as_u64().unwrap(),
+                p["share_of_wait"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            (301, 302, 0.04, 13, 40.0 / 46.0),
+            (302, 301, 0.008, 3, 1.0),
+            (301, 303, 0.005, 1, 5.0 / 46.0),
+            (301, 0, 0.001, 1, 1.0 / 46.0),
+        ]
+    );
+    assert_eq!(
+        pairs[0]["holder_top"],
+        serde_json::json!([
+            {"function": "AuxOutputStore._evict_to_fit", "file": "/srv/aux.py", "wait_s": 0.03, "waits": 10},
+            {"function": "AuxOutputStore.put", "file": "/srv/aux.py", "wait_s": 0.008, "waits": 2},
+            {"function": "<unknown>", "file": "", "wait_s": 0.002, "waits": 1},
+        ])
+    );
+    assert_eq!(pairs[3]["holder_name"], "");
+
+    // Only the selected waiters' waits count; holders need not be selected.
+    let v = report_json(&rec, &select(&rec, None, None, Some("^aux")));
+    assert_eq!(v["gil_blocking"].as_array().unwrap().len(), 1);
+    assert_eq!(v["gil_blocking"][0]["holder_name"], "launcher");
+    assert_eq!(v["gil_blocking_pairs"][0]["share_of_wait"], 1.0);
+}
+
+#[test]
+fn report_gc_by_generation() {
+    let (_d, rec) = gil_fixture();
+    let v = report_json(&rec, &Selection::all(&rec));
+    let g = |pauses: u64, total_s: f64, max_ms: f64| serde_json::json!({"pauses": pauses, "total_s": total_s, "max_ms": max_ms, "share": total_s});
+    assert_eq!(
+        v["gc"]["by_generation"],
+        serde_json::json!({
+            "0": g(5, 0.015, 5.0),
+            "1": g(2, 0.016, 10.0),
+            "2": g(1, 0.04, 40.0),
+            "unknown": g(1, 0.007, 7.0),
+        })
+    );
+    assert_eq!(
+        (
+            &v["gc"]["pauses"],
+            &v["gc"]["total_s"],
+            &v["gc"]["max_ms"],
+            &v["gc"]["share"]
+        ),
+        (&9.into(), &0.078.into(), &40.0.into(), &0.078.into())
+    );
+    let by_thread: Vec<(i64, &str, u64, f64)> = v["gc"]["by_thread"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["tid"].as_i64().unwrap(),
+                t["name"].as_str().unwrap(),
+                t["pauses"].as_u64().unwrap(),
+                t["total_s"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        by_thread,
+        [(302, "aux-writer", 7, 0.062), (301, "launcher", 2, 0.016)]
+    );
+
+    // The numbered generations are always there; "unknown" only when it occurs.
+    let v = report_json(&rec, &select(&rec, None, Some(301), None));
+    assert_eq!(
+        v["gc"]["by_generation"],
+        serde_json::json!({"0": g(0, 0.0, 0.0), "1": g(2, 0.016, 10.0), "2": g(0, 0.0, 0.0)})
+    );
+    // No GC at all (the first fixture): zeros, and no GC or GIL-wait Markdown section.
+    let f = fixture();
+    let v = report_json(&f.rec, &Selection::all(&f.rec));
+    assert_eq!(v["gc"]["pauses"], 0);
+    assert_eq!(v["gc"]["by_generation"]["2"], g(0, 0.0, 0.0));
+    assert_eq!(v["gil_blocking"], serde_json::json!([]));
+}
+
+#[test]
+fn report_markdown_gil_and_gc_sections() {
+    let (_d, rec) = gil_fixture();
+    let md =
+        String::from_utf8(views::report(&rec, &Selection::all(&rec), ReportFormat::Md).unwrap())
+            .unwrap();
+    let gil = md.find("\n## GIL\n").expect("GIL section");
+    let gc = md.find("\n## GC\n").expect("GC section");
+    let top = md.find("\n## Top functions").unwrap();
+    assert!(gil < gc && gc < top, "{md}");
+    for line in [
+        // Most GIL wait first.
+        "| 300 | 301 | launcher | 0.120 | 0.100 | 83.3% | 0.046 | 15 | 4.6% | 0.000 |",
+        "| 300 | 302 | aux-writer | 0.200 | 0.200 | 100.0% | 0.008 | 3 | 0.8% | 0.001 |",
+        "| launcher (tid 301) | aux-writer (tid 302) | 0.040 | 13 | 87.0% | AuxOutputStore._evict_to_fit (aux.py) 0.030 s; AuxOutputStore.put (aux.py) 0.008 s; \\<unknown\\> 0.002 s |",
+        "| launcher (tid 301) | \\<gil free\\> | 0.001 | 1 | 2.2% | \\<gil free\\> 0.001 s |",
+        "| 0 | 5 | 0.015 | 3.000 | 5.000 | 1.50% |",
+        "| 2 | 1 | 0.040 | 40.000 | 40.000 | 4.00% |",
+        "| unknown | 1 | 0.007 | 7.000 | 7.000 | 0.70% |",
+        "| all | 9 | 0.078 | 8.667 | 40.000 | 7.80% |",
+        "| 300 | 302 | aux-writer | 7 | 0.062 | 40.000 |",
+    ] {
+        assert!(md.contains(line), "missing {line:?} in\n{md}");
+    }
+    let launcher = md.find("| 300 | 301 | launcher | 0.120 | 0.100").unwrap();
+    let writer = md.find("| 300 | 302 | aux-writer | 0.200 | 0.200").unwrap();
+    assert!(launcher < writer);
+
+    // The first fixture has GIL flags but no waits and no GC.
+    let f = fixture();
+    let md = String::from_utf8(
+        views::report(&f.rec, &Selection::all(&f.rec), ReportFormat::Md).unwrap(),
+    )
+    .unwrap();
+    assert!(md.contains("No GIL waits in this recording"), "{md}");
+    assert!(!md.contains("## GC"), "{md}");
+}
+
+/// `(ts, end)` in ns as Perfetto reads them (µs * 1000, rounded).
+fn span_ns(e: &Value) -> (i64, i64) {
+    let ts = (e["ts"].as_f64().unwrap() * 1000.0).round() as i64;
+    let dur = (e["dur"].as_f64().unwrap() * 1000.0).round() as i64;
+    (ts, ts + dur)
+}
+
+#[test]
+fn chrome_gil_and_gc_tracks_nest() {
+    let (_d, rec) = gil_fixture();
+    let bytes = views::export(&rec, &Selection::all(&rec), ExportFormat::Chrome).unwrap();
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    let events = v["traceEvents"].as_array().unwrap();
+    let meta = |name: &str, tid: i64| {
+        events
+            .iter()
+            .find(|e| e["ph"] == "M" && e["name"] == name && e["tid"] == tid)
+            .map(|e| e["args"].clone())
+    };
+    let track = |tid: i64| tid + 1_000_000_000;
+    assert_eq!(
+        meta("thread_name", track(302)).unwrap()["name"],
+        "aux-writer GIL/GC"
+    );
+    assert_eq!(
+        meta("thread_name", track(301)).unwrap()["name"],
+        "launcher GIL/GC"
+    );
+    assert!(
+        meta("thread_name", track(303)).is_none(),
+        "no GIL/GC events"
+    );
+    // Each GIL/GC track sorts right after its thread.
+    let sort = |tid| meta("thread_sort_index", tid).unwrap()["sort_index"].clone();
+    assert_eq!((sort(301), sort(track(301))), (0.into(), 1.into()));
+    assert_eq!((sort(302), sort(track(302))), (2.into(), 3.into()));
+
+    // Nothing GIL/GC on the threads' own tracks.
+    assert!(events
+        .iter()
+        .filter(|e| e["cat"] == "gc" || e["cat"] == "gil-wait" || e["cat"] == "gil-switch-wait")
+        .all(|e| e["tid"].as_i64().unwrap() > 1_000_000_000));
+
+    let on = |tid: i64| -> Vec<&Value> {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["tid"] == tid)
+            .collect()
+    };
+    // The launcher: 15 GIL waits then two gen-1 collections.
+    let l = on(track(301));
+    assert_eq!(l.len(), 17);
+    assert_eq!(
+        l[0]["name"],
+        "GIL wait (held by aux-writer: AuxOutputStore._evict_to_fit)"
+    );
+    assert_eq!(l[0]["cat"], "gil-wait");
+    assert_eq!(span_ns(l[0]), (200_000_000, 203_000_000));
+    assert_eq!(l[0]["args"]["holder_tid"], 302);
+    assert_eq!(l[0]["args"]["holder_name"], "aux-writer");
+    assert_eq!(
+        l[0]["args"]["holder_stack"],
+        serde_json::json!([
+            "AuxOutputStore.run (aux.py:10)",
+            "AuxOutputStore.put (aux.py:20)",
+            "AuxOutputStore._evict_to_fit (aux.py:50)"
+        ])
+    );
+    assert_eq!(
+        l[0]["args"]["waiter_stack"],
+        serde_json::json!([
+            "Worker.loop (worker.py:5)",
+            "Worker.execute_model (worker.py:30)"
+        ])
+    );
+    assert_eq!(
+        l[10]["name"],
+        "GIL wait (held by aux-writer: AuxOutputStore.put)"
+    );
+    assert_eq!(l[12]["name"], "GIL wait (held by MainThread: main)");
+    assert_eq!(l[13]["name"], "GIL wait (<gil free>)");
+    assert_eq!(l[14]["name"], "GIL wait (held by aux-writer: <unknown>)");
+    assert_eq!(
+        (
+            l[15]["name"].as_str(),
+            l[15]["cat"].as_str(),
+            span_ns(l[15])
+        ),
+        (Some("GC gen 1"), Some("gc"), (500_000_000, 510_000_000))
+    );
+    // Its off-CPU interval stays on its own track, inside the first GIL wait's time.
+    let off: Vec<&Value> = on(301)
+        .into_iter()
+        .filter(|e| e["cat"] == "off-cpu")
+        .collect();
+    assert_eq!(off.len(), 1);
+    assert_eq!(span_ns(off[0]), (200_010_000, 202_990_000));
+
+    // The writer: gen 0 x5, gen 2 with two waits inside (the second clipped), a wait, two
+    // switch waits, and a collection of unknown generation.
+    let w = on(track(302));
+    let shape: Vec<(&str, &str, (i64, i64))> = w
+        .iter()
+        .map(|e| {
+            (
+                e["cat"].as_str().unwrap(),
+                e["name"].as_str().unwrap(),
+                span_ns(e),
+            )
+        })
+        .collect();
+    let held = "GIL wait (held by launcher: Worker.execute_model)";
+    let ms = |a: i64, b: i64| (a * 1_000_000, b * 1_000_000);
+    assert_eq!(
+        shape,
+        [
+            ("gc", "GC gen 0", ms(400, 401)),
+            ("gc", "GC gen 0", ms(410, 412)),
+            ("gc", "GC gen 0", ms(420, 423)),
+            ("gc", "GC gen 0", ms(430, 434)),
+            ("gc", "GC gen 0", ms(440, 445)),
+            ("gc", "GC gen 2", ms(590, 630)),
+            ("gil-wait", held, ms(600, 602)),
+            ("gil-wait", held, ms(628, 630)),
+            ("gil-wait", held, ms(700, 702)),
+            (
+                "gil-switch-wait",
+                "GIL switch wait",
+                (800_000_000, 800_500_000)
+            ),
+            (
+                "gil-switch-wait",
+                "GIL switch wait",
+                (810_000_000, 810_500_000)
+            ),
+            ("gc", "GC gen ?", ms(900, 907)),
+        ]
+    );
+    assert_eq!(w[7]["args"]["clipped_ns"], 2_000_000);
+    assert_eq!(w[7]["args"]["dur_ns"], 4_000_000);
+    assert!(w[6]["args"].get("clipped_ns").is_none());
+    assert_eq!(w[5]["args"]["generation"], 2);
+    assert_eq!(w[11]["args"]["generation"], -1);
+
+    // Every track nests: an event either ends before the next starts, or contains it.
+    let mut tracks: BTreeMap<(i64, i64), Vec<(i64, i64)>> = BTreeMap::new();
+    for e in events.iter().filter(|e| e["ph"] == "X") {
+        tracks
+            .entry((e["pid"].as_i64().unwrap(), e["tid"].as_i64().unwrap()))
+            .or_default()
+            .push(span_ns(e));
+    }
+    assert_eq!(tracks.len(), 5);
+    for (key, mut spans) in tracks {
+        spans.sort_by_key(|&(s, e)| (s, -e));
+        let mut open: Vec<i64> = Vec::new();
+        for (s, e) in spans {
+            while open.last().is_some_and(|&end| end <= s) {
+                open.pop();
+            }
+            if let Some(&outer) = open.last() {
+                assert!(
+                    e <= outer,
+                    "{key:?}: [{s}, {e}) sticks out of one ending {outer}"
+                );
+                // The threads' own tracks do not even nest: they never overlap.
+                assert!(key.1 > 1_000_000_000, "{key:?}: overlap at {s}");
+            }
+            open.push(e);
+        }
+    }
+}
+
+#[test]
+fn gil_blame_folds_holder_stacks_by_waiter() {
+    let (_d, rec) = gil_fixture();
+    let stacks = views::folded::gil_blame_stacks(&rec, &Selection::all(&rec));
+    let p = "python3.12 (pid 300)";
+    let evict = "AuxOutputStore.run (aux.py:10);AuxOutputStore.put (aux.py:20);AuxOutputStore._evict_to_fit";
+    let expected: BTreeMap<String, u64> = [
+        (format!("{p};launcher (tid 301);held by aux-writer (tid 302);{evict} (aux.py:50)"), 18 * GMS),
+        (format!("{p};launcher (tid 301);held by aux-writer (tid 302);{evict} (aux.py:52)"), 12 * GMS),
+        (format!("{p};launcher (tid 301);held by aux-writer (tid 302);AuxOutputStore.run (aux.py:10);AuxOutputStore.put (aux.py:20)"), 8 * GMS),
+        (format!("{p};launcher (tid 301);held by aux-writer (tid 302);<unknown>"), 2 * GMS),
+        (format!("{p};launcher (tid 301);held by MainThread (tid 303);main (main.py:1)"), 5 * GMS),
+        (format!("{p};launcher (tid 301);<gil free>"), GMS),
+        // Switch waits are not blamed on anyone.
+        (format!("{p};aux-writer (tid 302);held by launcher (tid 301);Worker.loop (worker.py:5);Worker.execute_model (worker.py:30)"), 8 * GMS),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(stacks, expected);
+
+    let svg = String::from_utf8(
+        views::flame::render_kind(
+            &rec,
+            &Selection::all(&rec),
+            views::flame::FlameKind::GilBlame,
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    for s in [
+        "GIL blame",
+        "18 GIL waits",
+        "0.054 s waited for the GIL",
+        // 40 of the 54 ms waited.
+        "held by aux-writer (tid 302) (40,000 µs, 74.07%)",
+        "AuxOutputStore._evict_to_fit (aux.py:50) (18,000 µs, 33.33%)",
+        "&lt;gil free&gt; (1,000 µs, 1.85%)",
+    ] {
+        assert!(svg.contains(s), "GIL-blame graph lacks {s:?}");
+    }
+    // Filtered to the writer, only its 8 ms on the launcher.
+    let one = views::folded::gil_blame_stacks(&rec, &select(&rec, None, Some(302), None));
+    assert_eq!(one.values().copied().collect::<Vec<_>>(), [8 * GMS]);
+    // MainThread waited for nothing: a clear error.
+    let e = views::flame::render_kind(
+        &rec,
+        &select(&rec, None, Some(303), None),
+        views::flame::FlameKind::GilBlame,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("nothing to draw: 0 GIL waits"),
+        "{e}"
+    );
+    let f = fixture();
+    let e = views::flame::render_kind(
+        &f.rec,
+        &Selection::all(&f.rec),
+        views::flame::FlameKind::GilBlame,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("no GIL wait records"), "{e}");
+}
+
+#[test]
+fn cut_gil_recordings_still_render() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gil.esrec");
+    write_gil_fixture(&path, false);
+    let bytes = std::fs::read(&path).unwrap();
+    let mut with_waits = 0;
+    for cut in (40..bytes.len()).step_by(11).chain([bytes.len() - 1]) {
+        let Ok(rec) = parse_recording(&bytes[..cut]) else {
+            continue;
+        };
+        let sel = Selection::all(&rec);
+        views::export(&rec, &sel, ExportFormat::Chrome).unwrap();
+        let v = report_json(&rec, &sel);
+        let waited: f64 = v["threads"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["gil_wait_s"].as_f64().unwrap())
+            .sum();
+        let rows: f64 = v["gil_blocking"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["wait_s"].as_f64().unwrap())
+            .sum();
+        assert!((waited - rows).abs() < 1e-12, "{waited} != {rows}");
+        views::report(&rec, &sel, ReportFormat::Md).unwrap();
+        match views::flame::render_kind(&rec, &sel, views::flame::FlameKind::GilBlame) {
+            Ok(_) => with_waits += 1,
+            Err(e) => assert!(
+                rec.gil_waits.iter().all(|g| g.switch_wait || g.dur_ns == 0),
+                "{e:#}"
+            ),
+        }
+    }
+    assert!(with_waits > 20, "only {with_waits} cuts had GIL waits");
 }

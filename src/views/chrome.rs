@@ -9,14 +9,29 @@
 //! went off CPU, and never extends past the next event of its thread (events on one track
 //! must nest). A run right after a switch-in starts at the switch-in ([`span`]). Off-CPU intervals become "X" events in category `off-cpu`, named by the frame
 //! the thread blocked in. Timestamps and durations are microseconds since the recording's start.
+//!
+//! GIL waits and GC pauses go on a second track per thread, `<name> GIL/GC` (tid +
+//! [`GIL_GC_TRACK_OFFSET`]), placed right after the thread's own (`thread_sort_index`). They
+//! cannot share the thread's track: a GIL wait is timed from the futex call, so it starts a few
+//! µs before the switch-out and ends after the switch-in of the off-CPU interval inside it,
+//! overlapping the on-CPU runs on both sides; a GC pause spans many runs and any preemption in
+//! its middle. "X" events on one track must nest, and Perfetto drops those that only partly
+//! overlap. On the GIL/GC track a GIL wait inside a GC pause (a finalizer that let the GIL go)
+//! nests under it; an event that would stick out of the one it starts in is clipped to it
+//! (`args.clipped_ns`), so the track always nests.
 
 use std::collections::HashMap;
 
 use anyhow::Context;
 use serde_json::{json, Value};
 
+use super::gil::{holder_name, HolderFrame, GIL_FREE};
 use super::{format_utc, process_name, FrameLabels, Selection, SHAPE_FLAGS};
-use crate::record::{flags, OffCpu, Recording, Sample};
+use crate::record::{flags, GcPause, GilWait, OffCpu, Recording, Sample};
+
+/// Added to a thread's tid to make the tid of its GIL/GC track. Above any Linux tid
+/// (`pid_max` <= 2^22), and the sum stays below 2^31.
+pub const GIL_GC_TRACK_OFFSET: i64 = 1_000_000_000;
 
 fn us(ns: u64) -> f64 {
     ns as f64 / 1000.0
@@ -134,6 +149,116 @@ impl Events {
     }
 }
 
+/// An event of a thread's GIL/GC track.
+enum Slice<'a> {
+    Gc(&'a GcPause),
+    Gil(&'a GilWait),
+}
+
+impl Slice<'_> {
+    fn start(&self) -> u64 {
+        match self {
+            Slice::Gc(g) => g.start_ns,
+            Slice::Gil(g) => g.start_ns,
+        }
+    }
+    fn end(&self) -> u64 {
+        match self {
+            Slice::Gc(g) => g.start_ns.saturating_add(g.dur_ns),
+            Slice::Gil(g) => g.start_ns.saturating_add(g.dur_ns),
+        }
+    }
+}
+
+/// Name of a GIL wait's event: `GIL wait (held by worker: Store.put)`, `GIL wait (<gil
+/// free>)`, or `GIL switch wait` for the handshake of a thread dropping the GIL.
+pub fn gil_wait_name(rec: &Recording, g: &GilWait) -> String {
+    if g.switch_wait {
+        return "GIL switch wait".to_string();
+    }
+    if g.holder_tid == 0 {
+        return format!("GIL wait ({GIL_FREE})");
+    }
+    format!(
+        "GIL wait (held by {}: {})",
+        holder_name(rec, g),
+        HolderFrame::of(rec, g).function()
+    )
+}
+
+/// `GC gen 2`; `GC gen ?` when the generation is unknown.
+pub fn gc_name(g: &GcPause) -> String {
+    if g.generation >= 0 {
+        format!("GC gen {}", g.generation)
+    } else {
+        "GC gen ?".to_string()
+    }
+}
+
+/// Write a thread's GIL/GC track: GC pauses and GIL waits, properly nested.
+fn gil_gc_track(
+    ev: &mut Events,
+    rec: &Recording,
+    labels: &FrameLabels,
+    (pid, tid): (i32, i32),
+    mut slices: Vec<Slice>,
+) -> anyhow::Result<()> {
+    // Outer first: by start, then longest, then GC before a GIL wait of the same span.
+    slices.sort_by(|a, b| {
+        a.start()
+            .cmp(&b.start())
+            .then(b.end().cmp(&a.end()))
+            .then(matches!(b, Slice::Gc(_)).cmp(&matches!(a, Slice::Gc(_))))
+    });
+    let track = i64::from(tid) + GIL_GC_TRACK_OFFSET;
+    // Ends of the events that enclose the current one.
+    let mut open: Vec<u64> = Vec::new();
+    for sl in &slices {
+        let start = sl.start();
+        while open.last().is_some_and(|&end| end <= start) {
+            open.pop();
+        }
+        let mut end = sl.end();
+        let clipped = match open.last() {
+            Some(&outer) if end > outer => {
+                let c = end - outer;
+                end = outer;
+                c
+            }
+            _ => 0,
+        };
+        open.push(end);
+        let mut v = match sl {
+            Slice::Gc(g) => json!({
+                "ph": "X", "cat": "gc", "name": gc_name(g),
+                "args": {"generation": g.generation, "dur_ns": g.dur_ns},
+            }),
+            Slice::Gil(g) => json!({
+                "ph": "X",
+                "cat": if g.switch_wait { "gil-switch-wait" } else { "gil-wait" },
+                "name": gil_wait_name(rec, g),
+                "args": {
+                    "holder_tid": g.holder_tid,
+                    "holder_name": holder_name(rec, g),
+                    "holder_stack": labels.stack(rec, g.holder_stack, 0),
+                    "waiter_stack": labels.stack(rec, g.waiter_stack, 0),
+                    "switch_wait": g.switch_wait,
+                    "dur_ns": g.dur_ns,
+                },
+            }),
+        };
+        v["pid"] = pid.into();
+        v["tid"] = track.into();
+        v["ts"] = us(start).into();
+        v["dur"] = us(end - start).into();
+        if clipped > 0 {
+            v["args"]["clipped_ns"] = clipped.into();
+        }
+        ev.push(&v)?;
+    }
+    Ok(())
+}
+
 /// The trace document, serialized.
 pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
     let labels = FrameLabels::new(rec);
@@ -145,6 +270,16 @@ pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
     for o in sel.offcpu(rec) {
         offcpu.entry((o.pid, o.tid)).or_default().push(o);
     }
+    let mut slices: HashMap<(i32, i32), Vec<Slice>> = HashMap::new();
+    for g in sel.gc_pauses(rec) {
+        slices.entry((g.pid, g.tid)).or_default().push(Slice::Gc(g));
+    }
+    for g in sel.gil_waits(rec) {
+        slices
+            .entry((g.pid, g.tid))
+            .or_default()
+            .push(Slice::Gil(g));
+    }
     let mut ev = Events {
         out: b"{\"traceEvents\":[".to_vec(),
         first: true,
@@ -155,12 +290,29 @@ pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
             "args": {"name": process_name(rec, pid)},
         }))?;
     }
-    for (pid, tid) in sel.threads() {
+    for (i, (pid, tid)) in sel.threads().enumerate() {
         let name = rec.thread_name(pid, tid);
+        let name = if name.is_empty() { "thread" } else { name };
         ev.push(&json!({
             "ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-            "args": {"name": if name.is_empty() { "thread" } else { name }},
+            "args": {"name": name},
         }))?;
+        ev.push(&json!({
+            "ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+            "args": {"sort_index": 2 * i},
+        }))?;
+        if let Some(sl) = slices.remove(&(pid, tid)) {
+            let track = i64::from(tid) + GIL_GC_TRACK_OFFSET;
+            ev.push(&json!({
+                "ph": "M", "name": "thread_name", "pid": pid, "tid": track,
+                "args": {"name": format!("{name} GIL/GC")},
+            }))?;
+            ev.push(&json!({
+                "ph": "M", "name": "thread_sort_index", "pid": pid, "tid": track,
+                "args": {"sort_index": 2 * i + 1},
+            }))?;
+            gil_gc_track(&mut ev, rec, &labels, (pid, tid), sl)?;
+        }
         let mut ss = samples.remove(&(pid, tid)).unwrap_or_default();
         ss.sort_by_key(|s| s.t_ns);
         let mut offs = offcpu.remove(&(pid, tid)).unwrap_or_default();

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::record::{OffCpu, Recording, Sample};
+use crate::record::{GcPause, GilWait, OffCpu, Recording, Sample};
 
 /// The selection flags every view command takes.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -90,11 +90,14 @@ impl Filter {
     }
 
     /// The threads of `rec` this filter keeps. Threads are those announced in thread records
-    /// plus any that only appear in samples or off-CPU intervals (a cut file may lack them).
+    /// plus any that only appear in samples, off-CPU intervals, GIL waits (as the waiter) or GC
+    /// pauses (a cut file may lack their thread records).
     pub fn select(&self, rec: &Recording) -> Selection {
         let mut all: BTreeSet<(i32, i32)> = rec.threads.iter().map(|t| (t.pid, t.tid)).collect();
         all.extend(rec.samples.iter().map(|s| (s.pid, s.tid)));
         all.extend(rec.offcpu.iter().map(|o| (o.pid, o.tid)));
+        all.extend(rec.gil_waits.iter().map(|g| (g.pid, g.tid)));
+        all.extend(rec.gc_pauses.iter().map(|g| (g.pid, g.tid)));
         let threads = all
             .iter()
             .copied()
@@ -204,6 +207,20 @@ impl Selection {
         rec.offcpu
             .iter()
             .filter(move |o| self.contains(o.pid, o.tid))
+    }
+
+    /// GIL waits whose *waiting* thread is selected (the holder need not be), in file order.
+    pub fn gil_waits<'a>(&'a self, rec: &'a Recording) -> impl Iterator<Item = &'a GilWait> + 'a {
+        rec.gil_waits
+            .iter()
+            .filter(move |g| self.contains(g.pid, g.tid))
+    }
+
+    /// GC pauses run by a selected thread, in file order.
+    pub fn gc_pauses<'a>(&'a self, rec: &'a Recording) -> impl Iterator<Item = &'a GcPause> + 'a {
+        rec.gc_pauses
+            .iter()
+            .filter(move |g| self.contains(g.pid, g.tid))
     }
 }
 

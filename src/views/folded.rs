@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
 
+use super::gil::{thread_name_or_tid, GIL_FREE, UNKNOWN_FUNCTION};
 use super::{process_label, thread_label, FrameLabels, Selection, PREEMPTED_FRAME, SHAPE_FLAGS};
 use crate::record::Recording;
 
@@ -81,6 +82,53 @@ pub fn stacks(rec: &Recording, sel: &Selection, measure: Measure) -> BTreeMap<St
         if preempted {
             line.push(';');
             line.push_str(PREEMPTED_FRAME);
+        }
+        *out.entry(line).or_default() += v;
+    }
+    out
+}
+
+/// The frame standing for a GIL holder in the GIL-blame graph: `held by worker (tid 12)`, or
+/// [`GIL_FREE`] when no thread held it when the wait began.
+pub fn holder_label(rec: &Recording, pid: i32, holder_tid: i32) -> String {
+    if holder_tid == 0 {
+        GIL_FREE.to_string()
+    } else {
+        format!(
+            "held by {} (tid {holder_tid})",
+            thread_name_or_tid(rec, pid, holder_tid)
+        )
+    }
+}
+
+/// GIL blame: for each GIL wait of a selected thread (not switch waits), the line
+/// `proc;waiter;held by holder;holder's stack outermost first`, weighted by the wait in ns.
+/// A known holder with no Python frame ends in [`UNKNOWN_FUNCTION`].
+pub fn gil_blame_stacks(rec: &Recording, sel: &Selection) -> BTreeMap<String, u64> {
+    let mut by_id: HashMap<(i32, i32, i32, u32), u64> = HashMap::new();
+    for g in sel.gil_waits(rec).filter(|g| !g.switch_wait) {
+        let stack = if g.holder_tid == 0 { 0 } else { g.holder_stack };
+        *by_id
+            .entry((g.pid, g.tid, g.holder_tid, stack))
+            .or_default() += g.dur_ns;
+    }
+    let labels = FrameLabels::new(rec);
+    let mut out: BTreeMap<String, u64> = BTreeMap::new();
+    for ((pid, tid, holder, stack), v) in by_id {
+        let mut line = format!(
+            "{};{};{}",
+            clean(&process_label(rec, pid)),
+            clean(&thread_label(rec, pid, tid)),
+            clean(&holder_label(rec, pid, holder))
+        );
+        let frames = labels.stack(rec, stack, 0);
+        if frames.is_empty() && holder != 0 {
+            line.push(';');
+            line.push_str(UNKNOWN_FUNCTION);
+        }
+        for f in frames {
+            line.push(';');
+            line.push_str(&clean(f));
         }
         *out.entry(line).or_default() += v;
     }

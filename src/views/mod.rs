@@ -10,6 +10,7 @@ pub mod chrome;
 pub mod filter;
 pub mod flame;
 pub mod folded;
+pub mod gil;
 pub mod pprof;
 pub mod report;
 pub mod speedscope;

@@ -1,5 +1,5 @@
-//! The report: per-thread CPU split and per-thread function tables, as versioned JSON
-//! (docs/report-schema.md) or Markdown.
+//! The report: per-thread CPU split, per-thread function tables, GIL waits (who blocked whom,
+//! doing what) and GC pauses, as versioned JSON (docs/report-schema.md) or Markdown.
 //!
 //! All times come from integer nanoseconds summed first and divided once, so round inputs
 //! give round outputs (300 samples of 1 ms -> `0.3`).
@@ -9,7 +9,8 @@ use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 
-use super::{format_utc, process_name, secs, Selection};
+use super::gil::{generation_key, thread_name_or_tid, HolderFrame};
+use super::{format_utc, process_name, secs, short_file, Selection};
 use crate::record::{flags, Recording};
 
 /// Schema identifier. Additive changes (new fields) keep `/1`; renaming, removing or changing
@@ -18,6 +19,10 @@ pub const SCHEMA: &str = "enginescope.report/1";
 
 /// Functions per thread in the Markdown rendering.
 pub const MD_TOP_FUNCTIONS: usize = 15;
+/// Holder functions kept per (waiter, holder) pair in `gil_blocking_pairs[].holder_top`.
+pub const HOLDER_TOP: usize = 5;
+/// (waiter, holder) rows in the Markdown "who blocks whom" table.
+pub const MD_GIL_PAIRS: usize = 20;
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Report {
@@ -37,6 +42,13 @@ pub struct Report {
     pub threads: Vec<ThreadRow>,
     /// (thread, function) rows, most self time first.
     pub functions: Vec<FunctionRow>,
+    /// GIL waits of the selected threads by (waiter, holder, holder's innermost function), most
+    /// wait first.
+    pub gil_blocking: Vec<GilBlockingRow>,
+    /// The same waits by (waiter, holder), most wait first, with the holder's top functions.
+    pub gil_blocking_pairs: Vec<GilPairRow>,
+    /// Garbage collections run by the selected threads.
+    pub gc: GcSummary,
     /// Recorder health counters, copied from the recording.
     pub counters: BTreeMap<String, u64>,
 }
@@ -74,6 +86,10 @@ pub struct Totals {
     pub python_s: f64,
     pub native_s: f64,
     pub offcpu_s: f64,
+    pub gil_held_s: f64,
+    pub gil_wait_s: f64,
+    pub gil_switch_wait_s: f64,
+    pub gc_s: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -96,6 +112,99 @@ pub struct ThreadRow {
     pub gil_held_share: f64,
     /// Share of on-CPU time during a garbage collection, 0..1.
     pub gc_share: f64,
+    /// On-CPU time holding the GIL: sum of the weights of samples with the GIL flag, s.
+    pub gil_held_s: f64,
+    /// Time blocked waiting to take the GIL: sum of its GIL waits (not switch waits), s.
+    pub gil_wait_s: f64,
+    /// Number of those waits.
+    pub gil_waits: u64,
+    /// Time the thread, dropping the GIL on request, waited for another thread to take it
+    /// (the forced-switch handshake), s.
+    pub gil_switch_wait_s: f64,
+    /// Time in garbage collections this thread ran, s.
+    pub gc_s: f64,
+    /// Number of those collections.
+    pub gc_pauses: u64,
+}
+
+/// GIL wait of one waiter on one holder while the holder ran one function.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GilBlockingRow {
+    pub waiter_pid: i32,
+    pub waiter_tid: i32,
+    pub waiter_name: String,
+    /// 0 when the GIL was free (or its holder unreadable) when the wait began.
+    pub holder_tid: i32,
+    /// The holder's thread name (`tid N` when unnamed); empty for holder 0.
+    pub holder_name: String,
+    pub wait_s: f64,
+    pub waits: u64,
+    /// The holder's innermost Python function when the wait began; `<gil free>` for holder 0,
+    /// `<unknown>` for a holder with no Python frame.
+    pub holder_function: String,
+    /// Its file; empty for the two placeholders.
+    pub holder_file: String,
+}
+
+/// GIL wait of one waiter on one holder.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GilPairRow {
+    pub waiter_pid: i32,
+    pub waiter_tid: i32,
+    pub waiter_name: String,
+    pub holder_tid: i32,
+    pub holder_name: String,
+    pub wait_s: f64,
+    pub waits: u64,
+    /// `wait_s` over the waiter's `gil_wait_s`, 0..1.
+    pub share_of_wait: f64,
+    /// What the holder was running (innermost function), most wait first, at most
+    /// [`HOLDER_TOP`].
+    pub holder_top: Vec<HolderFunction>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HolderFunction {
+    pub function: String,
+    pub file: String,
+    pub wait_s: f64,
+    pub waits: u64,
+}
+
+/// Garbage collections: all, by generation, by collecting thread.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct GcSummary {
+    pub pauses: u64,
+    pub total_s: f64,
+    /// Longest pause, ms.
+    pub max_ms: f64,
+    /// `total_s` over the recording's duration (summed over processes: with several processes
+    /// collecting it can exceed 1).
+    pub share: f64,
+    /// `"0"`, `"1"`, `"2"` always (zeros when none); `"unknown"` only when a pause's
+    /// generation could not be read; any other generation number when one occurs.
+    pub by_generation: BTreeMap<String, GcStats>,
+    /// Collecting threads, most GC time first.
+    pub by_thread: Vec<GcThreadRow>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct GcStats {
+    pub pauses: u64,
+    pub total_s: f64,
+    pub max_ms: f64,
+    pub share: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct GcThreadRow {
+    pub pid: i32,
+    pub tid: i32,
+    pub name: String,
+    pub pauses: u64,
+    pub total_s: f64,
+    pub max_ms: f64,
+    pub share: f64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -127,6 +236,39 @@ struct ThreadAcc {
     gc: u64,
     off: u64,
     off_preempted: u64,
+    gil_wait: u64,
+    gil_waits: u64,
+    gil_switch_wait: u64,
+    gc_pause: u64,
+    gc_pauses: u64,
+}
+
+#[derive(Default, Clone, Copy)]
+struct GcAcc {
+    pauses: u64,
+    total: u64,
+    max: u64,
+}
+
+impl GcAcc {
+    fn add(&mut self, dur: u64) {
+        self.pauses += 1;
+        self.total += dur;
+        self.max = self.max.max(dur);
+    }
+
+    fn stats(&self, duration_ns: u64) -> GcStats {
+        GcStats {
+            pauses: self.pauses,
+            total_s: secs(self.total),
+            max_ms: ms(self.max),
+            share: share(self.total, duration_ns),
+        }
+    }
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
 }
 
 #[derive(Default, Clone, Copy)]
@@ -178,6 +320,38 @@ impl Report {
             if o.preempted {
                 t.off_preempted += o.dur_ns;
             }
+        }
+        // GIL waits of the selected waiters: per thread, and by (waiter, holder, holder frame).
+        type BlockKey<'r> = (i32, i32, i32, HolderFrame<'r>);
+        let mut blocking: HashMap<BlockKey, (u64, u64)> = HashMap::new();
+        for g in sel.gil_waits(rec) {
+            let t = threads.entry((g.pid, g.tid)).or_default();
+            if g.switch_wait {
+                t.gil_switch_wait += g.dur_ns;
+                continue;
+            }
+            t.gil_wait += g.dur_ns;
+            t.gil_waits += 1;
+            let e = blocking
+                .entry((g.pid, g.tid, g.holder_tid, HolderFrame::of(rec, g)))
+                .or_default();
+            e.0 += g.dur_ns;
+            e.1 += 1;
+        }
+        let duration_ns = rec.duration_ns();
+        let mut gc_all = GcAcc::default();
+        let mut gc_gen: BTreeMap<String, GcAcc> = ["0", "1", "2"]
+            .into_iter()
+            .map(|k| (k.to_string(), GcAcc::default()))
+            .collect();
+        let mut gc_thread: BTreeMap<(i32, i32), GcAcc> = BTreeMap::new();
+        for g in sel.gc_pauses(rec) {
+            let t = threads.entry((g.pid, g.tid)).or_default();
+            t.gc_pause += g.dur_ns;
+            t.gc_pauses += 1;
+            gc_all.add(g.dur_ns);
+            gc_gen.entry(generation_key(g)).or_default().add(g.dur_ns);
+            gc_thread.entry((g.pid, g.tid)).or_default().add(g.dur_ns);
         }
 
         // Functions are (name, file); lines are merged.
@@ -256,8 +430,44 @@ impl Report {
                 .then(a.file.cmp(&b.file))
         });
 
+        let (gil_blocking, gil_blocking_pairs) = gil_tables(rec, &blocking, &threads);
+        let mut by_thread: Vec<(u64, GcThreadRow)> = gc_thread
+            .into_iter()
+            .map(|((pid, tid), a)| {
+                let st = a.stats(duration_ns);
+                (
+                    a.total,
+                    GcThreadRow {
+                        pid,
+                        tid,
+                        name: rec.thread_name(pid, tid).to_string(),
+                        pauses: st.pauses,
+                        total_s: st.total_s,
+                        max_ms: st.max_ms,
+                        share: st.share,
+                    },
+                )
+            })
+            .collect();
+        by_thread.sort_by(|(a_ns, a), (b_ns, b)| {
+            b_ns.cmp(a_ns).then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+        });
+        let all = gc_all.stats(duration_ns);
+        let gc = GcSummary {
+            pauses: all.pauses,
+            total_s: all.total_s,
+            max_ms: all.max_ms,
+            share: all.share,
+            by_generation: gc_gen
+                .into_iter()
+                .map(|(k, a)| (k, a.stats(duration_ns)))
+                .collect(),
+            by_thread: by_thread.into_iter().map(|(_, r)| r).collect(),
+        };
+
         let mut totals = Totals::default();
         let (mut cpu, mut native, mut off) = (0u64, 0u64, 0u64);
+        let (mut gil_held, mut gil_wait, mut gil_switch, mut gc_ns) = (0u64, 0u64, 0u64, 0u64);
         let mut rows: Vec<(u64, ThreadRow)> = threads
             .into_iter()
             .map(|((pid, tid), t)| {
@@ -265,6 +475,10 @@ impl Report {
                 cpu += t.cpu;
                 native += t.native;
                 off += t.off;
+                gil_held += t.gil;
+                gil_wait += t.gil_wait;
+                gil_switch += t.gil_switch_wait;
+                gc_ns += t.gc_pause;
                 (
                     t.cpu,
                     ThreadRow {
@@ -279,6 +493,12 @@ impl Report {
                         offcpu_preempted_s: secs(t.off_preempted),
                         gil_held_share: share(t.gil, t.cpu),
                         gc_share: share(t.gc, t.cpu),
+                        gil_held_s: secs(t.gil),
+                        gil_wait_s: secs(t.gil_wait),
+                        gil_waits: t.gil_waits,
+                        gil_switch_wait_s: secs(t.gil_switch_wait),
+                        gc_s: secs(t.gc_pause),
+                        gc_pauses: t.gc_pauses,
                     },
                 )
             })
@@ -290,6 +510,10 @@ impl Report {
         totals.python_s = secs(cpu - native);
         totals.native_s = secs(native);
         totals.offcpu_s = secs(off);
+        totals.gil_held_s = secs(gil_held);
+        totals.gil_wait_s = secs(gil_wait);
+        totals.gil_switch_wait_s = secs(gil_switch);
+        totals.gc_s = secs(gc_ns);
 
         let m = &rec.meta;
         Report {
@@ -328,6 +552,9 @@ impl Report {
             totals,
             threads: rows.into_iter().map(|(_, r)| r).collect(),
             functions: functions.into_iter().map(|(_, f)| f).collect(),
+            gil_blocking,
+            gil_blocking_pairs,
+            gc,
             counters: rec.counters.clone(),
         }
     }
@@ -426,6 +653,9 @@ impl Report {
             );
         }
 
+        self.gil_markdown(&mut s);
+        self.gc_markdown(&mut s);
+
         for t in &self.threads {
             let top: Vec<&FunctionRow> = self
                 .functions
@@ -470,10 +700,301 @@ impl Report {
     }
 }
 
-/// Escape text for a Markdown table cell.
+impl Report {
+    /// The "GIL" section: per-thread held/wait time, then who blocked whom doing what. Absent
+    /// when no selected thread held or waited for the GIL.
+    fn gil_markdown(&self, s: &mut String) {
+        let mut rows: Vec<&ThreadRow> = self
+            .threads
+            .iter()
+            .filter(|t| t.gil_held_s > 0.0 || t.gil_wait_s > 0.0 || t.gil_switch_wait_s > 0.0)
+            .collect();
+        if rows.is_empty() {
+            return;
+        }
+        rows.sort_by(|a, b| {
+            b.gil_wait_s
+                .total_cmp(&a.gil_wait_s)
+                .then(b.gil_held_s.total_cmp(&a.gil_held_s))
+                .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+        });
+        let _ = writeln!(s, "\n## GIL\n");
+        if self.gil_blocking.is_empty() && self.totals.gil_switch_wait_s == 0.0 {
+            let _ = writeln!(
+                s,
+                "No GIL waits in this recording (recorders without GIL tracing write none); \
+                 GIL held is from the samples' GIL flag.\n"
+            );
+        }
+        let _ = writeln!(
+            s,
+            "| pid | tid | thread | CPU s | GIL held s | held % of CPU | GIL wait s | waits | wait % of recording | switch wait s |"
+        );
+        let _ = writeln!(s, "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+        for t in rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {:.3} | {:.3} | {:.1}% | {:.3} | {} | {:.1}% | {:.3} |",
+                t.pid,
+                t.tid,
+                md(&t.name),
+                t.cpu_s,
+                t.gil_held_s,
+                t.gil_held_share * 100.0,
+                t.gil_wait_s,
+                t.gil_waits,
+                if self.duration_s > 0.0 {
+                    t.gil_wait_s / self.duration_s * 100.0
+                } else {
+                    0.0
+                },
+                t.gil_switch_wait_s
+            );
+        }
+        if self.gil_blocking_pairs.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n### Who blocks whom\n");
+        let _ = writeln!(
+            s,
+            "Time each thread waited for the GIL, by the thread holding it when the wait began \
+             and what that thread was running (its innermost Python function).\n"
+        );
+        let _ = writeln!(
+            s,
+            "| waiter | holder | wait s | waits | % of waiter's GIL wait | holder was running |"
+        );
+        let _ = writeln!(s, "|---|---|---:|---:|---:|---|");
+        for p in self.gil_blocking_pairs.iter().take(MD_GIL_PAIRS) {
+            let holder = if p.holder_tid == 0 {
+                super::gil::GIL_FREE.to_string()
+            } else {
+                format!("{} (tid {})", p.holder_name, p.holder_tid)
+            };
+            let running: Vec<String> = p
+                .holder_top
+                .iter()
+                .take(3)
+                .map(|f| {
+                    let file = short_file(&f.file);
+                    if file.is_empty() || p.holder_tid == 0 {
+                        format!("{} {:.3} s", f.function, f.wait_s)
+                    } else {
+                        format!("{} ({file}) {:.3} s", f.function, f.wait_s)
+                    }
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "| {} (tid {}) | {} | {:.3} | {} | {:.1}% | {} |",
+                md(if p.waiter_name.is_empty() {
+                    "thread"
+                } else {
+                    &p.waiter_name
+                }),
+                p.waiter_tid,
+                md(&holder),
+                p.wait_s,
+                p.waits,
+                p.share_of_wait * 100.0,
+                md(&running.join("; "))
+            );
+        }
+        if self.gil_blocking_pairs.len() > MD_GIL_PAIRS {
+            let _ = writeln!(
+                s,
+                "\n{} more (waiter, holder) pairs in the JSON report.",
+                self.gil_blocking_pairs.len() - MD_GIL_PAIRS
+            );
+        }
+    }
+
+    /// The "GC" section: pauses by generation, and by thread when several collected. Absent
+    /// when the selected threads ran no collection.
+    fn gc_markdown(&self, s: &mut String) {
+        let gc = &self.gc;
+        if gc.pauses == 0 {
+            return;
+        }
+        let _ = writeln!(s, "\n## GC\n");
+        let procs = self
+            .gc
+            .by_thread
+            .iter()
+            .map(|t| t.pid)
+            .collect::<std::collections::BTreeSet<_>>()
+            .len();
+        let _ = writeln!(
+            s,
+            "{} collections, {:.3} s in total ({:.1}% of the recording{}), longest {:.3} ms.\n",
+            gc.pauses,
+            gc.total_s,
+            gc.share * 100.0,
+            if procs > 1 {
+                format!(", summed over {procs} processes")
+            } else {
+                String::new()
+            },
+            gc.max_ms
+        );
+        let _ = writeln!(
+            s,
+            "| generation | pauses | total s | mean ms | max ms | share of recording |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|");
+        let row = |s: &mut String, name: &str, g: &GcStats| {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2}% |",
+                name,
+                g.pauses,
+                g.total_s,
+                if g.pauses > 0 {
+                    g.total_s * 1e3 / g.pauses as f64
+                } else {
+                    0.0
+                },
+                g.max_ms,
+                g.share * 100.0
+            );
+        };
+        for (k, g) in &gc.by_generation {
+            row(s, k, g);
+        }
+        row(
+            s,
+            "all",
+            &GcStats {
+                pauses: gc.pauses,
+                total_s: gc.total_s,
+                max_ms: gc.max_ms,
+                share: gc.share,
+            },
+        );
+        if gc.by_thread.len() > 1 {
+            let _ = writeln!(
+                s,
+                "\n| pid | tid | collecting thread | pauses | total s | max ms |"
+            );
+            let _ = writeln!(s, "|---:|---:|---|---:|---:|---:|");
+            for t in &gc.by_thread {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {:.3} | {:.3} |",
+                    t.pid,
+                    t.tid,
+                    md(&t.name),
+                    t.pauses,
+                    t.total_s,
+                    t.max_ms
+                );
+            }
+        }
+    }
+}
+
+/// The two GIL tables from waits aggregated by (waiter pid, waiter tid, holder tid, holder
+/// frame) -> (ns, waits).
+fn gil_tables(
+    rec: &Recording,
+    blocking: &HashMap<(i32, i32, i32, HolderFrame), (u64, u64)>,
+    threads: &BTreeMap<(i32, i32), ThreadAcc>,
+) -> (Vec<GilBlockingRow>, Vec<GilPairRow>) {
+    // Functions are (name, file), lines merged: several frames can make one row.
+    // (waiter pid, waiter tid, holder tid, function, file) -> (ns, waits)
+    type FnKey<'r> = (i32, i32, i32, &'r str, &'r str);
+    let mut by_fn: BTreeMap<FnKey, (u64, u64)> = BTreeMap::new();
+    for (&(pid, tid, holder, hf), &(ns, n)) in blocking {
+        let e = by_fn
+            .entry((pid, tid, holder, hf.function(), hf.file()))
+            .or_default();
+        e.0 += ns;
+        e.1 += n;
+    }
+    let mut names: HashMap<(i32, i32), String> = HashMap::new();
+    let mut name = |pid: i32, tid: i32| {
+        names
+            .entry((pid, tid))
+            .or_insert_with(|| thread_name_or_tid(rec, pid, tid))
+            .clone()
+    };
+    let mut rows: Vec<(u64, GilBlockingRow)> = by_fn
+        .iter()
+        .map(|(&(pid, tid, holder, function, file), &(ns, n))| {
+            (
+                ns,
+                GilBlockingRow {
+                    waiter_pid: pid,
+                    waiter_tid: tid,
+                    waiter_name: rec.thread_name(pid, tid).to_string(),
+                    holder_tid: holder,
+                    holder_name: name(pid, holder),
+                    wait_s: secs(ns),
+                    waits: n,
+                    holder_function: function.to_string(),
+                    holder_file: file.to_string(),
+                },
+            )
+        })
+        .collect();
+    // by_fn iterates in key order, so a stable sort by time leaves ties in (waiter, holder,
+    // function, file) order.
+    rows.sort_by(|(a, _), (b, _)| b.cmp(a));
+
+    // (waiter pid, waiter tid, holder tid) -> (ns, waits, its rows, most wait first)
+    type PairAcc<'r> = (u64, u64, Vec<(u64, &'r GilBlockingRow)>);
+    let mut pairs: BTreeMap<(i32, i32, i32), PairAcc> = BTreeMap::new();
+    for (ns, r) in &rows {
+        let e = pairs
+            .entry((r.waiter_pid, r.waiter_tid, r.holder_tid))
+            .or_default();
+        e.0 += ns;
+        e.1 += r.waits;
+        e.2.push((*ns, r));
+    }
+    let mut pair_rows: Vec<(u64, GilPairRow)> = pairs
+        .into_iter()
+        .map(|((pid, tid, holder), (ns, n, fns))| {
+            let waited = threads.get(&(pid, tid)).map_or(0, |t| t.gil_wait);
+            (
+                ns,
+                GilPairRow {
+                    waiter_pid: pid,
+                    waiter_tid: tid,
+                    waiter_name: rec.thread_name(pid, tid).to_string(),
+                    holder_tid: holder,
+                    holder_name: name(pid, holder),
+                    wait_s: secs(ns),
+                    waits: n,
+                    share_of_wait: share(ns, waited),
+                    holder_top: fns
+                        .into_iter()
+                        .take(HOLDER_TOP)
+                        .map(|(ns, r)| HolderFunction {
+                            function: r.holder_function.clone(),
+                            file: r.holder_file.clone(),
+                            wait_s: secs(ns),
+                            waits: r.waits,
+                        })
+                        .collect(),
+                },
+            )
+        })
+        .collect();
+    pair_rows.sort_by(|(a, _), (b, _)| b.cmp(a));
+    (
+        rows.into_iter().map(|(_, r)| r).collect(),
+        pair_rows.into_iter().map(|(_, r)| r).collect(),
+    )
+}
+
+/// Escape text for a Markdown table cell. `<` and `>` too: `<module>` or `<gil free>` would
+/// otherwise be taken for HTML tags (and dropped by GitHub's renderer).
 fn md(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('|', "\\|")
+        .replace('<', "\\<")
+        .replace('>', "\\>")
         .replace(['\n', '\r'], " ")
 }
 
@@ -484,6 +1005,7 @@ mod tests {
     #[test]
     fn md_escapes_cells() {
         assert_eq!(md("a|b\nc"), "a\\|b c");
+        assert_eq!(md("<module>"), "\\<module\\>");
     }
 
     #[test]
