@@ -51,7 +51,11 @@ impl BpfSampler {
     /// As [`start`](Self::start); with `gil`, also trace futex waits (sys_enter/sys_exit) so
     /// that waits on targets' GILs are timed exactly.
     pub fn start_with(rate_hz: u32, offcpu: bool, gil: bool) -> anyhow::Result<Self> {
+        // Parse the kernel's BTF once: CO-RE relocation and every tp_btf program use it, and
+        // each parse costs tens of MB of peak memory.
+        let btf = Btf::from_sys_fs().context("reading kernel BTF (/sys/kernel/btf/vmlinux)")?;
         let mut bpf = EbpfLoader::new()
+            .btf(Some(&btf))
             .load(OBJECT)
             .map_err(|e| anyhow!("loading the BPF object failed: {e:#}"))?;
         let period_ns = 1_000_000_000u64 / rate_hz.max(1) as u64;
@@ -74,7 +78,6 @@ impl BpfSampler {
             }
         }
         if offcpu {
-            let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
             let prog: &mut BtfTracePoint = bpf
                 .program_mut("on_switch")
                 .context("BPF object has no on_switch program")?
@@ -84,7 +87,6 @@ impl BpfSampler {
             prog.attach().context("attaching to sched_switch")?;
         }
         if gil {
-            let btf = Btf::from_sys_fs().context("reading kernel BTF")?;
             for (prog_name, tp) in [("on_sys_enter", "sys_enter"), ("on_sys_exit", "sys_exit")] {
                 let prog: &mut BtfTracePoint = bpf
                     .program_mut(prog_name)
@@ -95,6 +97,12 @@ impl BpfSampler {
                 prog.attach()
                     .with_context(|| format!("attaching to {tp}"))?;
             }
+        }
+        drop(btf);
+        // The parsed BTF was the largest allocation; hand its pages back to the kernel.
+        // SAFETY: malloc_trim only releases free heap memory.
+        unsafe {
+            libc::malloc_trim(0);
         }
         let ring = RingBuf::try_from(bpf.take_map("events").context("no events map")?)?;
         let targets = BpfHashMap::try_from(bpf.take_map("targets").context("no targets map")?)?;
