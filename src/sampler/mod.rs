@@ -407,7 +407,7 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
             "bpf",
             "asked for with --backend bpf".to_string(),
             Some(
-                BpfSampler::start(opts.rate_hz, opts.offcpu)
+                BpfSampler::start_with(opts.rate_hz, opts.offcpu, opts.gil)
                     .context("starting the BPF sampler (try --backend memory)")?,
             ),
         ),
@@ -482,7 +482,10 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     let deadline = opts.duration.map(|d| Instant::now() + d);
     let result = match bpf.as_mut() {
         Some(b) => run_bpf(b, &mut targets, &mut pipe, opts, deadline),
-        None => memory::run(&mut targets, &mut pipe, rate, deadline, &STOP),
+        None => {
+            announce_started(opts.quiet);
+            memory::run(&mut targets, &mut pipe, rate, deadline, &STOP)
+        }
     };
     let end_ns = monotonic_ns();
     pipe.close(end_ns)?;
@@ -522,6 +525,14 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         lost: counters.get("bpf_ringbuf_full_lost").copied().unwrap_or(0),
         counters,
     })
+}
+
+/// Say (on stderr) that events are being collected from now on: scripts and tests that need
+/// the whole of some activity recorded start it after this line.
+fn announce_started(quiet: bool) {
+    if !quiet {
+        eprintln!("enginescope: sampling started");
+    }
 }
 
 /// Push thread changes of every target to the BPF threads map and the recording.
@@ -600,6 +611,7 @@ fn run_bpf(
         }
         b.set_target(t.pid as u32, &cfg)?;
     }
+    announce_started(opts.quiet);
     let index: HashMap<i32, usize> = targets
         .iter()
         .enumerate()

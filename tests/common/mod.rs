@@ -193,6 +193,9 @@ pub fn start(i: &Interp, script: &str, args: &[&str]) -> Workload {
         }
     };
     std::fs::create_dir_all(&dir).unwrap();
+    if args.contains(&"{dir}/go") {
+        make_go_fifo(&dir);
+    }
     std::fs::copy(repo_root().join("samples").join(script), dir.join(script)).unwrap();
     cmd.arg(format!("{inner_dir}/{script}"));
     for a in args {
@@ -273,4 +276,76 @@ pub fn enginescope(args: &[&str]) -> std::process::Output {
 
 pub fn read_json(p: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+impl Workload {
+    /// Let a workload started with `--go-fifo {dir}/go` begin its measurement window.
+    pub fn go(&self) {
+        use std::io::Write;
+        // Blocks until the workload opens the FIFO for reading (it does so right after READY).
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.dir.join("go"))
+            .unwrap();
+        f.write_all(b"GO\n").unwrap();
+    }
+}
+
+/// A recorder running in the background; `wait` returns its output.
+pub struct Recorder {
+    pub child: std::process::Child,
+    stderr: BufReader<std::process::ChildStderr>,
+    pub early_stderr: String,
+}
+
+impl Recorder {
+    /// Start `enginescope record ARGS` and return once it says sampling has started.
+    pub fn start(args: &[&str]) -> Recorder {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+            .arg("record")
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn enginescope record");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut early = String::new();
+        loop {
+            let mut line = String::new();
+            let n = stderr.read_line(&mut line).unwrap();
+            early.push_str(&line);
+            if n == 0 {
+                let st = child.wait();
+                panic!("recorder exited before sampling started: {st:?}\n{early}");
+            }
+            if line.contains("sampling started") {
+                break;
+            }
+        }
+        Recorder {
+            child,
+            stderr,
+            early_stderr: early,
+        }
+    }
+
+    /// Wait for the recorder to finish; returns (success, stdout, all stderr).
+    pub fn wait(mut self) -> (bool, String, String) {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.stderr, &mut rest).unwrap();
+        let mut out = String::new();
+        if let Some(mut o) = self.child.stdout.take() {
+            std::io::Read::read_to_string(&mut o, &mut out).unwrap();
+        }
+        let st = self.child.wait().unwrap();
+        (st.success(), out, format!("{}{rest}", self.early_stderr))
+    }
+}
+
+/// Make the FIFO `dir/go` (a workload's `--go-fifo {dir}/go`); `start` does it when asked.
+pub fn make_go_fifo(dir: &Path) {
+    let p = std::ffi::CString::new(dir.join("go").to_string_lossy().as_bytes()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    let rc = unsafe { libc::mkfifo(p.as_ptr(), 0o600) };
+    assert!(rc == 0, "mkfifo {}", dir.join("go").display());
 }
