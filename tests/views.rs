@@ -969,8 +969,9 @@ fn cli_commands_write_their_formats() {
 //   GIL free (holder 0), 1 of 2 ms while aux-writer ran no Python frame: 46 ms in 15 waits.
 //   Off CPU 200.01-202.99 ms (inside its first GIL wait). GC gen 1: [500, 510) and [520, 526).
 // - tid 302 "aux-writer": 200 samples of 1 ms in `_evict_to_fit` holding the GIL. GIL waits
-//   on the launcher (in execute_model): [600, 602), [628, 632), [700, 702) = 8 ms; switch waits
-//   [800, 800.5) and [810, 810.5) = 1 ms. GC: gen 0 at 400, 410, ..., 440 ms lasting 1..5 ms;
+//   on the launcher (in execute_model): [600, 602), [628, 632), [700, 702) = 8 ms; one while it
+//   held the GIL itself (releasing it) [720, 721); switch waits [800, 800.5) and [810, 810.5)
+//   = 1 ms. GC: gen 0 at 400, 410, ..., 440 ms lasting 1..5 ms;
 //   gen 2 [590, 630) (so the wait at 600 nests inside it and the one at 628 sticks out by
 //   2 ms); generation unknown [900, 907).
 // - tid 303 "MainThread": 10 samples of 1 ms in `main` holding the GIL.
@@ -1118,6 +1119,16 @@ fn write_gil_fixture(path: &Path, finish: bool) {
         ))
         .unwrap();
     }
+    w.gil_wait(&gil_wait(
+        302,
+        720 * GMS,
+        GMS,
+        302,
+        s_evict50,
+        s_evict50,
+        false,
+    ))
+    .unwrap();
     for start in [800, 810] {
         w.gil_wait(&gil_wait(302, start * GMS, GMS / 2, 0, 0, s_put, true))
             .unwrap();
@@ -1139,7 +1150,7 @@ fn gil_fixture() -> (tempfile::TempDir, Recording) {
     let path = dir.path().join("gil.esrec");
     write_gil_fixture(&path, true);
     let rec = read_recording(&path).unwrap();
-    assert_eq!((rec.gil_waits.len(), rec.gc_pauses.len()), (20, 9));
+    assert_eq!((rec.gil_waits.len(), rec.gc_pauses.len()), (21, 9));
     (dir, rec)
 }
 
@@ -1191,8 +1202,8 @@ fn report_gil_and_gc_per_thread() {
         [
             j(0.2),
             j(1.0),
-            j(0.008),
-            3.into(),
+            j(0.009),
+            4.into(),
             j(0.001),
             j(0.062),
             7.into()
@@ -1210,7 +1221,7 @@ fn report_gil_and_gc_per_thread() {
             &t["gil_switch_wait_s"],
             &t["gc_s"]
         ],
-        [&j(0.31), &j(0.054), &j(0.001), &j(0.078)]
+        [&j(0.31), &j(0.055), &j(0.001), &j(0.078)]
     );
 }
 
@@ -1271,6 +1282,8 @@ fn report_gil_blocking_rows_in_order() {
             r(301, 303, "MainThread", "main", 0.005, 1, "/srv/main.py"),
             r(301, 302, "aux-writer", "<unknown>", 0.002, 1, ""),
             r(301, 0, "", "<gil free>", 0.001, 1, ""),
+            // Held by itself: it was releasing the GIL.
+            r(302, 302, "aux-writer", "<releasing>", 0.001, 1, ""),
         ]
     );
     assert_eq!(v["gil_blocking"][0]["waiter_name"], "launcher");
@@ -1293,9 +1306,10 @@ fn report_gil_blocking_rows_in_order() {
         shape,
         [
             (301, 302, 0.04, 13, 40.0 / 46.0),
-            (302, 301, 0.008, 3, 1.0),
+            (302, 301, 0.008, 3, 8.0 / 9.0),
             (301, 303, 0.005, 1, 5.0 / 46.0),
             (301, 0, 0.001, 1, 1.0 / 46.0),
+            (302, 302, 0.001, 1, 1.0 / 9.0),
         ]
     );
     assert_eq!(
@@ -1310,9 +1324,9 @@ fn report_gil_blocking_rows_in_order() {
 
     // Only the selected waiters' waits count; holders need not be selected.
     let v = report_json(&rec, &select(&rec, None, None, Some("^aux")));
-    assert_eq!(v["gil_blocking"].as_array().unwrap().len(), 1);
+    assert_eq!(v["gil_blocking"].as_array().unwrap().len(), 2);
     assert_eq!(v["gil_blocking"][0]["holder_name"], "launcher");
-    assert_eq!(v["gil_blocking_pairs"][0]["share_of_wait"], 1.0);
+    assert_eq!(v["gil_blocking_pairs"][0]["share_of_wait"], 8.0 / 9.0);
 }
 
 #[test]
@@ -1383,7 +1397,8 @@ fn report_markdown_gil_and_gc_sections() {
     for line in [
         // Most GIL wait first.
         "| 300 | 301 | launcher | 0.120 | 0.100 | 83.3% | 0.046 | 15 | 4.6% | 0.000 |",
-        "| 300 | 302 | aux-writer | 0.200 | 0.200 | 100.0% | 0.008 | 3 | 0.8% | 0.001 |",
+        "| 300 | 302 | aux-writer | 0.200 | 0.200 | 100.0% | 0.009 | 4 | 0.9% | 0.001 |",
+        "| aux-writer (tid 302) | itself, \\<releasing\\> | 0.001 | 1 | 11.1% | \\<releasing\\> 0.001 s |",
         "| launcher (tid 301) | aux-writer (tid 302) | 0.040 | 13 | 87.0% | AuxOutputStore._evict_to_fit (aux.py) 0.030 s; AuxOutputStore.put (aux.py) 0.008 s; \\<unknown\\> 0.002 s |",
         "| launcher (tid 301) | \\<gil free\\> | 0.001 | 1 | 2.2% | \\<gil free\\> 0.001 s |",
         "| 0 | 5 | 0.015 | 3.000 | 5.000 | 1.50% |",
@@ -1533,6 +1548,7 @@ fn chrome_gil_and_gc_tracks_nest() {
             ("gil-wait", held, ms(600, 602)),
             ("gil-wait", held, ms(628, 630)),
             ("gil-wait", held, ms(700, 702)),
+            ("gil-wait", "GIL wait (<releasing>)", ms(720, 721)),
             (
                 "gil-switch-wait",
                 "GIL switch wait",
@@ -1550,7 +1566,8 @@ fn chrome_gil_and_gc_tracks_nest() {
     assert_eq!(w[7]["args"]["dur_ns"], 4_000_000);
     assert!(w[6]["args"].get("clipped_ns").is_none());
     assert_eq!(w[5]["args"]["generation"], 2);
-    assert_eq!(w[11]["args"]["generation"], -1);
+    assert_eq!(w[9]["args"]["holder_tid"], 302);
+    assert_eq!(w[12]["args"]["generation"], -1);
 
     // Every track nests: an event either ends before the next starts, or contains it.
     let mut tracks: BTreeMap<(i64, i64), Vec<(i64, i64)>> = BTreeMap::new();
@@ -1596,6 +1613,7 @@ fn gil_blame_folds_holder_stacks_by_waiter() {
         (format!("{p};launcher (tid 301);<gil free>"), GMS),
         // Switch waits are not blamed on anyone.
         (format!("{p};aux-writer (tid 302);held by launcher (tid 301);Worker.loop (worker.py:5);Worker.execute_model (worker.py:30)"), 8 * GMS),
+        (format!("{p};aux-writer (tid 302);<releasing>"), GMS),
     ]
     .into_iter()
     .collect();
@@ -1612,18 +1630,19 @@ fn gil_blame_folds_holder_stacks_by_waiter() {
     .unwrap();
     for s in [
         "GIL blame",
-        "18 GIL waits",
-        "0.054 s waited for the GIL",
-        // 40 of the 54 ms waited.
-        "held by aux-writer (tid 302) (40,000 µs, 74.07%)",
-        "AuxOutputStore._evict_to_fit (aux.py:50) (18,000 µs, 33.33%)",
-        "&lt;gil free&gt; (1,000 µs, 1.85%)",
+        "19 GIL waits",
+        "0.055 s waited for the GIL",
+        // 40 of the 55 ms waited.
+        "held by aux-writer (tid 302) (40,000 µs, 72.73%)",
+        "AuxOutputStore._evict_to_fit (aux.py:50) (18,000 µs, 32.73%)",
+        "&lt;gil free&gt; (1,000 µs, 1.82%)",
+        "&lt;releasing&gt; (1,000 µs, 1.82%)",
     ] {
         assert!(svg.contains(s), "GIL-blame graph lacks {s:?}");
     }
-    // Filtered to the writer, only its 8 ms on the launcher.
+    // Filtered to the writer, only its 8 ms on the launcher and 1 ms releasing.
     let one = views::folded::gil_blame_stacks(&rec, &select(&rec, None, Some(302), None));
-    assert_eq!(one.values().copied().collect::<Vec<_>>(), [8 * GMS]);
+    assert_eq!(one.values().copied().collect::<Vec<_>>(), [GMS, 8 * GMS]);
     // MainThread waited for nothing: a clear error.
     let e = views::flame::render_kind(
         &rec,

@@ -25,7 +25,7 @@ use std::collections::HashMap;
 use anyhow::Context;
 use serde_json::{json, Value};
 
-use super::gil::{holder_name, HolderFrame, GIL_FREE};
+use super::gil::{holder_name, HolderFrame, GIL_FREE, RELEASING};
 use super::{format_utc, process_name, FrameLabels, Selection, SHAPE_FLAGS};
 use crate::record::{flags, GcPause, GilWait, OffCpu, Recording, Sample};
 
@@ -171,13 +171,17 @@ impl Slice<'_> {
 }
 
 /// Name of a GIL wait's event: `GIL wait (held by worker: Store.put)`, `GIL wait (<gil
-/// free>)`, or `GIL switch wait` for the handshake of a thread dropping the GIL.
+/// free>)`, `GIL wait (<releasing>)` when the waiter held it itself, or `GIL switch wait` for
+/// the handshake of a thread dropping the GIL.
 pub fn gil_wait_name(rec: &Recording, g: &GilWait) -> String {
     if g.switch_wait {
         return "GIL switch wait".to_string();
     }
     if g.holder_tid == 0 {
         return format!("GIL wait ({GIL_FREE})");
+    }
+    if g.holder_tid == g.tid {
+        return format!("GIL wait ({RELEASING})");
     }
     format!(
         "GIL wait (held by {}: {})",

@@ -6,7 +6,7 @@ use anyhow::Context;
 use inferno::flamegraph::{self, color, Options};
 
 use super::folded::{self, Measure};
-use super::gil::{GIL_FREE, UNKNOWN_FUNCTION};
+use super::gil::{GIL_FREE, RELEASING, UNKNOWN_FUNCTION};
 use super::{format_utc, process_label, secs, Selection, PARTIAL_FRAME, PREEMPTED_FRAME};
 use crate::record::Recording;
 
@@ -32,8 +32,9 @@ fn palette(rec: &Recording, sel: &Selection) -> color::PaletteMap {
     m.insert(PARTIAL_FRAME, rgb(190, 190, 190));
     m.insert(PREEMPTED_FRAME, rgb(220, 90, 90));
     m.insert(GIL_FREE, rgb(140, 200, 140));
+    m.insert(RELEASING, rgb(170, 210, 170));
     m.insert(UNKNOWN_FUNCTION, rgb(190, 190, 190));
-    for g in sel.gil_waits(rec) {
+    for g in sel.gil_waits(rec).filter(|g| g.holder_tid != g.tid) {
         m.insert(
             folded::holder_label(rec, g.pid, g.holder_tid),
             rgb(235, 200, 120),

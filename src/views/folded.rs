@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write;
 
-use super::gil::{thread_name_or_tid, GIL_FREE, UNKNOWN_FUNCTION};
+use super::gil::{thread_name_or_tid, GIL_FREE, RELEASING, UNKNOWN_FUNCTION};
 use super::{process_label, thread_label, FrameLabels, Selection, PREEMPTED_FRAME, SHAPE_FLAGS};
 use crate::record::Recording;
 
@@ -103,14 +103,17 @@ pub fn holder_label(rec: &Recording, pid: i32, holder_tid: i32) -> String {
 
 /// GIL blame: for each GIL wait of a selected thread (not switch waits), the line
 /// `proc;waiter;held by holder;holder's stack outermost first`, weighted by the wait in ns.
-/// A known holder with no Python frame ends in [`UNKNOWN_FUNCTION`].
+/// A known holder with no Python frame ends in [`UNKNOWN_FUNCTION`]; a wait whose holder was
+/// the waiter itself (releasing the GIL) is the single frame [`RELEASING`].
 pub fn gil_blame_stacks(rec: &Recording, sel: &Selection) -> BTreeMap<String, u64> {
     let mut by_id: HashMap<(i32, i32, i32, u32), u64> = HashMap::new();
     for g in sel.gil_waits(rec).filter(|g| !g.switch_wait) {
-        let stack = if g.holder_tid == 0 { 0 } else { g.holder_stack };
-        *by_id
-            .entry((g.pid, g.tid, g.holder_tid, stack))
-            .or_default() += g.dur_ns;
+        let (holder, stack) = match g.holder_tid {
+            0 => (0, 0),
+            h if h == g.tid => (-1, 0),
+            h => (h, g.holder_stack),
+        };
+        *by_id.entry((g.pid, g.tid, holder, stack)).or_default() += g.dur_ns;
     }
     let labels = FrameLabels::new(rec);
     let mut out: BTreeMap<String, u64> = BTreeMap::new();
@@ -119,10 +122,14 @@ pub fn gil_blame_stacks(rec: &Recording, sel: &Selection) -> BTreeMap<String, u6
             "{};{};{}",
             clean(&process_label(rec, pid)),
             clean(&thread_label(rec, pid, tid)),
-            clean(&holder_label(rec, pid, holder))
+            if holder == -1 {
+                RELEASING.to_string()
+            } else {
+                clean(&holder_label(rec, pid, holder)).into_owned()
+            }
         );
         let frames = labels.stack(rec, stack, 0);
-        if frames.is_empty() && holder != 0 {
+        if frames.is_empty() && holder > 0 {
             line.push(';');
             line.push_str(UNKNOWN_FUNCTION);
         }

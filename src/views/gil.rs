@@ -10,12 +10,18 @@ pub const GIL_FREE: &str = "<gil free>";
 /// Holder function of a wait whose holder is known but whose Python stack is empty (it held
 /// the GIL outside any Python frame, or its stack could not be read).
 pub const UNKNOWN_FUNCTION: &str = "<unknown>";
+/// Holder function of a wait whose holder is the waiter itself: it still held the GIL and was
+/// releasing it (`drop_gil` waiting for the GIL's internal mutex), so no other thread kept it
+/// waiting.
+pub const RELEASING: &str = "<releasing>";
 
 /// What the holder was running when a wait began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HolderFrame<'a> {
     /// `holder_tid` 0.
     Free,
+    /// `holder_tid` is the waiter: a wait while releasing the GIL.
+    Releasing,
     /// A holder with an empty stack.
     Unknown,
     /// The holder's innermost Python frame.
@@ -27,22 +33,26 @@ impl<'a> HolderFrame<'a> {
         if g.holder_tid == 0 {
             return HolderFrame::Free;
         }
+        if g.holder_tid == g.tid {
+            return HolderFrame::Releasing;
+        }
         match rec.stack_frames(g.holder_stack).next() {
             Some(f) => HolderFrame::Frame(f),
             None => HolderFrame::Unknown,
         }
     }
 
-    /// Qualified function name, or [`GIL_FREE`] / [`UNKNOWN_FUNCTION`].
+    /// Qualified function name, or [`GIL_FREE`] / [`RELEASING`] / [`UNKNOWN_FUNCTION`].
     pub fn function(&self) -> &'a str {
         match self {
             HolderFrame::Free => GIL_FREE,
+            HolderFrame::Releasing => RELEASING,
             HolderFrame::Unknown => UNKNOWN_FUNCTION,
             HolderFrame::Frame(f) => &f.function,
         }
     }
 
-    /// File of the function; empty for the two placeholders.
+    /// File of the function; empty for the placeholders.
     pub fn file(&self) -> &'a str {
         match self {
             HolderFrame::Frame(f) => &f.file,

@@ -140,9 +140,10 @@ pub struct GilBlockingRow {
     pub wait_s: f64,
     pub waits: u64,
     /// The holder's innermost Python function when the wait began; `<gil free>` for holder 0,
-    /// `<unknown>` for a holder with no Python frame.
+    /// `<releasing>` when the holder is the waiter itself (it was releasing the GIL and waited
+    /// for the GIL's internal mutex), `<unknown>` for a holder with no Python frame.
     pub holder_function: String,
-    /// Its file; empty for the two placeholders.
+    /// Its file; empty for the placeholders.
     pub holder_file: String,
 }
 
@@ -768,6 +769,8 @@ impl Report {
         for p in self.gil_blocking_pairs.iter().take(MD_GIL_PAIRS) {
             let holder = if p.holder_tid == 0 {
                 super::gil::GIL_FREE.to_string()
+            } else if p.holder_tid == p.waiter_tid {
+                format!("itself, {}", super::gil::RELEASING)
             } else {
                 format!("{} (tid {})", p.holder_name, p.holder_tid)
             };
@@ -777,7 +780,7 @@ impl Report {
                 .take(3)
                 .map(|f| {
                     let file = short_file(&f.file);
-                    if file.is_empty() || p.holder_tid == 0 {
+                    if file.is_empty() {
                         format!("{} {:.3} s", f.function, f.wait_s)
                     } else {
                         format!("{} ({file}) {:.3} s", f.function, f.wait_s)
