@@ -53,26 +53,33 @@ writer, waiting in turn, rarely takes the GIL back in the middle of it.
 Error. The estimate also counts time the thread was runnable but not running (run queue: another
 process on the CPU; `preempted_steps` counts the steps where that happened) and the forced-switch
 handshake (asked to drop the GIL, a thread waits until the other has taken it: a "switch wait",
-tens of µs per switch, ~50 a second here). The truth has the window's run-queue time from
-/proc/self/task/TID/schedstat (read by the main thread at the window edges; the calibration
-reads it between steps, where no other thread wants the GIL) and `gil_wait_excl_runq_s` without
-it (beyond the calibrated wake-up latency). A profiler that times the futex waits on the GIL
-counts the wake-up latency after the GIL is handed over (run queue) but not preemption during
-the compute, and reports switch waits apart: its launcher GIL wait plus switch wait should lie
-between `gil_wait_excl_runq_s` and `gil_wait_s`, which differ by the window's run-queue time
-(a few ms over 5 s on the 2-core VM when nothing else runs). `quiet` is true when at most
-10% of the steps were preempted and the run queue held the launcher for at most 2% of the
-window: then the two agree within a few percent. When other processes load the machine they
-do not (the run queue grows to tenths of the window): hold a profiler to a quiet run. Random
-error: the calibrated extra varies by its standard deviation per step, so the total's random
-error is about std * sqrt(steps); `error_s` is three times that plus one step's wait at each
-window edge, where steps count pro rata (`error_excl_runq_s` the same with the run-queue-free
-extra).
-Measured on the 2-core VM (3-5 s windows, CPython 3.10-3.15, load from other work 1.5-2):
-the launcher waits 25-26% of the window (about 64 contended steps/s, median wait 5.0-5.1 ms),
-error_s 14-48 ms on 0.8-1.3 s of wait; the launcher's thread CPU clock equals the sum of its
-steps' CPU within 0.3%, and its off-CPU time equals requested sleep + GIL wait + calibrated
-extra within 5 ms.
+tens of µs per switch, ~50 a second here). So the truth also has the window's run-queue time
+(`runq_s`, from /proc/self/task/TID/schedstat, read by the main thread at the window edges; the
+calibration reads it between its steps, where no other thread wants the GIL) and two figures
+without it: `gil_wait_excl_runq_s` = the steps' wall - CPU - requested sleep, minus the
+calibrated extra without its run-queue part, minus the window's run-queue time: every GIL wait
+with no run-queue time in it; and `gil_wait_upper_s` = that + `runq_s`, as if all of the run
+queue were wake-up latency after the GIL was handed over. A profiler that times the futex waits
+on the GIL counts that wake-up latency but not preemption during the compute, and reports
+switch waits apart: its launcher GIL wait plus switch wait lies between `gil_wait_excl_runq_s`
+and `gil_wait_upper_s`. Those two do not depend on how loaded the machine was during the
+calibration; `gil_wait_s` (the calibrated extra with its run-queue part) does, and lies between
+them when the load is steady. `quiet` is true when at most 10% of the steps were preempted and
+the run queue held the launcher for at most 2% of the window: then all three agree within a few
+percent. Random error: the calibrated extra varies by its standard deviation per step, so a
+total's random error is about std * sqrt(steps); `error_s` is three times that plus one step's
+wait at each window edge, where steps count pro rata (`error_excl_runq_s` the same with the
+extra without its run-queue part, a few times smaller).
+
+Measured on the 2-core VM (CPython 3.10-3.15; 10 s windows on 3.12.1 and sid 3.14.10, other
+work running, one core often busy): the launcher waits a quarter of the window (gil_wait_s
+2.3-2.7 s of 10 s; 60-64 contended steps/s with a median wait of 4.8-5.0 ms, the switch
+interval; nearly all of it when its sleep returns, under 0.2 s inside the compute); 45.0
+puts/s of 9.0 ms CPU, 99% of the writer's CPU in _evict_to_fit. The bracket
+[gil_wait_excl_runq_s, gil_wait_upper_s] is 2.52-2.56 s in a quiet run and as wide as
+1.74-3.00 s with 1.26 s of run queue in a loaded one. The launcher's thread CPU clock equals
+the sum of its steps' CPU within 0.1%, and its off-CPU time equals requested sleep + GIL wait
++ calibrated extra within a few ms.
 
 The writer is timed the same way per put (put and _evict_to_fit, wall and CPU); its GIL wait
 inside put is wall - CPU of the put.
@@ -87,6 +94,7 @@ Truth JSON (window figures only; steps and puts that straddle an edge count pro 
   {"pid", "python", "switch_interval_s", "window": {"start_mono_ns", "end_mono_ns"},
    "threads": [{"native_id", "name", "wall_s", "cpu_s", "offcpu_s", "runq_s"}],
    "launcher": {"native_id", "steps", "steps_per_s", "gil_wait_s", "gil_wait_excl_runq_s",
+                "gil_wait_upper_s",
                 "runq_s", "wait_in_compute_s", "wait_after_sleep_s", "wait_elsewhere_s",
                 "gil_wait_share" (of the window), "wait_per_step_ms_mean", "error_s",
                 "error_excl_runq_s", "contended_steps" (wait > 0.5 ms),
@@ -376,6 +384,14 @@ def launcher_doc(rec, start, end, runq_window):
     runq_extra = None
     if runq_window is not None and runq_per_step is not None:
         runq_extra = runq_window - runq_per_step * steps
+    # Without any run-queue time: the calibrated extra without its run-queue part, and the
+    # window's run-queue time taken out. Robust to the machine's load changing between the
+    # calibration and the window; the upper bound counts all of the window's run-queue time as
+    # wake-up latency after GIL handoffs (which a futex timing includes).
+    excl_s = upper_s = None
+    if runq_extra is not None:
+        excl_s = round((wait - runq_extra) / 1e9, 6)
+        upper_s = round((wait - runq_extra + runq_window) / 1e9, 6)
     error_ns = 3 * extra_sd * steps ** 0.5 + 2 * max_step_wait
     error_nq_ns = 3 * extra_nq_sd * steps ** 0.5 + 2 * max_step_wait
     contended.sort()
@@ -393,7 +409,8 @@ def launcher_doc(rec, start, end, runq_window):
         "steps": round(steps, 3),
         "steps_per_s": round(steps / window_s, 3),
         "gil_wait_s": round(wait / 1e9, 6),
-        "gil_wait_excl_runq_s": None if runq_extra is None else round((wait - runq_extra) / 1e9, 6),
+        "gil_wait_excl_runq_s": excl_s,
+        "gil_wait_upper_s": upper_s,
         "runq_s": None if runq_window is None else round(runq_window / 1e9, 6),
         "wait_in_compute_s": round(wait_compute / 1e9, 6),
         "wait_after_sleep_s": round(wait_sleep / 1e9, 6),
