@@ -89,8 +89,12 @@ enum Cmd {
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
         /// Off-CPU time (where threads waited) instead of on-CPU time.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "gil_blame")]
         offcpu: bool,
+        /// GIL blame: the time threads waited for the GIL, by the holder thread and the
+        /// holder's stack when the wait began (the filter selects waiters).
+        #[arg(long)]
+        gil_blame: bool,
     },
     /// Convert a recording for other tools: folded, pprof, speedscope, chrome (docs/views.md).
     Export {
@@ -232,9 +236,18 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             output,
             filter,
             offcpu,
+            gil_blame,
         } => {
+            use enginescope::views::flame::{render_kind, FlameKind};
             let (rec, sel) = enginescope::views::open(&file, &filter)?;
-            let svg = enginescope::views::flame::render(&rec, &sel, offcpu)?;
+            let kind = if gil_blame {
+                FlameKind::GilBlame
+            } else if offcpu {
+                FlameKind::OffCpu
+            } else {
+                FlameKind::OnCpu
+            };
+            let svg = render_kind(&rec, &sel, kind)?;
             enginescope::views::write_output(&output, &svg)?;
         }
         Cmd::Export {
