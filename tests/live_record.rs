@@ -1,0 +1,210 @@
+//! `enginescope record` against ground truth: samples/cpu_mix.py times every call of its
+//! functions in-process and writes what really happened. The recording must agree:
+//! per-thread on/off-CPU split within ±3 percentage points, per-function shares within ±2.
+//!
+//! The recorder attaches between the workload's READY and its GO, so the truth window lies
+//! inside the recording and the recorder's own start-up does not disturb the window.
+
+mod common;
+
+use common::*;
+use enginescope::record::{read_recording, Recording};
+use serde_json::Value;
+use std::collections::HashMap;
+
+const WINDOW_S: &str = "6";
+
+/// One workload at a time: two on a 2-core machine would make each other's numbers noisier.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+struct Window {
+    a: u64,
+    b: u64,
+}
+
+impl Window {
+    fn clip(&self, s: u64, e: u64) -> u64 {
+        e.min(self.b).saturating_sub(s.max(self.a))
+    }
+    fn len(&self) -> u64 {
+        self.b - self.a
+    }
+}
+
+fn stack_has(rec: &Recording, stack: u32, f: &str) -> bool {
+    rec.stack_frames(stack).any(|fr| fr.function == f)
+}
+
+fn check(label: &str, backend: &str, rate: &str) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = interp(label);
+    if !available(&i) {
+        return;
+    }
+    let w = start(
+        &i,
+        "cpu_mix.py",
+        &[
+            "--truth",
+            "{dir}/truth.json",
+            "--duration",
+            WINDOW_S,
+            "--go-fifo",
+            "{dir}/go",
+        ],
+    );
+    let out = w.dir.join("run.esrec");
+    let out_s = out.to_string_lossy().into_owned();
+    let pid = w.pid.to_string();
+    let rec = Recorder::start(&[
+        "--backend",
+        backend,
+        "--rate",
+        rate,
+        "--duration",
+        "60",
+        "--pid",
+        &pid,
+        "-o",
+        &out_s,
+    ]);
+    w.go();
+    let (ok, _, err) = rec.wait();
+    assert!(ok, "{label}: record failed: {err}");
+    let truth = read_json(&w.dir.join("truth.json"));
+    let r = read_recording(&out).unwrap();
+    assert_eq!(r.meta.backend, backend);
+
+    let t0 = r.meta.start_mono_ns;
+    let win = Window {
+        a: truth["window"]["start_mono_ns"].as_u64().unwrap(),
+        b: truth["window"]["end_mono_ns"].as_u64().unwrap(),
+    };
+    assert!(
+        win.a >= t0,
+        "{label}: the window began before the recorder attached"
+    );
+    assert!(
+        win.len() > 4_000_000_000,
+        "{label}: recorded window too short: {} ns",
+        win.len()
+    );
+
+    let mut report = Vec::new();
+    let mut failures = Vec::new();
+    let mut expect = |ok: bool, msg: String| {
+        if !ok {
+            failures.push(msg);
+        }
+    };
+    for t in truth["threads"].as_array().unwrap() {
+        let name = t["name"].as_str().unwrap();
+        let host = host_tid(w.pid, t["native_id"].as_i64().unwrap() as i32);
+        // The workload has exited; map through the recording's thread records by name instead.
+        let tid = host
+            .or_else(|| r.threads.iter().find(|th| th.name == name).map(|th| th.tid))
+            .unwrap_or_else(|| panic!("{label}: thread {name} not in the recording"));
+        let samples: Vec<_> = r
+            .samples
+            .iter()
+            .filter(|s| s.tid == tid && (t0 + s.t_ns) >= win.a && (t0 + s.t_ns) < win.b)
+            .collect();
+        let on_ns: u64 = samples.iter().map(|s| s.weight_ns as u64).sum();
+        let offs: Vec<_> = r.offcpu.iter().filter(|o| o.tid == tid).collect();
+        let off_ns: u64 = offs
+            .iter()
+            .map(|o| win.clip(t0 + o.start_ns, t0 + o.start_ns + o.dur_ns))
+            .sum();
+
+        // On/off-CPU split.
+        let truth_on = t["cpu_s"].as_f64().unwrap() / t["wall_s"].as_f64().unwrap();
+        let got_on = on_ns as f64 / win.len() as f64;
+        let got_off = off_ns as f64 / win.len() as f64;
+        report.push(format!(
+            "{name}: on-CPU {:.1}% (truth {:.1}%), off-CPU {:.1}% (truth {:.1}%), {} samples",
+            got_on * 100.0,
+            truth_on * 100.0,
+            got_off * 100.0,
+            (1.0 - truth_on) * 100.0,
+            samples.len()
+        ));
+        expect(
+            (got_on - truth_on).abs() <= 0.03,
+            format!("{name}: on-CPU {got_on:.3} vs truth {truth_on:.3}"),
+        );
+        expect(
+            (got_off - (1.0 - truth_on)).abs() <= 0.03,
+            format!(
+                "{name}: off-CPU {got_off:.3} vs truth {:.3}",
+                1.0 - truth_on
+            ),
+        );
+
+        // Function shares. Of on-CPU time, where the thread has enough samples for ±2 points
+        // to be a fair bound (≥ 2000: standard error ≤ 1 point); of wall time (on-CPU samples
+        // plus exact off-CPU intervals) for every function of every thread.
+        let funcs: HashMap<String, Value> = serde_json::from_value(t["functions"].clone()).unwrap();
+        for (f, ft) in &funcs {
+            if samples.len() >= 2000 {
+                let hit: u64 = samples
+                    .iter()
+                    .filter(|s| stack_has(&r, s.stack, f))
+                    .map(|s| s.weight_ns as u64)
+                    .sum();
+                let got = hit as f64 / on_ns as f64;
+                let want = ft["cpu_s"].as_f64().unwrap() / t["cpu_s"].as_f64().unwrap();
+                report.push(format!(
+                    "  {name} {f}: {:.1}% of on-CPU (truth {:.1}%)",
+                    got * 100.0,
+                    want * 100.0
+                ));
+                expect(
+                    (got - want).abs() <= 0.02,
+                    format!("{name} {f}: on-CPU share {got:.3} vs truth {want:.3}"),
+                );
+            }
+            let on_f: u64 = samples
+                .iter()
+                .filter(|s| stack_has(&r, s.stack, f))
+                .map(|s| s.weight_ns as u64)
+                .sum();
+            let off_f: u64 = offs
+                .iter()
+                .filter(|o| stack_has(&r, o.stack, f))
+                .map(|o| win.clip(t0 + o.start_ns, t0 + o.start_ns + o.dur_ns))
+                .sum();
+            let got = (on_f + off_f) as f64 / win.len() as f64;
+            let want = ft["wall_s"].as_f64().unwrap() / t["wall_s"].as_f64().unwrap();
+            report.push(format!(
+                "  {name} {f}: {:.1}% of wall (truth {:.1}%)",
+                got * 100.0,
+                want * 100.0
+            ));
+            expect(
+                (got - want).abs() <= 0.02,
+                format!("{name} {f}: wall share {got:.3} vs truth {want:.3}"),
+            );
+        }
+    }
+    report.push(format!("counters: {:?}", r.counters));
+    eprintln!("{label} ({backend}, {rate} Hz):\n{}", report.join("\n"));
+    assert!(failures.is_empty(), "{label}: {}", failures.join("; "));
+}
+
+#[test]
+fn ground_truth_bpf_pyenv_3_12() {
+    check("pyenv-3.12", "bpf", "1000");
+}
+#[test]
+fn ground_truth_bpf_sid_3_14_container() {
+    check("sid-3.14", "bpf", "1000");
+}
+#[test]
+fn ground_truth_bpf_pyenv_3_10() {
+    check("pyenv-3.10", "bpf", "1000");
+}
+
+#[test]
+fn ground_truth_memory_backend_pyenv_3_12() {
+    check("pyenv-3.12", "memory", "200");
+}
