@@ -1,0 +1,533 @@
+#!/usr/bin/env python3
+"""What sampling costs: enginescope `record` against py-spy 0.4.3 and Austin 3.7 at 100 and 1000 Hz.
+
+Usage: bench/sampling_overhead.py [--python PY] [--rounds N] [--duration S] [--rates 100,1000]
+                                  [--enginescope BIN] [--peers VENV] [--quick]
+                                  [--append-doc docs/benchmarks.md] [--json OUT]
+
+For every run, a fresh samples/cpu_bound.py (4 threads of pure-Python work, GIL-bound, so one
+core) starts and prints READY; the profiler is started right after READY and samples it for
+--duration seconds; the target's own window is --duration + --slack seconds, so it covers the
+profiler's whole life. Per run it measures:
+  * slowdown: the target's throughput while the profiler ran (the target logs its progress on
+    CLOCK_MONOTONIC every 0.1 s; this script takes the profiler's spawn and exit on the same
+    clock and interpolates), against the mean throughput of the same round's baseline runs (no
+    profiler; first --duration seconds of the window; --baselines per round, default 2);
+  * profiler CPU seconds per wall second, spawn to exit (os.wait4 rusage: user + system);
+  * profiler max RSS (ru_maxrss, via GNU time so that this script's RSS at fork is not counted);
+  * samples and errors as the profiler reports them, and the CPU the rest of the machine used
+    during the target's window (/proc/stat busy time minus target and profiler): noise.
+Before each run it waits until the rest of the machine is quiet (--quiet cores, default 0.2,
+over one second); a run during which the rest used more is discarded and run again (--retries).
+Configs run interleaved: each round runs every config once in a shuffled order (seeded), so
+slow drift of the machine spreads over all of them. A control config runs `sleep D` in the
+profiler's place: its slowdown should be zero, and its spread is the noise floor. Reported:
+medians over rounds, the slowdown's interquartile range, and cost = slowdown + profiler CPU/s,
+as a ratio of each peer's cost to enginescope's (n/a where enginescope's slowdown IQR contains
+zero: a ratio to noise means nothing), and the ratio of profiler CPU alone.
+--from-json re-summarizes a saved run without running anything.
+
+If the enginescope binary is missing or its `record` fails, that config is reported as
+unavailable with the error and the peers are still measured. A config that fails once is not
+run again. Peers missing from --peers are installed there (python3 -m venv; pip install
+py-spy==0.4.3 'austin-dist<4').
+
+Commands run (RATE in Hz, D = --duration, whole seconds):
+  enginescope record --pid PID --duration D --rate RATE -o OUT
+  py-spy record --pid PID --rate RATE --duration D --format raw -o OUT
+  py-spy record --nonblocking --pid PID --rate RATE --duration D --format raw -o OUT
+  austin -i <1e6/RATE> -p PID -x D -o OUT          (interval in microseconds)
+"""
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = os.path.join(ROOT, "samples/cpu_bound.py")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+GNU_TIME = "/usr/bin/time"
+
+
+# --- configs ---------------------------------------------------------------------------------
+
+class Config:
+    def __init__(self, name, tool, rate, argv_fn):
+        self.name = name
+        self.tool = tool  # "none", "idle process (control)", "enginescope", "py-spy", ...
+        self.rate = rate
+        self.argv_fn = argv_fn  # (pid, duration, out) -> argv, or None for the baseline
+        self.error = None  # set when unavailable or failed; the config is then skipped
+
+    def __repr__(self):
+        return self.name
+
+
+def build_configs(args):
+    pyspy = os.path.join(args.peers, "bin/py-spy")
+    austin = os.path.join(args.peers, "bin/austin")
+    # The control runs a process that does nothing for the profiler's duration: its "slowdown"
+    # is what this method reads when nothing samples (noise, and any bias of the intervals).
+    configs = [Config("none", "none", None, None),
+               Config("idle process (control)", "idle process (control)", None,
+                      lambda pid, d, out: ["sleep", str(d)])]
+    for rate in args.rates:
+        configs += [
+            Config("enginescope @%d" % rate, "enginescope", rate,
+                   lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
+                                                "--rate", str(r), "-o", out]),
+            Config("py-spy @%d" % rate, "py-spy", rate,
+                   lambda pid, d, out, r=rate: [pyspy, "record", "--pid", str(pid), "--rate", str(r),
+                                                "--duration", str(d), "--format", "raw", "-o", out]),
+            Config("py-spy --nonblocking @%d" % rate, "py-spy --nonblocking", rate,
+                   lambda pid, d, out, r=rate: [pyspy, "record", "--nonblocking", "--pid", str(pid),
+                                                "--rate", str(r), "--duration", str(d), "--format", "raw",
+                                                "-o", out]),
+            Config("austin @%d" % rate, "austin", rate,
+                   lambda pid, d, out, r=rate: [austin, "-i", str(1000000 // r), "-p", str(pid), "-x", str(d),
+                                                "-o", out]),
+        ]
+    return configs
+
+
+def ensure_peers(venv):
+    need = [p for p in ("bin/py-spy", "bin/austin") if not os.access(os.path.join(venv, p), os.X_OK)]
+    if not need:
+        return
+    print("installing peers into %s (missing: %s)" % (venv, ", ".join(need)), file=sys.stderr)
+    if not os.path.exists(os.path.join(venv, "bin/pip")):
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    subprocess.run([os.path.join(venv, "bin/pip"), "install", "py-spy==0.4.3", "austin-dist<4"], check=True)
+
+
+def check_enginescope(config, binary):
+    if not os.access(binary, os.X_OK):
+        config.error = "%s not found (cargo build --release)" % binary
+        return
+    r = subprocess.run([binary, "record", "--help"], capture_output=True, text=True)
+    if r.returncode != 0:
+        config.error = "`enginescope record --help` failed: %s" % last_line(r.stderr or r.stdout)
+
+
+def freeze_enginescope(args, workdir):
+    """Copies the binary into the work directory and runs the copy, so that a rebuild during the
+    benchmark does not change what is measured. Returns a description of the build, or None."""
+    if not os.access(args.enginescope, os.X_OK):
+        return None
+    built = datetime.datetime.fromtimestamp(os.path.getmtime(args.enginescope), datetime.timezone.utc)
+    copy = os.path.join(workdir, "enginescope")
+    shutil.copy2(args.enginescope, copy)
+    with open(copy, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    args.enginescope = copy
+    return "binary built %s, sha256 %s, tree at %s%s" % (built.strftime("%Y-%m-%d %H:%M UTC"), digest, head,
+                                                          " with uncommitted changes" if dirty else "")
+
+
+def last_line(text):
+    """The line that says what went wrong: the first one that starts with "error", else the last."""
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    for l in lines:
+        if l.lower().startswith(("error", "py-spy> error")):
+            return l
+    return lines[-1] if lines else "(no output)"
+
+
+# --- measuring one run -------------------------------------------------------------------------
+
+def proc_cpu_ticks(pid):
+    """utime + stime of a live process, in clock ticks."""
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def machine_busy_ticks():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v) - v[3] - v[4]  # all but idle and iowait
+
+
+def throughput(progress, t0, t1):
+    """Units per second between t0 and t1 (ns), interpolating the target's progress log."""
+    def at(t):
+        for (ta, na), (tb, nb) in zip(progress, progress[1:]):
+            if ta <= t <= tb:
+                return na + (nb - na) * (t - ta) / (tb - ta) if tb > ta else na
+        raise ValueError("time outside the target's window")
+    return (at(t1) - at(t0)) / ((t1 - t0) / 1e9)
+
+
+def profiler_report(config, stderr_text, out_path):
+    """(samples, errors) as the profiler reports them; None where it does not say."""
+    samples = errors = None
+    if config.tool == "enginescope":
+        m = re.search(r"\((\d+) samples, .*?(\d+) lost\)", stderr_text)
+        if m:
+            samples, errors = int(m.group(1)), int(m.group(2))
+    elif config.tool.startswith("py-spy"):
+        m = re.search(r"Samples: (\d+) Errors: (\d+)", stderr_text)
+        if m:
+            samples, errors = int(m.group(1)), int(m.group(2))
+    elif config.tool == "austin":
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", stderr_text)
+        m = re.search(r"Error rate : (\d+)/(\d+)", plain)
+        if m:
+            errors, samples = int(m.group(1)), int(m.group(2))
+    return samples, errors
+
+
+def wait_for_quiet(threshold, timeout):
+    """Waits until the rest of the machine uses at most `threshold` cores over one second (other
+    people's builds on a 2-core VM swamp any overhead measurement). Returns the load seen last;
+    gives up after `timeout` seconds and lets the run go ahead (its other-CPU figure shows it)."""
+    give_up = time.monotonic() + timeout
+    while True:
+        b0, t0 = machine_busy_ticks(), time.monotonic()
+        time.sleep(1.0)
+        load = (machine_busy_ticks() - b0) / CLK_TCK / (time.monotonic() - t0)
+        if load <= threshold or time.monotonic() > give_up:
+            return load
+
+
+def spawn_measured(argv, log_path, rss_path):
+    """Starts argv under GNU time, which forks it from a small process. ru_maxrss of a forked
+    child counts the parent's RSS at fork (the kernel carries the pre-exec high-water mark over
+    exec), so this script's own ~16 MiB would be reported for every profiler otherwise."""
+    if os.access(GNU_TIME, os.X_OK):
+        argv = [GNU_TIME, "-f", "%M", "-o", rss_path] + argv
+    log = open(log_path, "w")
+    try:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
+
+
+def read_maxrss_mib(rss_path, ru):
+    try:
+        with open(rss_path) as f:
+            return int(f.read().split()[-1]) / 1024  # GNU time prints KiB
+    except (OSError, ValueError, IndexError):
+        return ru.ru_maxrss / 1024  # includes this script's RSS at fork: an upper bound
+
+
+def run_once(args, config, workdir, index):
+    window = args.duration + args.slack
+    rec = {"config": config.name, "tool": config.tool, "rate": config.rate}
+    rec["quiet_before"] = round(wait_for_quiet(args.quiet, args.quiet_timeout), 3)
+    target = subprocess.Popen([args.python, TARGET, "--threads", str(args.threads), "--duration", str(window)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        line = target.stdout.readline().strip()
+        if line != "READY":
+            raise RuntimeError("target did not print READY (got %r)" % line)
+        t_ready, busy0, tgt0 = time.monotonic_ns(), machine_busy_ticks(), proc_cpu_ticks(target.pid)
+        prof_cpu = 0.0
+        if config.argv_fn is not None:
+            out = os.path.join(workdir, "run%d.out" % index)
+            log_path = os.path.join(workdir, "run%d.log" % index)
+            rss_path = os.path.join(workdir, "run%d.rss" % index)
+            argv = config.argv_fn(target.pid, args.duration, out)
+            rec["argv"] = argv
+            t_spawn = time.monotonic_ns()
+            prof = spawn_measured(argv, log_path, rss_path)
+            # A profiler that hangs is killed once the target's window is over, plus 10 s.
+            killer = threading.Timer(window + 10, prof.kill)
+            killer.start()
+            _, status, ru = os.wait4(prof.pid, 0)
+            t_exit = time.monotonic_ns()
+            killer.cancel()
+            prof.returncode = os.waitstatus_to_exitcode(status)
+            with open(log_path, errors="replace") as f:
+                log_text = f.read()
+            wall = (t_exit - t_spawn) / 1e9
+            prof_cpu = ru.ru_utime + ru.ru_stime
+            rec.update({
+                "rc": prof.returncode,
+                "spawn_mono_ns": t_spawn, "exit_mono_ns": t_exit, "wall_s": round(wall, 4),
+                "cpu_s": round(prof_cpu, 4),
+                "cpu_per_s": prof_cpu / wall,
+                "maxrss_mib": read_maxrss_mib(rss_path, ru),
+                "out_bytes": os.path.getsize(out) if os.path.exists(out) else None,
+            })
+            rec["samples"], rec["errors"] = profiler_report(config, log_text, out)
+            if prof.returncode != 0:
+                # GNU time adds "Command exited with non-zero status N" after the tool's own words.
+                words = [l for l in log_text.splitlines() if not l.startswith("Command exited with")]
+                rec["error"] = "exit %d: %s" % (prof.returncode, last_line("\n".join(words)))
+        result_line = target.stdout.readline()
+        _, status, tru = os.wait4(target.pid, 0)
+        target.returncode = os.waitstatus_to_exitcode(status)
+        t_end, busy1 = time.monotonic_ns(), machine_busy_ticks()
+        if target.returncode != 0 or not result_line.strip():
+            raise RuntimeError("target failed (exit %s)" % target.returncode)
+        # CPU the rest of the machine used while the target's window ran: a noise indicator.
+        target_cpu = tru.ru_utime + tru.ru_stime - tgt0 / CLK_TCK
+        other = (busy1 - busy0) / CLK_TCK - target_cpu - prof_cpu
+        rec["other_cpu_per_s"] = max(other, 0.0) / ((t_end - t_ready) / 1e9)
+        res = json.loads(result_line)
+        prog = res["progress"]
+        rec["window_iter_per_s"] = res["iterations_per_s"]
+        if config.argv_fn is None:
+            t0 = prog[0][0]
+            rec["iter_per_s"] = throughput(prog, t0, t0 + int(args.duration * 1e9))
+        elif "error" not in rec:
+            end = prog[-1][0]
+            if rec["exit_mono_ns"] > end:
+                rec["outlived_s"] = (rec["exit_mono_ns"] - end) / 1e9
+            rec["iter_per_s"] = throughput(prog, max(rec["spawn_mono_ns"], prog[0][0]), min(rec["exit_mono_ns"], end))
+        return rec
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.wait()
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def med(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def quartiles(values):
+    return statistics.quantiles(values, n=4, method="inclusive")
+
+
+def iqr_text(values):
+    """Interquartile range of fractions, as percent."""
+    if len(values) < 2:
+        return "–"
+    q = quartiles(values)
+    return "%.1f to %.1f" % (100 * q[0], 100 * q[2])
+
+
+def fmt(v, spec, none="–"):
+    return none if v is None else format(v, spec)
+
+
+def summarize(configs, records, args):
+    discarded = [r for r in records if r.get("discarded")]
+    records = [r for r in records if not r.get("discarded")]
+    base = [r["iter_per_s"] for r in records if r["tool"] == "none"]
+    base_med = med(base)
+    if base_med is None:
+        return "no baseline runs succeeded\n"
+    # The machine's speed drifts over minutes, so each run is compared with the mean of the
+    # baselines of its own round (a round takes a few minutes), not with a global median.
+    ref = {}
+    for r in records:
+        if r["tool"] == "none":
+            ref.setdefault(r["round"], []).append(r["iter_per_s"])
+    ref = {k: statistics.mean(v) for k, v in ref.items()}
+    rows = []
+    for c in configs:
+        runs = [r for r in records if r["config"] == c.name and "error" not in r]
+        slow = [1 - r["iter_per_s"] / ref.get(r["round"], base_med) for r in runs]
+        row = {
+            "config": c, "n": len(runs), "error": c.error,
+            "slowdown": med(slow), "iqr": iqr_text(slow),
+            "within_noise": len(slow) >= 2 and quartiles(slow)[0] <= 0 <= quartiles(slow)[2], "cpu_per_s": med([r.get("cpu_per_s") for r in runs]),
+            "maxrss_mib": med([r.get("maxrss_mib") for r in runs]),
+            "samples": med([r.get("samples") for r in runs]), "errors": med([r.get("errors") for r in runs]),
+            "other_cpu_per_s": med([r["other_cpu_per_s"] for r in runs]),
+            "notes": [],
+        }
+        outlived = [r["outlived_s"] for r in runs if "outlived_s" in r]
+        if outlived:
+            row["notes"].append("outlived the target's window in %d runs, by up to %.2f s" % (len(outlived), max(outlived)))
+        noisy = sum(1 for r in runs if r["other_cpu_per_s"] > args.quiet)
+        if noisy:
+            row["notes"].append("%d kept after %d noisy reruns" % (noisy, args.retries))
+        row["cost"] = None if row["slowdown"] is None or row["cpu_per_s"] is None else row["slowdown"] + row["cpu_per_s"]
+        rows.append(row)
+
+    lines = ["Baseline (no profiler): median %.0f units/s over the first %d s of the window; %d runs, "
+             "min %.0f, max %.0f (spread %.1f%% of the median). Slowdowns compare each run with the mean "
+             "baseline of its own round; the baseline row shows the baselines against that mean (the noise), "
+             "the control row a process that does nothing (noise plus any bias of the method)."
+             % (base_med, args.duration, len(base), min(base), max(base), 100 * (max(base) - min(base)) / base_med), ""]
+    if discarded:
+        lines += ["%d runs were discarded and rerun because the rest of the machine used more than %.2f cores "
+                  "during them." % (len(discarded), args.quiet), ""]
+    lines.append("| profiler | rate Hz | target slowdown % (median) | slowdown IQR | profiler CPU s/s "
+                 "| cost (slowdown + CPU/s) | cost / enginescope's | CPU / enginescope's | profiler max RSS MiB "
+                 "| samples reported | errors reported | other CPU s/s | runs |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    es_rows = {r["config"].rate: r for r in rows if r["config"].tool == "enginescope" and r["n"]}
+    for row in rows:
+        c = row["config"]
+        rate = "–" if c.rate is None else str(c.rate)
+        if row["error"] and row["n"] == 0:
+            lines.append("| %s | %s | unavailable: %s | | | | | | | | | | 0 |" % (c.tool, rate, row["error"].replace("|", "/")))
+            continue
+        es = es_rows.get(c.rate)
+        ratio = cpu_ratio = "–"
+        if c.rate is not None and row["cost"] is not None:
+            if es is None:
+                ratio = cpu_ratio = "n/a (no enginescope row)"
+            else:
+                cpu_ratio = "%.2f" % (row["cpu_per_s"] / es["cpu_per_s"]) if es["cpu_per_s"] > 0 else "n/a"
+                if es["within_noise"]:
+                    # Dividing by a cost that is mostly noise gives any number at all.
+                    ratio = "n/a (enginescope's slowdown within noise)"
+                elif es["cost"] <= 0:
+                    ratio = "n/a (enginescope's cost <= 0)"
+                else:
+                    ratio = "%.2f" % (row["cost"] / es["cost"])
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %d%s |" % (
+            c.tool, rate, fmt(None if row["slowdown"] is None else 100 * row["slowdown"], ".1f"),
+            row["iqr"], fmt(row["cpu_per_s"], ".3f"),
+            fmt(row["cost"], ".3f"), ratio, cpu_ratio, fmt(row["maxrss_mib"], ".1f"), fmt(row["samples"], ".0f"),
+            fmt(row["errors"], ".0f"), fmt(row["other_cpu_per_s"], ".3f"), row["n"],
+            (" (%s)" % "; ".join(row["notes"])) if row["notes"] else ""))
+    for row in rows:
+        if row["error"] and row["n"] > 0:
+            lines += ["", "%s failed in a later round and was not run again: %s" % (row["config"].name, row["error"])]
+    return "\n".join(lines) + "\n"
+
+
+def describe_machine(args):
+    ver = subprocess.run([args.python, "-c", "import sys; print(sys.version.split()[0])"],
+                         capture_output=True, text=True).stdout.strip()
+    cpu = "?"
+    with open("/proc/cpuinfo") as f:
+        for l in f:
+            if l.startswith("model name"):
+                cpu = l.split(":", 1)[1].strip()
+                break
+    return {"python": "%s (%s)" % (ver, args.python), "kernel": platform.release(), "cpus": os.cpu_count(),
+            "cpu_model": cpu}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--python", default=os.path.expanduser("~/.pyenv/versions/3.12.1/bin/python3.12"))
+    ap.add_argument("--rates", default="100,1000", help="comma-separated sampling rates, Hz")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--duration", type=int, default=10, help="profiler duration, whole seconds")
+    ap.add_argument("--slack", type=float, help="target window = duration + slack, seconds (default: "
+                    "max(4, 1.2 x duration): py-spy counts --duration in samples and runs up to twice as long "
+                    "when it falls behind)")
+    ap.add_argument("--threads", type=int, default=4, help="target threads")
+    ap.add_argument("--enginescope", default=os.path.join(ROOT, "target/release/enginescope"))
+    ap.add_argument("--peers", default="/opt/es-peers", help="venv with py-spy==0.4.3 and austin-dist<4")
+    ap.add_argument("--only", help="comma-separated tools to run (none is always run): "
+                                   "enginescope,py-spy,py-spy --nonblocking,austin")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle")
+    ap.add_argument("--baselines", type=int, default=2, help="baseline runs per round")
+    ap.add_argument("--from-json", help="do not run: summarize the runs saved by --json (pass the same "
+                                        "--rates/--duration/--only/--quiet/--retries)")
+    ap.add_argument("--quiet", type=float, default=0.2,
+                    help="cores the rest of the machine may use: each run waits for that before it starts, "
+                         "and a run during which more was used is discarded and run again (see --retries)")
+    ap.add_argument("--quiet-timeout", type=float, default=600, help="longest wait for a quiet machine, s")
+    ap.add_argument("--retries", type=int, default=3, help="reruns of a run the rest of the machine disturbed")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, --duration 2 (slack 4)")
+    ap.add_argument("--json", help="write every run's measurements here")
+    ap.add_argument("--append-doc", help="append the report, with command line and machine, to this Markdown file")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.duration = 1, 2
+    if args.slack is None:
+        args.slack = max(4.0, 1.2 * args.duration)
+    args.rates = [int(r) for r in args.rates.split(",")]
+
+    configs = build_configs(args)
+    if args.only:
+        keep = {"none", "idle process (control)"} | {t.strip() for t in args.only.split(",")}
+        configs = [c for c in configs if c.tool in keep]
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        for c in configs:
+            mine = [r for r in saved["records"] if r["config"] == c.name]
+            errors = [r["error"] for r in mine if "error" in r]
+            c.error = errors[-1] if errors else (None if mine else "no runs in %s" % args.from_json)
+        print(summarize(configs, saved["records"], args))
+        return
+    ensure_peers(args.peers)
+    workdir = tempfile.mkdtemp(prefix="es-bench-overhead-")
+    es_info = None
+    if any(c.tool == "enginescope" for c in configs):
+        es_info = freeze_enginescope(args, workdir)
+        for c in configs:
+            if c.tool == "enginescope":
+                check_enginescope(c, args.enginescope)
+
+    machine = describe_machine(args)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    print("Python %s, kernel %s, %d CPUs, load %s; %d rounds x %d configs, %d s per profiler run"
+          % (machine["python"], machine["kernel"], machine["cpus"], "/".join(load), args.rounds, len(configs),
+             args.duration), file=sys.stderr)
+    if es_info:
+        print("enginescope: %s" % es_info, file=sys.stderr)
+
+    records = []
+    rng = random.Random(args.seed)
+    try:
+        index = 0
+        for rnd in range(args.rounds):
+            order = [c for c in configs if c.error is None]
+            order += [c for c in configs if c.tool == "none"] * (args.baselines - 1)
+            rng.shuffle(order)
+            for c in order:
+                for attempt in range(args.retries + 1):
+                    index += 1
+                    rec = run_once(args, c, workdir, index)
+                    rec["round"] = rnd + 1
+                    records.append(rec)
+                    if "error" in rec or rec["other_cpu_per_s"] <= args.quiet or attempt == args.retries:
+                        break
+                    rec["discarded"] = True
+                    print("  round %d %-28s discarded: the rest of the machine used %.2f cores"
+                          % (rnd + 1, c.name, rec["other_cpu_per_s"]), file=sys.stderr)
+                if "error" in rec:
+                    c.error = rec["error"]
+                    print("  round %d %-28s FAILED: %s" % (rnd + 1, c.name, rec["error"]), file=sys.stderr)
+                else:
+                    print("  round %d %-28s %8.0f units/s  other %.2f cores%s" % (
+                        rnd + 1, c.name, rec["iter_per_s"], rec["other_cpu_per_s"],
+                        "" if c.argv_fn is None else "  cpu %.3f s/s  rss %.1f MiB" % (rec["cpu_per_s"], rec["maxrss_mib"])),
+                        file=sys.stderr)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    table = summarize(configs, records, args)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine, "argv": sys.argv, "started": started.isoformat(), "enginescope": es_info,
+                   "records": records}, f, indent=1)
+    if args.append_doc:
+        cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+        with open(args.append_doc, "a") as f:
+            f.write("\n#### Run of %s\n\n" % started.strftime("%Y-%m-%d %H:%M UTC"))
+            f.write("`%s` on Python %s, kernel %s, %d x %s, load average %s at start; %d rounds, "
+                    "profiler duration %d s, target window %g s, %d target threads.\n\n"
+                    % (cmd, machine["python"], machine["kernel"], machine["cpus"], machine["cpu_model"], " ".join(load),
+                       args.rounds, args.duration, args.duration + args.slack, args.threads))
+            if es_info:
+                f.write("enginescope: %s.\n\n" % es_info)
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
