@@ -35,7 +35,11 @@ fn stack_has(rec: &Recording, stack: u32, f: &str) -> bool {
     rec.stack_frames(stack).any(|fr| fr.function == f)
 }
 
-fn check(label: &str, backend: &str, rate: &str) {
+/// `share_tol`: the bound on function shares. The bpf backend at 1 kHz gives mix-cpu ~5,400
+/// samples in the window, so ±2 points is 3 standard errors of a 0.3 share; the memory backend
+/// at 200 Hz gives ~1,200, where 3 standard errors are ±4 points (its on/off-CPU split is exact
+/// from schedstat and keeps the ±3 bound).
+fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let i = interp(label);
     if !available(&i) {
@@ -159,7 +163,7 @@ fn check(label: &str, backend: &str, rate: &str) {
                     want * 100.0
                 ));
                 expect(
-                    (got - want).abs() <= 0.02,
+                    (got - want).abs() <= share_tol,
                     format!("{name} {f}: on-CPU share {got:.3} vs truth {want:.3}"),
                 );
             }
@@ -181,7 +185,7 @@ fn check(label: &str, backend: &str, rate: &str) {
                 want * 100.0
             ));
             expect(
-                (got - want).abs() <= 0.02,
+                (got - want).abs() <= share_tol,
                 format!("{name} {f}: wall share {got:.3} vs truth {want:.3}"),
             );
         }
@@ -193,18 +197,18 @@ fn check(label: &str, backend: &str, rate: &str) {
 
 #[test]
 fn ground_truth_bpf_pyenv_3_12() {
-    check("pyenv-3.12", "bpf", "1000");
+    check("pyenv-3.12", "bpf", "1000", 0.02);
 }
 #[test]
 fn ground_truth_bpf_sid_3_14_container() {
-    check("sid-3.14", "bpf", "1000");
+    check("sid-3.14", "bpf", "1000", 0.02);
 }
 #[test]
 fn ground_truth_bpf_pyenv_3_10() {
-    check("pyenv-3.10", "bpf", "1000");
+    check("pyenv-3.10", "bpf", "1000", 0.02);
 }
 
 #[test]
 fn ground_truth_memory_backend_pyenv_3_12() {
-    check("pyenv-3.12", "memory", "200");
+    check("pyenv-3.12", "memory", "200", 0.04);
 }
