@@ -13,51 +13,10 @@
 mod common;
 
 use common::*;
-use enginescope::record::{read_recording, Recording};
-use serde_json::Value;
+use enginescope::record::Recording;
 use std::sync::Mutex;
 
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn record_workload(label: &str, script: &str, seconds: &str) -> Option<(Recording, Value)> {
-    let i = interp(label);
-    if !available(&i) {
-        return None;
-    }
-    let w = start(
-        &i,
-        script,
-        &[
-            "--truth",
-            "{dir}/truth.json",
-            "--duration",
-            seconds,
-            "--go-fifo",
-            "{dir}/go",
-        ],
-    );
-    let out = w.dir.join("run.esrec");
-    let pid = w.pid.to_string();
-    let out_s = out.to_string_lossy().into_owned();
-    let rec = Recorder::start(&[
-        "--backend",
-        "bpf",
-        "--rate",
-        "199",
-        "--duration",
-        "60",
-        "--pid",
-        &pid,
-        "-o",
-        &out_s,
-    ]);
-    w.go();
-    let (ok, _, err) = rec.wait();
-    assert!(ok, "{label}: record failed: {err}");
-    let truth = read_json(&w.dir.join("truth.json"));
-    let r = read_recording(&out).unwrap();
-    Some((r, truth))
-}
 
 fn tid_named(r: &Recording, name: &str) -> i32 {
     r.threads
@@ -69,7 +28,8 @@ fn tid_named(r: &Recording, name: &str) -> i32 {
 
 fn gil(label: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some((r, truth)) = record_workload(label, "gil_contention.py", "5") else {
+    let Some((r, truth)) = record_workload(&interp(label), "gil_contention.py", "5", "bpf", "199")
+    else {
         return;
     };
     let t0 = r.meta.start_mono_ns;
@@ -154,7 +114,7 @@ fn gil(label: &str) {
 
 fn gc(label: &str, generations_readable: bool) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some((r, truth)) = record_workload(label, "gc_churn.py", "4") else {
+    let Some((r, truth)) = record_workload(&interp(label), "gc_churn.py", "4", "bpf", "199") else {
         return;
     };
     let t0 = r.meta.start_mono_ns;

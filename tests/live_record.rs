@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use enginescope::record::{read_recording, Recording};
+use enginescope::record::Recording;
 use serde_json::Value;
 use std::collections::HashMap;
 
@@ -41,43 +41,10 @@ fn stack_has(rec: &Recording, stack: u32, f: &str) -> bool {
 /// from schedstat and keeps the ±3 bound).
 fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let i = interp(label);
-    if !available(&i) {
+    let Some((r, truth)) = record_workload(&interp(label), "cpu_mix.py", WINDOW_S, backend, rate)
+    else {
         return;
-    }
-    let w = start(
-        &i,
-        "cpu_mix.py",
-        &[
-            "--truth",
-            "{dir}/truth.json",
-            "--duration",
-            WINDOW_S,
-            "--go-fifo",
-            "{dir}/go",
-        ],
-    );
-    let out = w.dir.join("run.esrec");
-    let out_s = out.to_string_lossy().into_owned();
-    let pid = w.pid.to_string();
-    let rec = Recorder::start(&[
-        "--backend",
-        backend,
-        "--rate",
-        rate,
-        "--duration",
-        "60",
-        "--pid",
-        &pid,
-        "-o",
-        &out_s,
-    ]);
-    w.go();
-    let (ok, _, err) = rec.wait();
-    assert!(ok, "{label}: record failed: {err}");
-    let truth = read_json(&w.dir.join("truth.json"));
-    let r = read_recording(&out).unwrap();
-    assert_eq!(r.meta.backend, backend);
+    };
 
     let t0 = r.meta.start_mono_ns;
     let win = Window {
@@ -103,10 +70,12 @@ fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
     };
     for t in truth["threads"].as_array().unwrap() {
         let name = t["name"].as_str().unwrap();
-        let host = host_tid(w.pid, t["native_id"].as_i64().unwrap() as i32);
-        // The workload has exited; map through the recording's thread records by name instead.
-        let tid = host
-            .or_else(|| r.threads.iter().find(|th| th.name == name).map(|th| th.tid))
+        // The workload has exited: find its threads by their (unique) names in the recording.
+        let tid = r
+            .threads
+            .iter()
+            .find(|th| th.name == name)
+            .map(|th| th.tid)
             .unwrap_or_else(|| panic!("{label}: thread {name} not in the recording"));
         let samples: Vec<_> = r
             .samples

@@ -349,3 +349,53 @@ pub fn make_go_fifo(dir: &Path) {
     let rc = unsafe { libc::mkfifo(p.as_ptr(), 0o600) };
     assert!(rc == 0, "mkfifo {}", dir.join("go").display());
 }
+
+/// Run `samples/<script> --truth {dir}/truth.json --duration SECONDS --go-fifo {dir}/go` on `i`,
+/// record it with `enginescope record --backend BACKEND --rate RATE` attached between READY and
+/// GO (so the truth window lies inside the recording), and return the recording and the
+/// truth. `None` when the interpreter is not installed (outside CI).
+pub fn record_workload(
+    i: &Interp,
+    script: &str,
+    seconds: &str,
+    backend: &str,
+    rate: &str,
+) -> Option<(enginescope::record::Recording, serde_json::Value)> {
+    if !available(i) {
+        return None;
+    }
+    let w = start(
+        i,
+        script,
+        &[
+            "--truth",
+            "{dir}/truth.json",
+            "--duration",
+            seconds,
+            "--go-fifo",
+            "{dir}/go",
+        ],
+    );
+    let out = w.dir.join("run.esrec");
+    let out_s = out.to_string_lossy().into_owned();
+    let pid = w.pid.to_string();
+    let rec = Recorder::start(&[
+        "--backend",
+        backend,
+        "--rate",
+        rate,
+        "--duration",
+        "60",
+        "--pid",
+        &pid,
+        "-o",
+        &out_s,
+    ]);
+    w.go();
+    let (ok, _, err) = rec.wait();
+    assert!(ok, "{}: record failed: {err}", i.label);
+    let truth = read_json(&w.dir.join("truth.json"));
+    let r = enginescope::record::read_recording(&out).unwrap();
+    assert_eq!(r.meta.backend, backend);
+    Some((r, truth))
+}
