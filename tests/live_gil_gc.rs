@@ -154,6 +154,21 @@ fn gc(label: &str, generations_readable: bool) {
         failures.push("max pause");
     }
     if generations_readable {
+        // Objects freed: the interpreter's per-generation statistics against the callbacks'
+        // info["collected"] (pause_columns: start_ns, dur_ns, generation, native_id, collected).
+        let want_collected: i64 = truth["pause_list"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|p| p[4].as_i64())
+            .sum();
+        let got_collected: i64 = pauses.iter().map(|p| p.collected.max(0)).sum();
+        report.push(format!(
+            "  objects collected: {got_collected} (truth {want_collected})"
+        ));
+        if (got_collected - want_collected).abs() as f64 > 0.01 * want_collected as f64 {
+            failures.push("collected counts");
+        }
         for g in 0..3i8 {
             let want = truth["by_generation"][g.to_string()]["pauses"]
                 .as_u64()

@@ -1019,6 +1019,7 @@ fn gil_wait(
 
 fn gc_pause(tid: i32, start_ns: u64, dur_ns: u64, generation: i8) -> GcPause {
     GcPause {
+        collected: -1,
         pid: 300,
         tid,
         start_ns,
@@ -1333,7 +1334,8 @@ fn report_gil_blocking_rows_in_order() {
 fn report_gc_by_generation() {
     let (_d, rec) = gil_fixture();
     let v = report_json(&rec, &Selection::all(&rec));
-    let g = |pauses: u64, total_s: f64, max_ms: f64| serde_json::json!({"pauses": pauses, "total_s": total_s, "max_ms": max_ms, "share": total_s});
+    // The fixture's pauses carry no collected counts (-1, unknown), which must not be summed.
+    let g = |pauses: u64, total_s: f64, max_ms: f64| serde_json::json!({"pauses": pauses, "collected": 0, "total_s": total_s, "max_ms": max_ms, "share": total_s});
     assert_eq!(
         v["gc"]["by_generation"],
         serde_json::json!({

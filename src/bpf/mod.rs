@@ -150,6 +150,57 @@ impl BpfSampler {
         Ok(())
     }
 
+    /// What one hit of a write watchpoint with `on_gc_write` attached costs the writing thread
+    /// here, ns: measured on a variable of our own (not a target, so the program returns at
+    /// once). A GC pause measured between two hits includes about one such cost (the exit of
+    /// the first trap and the entry of the second), which `record` subtracts.
+    pub fn watchpoint_cost_ns(&mut self) -> anyhow::Result<u64> {
+        use aya::programs::perf_event::{
+            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
+        };
+        static mut PROBE: u32 = 0;
+        const N: u32 = 2000;
+        let addr = std::ptr::addr_of_mut!(PROBE);
+        let prog: &mut PerfEvent = self
+            .bpf
+            .program_mut("on_gc_write")
+            .context("BPF object has no on_gc_write program")?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load()
+                .map_err(|e| anyhow!("verifier rejected on_gc_write: {e:#}"))?;
+        }
+        let write_n = || {
+            let t0 = std::time::Instant::now();
+            for i in 0..N {
+                // SAFETY: a private static only this function touches, written through a raw
+                // pointer with volatile stores so that every write reaches memory.
+                unsafe { std::ptr::write_volatile(addr, i) };
+            }
+            t0.elapsed().as_nanos() as u64
+        };
+        let base = write_n();
+        let link = prog
+            .attach(
+                PerfEventConfig::Breakpoint(BreakpointConfig::Data {
+                    r#type: PerfBreakpointType::Write,
+                    address: addr as u64,
+                    length: PerfBreakpointLength::Len4,
+                }),
+                PerfEventScope::OneProcess {
+                    pid: std::process::id(),
+                    cpu: None,
+                },
+                SamplePolicy::Period(1),
+                false,
+            )
+            .context("setting a calibration watchpoint")?;
+        let watched = write_n();
+        prog.detach(link)
+            .context("removing the calibration watchpoint")?;
+        Ok(watched.saturating_sub(base) / N as u64)
+    }
+
     pub fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {
         self.targets
             .insert(tgid, *t, 0)

@@ -262,6 +262,7 @@ impl RecordingWriter {
         put_varint(&mut self.buf, zigzag(g.pid as i64));
         put_varint(&mut self.buf, zigzag(g.tid as i64));
         put_varint(&mut self.buf, zigzag(g.generation as i64));
+        put_varint(&mut self.buf, zigzag(g.collected));
         self.record(tag::GC_PAUSE)
     }
 
@@ -430,6 +431,8 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
                     pid: c.i32()?,
                     tid: c.i32()?,
                     generation: i8::try_from(unzigzag(c.varint()?)).unwrap_or(-1),
+                    // Added after the first files of version 1 were written: absent = unknown.
+                    collected: c.varint().map(unzigzag).unwrap_or(-1),
                 };
                 r.gc_pauses.push(g);
             }
@@ -528,6 +531,7 @@ mod tests {
             start_ns: 200,
             dur_ns: 1_500_000,
             generation: 2,
+            collected: 1234,
         };
         w.gc_pause(&gp).unwrap();
         let per_sample = {

@@ -121,6 +121,8 @@ pub struct GcPause {
     pub dur_ns: u64,
     /// Collected generation (0–2), -1 when it could not be read.
     pub generation: i8,
+    /// Objects the collection freed (`generation_stats[g].collected` delta), -1 when unknown.
+    pub collected: i64,
 }
 
 /// A recording, fully read.

@@ -120,6 +120,8 @@ pub struct Pipeline {
     pub offcpu: u64,
     pub gil_wait_records: u64,
     pub gc_pause_records: u64,
+    /// Measured cost of one watchpoint hit, subtracted from each GC pause (probe effect).
+    pub gc_trap_ns: u64,
 }
 
 impl Pipeline {
@@ -316,13 +318,25 @@ impl Pipeline {
             .find(|&g| stats.collections[g] > p.stats.collections[g])
             .map(|g| g as i8)
             .unwrap_or(-1);
+        let collected = if generation >= 0 {
+            let g = generation as usize;
+            stats.collected[g]
+                .checked_sub(p.stats.collected[g])
+                .map(|d| d as i64)
+                .unwrap_or(-1)
+        } else {
+            -1
+        };
         self.gc_pause_records += 1;
         self.writer.gc_pause(&GcPause {
             pid,
             tid: p.tid,
             start_ns: p.start_ns,
-            dur_ns: t.saturating_sub(p.start_ns),
+            // The watchpoint's own trap (the end of the first hit, the start of the second) is
+            // inside the interval but is not the collector's: take it out.
+            dur_ns: t.saturating_sub(p.start_ns).saturating_sub(self.gc_trap_ns),
             generation,
+            collected,
         })
     }
 
@@ -469,6 +483,7 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         offcpu: 0,
         gil_wait_records: 0,
         gc_pause_records: 0,
+        gc_trap_ns: 0,
     };
     for t in &targets {
         pipe.writer.process(&ProcessInfo {
@@ -503,6 +518,7 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         "code_object_rereads".into(),
         targets.iter().map(|t| t.code_rereads).sum(),
     );
+    counters.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
     pipe.writer.counters(&counters)?;
     let reason = match &result {
         Ok(r) => r.clone(),
@@ -610,6 +626,15 @@ fn run_bpf(
             }
         }
         b.set_target(t.pid as u32, &cfg)?;
+    }
+    if opts.gc {
+        match b.watchpoint_cost_ns() {
+            Ok(ns) => pipe.gc_trap_ns = ns,
+            Err(e) if !opts.quiet => {
+                eprintln!("enginescope: could not time a watchpoint hit: {e:#}")
+            }
+            Err(_) => {}
+        }
     }
     announce_started(opts.quiet);
     let index: HashMap<i32, usize> = targets

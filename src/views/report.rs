@@ -176,6 +176,9 @@ pub struct HolderFunction {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct GcSummary {
     pub pauses: u64,
+    /// Objects freed, where the interpreter's statistics were readable.
+    #[serde(default)]
+    pub collected: u64,
     pub total_s: f64,
     /// Longest pause, ms.
     pub max_ms: f64,
@@ -192,6 +195,9 @@ pub struct GcSummary {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct GcStats {
     pub pauses: u64,
+    /// Objects freed by these collections, where the interpreter's statistics were readable.
+    #[serde(default)]
+    pub collected: u64,
     pub total_s: f64,
     pub max_ms: f64,
     pub share: f64,
@@ -247,19 +253,22 @@ struct ThreadAcc {
 #[derive(Default, Clone, Copy)]
 struct GcAcc {
     pauses: u64,
+    collected: u64,
     total: u64,
     max: u64,
 }
 
 impl GcAcc {
-    fn add(&mut self, dur: u64) {
+    fn add(&mut self, dur: u64, collected: i64) {
         self.pauses += 1;
+        self.collected += collected.max(0) as u64;
         self.total += dur;
         self.max = self.max.max(dur);
     }
 
     fn stats(&self, duration_ns: u64) -> GcStats {
         GcStats {
+            collected: self.collected,
             pauses: self.pauses,
             total_s: secs(self.total),
             max_ms: ms(self.max),
@@ -350,9 +359,15 @@ impl Report {
             let t = threads.entry((g.pid, g.tid)).or_default();
             t.gc_pause += g.dur_ns;
             t.gc_pauses += 1;
-            gc_all.add(g.dur_ns);
-            gc_gen.entry(generation_key(g)).or_default().add(g.dur_ns);
-            gc_thread.entry((g.pid, g.tid)).or_default().add(g.dur_ns);
+            gc_all.add(g.dur_ns, g.collected);
+            gc_gen
+                .entry(generation_key(g))
+                .or_default()
+                .add(g.dur_ns, g.collected);
+            gc_thread
+                .entry((g.pid, g.tid))
+                .or_default()
+                .add(g.dur_ns, g.collected);
         }
 
         // Functions are (name, file); lines are merged.
@@ -456,6 +471,7 @@ impl Report {
         let all = gc_all.stats(duration_ns);
         let gc = GcSummary {
             pauses: all.pauses,
+            collected: all.collected,
             total_s: all.total_s,
             max_ms: all.max_ms,
             share: all.share,
@@ -869,6 +885,7 @@ impl Report {
             "all",
             &GcStats {
                 pauses: gc.pauses,
+                collected: gc.collected,
                 total_s: gc.total_s,
                 max_ms: gc.max_ms,
                 share: gc.share,
