@@ -48,9 +48,15 @@ struct {
     __type(value, __u64);
 } counters SEC(".maps");
 
+/* Per-CPU event buffers, one per program that builds events in place: a syscall tracepoint
+ * program can be interrupted by the cpu-clock sample or preempted into sched_switch on the
+ * same CPU, so sharing one buffer would let one event overwrite another half-built one. */
+#define ES_SLOT_SAMPLE 0
+#define ES_SLOT_SWITCH 1
+#define ES_SLOT_SYSCALL 2
 struct {
     __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-    __uint(max_entries, 1);
+    __uint(max_entries, 3);
     __type(key, __u32);
     __type(value, struct es_event);
 } scratch SEC(".maps");
@@ -210,11 +216,10 @@ static __always_inline void submit(struct es_event *ev)
 }
 
 
-static __always_inline void record_current(__u8 kind, const struct es_target *t, __u32 tgid, __u32 tid,
-                                           __u64 ip, __u8 extra_flags)
+static __always_inline void record_current(__u32 slot, __u8 kind, const struct es_target *t, __u32 tgid,
+                                           __u32 tid, __u64 ip, __u8 extra_flags)
 {
-    __u32 zero = 0;
-    struct es_event *ev = bpf_map_lookup_elem(&scratch, &zero);
+    struct es_event *ev = bpf_map_lookup_elem(&scratch, &slot);
     if (!ev)
         return;
     ev->h.kind = kind;
@@ -255,7 +260,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
     } else if (ip < t->text_lo || ip >= t->text_hi) {
         flags |= ES_EV_NATIVE;
     }
-    record_current(ES_EV_SAMPLE, t, tgid, tid, ip, flags);
+    record_current(ES_SLOT_SAMPLE, ES_EV_SAMPLE, t, tgid, tid, ip, flags);
     return 0;
 }
 
@@ -268,7 +273,7 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
         /* Runs in prev's context: its memory is the current address space. */
         count(ES_C_SWITCH_OUT);
         __u8 flags = (preempt || prev_state == 0) ? ES_EV_PREEMPTED : 0;
-        record_current(ES_EV_SWITCH_OUT, t, prev_tgid, BPF_CORE_READ(prev, pid), 0, flags);
+        record_current(ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, BPF_CORE_READ(prev, pid), 0, flags);
     }
     __u32 next_tgid = BPF_CORE_READ(next, tgid);
     t = bpf_map_lookup_elem(&targets, &next_tgid);
@@ -314,8 +319,8 @@ int BPF_PROG(on_sys_enter, void *regs, long id)
     bpf_map_update_elem(&gil_waiting, &tid, &now, BPF_ANY);
     count(ES_C_GIL_WAITS);
 
-    __u32 zero = 0;
-    struct es_event *ev = bpf_map_lookup_elem(&scratch, &zero);
+    __u32 slot = ES_SLOT_SYSCALL;
+    struct es_event *ev = bpf_map_lookup_elem(&scratch, &slot);
     if (!ev)
         return 0;
     ev->h.kind = ES_EV_GIL_WAIT_START;

@@ -146,7 +146,9 @@ fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
                 .filter(|o| stack_has(&r, o.stack, f))
                 .map(|o| win.clip(t0 + o.start_ns, t0 + o.start_ns + o.dur_ns))
                 .sum();
-            let got = (on_f + off_f) as f64 / win.len() as f64;
+            // Share of the thread's observed time (on-CPU samples + off-CPU intervals); how much
+            // of the window that observed time covers is held by the on/off checks above.
+            let got = (on_f + off_f) as f64 / (on_ns + off_ns).max(1) as f64;
             let want = ft["wall_s"].as_f64().unwrap() / t["wall_s"].as_f64().unwrap();
             report.push(format!(
                 "  {name} {f}: {:.1}% of wall (truth {:.1}%)",
