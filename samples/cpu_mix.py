@@ -26,9 +26,9 @@ of the GIL, gets at most one (this machine has 2 cores, so the profiler has the 
 Protocol: once every thread is in its steady loop, writes READY to --ready-fifo (if given) and
 prints READY on stdout; the measurement window starts right after that, or, with --go-fifo,
 once a line has been read from that FIFO (so a profiler can attach between READY and GO and
-see the whole window). After --duration
-seconds the main thread reads every thread's CPU clock, stops the workers, writes --truth and
-prints DONE. Nothing here sleeps to wait for readiness.
+see the whole window). After --duration seconds the main thread reads every thread's CPU
+clock, stops the workers, writes --truth and prints DONE. Nothing here sleeps to wait for
+readiness.
 
 How it is measured. Every call of a named function is timed with time.monotonic_ns() (wall)
 and time.thread_time_ns() (this thread's CPU) around it. On Linux time.perf_counter_ns() reads
