@@ -117,13 +117,8 @@ impl BpfSampler {
         })
     }
 
-    /// Set a hardware write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) on
-    /// every CPU, running `on_gc_write` on each write. x86 has 4 debug registers per CPU, so at
-    /// most 4 targets can be watched at once.
-    pub fn watch_gc(&mut self, addr: u64) -> anyhow::Result<()> {
-        use aya::programs::perf_event::{
-            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
-        };
+    /// `on_gc_write`, loaded on first use.
+    fn gc_write_program(&mut self) -> anyhow::Result<&mut PerfEvent> {
         let prog: &mut PerfEvent = self
             .bpf
             .program_mut("on_gc_write")
@@ -133,6 +128,17 @@ impl BpfSampler {
             prog.load()
                 .map_err(|e| anyhow!("verifier rejected on_gc_write: {e:#}"))?;
         }
+        Ok(prog)
+    }
+
+    /// Set a hardware write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) on
+    /// every CPU, running `on_gc_write` on each write. x86 has 4 debug registers per CPU, so at
+    /// most 4 targets can be watched at once.
+    pub fn watch_gc(&mut self, addr: u64) -> anyhow::Result<()> {
+        use aya::programs::perf_event::{
+            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
+        };
+        let prog = self.gc_write_program()?;
         let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
         for cpu in cpus {
             prog.attach(
@@ -161,15 +167,7 @@ impl BpfSampler {
         static mut PROBE: u32 = 0;
         const N: u32 = 2000;
         let addr = std::ptr::addr_of_mut!(PROBE);
-        let prog: &mut PerfEvent = self
-            .bpf
-            .program_mut("on_gc_write")
-            .context("BPF object has no on_gc_write program")?
-            .try_into()?;
-        if prog.fd().is_err() {
-            prog.load()
-                .map_err(|e| anyhow!("verifier rejected on_gc_write: {e:#}"))?;
-        }
+        let prog = self.gc_write_program()?;
         let write_n = || {
             let t0 = std::time::Instant::now();
             for i in 0..N {
