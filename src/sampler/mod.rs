@@ -140,16 +140,7 @@ impl Pipeline {
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
-        let t = self.rel(t_ns);
-        self.samples += 1;
-        self.writer.sample(&Sample {
-            t_ns: t,
-            pid,
-            tid,
-            stack,
-            flags: fl,
-            weight_ns: self.weight_ns,
-        })
+        self.sample_weighted(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
     }
 
     /// A sample standing for `weight_ns` of CPU time (the memory backend's measured CPU time).
