@@ -74,6 +74,20 @@ pub fn cmdline(pid: i32) -> String {
         .unwrap_or_default()
 }
 
+/// A name for `pid` in messages: its command line, else its `comm` (a process caught between
+/// `execve` and the kernel filling in its arguments has an empty command line), else `?`.
+pub fn describe(pid: i32) -> String {
+    let cmd = cmdline(pid);
+    if !cmd.is_empty() {
+        return cmd;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|c| c.trim_end().to_string())
+        .ok()
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| "?".to_string())
+}
+
 /// Whether `pid` still runs: it exists and is not a zombie waiting for its parent to reap it.
 pub fn is_running(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {

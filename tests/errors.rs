@@ -25,18 +25,29 @@ fn exited_process_is_a_clean_error() {
 
 #[test]
 fn not_python_is_explained() {
-    let mut c = Command::new("sleep")
-        .arg("30")
-        .stdin(Stdio::null())
+    // `cat` echoing a line back proves it is past execve and running its own code, so the
+    // kernel has filled in its command line (no readiness sleep).
+    use std::io::{BufRead, Write};
+    let mut c = Command::new("cat")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut stdin = c.stdin.take().unwrap();
+    stdin.write_all(b"ready\n").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(c.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line, "ready\n");
     let out = enginescope(&["dump", "--pid", &c.id().to_string()]);
+    drop(stdin);
     c.kill().unwrap();
     c.wait().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let e = stderr_of(&out);
     assert!(
-        e.contains("not a CPython process") && e.contains("sleep"),
+        e.contains("not a CPython process") && e.contains("(cat)"),
         "{e}"
     );
     assert!(e.contains("hint:"), "{e}");

@@ -130,7 +130,7 @@ impl PythonProcess {
             } else {
                 AttachError::NotPython {
                     pid,
-                    cmd: procinfo::cmdline(pid),
+                    cmd: procinfo::describe(pid),
                 }
             }
         })?;
