@@ -29,6 +29,12 @@ mod tag {
     pub const END: u8 = 9;
     pub const GIL_WAIT: u8 = 10;
     pub const GC_PAUSE: u8 = 11;
+    pub const ENGINE: u8 = 12;
+    pub const SERIES: u8 = 13;
+    pub const METRIC: u8 = 14;
+    pub const SCRAPE_ERROR: u8 = 15;
+    pub const PROBE: u8 = 16;
+    pub const CALL: u8 = 17;
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -266,6 +272,40 @@ impl RecordingWriter {
         self.record(tag::GC_PAUSE)
     }
 
+    pub fn engine(&mut self, e: &EngineInfo) -> anyhow::Result<()> {
+        self.json(tag::ENGINE, e)
+    }
+
+    pub fn series(&mut self, m: &MetricSeries) -> anyhow::Result<()> {
+        self.json(tag::SERIES, m)
+    }
+
+    pub fn metric(&mut self, m: &MetricPoint) -> anyhow::Result<()> {
+        self.buf.clear();
+        put_varint(&mut self.buf, m.t_ns);
+        put_varint(&mut self.buf, m.series as u64);
+        self.buf.extend_from_slice(&m.value.to_le_bytes());
+        self.record(tag::METRIC)
+    }
+
+    pub fn scrape_error(&mut self, e: &ScrapeError) -> anyhow::Result<()> {
+        self.json(tag::SCRAPE_ERROR, e)
+    }
+
+    pub fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()> {
+        self.json(tag::PROBE, p)
+    }
+
+    pub fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
+        self.buf.clear();
+        put_varint(&mut self.buf, c.start_ns);
+        put_varint(&mut self.buf, c.dur_ns);
+        put_varint(&mut self.buf, zigzag(c.pid as i64));
+        put_varint(&mut self.buf, zigzag(c.tid as i64));
+        put_varint(&mut self.buf, c.probe as u64);
+        self.record(tag::CALL)
+    }
+
     /// Push buffered records to the file (whole records only).
     pub fn flush(&mut self) -> anyhow::Result<()> {
         self.out.flush()?;
@@ -298,40 +338,93 @@ pub fn read_recording(path: &Path) -> anyhow::Result<Recording> {
 }
 
 pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
-    if data.len() < 8 || &data[..6] != MAGIC {
-        bail!("not an enginescope recording (bad magic)");
+    let mut rd = RecordingReader::default();
+    rd.feed(data)?;
+    if !rd.saw_meta {
+        bail!("recording has no header record");
     }
-    let version = u16::from_le_bytes([data[6], data[7]]);
-    if version != VERSION {
-        bail!("recording format version {version}; this enginescope reads version {VERSION}");
+    rd.recording.truncated = rd.pending > 0;
+    Ok(rd.recording)
+}
+
+/// Reads a recording incrementally, as its writer appends to it: `top` follows a live
+/// recording (or replays a finished one) with this. Bytes that do not yet form a whole record
+/// are kept until the next `feed`.
+#[derive(Default)]
+pub struct RecordingReader {
+    pub recording: Recording,
+    tail: Vec<u8>,
+    header_done: bool,
+    saw_meta: bool,
+    last_sample_ns: u64,
+    /// Bytes waiting for the rest of their record.
+    pending: usize,
+}
+
+impl RecordingReader {
+    /// Whether the header record has been read.
+    pub fn has_meta(&self) -> bool {
+        self.saw_meta
     }
-    let mut r = Recording::default();
-    let mut i = 8;
-    let mut saw_meta = false;
-    let mut last_sample_ns: u64 = 0;
-    while i < data.len() {
-        let t = data[i];
-        let mut head = Cur { b: data, i: i + 1 };
-        let Ok(len) = head.varint() else {
-            r.truncated = true;
-            break;
+
+    /// Append bytes and apply every complete record in them. Returns how many records were
+    /// applied.
+    pub fn feed(&mut self, data: &[u8]) -> anyhow::Result<usize> {
+        let mut owned = std::mem::take(&mut self.tail);
+        let buf: &[u8] = if owned.is_empty() {
+            data
+        } else {
+            owned.extend_from_slice(data);
+            &owned
         };
-        let start = head.i;
-        let Some(end) = usize::try_from(len)
-            .ok()
-            .and_then(|l| start.checked_add(l))
-            .filter(|&e| e <= data.len())
-        else {
-            r.truncated = true;
-            break;
-        };
-        let p = &data[start..end];
-        i = end;
+        let mut i = 0;
+        if !self.header_done {
+            if buf.len() < 8 {
+                self.tail = buf.to_vec();
+                self.pending = self.tail.len();
+                return Ok(0);
+            }
+            if &buf[..6] != MAGIC {
+                bail!("not an enginescope recording (bad magic)");
+            }
+            let version = u16::from_le_bytes([buf[6], buf[7]]);
+            if version != VERSION {
+                bail!(
+                    "recording format version {version}; this enginescope reads version {VERSION}"
+                );
+            }
+            self.header_done = true;
+            i = 8;
+        }
+        let mut n = 0;
+        while i < buf.len() {
+            let t = buf[i];
+            let mut head = Cur { b: buf, i: i + 1 };
+            let Ok(len) = head.varint() else { break };
+            let start = head.i;
+            let Some(end) = usize::try_from(len)
+                .ok()
+                .and_then(|l| start.checked_add(l))
+                .filter(|&e| e <= buf.len())
+            else {
+                break;
+            };
+            self.apply(t, &buf[start..end])?;
+            i = end;
+            n += 1;
+        }
+        self.tail = buf[i..].to_vec();
+        self.pending = self.tail.len();
+        Ok(n)
+    }
+
+    fn apply(&mut self, t: u8, p: &[u8]) -> anyhow::Result<()> {
+        let r = &mut self.recording;
         let mut c = Cur { b: p, i: 0 };
         match t {
             tag::META => {
                 r.meta = serde_json::from_slice(p)?;
-                saw_meta = true;
+                self.saw_meta = true;
             }
             tag::PROCESS => r.processes.push(serde_json::from_slice(p)?),
             tag::THREAD => r.threads.push(serde_json::from_slice(p)?),
@@ -376,11 +469,12 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
             }
             tag::SAMPLE => {
                 let delta = unzigzag(c.varint()?);
-                last_sample_ns = last_sample_ns
+                self.last_sample_ns = self
+                    .last_sample_ns
                     .checked_add_signed(delta)
                     .context("sample time out of range")?;
                 let s = Sample {
-                    t_ns: last_sample_ns,
+                    t_ns: self.last_sample_ns,
                     pid: c.i32()?,
                     tid: c.i32()?,
                     stack: c.varint()? as u32,
@@ -436,14 +530,56 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
                 };
                 r.gc_pauses.push(g);
             }
+            tag::ENGINE => r.engines.push(serde_json::from_slice(p)?),
+            tag::SERIES => {
+                let m: MetricSeries = serde_json::from_slice(p)?;
+                if m.id as usize != r.series.len() {
+                    bail!("metric series id {} out of order", m.id);
+                }
+                r.series.push(m);
+            }
+            tag::METRIC => {
+                let t_ns = c.varint()?;
+                let series = c.varint()? as u32;
+                let bytes: [u8; 8] =
+                    c.b.get(c.i..c.i + 8)
+                        .and_then(|b| b.try_into().ok())
+                        .context("metric value cut short")?;
+                if series as usize >= r.series.len() {
+                    bail!("metric names unknown series {series}");
+                }
+                r.metrics.push(MetricPoint {
+                    t_ns,
+                    series,
+                    value: f64::from_le_bytes(bytes),
+                });
+            }
+            tag::SCRAPE_ERROR => r.scrape_errors.push(serde_json::from_slice(p)?),
+            tag::PROBE => {
+                let pr: ProbeInfo = serde_json::from_slice(p)?;
+                if pr.id as usize != r.probes.len() {
+                    bail!("probe id {} out of order", pr.id);
+                }
+                r.probes.push(pr);
+            }
+            tag::CALL => {
+                let call = FunctionCall {
+                    start_ns: c.varint()?,
+                    dur_ns: c.varint()?,
+                    pid: c.i32()?,
+                    tid: c.i32()?,
+                    probe: c.varint()? as u32,
+                };
+                if call.probe as usize >= r.probes.len() {
+                    bail!("call names unknown probe {}", call.probe);
+                }
+                r.calls.push(call);
+            }
             // Unknown tags are skipped: newer writers may add record kinds.
             _ => {}
         }
+        Ok(())
     }
-    if !saw_meta {
-        bail!("recording has no header record");
-    }
-    Ok(r)
 }
 
 #[cfg(test)]
@@ -534,6 +670,50 @@ mod tests {
             collected: 1234,
         };
         w.gc_pause(&gp).unwrap();
+        let eng = EngineInfo {
+            id: "engine0".into(),
+            api_server_pid: 7,
+            engine_core_pids: vec![8],
+            worker_pids: vec![9, 10],
+            metrics_url: "http://127.0.0.1:8000/metrics".into(),
+            metrics_url_source: "argv".into(),
+            t_ns: 3,
+        };
+        w.engine(&eng).unwrap();
+        let ser = MetricSeries {
+            id: 0,
+            engine: "engine0".into(),
+            name: "vllm:kv_cache_usage_perc".into(),
+            labels: [("model_name".to_string(), "m".to_string())].into(),
+            kind: "gauge".into(),
+        };
+        w.series(&ser).unwrap();
+        let mp = MetricPoint {
+            t_ns: 1_000,
+            series: 0,
+            value: 0.25,
+        };
+        w.metric(&mp).unwrap();
+        let pr = ProbeInfo {
+            id: 0,
+            spec: "MessageQueue.enqueue".into(),
+            pid: 7,
+            function: "MessageQueue.enqueue".into(),
+            file: "shm.py".into(),
+            firstlineno: 12,
+            method: "exact".into(),
+            resolution_ns: 30_000,
+            t_ns: 4,
+        };
+        w.probe(&pr).unwrap();
+        let call = FunctionCall {
+            probe: 0,
+            pid: 7,
+            tid: 8,
+            start_ns: 10,
+            dur_ns: 940_000,
+        };
+        w.call(&call).unwrap();
         let per_sample = {
             let before = w.bytes_written();
             w.sample(&Sample {
@@ -568,8 +748,11 @@ mod tests {
         assert_eq!(r.offcpu.len(), 1);
         assert_eq!(r.gil_waits, vec![gw]);
         assert_eq!(r.gc_pauses, vec![gp]);
-        assert_eq!(r.gil_waits, vec![gw]);
-        assert_eq!(r.gc_pauses, vec![gp]);
+        assert_eq!(r.engines, vec![eng]);
+        assert_eq!(r.series, vec![ser]);
+        assert_eq!(r.metrics, vec![mp]);
+        assert_eq!(r.probes, vec![pr]);
+        assert_eq!(r.calls, vec![call]);
         assert_eq!(r.thread_name(7, 8), "main");
         assert!(r.end.is_some());
 
@@ -579,6 +762,16 @@ mod tests {
             let r = parse_recording(&bytes[..cut]).unwrap();
             assert!(r.truncated || r.end.is_none());
             assert!(r.end.is_none());
+        }
+        // Fed in pieces of any size, the incremental reader ends with the same recording.
+        for chunk in [1, 7, 64, 4096] {
+            let mut rd = RecordingReader::default();
+            for piece in bytes.chunks(chunk) {
+                rd.feed(piece).unwrap();
+            }
+            assert_eq!(rd.recording.samples, r.samples);
+            assert_eq!(rd.recording.calls, r.calls);
+            assert!(rd.recording.end.is_some());
         }
         assert!(parse_recording(b"nope").is_err());
         assert!(

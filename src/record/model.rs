@@ -125,6 +125,95 @@ pub struct GcPause {
     pub collected: i64,
 }
 
+/// One inference engine: an API server (or an offline `LLM` script), its EngineCore
+/// process(es) and its workers. Written when discovered and again when its processes change.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct EngineInfo {
+    /// Stable within a recording: "engine0", "engine1", … or the name the user gave.
+    pub id: String,
+    /// 0 when there is no API server (offline `LLM` script).
+    pub api_server_pid: i32,
+    pub engine_core_pids: Vec<i32>,
+    pub worker_pids: Vec<i32>,
+    /// Where its Prometheus metrics are scraped; empty when none.
+    pub metrics_url: String,
+    /// How `metrics_url` was found: "argv", "socket", "--metrics-url", "".
+    #[serde(default)]
+    pub metrics_url_source: String,
+    /// ns since start when this description was written.
+    #[serde(default)]
+    pub t_ns: u64,
+}
+
+/// A metric series scraped from an engine's `/metrics`: one family + label set. Counters
+/// are stored raw (cumulative); views turn them into rates. Histograms are stored as their
+/// `_bucket{le=…}`, `_sum` and `_count` series.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct MetricSeries {
+    /// Index into `Recording::series`.
+    pub id: u32,
+    /// `EngineInfo::id`.
+    pub engine: String,
+    /// Sample name as exposed, e.g. `vllm:generation_tokens_total`,
+    /// `vllm:time_to_first_token_seconds_bucket`.
+    pub name: String,
+    /// Labels, sorted by name (includes `le` for histogram buckets).
+    pub labels: BTreeMap<String, String>,
+    /// Prometheus type of the family: "counter", "gauge", "histogram", "summary", "untyped".
+    pub kind: String,
+}
+
+/// One scraped value of one series.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MetricPoint {
+    /// ns since start, when the scrape's response arrived.
+    pub t_ns: u64,
+    pub series: u32,
+    pub value: f64,
+}
+
+/// A scrape that failed (shown, never fatal).
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ScrapeError {
+    pub t_ns: u64,
+    pub engine: String,
+    pub url: String,
+    pub error: String,
+}
+
+/// A function whose calls are timed (`record --probe`), in one process.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ProbeInfo {
+    /// Index into `Recording::probes`; `FunctionCall::probe` refers to it.
+    pub id: u32,
+    /// The probe as asked for, e.g. `shm_broadcast.py:MessageQueue.dequeue`.
+    pub spec: String,
+    pub pid: i32,
+    /// Qualified name and file of the matched code object.
+    pub function: String,
+    pub file: String,
+    pub firstlineno: i32,
+    /// "exact" (every call, from hardware breakpoints) or "sampled" (calls followed across
+    /// samples; only calls longer than the sampling interval are seen).
+    pub method: String,
+    /// Smallest duration this method resolves, ns (exact: the trap cost; sampled: the
+    /// sampling period).
+    pub resolution_ns: u64,
+    /// ns since start when the probe attached (pending probes attach when the code object
+    /// appears).
+    pub t_ns: u64,
+}
+
+/// One call of a probed function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FunctionCall {
+    pub probe: u32,
+    pub pid: i32,
+    pub tid: i32,
+    pub start_ns: u64,
+    pub dur_ns: u64,
+}
+
 /// A recording, fully read.
 #[derive(Debug, Clone, Default)]
 pub struct Recording {
@@ -139,6 +228,13 @@ pub struct Recording {
     pub offcpu: Vec<OffCpu>,
     pub gil_waits: Vec<GilWait>,
     pub gc_pauses: Vec<GcPause>,
+    /// Engines (vLLM-aware recordings); the latest description of each id wins in views.
+    pub engines: Vec<EngineInfo>,
+    pub series: Vec<MetricSeries>,
+    pub metrics: Vec<MetricPoint>,
+    pub scrape_errors: Vec<ScrapeError>,
+    pub probes: Vec<ProbeInfo>,
+    pub calls: Vec<FunctionCall>,
     /// Failure-path and health counters (last value written wins).
     pub counters: BTreeMap<String, u64>,
     /// Present when the recorder finished cleanly.
