@@ -404,3 +404,47 @@ int on_gc_write(struct bpf_perf_event_data *ctx)
         count(ES_C_RINGBUF_FULL);
     return 0;
 }
+
+/* Hardware read/write breakpoint on one code unit of a probed code object, set per thread of
+ * the target: fires right after the interpreter reads the instruction, in that thread. The
+ * current frame is the probed call's own frame, which pairs an entry with its return. */
+SEC("perf_event")
+int on_probe_hit(struct bpf_perf_event_data *ctx)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
+    if (!t)
+        return 0;
+    count(ES_C_PROBE_HITS);
+    struct es_probe_hit ev = {};
+    ev.h.kind = ES_EV_PROBE_HIT;
+    ev.h.tgid = tgid;
+    ev.h.tid = tid;
+    ev.h.cpu = bpf_get_smp_processor_id();
+    ev.h.time_ns = bpf_ktime_get_ns();
+    ev.h.ip = ctx->addr;
+    struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
+    __u64 f = 0;
+    if (!th || th->tgid != tgid ||
+        bpf_probe_read_user(&f, sizeof(f), (void *)(th->tstate + t->tstate_frame))) {
+        count(ES_C_PROBE_NO_FRAME);
+    } else if (t->cframe_current_frame >= 0 && f) {
+        __u64 cf = f;
+        f = 0;
+        if (bpf_probe_read_user(&f, sizeof(f), (void *)(cf + t->cframe_current_frame)))
+            count(ES_C_PROBE_NO_FRAME);
+    }
+    ev.frame = f;
+    if (f) {
+        __u64 prev = 0, code = 0;
+        if (bpf_probe_read_user(&prev, sizeof(prev), (void *)(f + t->frame_previous)) ||
+            bpf_probe_read_user(&code, sizeof(code), (void *)(f + t->frame_code)))
+            count(ES_C_PROBE_NO_FRAME);
+        ev.previous = prev;
+        ev.code = code & ~t->code_tag_mask;
+    }
+    if (bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_NO_WAKEUP))
+        count(ES_C_RINGBUF_FULL);
+    return 0;
+}

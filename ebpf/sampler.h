@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 2
+#define ES_ABI_VERSION 3
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -66,6 +66,8 @@ enum es_event_kind {
                                * in the GIL struct, frames = the holder's Python stack */
     ES_EV_GIL_WAIT_END = 5,   /* that futex wait returned */
     ES_EV_GC_EDGE = 6,        /* gcstate->collecting written: ip = new value; struct es_gc_edge */
+    ES_EV_PROBE_HIT = 7,      /* a probed function's entry or return code unit was executed:
+                               * ip = the breakpoint address; struct es_probe_hit */
 };
 
 #define ES_EV_SWITCH_WAIT 128 /* on GIL_WAIT_START: the wait is the forced-switch handshake */
@@ -103,6 +105,16 @@ struct es_gc_edge {
     __u64 collected[3];
 };
 
+/* A hit of a hardware breakpoint set by `record --probe` on one code unit of a probed code
+ * object (its first instruction, or a return instruction), in the executing thread. */
+struct es_probe_hit {
+    struct es_event_header h;
+    __u64 frame;    /* the thread's current _PyInterpreterFrame: at a return, the probed call's
+                     * own frame; at the entry, the call's frame or (3.14, which reads the first
+                     * instruction before publishing the new frame) still its caller's */
+    __u64 previous; /* frame->previous */
+    __u64 code;     /* frame's code object (tag bits cleared) */
+};
 
 /* Counters (per-CPU array, summed by user space). Every failure path has one. */
 enum es_counter {
@@ -121,6 +133,8 @@ enum es_counter {
     ES_C_GIL_WAITS,          /* futex waits on the GIL seen */
     ES_C_GC_EDGES,           /* writes to gcstate->collecting seen */
     ES_C_GIL_WAIT_UNPAIRED,  /* futex exit without a matching enter (attached mid-wait) */
+    ES_C_PROBE_HITS,         /* probe breakpoint hits in a target */
+    ES_C_PROBE_NO_FRAME,     /* probe hit whose frame could not be read */
     ES_C_COUNT,
 };
 

@@ -111,6 +111,7 @@ fn run_in(
         gil: true,
         gc: true,
         quiet: false,
+        probes: Vec::new(),
     })?;
     drop(child);
     println!(

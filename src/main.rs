@@ -63,6 +63,12 @@ enum Cmd {
         /// Do not time GC pauses (hardware write watchpoint on the GC state).
         #[arg(long)]
         no_gc: bool,
+        /// Time every call of a function: `[FILE:]QUALNAME`, e.g. `MessageQueue.enqueue` or
+        /// `shm_broadcast.py:MessageQueue.dequeue` (repeat for several). Exact (hardware
+        /// breakpoints on the function's first and return instructions) where possible,
+        /// sampled otherwise; the recording says which.
+        #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
+        probes: Vec<String>,
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
@@ -197,6 +203,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_offcpu,
             no_gil,
             no_gc,
+            probes,
             json,
         } => {
             let opts = enginescope::sampler::RecordOptions {
@@ -209,6 +216,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 gil: !no_gil,
                 gc: !no_gc,
                 quiet: false,
+                probes,
             };
             let s = enginescope::sampler::record(&opts)?;
             if json {

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 2;
+pub const ABI_VERSION: u32 = 3;
 pub const MAX_FRAMES: usize = 128;
 
 /// `struct es_target`.
@@ -87,6 +87,7 @@ pub mod kind {
     pub const GIL_WAIT_START: u8 = 4;
     pub const GIL_WAIT_END: u8 = 5;
     pub const GC_EDGE: u8 = 6;
+    pub const PROBE_HIT: u8 = 7;
 }
 
 pub mod ev {
@@ -119,6 +120,8 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_gil_waits",
     "bpf_gc_edges",
     "bpf_gil_wait_unpaired",
+    "bpf_probe_hits",
+    "bpf_probe_no_frame",
 ];
 
 // SAFETY: plain-old-data #[repr(C)] structs without padding holes that matter to the kernel
@@ -163,6 +166,26 @@ pub fn parse_gc_stats(bytes: &[u8]) -> Option<GcStats> {
     })
 }
 
+/// `struct es_probe_hit` after its header.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProbeFrame {
+    pub frame: u64,
+    pub previous: u64,
+    pub code: u64,
+}
+
+/// The frame facts of a PROBE_HIT record.
+pub fn parse_probe_frame(bytes: &[u8]) -> Option<ProbeFrame> {
+    let h = std::mem::size_of::<EsEventHeader>();
+    let b = bytes.get(h..h + 24)?;
+    let at = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+    Some(ProbeFrame {
+        frame: at(0),
+        previous: at(1),
+        code: at(2),
+    })
+}
+
 /// Parse one ring-buffer record: header and frames. `None` for a malformed record.
 pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
     let hsize = std::mem::size_of::<EsEventHeader>();
@@ -182,7 +205,7 @@ pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
         time_ns: u64_at(16),
         ip: u64_at(24),
     };
-    if h.kind == kind::GC_EDGE {
+    if h.kind == kind::GC_EDGE || h.kind == kind::PROBE_HIT {
         return Some((h, Vec::new()));
     }
     let n = (h.nframes as usize).min(MAX_FRAMES);

@@ -131,29 +131,89 @@ impl BpfSampler {
         Ok(prog)
     }
 
-    /// Set a hardware write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) on
-    /// every CPU, running `on_gc_write` on each write. x86 has 4 debug registers per CPU, so at
-    /// most 4 targets can be watched at once.
-    pub fn watch_gc(&mut self, addr: u64) -> anyhow::Result<()> {
+    /// `on_probe_hit`, loaded on first use.
+    fn probe_program(&mut self) -> anyhow::Result<&mut PerfEvent> {
+        let prog: &mut PerfEvent = self
+            .bpf
+            .program_mut("on_probe_hit")
+            .context("BPF object has no on_probe_hit program")?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load()
+                .map_err(|e| anyhow!("verifier rejected on_probe_hit: {e:#}"))?;
+        }
+        Ok(prog)
+    }
+
+    /// Set a 1-byte hardware read/write breakpoint on `addr` (a code unit's opcode byte in a
+    /// target) for thread `tid` only, running `on_probe_hit` on each access. x86 has 4 debug
+    /// registers; the kernel refuses (ENOSPC) when the thread has none left.
+    pub fn watch_code_unit(
+        &mut self,
+        tid: i32,
+        addr: u64,
+    ) -> anyhow::Result<aya::programs::perf_event::PerfEventLinkId> {
+        use aya::programs::perf_event::{
+            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
+        };
+        let prog = self.probe_program()?;
+        prog.attach(
+            PerfEventConfig::Breakpoint(BreakpointConfig::Data {
+                r#type: PerfBreakpointType::ReadWrite,
+                address: addr,
+                length: PerfBreakpointLength::Len1,
+            }),
+            PerfEventScope::OneProcess {
+                pid: tid as u32,
+                cpu: None,
+            },
+            SamplePolicy::Period(1),
+            false,
+        )
+        .map_err(|e| anyhow!("breakpoint at {addr:#x} on thread {tid}: {e}"))
+    }
+
+    /// Remove a breakpoint set by [`watch_code_unit`](Self::watch_code_unit).
+    pub fn unwatch_code_unit(&mut self, link: aya::programs::perf_event::PerfEventLinkId) {
+        if let Ok(prog) = self.probe_program() {
+            let _ = prog.detach(link);
+        }
+    }
+
+    /// Set a write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) for thread
+    /// `tid` only, running `on_gc_write` on each write. Per-thread watchpoints take one debug
+    /// register in each watched thread, however many processes are watched (a CPU-wide one
+    /// takes one on every CPU per process, which leaves none for probes with 3+ targets).
+    pub fn watch_gc_thread(
+        &mut self,
+        tid: i32,
+        addr: u64,
+    ) -> anyhow::Result<aya::programs::perf_event::PerfEventLinkId> {
         use aya::programs::perf_event::{
             BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
         };
         let prog = self.gc_write_program()?;
-        let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
-        for cpu in cpus {
-            prog.attach(
-                PerfEventConfig::Breakpoint(BreakpointConfig::Data {
-                    r#type: PerfBreakpointType::Write,
-                    address: addr,
-                    length: PerfBreakpointLength::Len4,
-                }),
-                PerfEventScope::AllProcessesOneCpu { cpu },
-                SamplePolicy::Period(1),
-                false,
-            )
-            .with_context(|| format!("setting a write watchpoint at {addr:#x} on CPU {cpu} (all 4 debug registers in use?)"))?;
+        prog.attach(
+            PerfEventConfig::Breakpoint(BreakpointConfig::Data {
+                r#type: PerfBreakpointType::Write,
+                address: addr,
+                length: PerfBreakpointLength::Len4,
+            }),
+            PerfEventScope::OneProcess {
+                pid: tid as u32,
+                cpu: None,
+            },
+            SamplePolicy::Period(1),
+            false,
+        )
+        .map_err(|e| anyhow!("GC watchpoint at {addr:#x} on thread {tid}: {e}"))
+    }
+
+    /// Remove a watchpoint set by [`watch_gc_thread`](Self::watch_gc_thread).
+    pub fn unwatch_gc_thread(&mut self, link: aya::programs::perf_event::PerfEventLinkId) {
+        if let Ok(prog) = self.gc_write_program() {
+            let _ = prog.detach(link);
         }
-        Ok(())
     }
 
     /// What one hit of a write watchpoint with `on_gc_write` attached costs the writing thread

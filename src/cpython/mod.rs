@@ -5,6 +5,7 @@ pub mod linetable;
 pub mod memory;
 pub mod objects;
 pub mod offsets;
+pub mod opcodes;
 pub mod reader;
 #[cfg(test)]
 pub mod testutil;

@@ -5,6 +5,7 @@
 //! reader; for machines without BPF). See ARCHITECTURE.md for one sample's path end to end.
 
 pub mod memory;
+pub mod probes;
 pub mod target;
 
 use std::collections::{BTreeMap, HashMap};
@@ -43,6 +44,8 @@ pub struct RecordOptions {
     /// Exact GC pauses (write watchpoint on gcstate->collecting; bpf backend).
     pub gc: bool,
     pub quiet: bool,
+    /// `record --probe` specs (`[FILE:]QUALNAME`).
+    pub probes: Vec<String>,
 }
 
 /// What a finished recording contains, for the closing line and tests.
@@ -462,6 +465,22 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
             .map(|c| c.len() as u32)
             .unwrap_or(0),
     };
+    let specs = opts
+        .probes
+        .iter()
+        .map(|s| probes::ProbeSpec::parse(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut probes = probes::Probes::new(specs, 1_000_000_000 / rate as u64, opts.quiet);
+    if !probes.is_empty() {
+        if backend != "bpf" && !opts.quiet {
+            eprintln!(
+                "enginescope: --probe needs the bpf backend; no function calls will be recorded"
+            );
+        }
+        for t in targets.iter_mut() {
+            t.collect_new_code = true;
+        }
+    }
     let writer = RecordingWriter::create(&opts.output, &meta)?;
     let mut pipe = Pipeline {
         writer,
@@ -487,13 +506,14 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
 
     let deadline = opts.duration.map(|d| Instant::now() + d);
     let result = match bpf.as_mut() {
-        Some(b) => run_bpf(b, &mut targets, &mut pipe, opts, deadline),
+        Some(b) => run_bpf(b, &mut targets, &mut pipe, &mut probes, opts, deadline),
         None => {
             announce_started(opts.quiet);
             memory::run(&mut targets, &mut pipe, rate, deadline, &STOP)
         }
     };
     let end_ns = monotonic_ns();
+    probes.close(bpf.as_mut(), &mut pipe)?;
     pipe.close(end_ns)?;
     let mut counters = BTreeMap::new();
     if let Some(b) = &bpf {
@@ -510,6 +530,15 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         targets.iter().map(|t| t.code_rereads).sum(),
     );
     counters.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
+    counters.insert("gc_watch_attach_failures".into(), probes.gc_attach_failures);
+    if !probes.is_empty() {
+        counters.insert("probe_trap_cost_ns".into(), probes.trap_ns);
+        counters.insert("probe_calls".into(), probes.calls);
+        counters.insert("probe_calls_unfinished".into(), probes.unfinished);
+        counters.insert("probe_unmatched_returns".into(), probes.unmatched_returns);
+        counters.insert("probe_attach_failures".into(), probes.attach_failures);
+        counters.insert("probe_thread_attaches".into(), probes.thread_attaches);
+    }
     pipe.writer.counters(&counters)?;
     let reason = match &result {
         Ok(r) => r.clone(),
@@ -547,6 +576,7 @@ fn sync_threads(
     b: &mut BpfSampler,
     targets: &mut [Target],
     pipe: &mut Pipeline,
+    probes: &mut probes::Probes,
 ) -> anyhow::Result<()> {
     let now = monotonic_ns();
     for t in targets.iter_mut() {
@@ -560,6 +590,7 @@ fn sync_threads(
                     pad: 0,
                 },
             )?;
+            probes.thread_added(b, t.pid, tid);
             pipe.writer.thread(&ThreadInfo {
                 pid: t.pid,
                 tid,
@@ -569,6 +600,7 @@ fn sync_threads(
         }
         for tid in gone {
             b.remove_thread(tid as u32);
+            probes.thread_gone(b, tid);
         }
     }
     Ok(())
@@ -578,11 +610,12 @@ fn run_bpf(
     b: &mut BpfSampler,
     targets: &mut [Target],
     pipe: &mut Pipeline,
+    probes: &mut probes::Probes,
     opts: &RecordOptions,
     deadline: Option<Instant>,
 ) -> anyhow::Result<String> {
     // Threads first, then targets: once a target is in the map its threads' samples count.
-    sync_threads(b, targets, pipe)?;
+    sync_threads(b, targets, pipe, probes)?;
     // Stacks at start, for threads that are blocked when we begin.
     for t in targets.iter_mut() {
         if let Ok(snap) = t.proc.snapshot() {
@@ -604,7 +637,8 @@ fn run_bpf(
         }
         let mut cfg = t.bpf_config(fl)?;
         if opts.gc {
-            match b.watch_gc(cfg.gc_collecting_addr) {
+            let tids: Vec<i32> = t.threads.keys().copied().collect();
+            match probes.watch_gc(b, t.pid, cfg.gc_collecting_addr, &tids) {
                 Ok(()) => cfg.flags |= abi::TARGET_GC,
                 Err(e) => {
                     if !opts.quiet {
@@ -618,9 +652,12 @@ fn run_bpf(
         }
         b.set_target(t.pid as u32, &cfg)?;
     }
-    if opts.gc {
+    if opts.gc || !probes.is_empty() {
         match b.watchpoint_cost_ns() {
-            Ok(ns) => pipe.gc_trap_ns = ns,
+            Ok(ns) => {
+                pipe.gc_trap_ns = ns;
+                probes.trap_ns = ns;
+            }
             Err(e) if !opts.quiet => {
                 eprintln!("enginescope: could not time a watchpoint hit: {e:#}")
             }
@@ -645,10 +682,11 @@ fn run_bpf(
             break "duration reached".to_string();
         }
         std::thread::sleep(poll);
-        drain_events(b, targets, &index, pipe)?;
+        drain_events(b, targets, &index, pipe, probes)?;
+        consider_new_code(b, targets, pipe, probes)?;
         if last_threads.elapsed() >= Duration::from_millis(100) {
             last_threads = Instant::now();
-            sync_threads(b, targets, pipe)?;
+            sync_threads(b, targets, pipe, probes)?;
             for (i, t) in targets.iter().enumerate() {
                 if alive[i] && !crate::procinfo::is_running(t.pid) {
                     alive[i] = false;
@@ -671,8 +709,31 @@ fn run_bpf(
     for t in targets.iter() {
         b.remove_target(t.pid as u32);
     }
-    drain_events(b, targets, &index, pipe)?;
+    drain_events(b, targets, &index, pipe, probes)?;
     Ok(reason)
+}
+
+/// Offer code objects met for the first time to the probes.
+fn consider_new_code(
+    b: &mut BpfSampler,
+    targets: &mut [Target],
+    pipe: &mut Pipeline,
+    probes: &mut probes::Probes,
+) -> anyhow::Result<()> {
+    if probes.is_empty() {
+        return Ok(());
+    }
+    let now = monotonic_ns().saturating_sub(pipe.start_ns);
+    for t in targets.iter_mut() {
+        if t.new_code.is_empty() {
+            continue;
+        }
+        let fresh = std::mem::take(&mut t.new_code);
+        for (code, info, tid) in fresh {
+            probes.consider(Some(&mut *b), &t.proc, tid, code, &info, now, pipe)?;
+        }
+    }
+    Ok(())
 }
 
 /// Resolve and record every event waiting in the ring buffer.
@@ -681,8 +742,10 @@ fn drain_events(
     targets: &mut [Target],
     index: &HashMap<i32, usize>,
     pipe: &mut Pipeline,
+    probes: &mut probes::Probes,
 ) -> anyhow::Result<()> {
     let mut err = None;
+    let mut attach = Vec::new();
     b.drain(usize::MAX, |bytes| {
         if err.is_some() {
             return;
@@ -693,13 +756,34 @@ fn drain_events(
         let pid = h.tgid as i32;
         let tid = h.tid as i32;
         let Some(&ti) = index.get(&pid) else { return };
+        targets[ti].resolving_tid = tid;
+        if matches!(h.kind, kind::SAMPLE | kind::SWITCH_OUT) && probes.wants_stacks(pid) {
+            let codes: Vec<u64> = frames.iter().map(|f| f.code).collect();
+            if probes.needs_attach(pid, tid, &codes) && attach.len() < 1024 {
+                attach.push((pid, tid, codes));
+            }
+        }
         let r = match h.kind {
             kind::SAMPLE => {
                 let resolved = targets[ti].resolve(&frames);
-                pipe.writer
+                let r = pipe
+                    .writer
                     .intern_stack(&resolved)
-                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)))
+                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)));
+                if r.is_ok() && probes.wants_samples(pid) {
+                    let fns: Vec<(&str, &str)> = resolved
+                        .iter()
+                        .map(|f| (f.function.as_str(), f.file.as_str()))
+                        .collect();
+                    probes.sample(pid, tid, h.time_ns, &fns, pipe)
+                } else {
+                    r
+                }
             }
+            kind::PROBE_HIT => match abi::parse_probe_frame(bytes) {
+                Some(frame) => probes.hit(pid, tid, h.time_ns, h.ip, frame, pipe),
+                None => Ok(()),
+            },
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
                 pipe.writer.intern_stack(&resolved).map(|s| {
@@ -732,6 +816,9 @@ fn drain_events(
             err = Some(e);
         }
     });
+    for (pid, tid, codes) in attach {
+        probes.observe(b, pid, tid, &codes);
+    }
     err.map_or(Ok(()), Err)
 }
 

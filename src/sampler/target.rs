@@ -30,6 +30,11 @@ pub struct Target {
     /// Frames that could not be resolved (code object gone or unreadable).
     pub unresolved_frames: u64,
     pub code_rereads: u64,
+    /// When set, code objects read for the first time are queued in `new_code` (for probes).
+    pub collect_new_code: bool,
+    pub new_code: Vec<(u64, Arc<CodeInfo>, i32)>,
+    /// The thread whose stack `resolve` is resolving (for `new_code`).
+    pub resolving_tid: i32,
 }
 
 impl Target {
@@ -44,6 +49,9 @@ impl Target {
             lines: HashMap::new(),
             unresolved_frames: 0,
             code_rereads: 0,
+            collect_new_code: false,
+            new_code: Vec::new(),
+            resolving_tid: 0,
         }
     }
 
@@ -180,11 +188,16 @@ impl Target {
                     Some((info, name_ptr))
                         if abi::code_id(info.firstlineno, name_ptr) == f.code_id =>
                     {
+                        let info = Arc::new(info);
+                        if self.collect_new_code && self.new_code.len() < 100_000 {
+                            self.new_code
+                                .push((f.code, info.clone(), self.resolving_tid));
+                        }
                         self.code.insert(
                             f.code,
                             CachedCode {
                                 id: f.code_id,
-                                info: Arc::new(info),
+                                info,
                             },
                         );
                     }

@@ -130,7 +130,7 @@ impl Drop for Workload {
     }
 }
 
-fn children_of(pid: i32) -> Vec<i32> {
+pub fn children_of(pid: i32) -> Vec<i32> {
     let mut out = Vec::new();
     if let Ok(rd) = std::fs::read_dir("/proc") {
         for e in rd.flatten() {
@@ -327,6 +327,27 @@ impl Recorder {
             stderr,
             early_stderr: early,
         }
+    }
+
+    /// Read the recorder's stderr until `n` lines containing `needle` have appeared (the
+    /// recorder says when a probe attaches); returns those lines. Panics if it exits first.
+    pub fn wait_for_lines(&mut self, needle: &str, n: usize) -> Vec<String> {
+        let mut found = Vec::new();
+        while found.len() < n {
+            let mut line = String::new();
+            let got = self.stderr.read_line(&mut line).unwrap();
+            self.early_stderr.push_str(&line);
+            if got == 0 {
+                panic!(
+                    "recorder ended before {n} lines with {needle:?}:\n{}",
+                    self.early_stderr
+                );
+            }
+            if line.contains(needle) {
+                found.push(line);
+            }
+        }
+        found
     }
 
     /// Wait for the recorder to finish; returns (success, stdout, all stderr).

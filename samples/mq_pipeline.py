@@ -1,0 +1,298 @@
+"""Ground truth for per-call latency probes: a two-process MessageQueue pipeline that times its
+own calls.
+
+Usage: mq_pipeline.py --truth PATH --duration SECONDS [--go-fifo PATH] [--requests N]
+                      [--steps-per-s N] [--puts-per-s N] [--evict-items N]
+
+Processes and threads (OS names set through /proc/self/task/TID/comm):
+
+  producer (the process started)   main thread `mq-producer`: each step builds one list per
+      request ([request id, step, token ids...]) and calls `MessageQueue.enqueue(obj)`, which
+      pickles it into a shared-memory ring slot (like vLLM's shm_broadcast MessageQueue); then
+      it paces itself (time.sleep) to --steps-per-s.
+  consumer (a forked child)        main thread `mq-consumer`: `MessageQueue.dequeue()` waits for
+      the next slot (a blocking read on a notification pipe) and unpickles it; then hands every
+      8th step's payload to the writer thread. Thread `aux-writer`: `AuxStore.put(key, value)`
+      stores it and calls `AuxStore._evict_to_fit()`, a linear scan over --evict-items entries
+      to find the least recently used one (pure Python, holding the GIL), like the LRU scan
+      that cost vLLM's router replay its throughput.
+
+Timing: every call of `MessageQueue.enqueue`, `MessageQueue.dequeue`, `AuxStore.put` and
+`AuxStore._evict_to_fit` records (native thread id, start, duration) with
+time.perf_counter_ns() (CLOCK_MONOTONIC, the clock enginescope uses) taken as the first
+statement of the body and in a `finally:` around it, so the time covers the body only: not the
+call overhead, and not the cost of a profiler's breakpoint traps at entry and return.
+
+Protocol: once both processes are in their steady loops (the child says so through a pipe),
+prints READY (and the calls continue: a profiler that finds functions by sampling them needs
+them running). With --go-fifo, a thread reads one line from that FIFO and marks the window
+start then; without it the window starts at READY. --duration seconds after the window start
+the producer stops, the consumer drains, both write their truth, and the producer prints DONE.
+Calls made before the window start are recorded too (the truth covers every call from READY
+on), so a test can pick window edges in quiet gaps between calls. Nothing sleeps for readiness.
+
+Truth JSON (producer at PATH, consumer at PATH.consumer.json):
+  {"pid", "role", "python", "window": {"start_mono_ns", "end_mono_ns"},
+   "threads": {"<native tid>": "name"},
+   "calls": {"MessageQueue.enqueue": [[tid, start_ns, dur_ns], ...], ...}}
+"""
+
+import argparse
+import os
+import pickle
+import sys
+import threading
+import time
+from multiprocessing import shared_memory
+
+CALLS = {}
+RECORDING = False
+
+
+def now():
+    return time.perf_counter_ns()
+
+
+def note(name, t0):
+    if RECORDING:
+        CALLS.setdefault(name, []).append((threading.get_native_id(), t0, now() - t0))
+
+
+def name_thread(name):
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+SLOTS = 16
+SLOT_BYTES = 1 << 20
+
+
+class MessageQueue:
+    """A shared-memory ring of SLOTS slots; a pipe carries one byte per written slot."""
+
+    def __init__(self, shm, notify_r, notify_w):
+        self.shm = shm
+        self.buf = shm.buf
+        self.notify_r = notify_r
+        self.notify_w = notify_w
+        self.head = 0
+        self.tail = 0
+
+    def enqueue(self, obj):
+        t0 = now()
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            if len(data) + 8 > SLOT_BYTES:
+                raise ValueError("message larger than a slot")
+            off = (self.head % SLOTS) * SLOT_BYTES
+            self.buf[off:off + 8] = len(data).to_bytes(8, "little")
+            self.buf[off + 8:off + 8 + len(data)] = data
+            self.head += 1
+            os.write(self.notify_w, b"x")
+        finally:
+            note("MessageQueue.enqueue", t0)
+
+    def dequeue(self):
+        t0 = now()
+        try:
+            if os.read(self.notify_r, 1) != b"x":
+                return None
+            off = (self.tail % SLOTS) * SLOT_BYTES
+            n = int.from_bytes(self.buf[off:off + 8], "little")
+            obj = pickle.loads(self.buf[off + 8:off + 8 + n])
+            self.tail += 1
+            return obj
+        finally:
+            note("MessageQueue.dequeue", t0)
+
+
+class AuxStore:
+    """Keeps the last `capacity` payloads; evicts the least recently used by a linear scan."""
+
+    def __init__(self, capacity, items):
+        self.capacity = capacity
+        self.entries = {}
+        self.last_used = {}
+        self.clock = 0
+        for i in range(items):
+            self.entries[("warm", i)] = i
+            self.last_used[("warm", i)] = i
+        self.clock = items
+
+    def put(self, key, value):
+        t0 = now()
+        try:
+            self.clock += 1
+            self.entries[key] = value
+            self.last_used[key] = self.clock
+            self._evict_to_fit()
+        finally:
+            note("AuxStore.put", t0)
+
+    def _evict_to_fit(self):
+        t0 = now()
+        try:
+            while len(self.entries) > self.capacity:
+                oldest_key = None
+                oldest = None
+                for k, used in self.last_used.items():
+                    if oldest is None or used < oldest:
+                        oldest, oldest_key = used, k
+                del self.entries[oldest_key]
+                del self.last_used[oldest_key]
+        finally:
+            note("AuxStore._evict_to_fit", t0)
+
+
+def write_truth(path, role, window):
+    out = {
+        "pid": os.getpid(),
+        "role": role,
+        "python": sys.version.split()[0],
+        "window": window,
+        "threads": {str(t.native_id): t.name for t in threading.enumerate()},
+        "calls": CALLS,
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        import json
+
+        json.dump(out, f)
+    os.replace(tmp, path)
+
+
+def consumer(args, shm_name, notify_r, ready_w, window_r):
+    global RECORDING
+    name_thread("mq-consumer")
+    threading.current_thread().name = "mq-consumer"
+    try:
+        # 3.13+: the producer owns the segment; do not let this process's tracker unlink it.
+        shm = shared_memory.SharedMemory(name=shm_name, track=False)
+    except TypeError:
+        shm = shared_memory.SharedMemory(name=shm_name)
+    mq = MessageQueue(shm, notify_r, -1)
+    store = AuxStore(args.evict_items, args.evict_items)
+    work = []
+    cond = threading.Condition()
+
+    def writer():
+        name_thread("aux-writer")
+        n = 0
+        while True:
+            with cond:
+                while not work:
+                    cond.wait()
+                item = work.pop(0)
+            if item is None:
+                return
+            store.put(("step", n), item)
+            n += 1
+
+    wt = threading.Thread(target=writer, name="aux-writer")
+    wt.start()
+    RECORDING = True
+    os.write(ready_w, b"R")
+    step = 0
+    every = max(1, round(args.steps_per_s / args.puts_per_s))
+    while True:
+        obj = mq.dequeue()
+        if obj is None or obj == "STOP":
+            break
+        step += 1
+        if step % every == 0:
+            with cond:
+                work.append(obj)
+                cond.notify()
+    with cond:
+        work.append(None)
+        cond.notify()
+    wt.join()
+    window = os.read(window_r, 64).decode().split()
+    write_truth(
+        args.truth + ".consumer.json",
+        "consumer",
+        {"start_mono_ns": int(window[0]), "end_mono_ns": int(window[1])},
+    )
+    del mq
+    shm.close()
+
+
+def main():
+    global RECORDING
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--truth", required=True)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--go-fifo")
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--steps-per-s", type=float, default=200.0)
+    ap.add_argument("--puts-per-s", type=float, default=25.0)
+    ap.add_argument("--evict-items", type=int, default=60000)
+    args = ap.parse_args()
+
+    shm = shared_memory.SharedMemory(create=True, size=SLOTS * SLOT_BYTES)
+    notify_r, notify_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    window_r, window_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(notify_w)
+            consumer(args, shm.name, notify_r, ready_w, window_r)
+        finally:
+            os._exit(0)
+    os.close(notify_r)
+    name_thread("mq-producer")
+    threading.current_thread().name = "mq-producer"
+    mq = MessageQueue(shm, -1, notify_w)
+    if os.read(ready_r, 1) != b"R":
+        sys.exit("consumer failed to start")
+
+    window = {"start_mono_ns": None}
+    go = threading.Event()
+
+    def wait_go():
+        if args.go_fifo:
+            with open(args.go_fifo) as f:
+                f.readline()
+        window["start_mono_ns"] = now()
+        go.set()
+
+    RECORDING = True
+    if not args.go_fifo:
+        wait_go()
+    print("READY", flush=True)
+    if args.go_fifo:
+        threading.Thread(target=wait_go, name="go-reader", daemon=True).start()
+
+    period = 1e9 / args.steps_per_s
+    step = 0
+    tokens = list(range(args.tokens))
+    next_t = now()
+    while True:
+        if go.is_set() and now() - window["start_mono_ns"] >= args.duration * 1e9:
+            break
+        obj = [[r, step] + tokens for r in range(args.requests)]
+        mq.enqueue(obj)
+        step += 1
+        next_t += period
+        delay = next_t - now()
+        if delay > 0:
+            time.sleep(delay / 1e9)
+        else:
+            next_t = now()
+    end = now()
+    mq.enqueue("STOP")
+    os.write(window_w, f"{window['start_mono_ns']} {end}".encode())
+    os.waitpid(pid, 0)
+    write_truth(args.truth, "producer", {"start_mono_ns": window["start_mono_ns"], "end_mono_ns": end})
+    shm.close()
+    shm.unlink()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,615 @@
+//! `record --probe`: per-call latency of chosen Python functions, from outside.
+//!
+//! A probe names a function by qualified name, optionally with its file
+//! (`shm_broadcast.py:MessageQueue.dequeue`). Code objects are found as the sampler meets them
+//! (every new code object a stack walk resolves is checked against the probes), so a probe on
+//! a function whose module is imported later stays pending and attaches when the code object
+//! first runs and is sampled.
+//!
+//! **Exact method** (BPF backend, CPython 3.11+, not a generator or coroutine): a 1-byte
+//! hardware read/write breakpoint on the opcode byte of the code object's first code unit
+//! fires once per call (measured: 10,000 hits for 10,000 calls on 3.11, 3.12 and 3.13), and
+//! one on each return instruction (found by walking `co_code_adaptive` with the version's
+//! opcode tables, `cpython::opcodes`) once per return. Breakpoints are per thread: x86 has 4
+//! debug registers per thread, so they go only on the threads seen running the function (in a
+//! sample or an off-CPU stack), from the first time they are seen; calls a thread makes before
+//! that are not counted (the recording's `probe_thread_attaches` counter says when threads
+//! joined).
+//!
+//! Entry and return are paired by the thread and the call's caller frame, which the BPF
+//! program reads at each hit (see [`Probes::hit`]), so recursion pairs correctly and a call
+//! left by an exception (no return instruction runs) is closed, without a duration, when the
+//! same caller calls again. Each hit costs one trap (~14 µs here); the measured duration
+//! includes about one trap's cost (the end of the entry trap and the start of the return trap),
+//! which is calibrated at start and subtracted.
+//!
+//! This module also owns the per-thread GC watchpoints (one debug register per thread, set
+//! before any probe's), since both draw on the same four registers.
+//!
+//! **Sampled method** (everything else): a call is followed across consecutive samples of a
+//! thread whose stack contains the function; its duration is the run's length, so only calls
+//! longer than the sampling interval are seen, and back-to-back calls merge.
+
+use std::collections::{HashMap, HashSet};
+
+use aya::programs::perf_event::PerfEventLinkId;
+
+use crate::bpf::BpfSampler;
+use crate::cpython::objects::CodeInfo;
+use crate::cpython::opcodes;
+use crate::cpython::PythonProcess;
+use crate::record::model::{FunctionCall, ProbeInfo};
+
+use super::Pipeline;
+
+/// Functions probed by default in vLLM processes (`record --vllm`): the calls that proved the
+/// router-replay fix. Names that match nothing cost nothing.
+pub const VLLM_DEFAULT_PROBES: &[&str] = &[
+    "MessageQueue.enqueue",
+    "MessageQueue.dequeue",
+    "Worker.execute_model",
+    "EngineCore.step",
+    "EngineCore.step_with_batch_queue",
+    "put",
+    "_evict_to_fit",
+];
+
+/// A function to probe, as asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeSpec {
+    pub spec: String,
+    file: Option<String>,
+    name: String,
+}
+
+impl ProbeSpec {
+    /// `[FILE:]QUALNAME`. QUALNAME matches a function's qualified name exactly or as a
+    /// dotted suffix (`MessageQueue.enqueue` matches `pkg.<locals>.MessageQueue.enqueue`; a
+    /// bare name matches any function of that name); FILE matches the code's file name
+    /// exactly or as a path suffix (`shm_broadcast.py`, `device_communicators/shm_broadcast.py`).
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        let s = s.trim();
+        let (file, name) = match s.rsplit_once(':') {
+            Some((f, n)) => (Some(f.trim().to_string()), n.trim().to_string()),
+            None => (None, s.to_string()),
+        };
+        anyhow::ensure!(
+            !name.is_empty()
+                && !name.starts_with('.')
+                && !name.ends_with('.')
+                && file.as_ref().is_none_or(|f| !f.is_empty()),
+            "bad probe {s:?}: expected [FILE:]QUALNAME, e.g. MessageQueue.enqueue or shm_broadcast.py:MessageQueue.dequeue"
+        );
+        Ok(ProbeSpec {
+            spec: s.to_string(),
+            file,
+            name,
+        })
+    }
+
+    /// `has_qualname`: false for 3.10 code objects, which carry only the bare name; then the
+    /// spec's last component is compared.
+    pub fn matches(&self, qualname: &str, filename: &str, has_qualname: bool) -> bool {
+        let name_ok = if has_qualname {
+            qualname == self.name
+                || qualname
+                    .strip_suffix(self.name.as_str())
+                    .is_some_and(|head| head.ends_with('.'))
+        } else {
+            self.name.rsplit('.').next() == Some(qualname)
+        };
+        let file_ok = match &self.file {
+            None => true,
+            Some(f) => {
+                filename == f
+                    || filename
+                        .strip_suffix(f.as_str())
+                        .is_some_and(|head| head.ends_with('/'))
+            }
+        };
+        name_ok && file_ok
+    }
+}
+
+/// Where the breakpoints of one exactly probed code object go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExactPlan {
+    pub entry: u64,
+    pub returns: Vec<u64>,
+}
+
+/// Largest bytecode we walk, in bytes.
+const MAX_CODE_BYTES: u64 = 1 << 20;
+/// Most return instructions an exactly probed function may have (each needs a debug register
+/// in every thread; x86 has 4).
+const MAX_RETURN_SITES: usize = 3;
+
+/// Plan exact probing of the code object at `code`, or say why it cannot be done.
+pub fn plan_exact(proc: &PythonProcess, code: u64) -> Result<ExactPlan, String> {
+    let minor = proc.version.minor;
+    if minor < 11 {
+        return Err(format!(
+            "Python 3.{minor}: exact probes need 3.11+ (adaptive bytecode)"
+        ));
+    }
+    let o = &proc.offsets;
+    let adaptive = o
+        .code_code_adaptive
+        .ok_or("no co_code_adaptive offset for this interpreter")?;
+    // PyCodeObject is a PyVarObject whose ob_size counts 2-byte code units.
+    let units = proc
+        .mem
+        .read_u64(code + 16)
+        .map_err(|e| format!("reading the code object's size: {e}"))?;
+    let bytes = units.saturating_mul(2);
+    if bytes == 0 || bytes > MAX_CODE_BYTES {
+        return Err(format!("implausible bytecode size {bytes}"));
+    }
+    let mut buf = vec![0u8; bytes as usize];
+    proc.mem
+        .read(code + adaptive, &mut buf)
+        .map_err(|e| format!("reading the bytecode: {e}"))?;
+    let sites = opcodes::return_sites(minor, &buf).map_err(|e| e.to_string())?;
+    if sites.is_empty() {
+        return Err("no return instruction (the function always raises?)".into());
+    }
+    if sites.len() > MAX_RETURN_SITES {
+        return Err(format!(
+            "{} return instructions; exact probes take at most {MAX_RETURN_SITES} (one debug register each)",
+            sites.len()
+        ));
+    }
+    let base = code + adaptive;
+    Ok(ExactPlan {
+        entry: base,
+        returns: sites.into_iter().map(|s| base + s as u64).collect(),
+    })
+}
+
+struct Active {
+    info: ProbeInfo,
+    /// Code object address.
+    code: u64,
+    plan: Option<ExactPlan>,
+    /// tid → breakpoints set on it.
+    links: HashMap<i32, Vec<PerfEventLinkId>>,
+    /// Threads where setting them failed (not retried).
+    failed: HashSet<i32>,
+}
+
+/// Probe state of one recording.
+pub struct Probes {
+    specs: Vec<ProbeSpec>,
+    active: Vec<Active>,
+    /// (pid, code address) already considered.
+    seen: HashSet<(i32, u64)>,
+    /// (pid, breakpoint address) → (probe index, is the entry).
+    by_addr: HashMap<(i32, u64), (usize, bool)>,
+    /// (tid, caller frame address) → (probe index, entry time).
+    open: HashMap<(i32, u64), (usize, u64)>,
+    /// (tid, probe index) → (first, last) sample time of the current sampled run.
+    runs: HashMap<(i32, usize), (u64, u64)>,
+    /// Cost of one breakpoint trap, subtracted from exact durations.
+    pub trap_ns: u64,
+    period_ns: u64,
+    quiet: bool,
+    pub calls: u64,
+    /// Exact entries closed without a return (left by an exception, or attached mid-call).
+    pub unfinished: u64,
+    /// Return hits with no entry (the call began before the probe attached).
+    pub unmatched_returns: u64,
+    /// Threads a probe could not be set on (no free debug register).
+    pub attach_failures: u64,
+    /// Threads a probe was set on after its first.
+    pub thread_attaches: u64,
+    /// pid → `gcstate->collecting` address, for processes whose GC is watched.
+    gc_addr: HashMap<i32, u64>,
+    /// tid → its GC watchpoint.
+    gc_links: HashMap<i32, PerfEventLinkId>,
+    pub gc_attach_failures: u64,
+}
+
+impl Probes {
+    pub fn new(specs: Vec<ProbeSpec>, period_ns: u64, quiet: bool) -> Self {
+        Probes {
+            specs,
+            active: Vec::new(),
+            seen: HashSet::new(),
+            by_addr: HashMap::new(),
+            open: HashMap::new(),
+            runs: HashMap::new(),
+            trap_ns: 0,
+            period_ns: period_ns.max(1),
+            quiet,
+            calls: 0,
+            unfinished: 0,
+            unmatched_returns: 0,
+            attach_failures: 0,
+            thread_attaches: 0,
+            gc_addr: HashMap::new(),
+            gc_links: HashMap::new(),
+            gc_attach_failures: 0,
+        }
+    }
+
+    /// Watch `gcstate->collecting` at `addr` in every thread of `pid` (and in threads that
+    /// appear later). Fails, setting nothing, when the first thread refuses.
+    pub fn watch_gc(
+        &mut self,
+        b: &mut BpfSampler,
+        pid: i32,
+        addr: u64,
+        tids: &[i32],
+    ) -> anyhow::Result<()> {
+        let mut set = Vec::new();
+        for &tid in tids {
+            match b.watch_gc_thread(tid, addr) {
+                Ok(l) => set.push((tid, l)),
+                Err(e) if set.is_empty() => return Err(e),
+                Err(_) => self.gc_attach_failures += 1,
+            }
+        }
+        self.gc_links.extend(set);
+        self.gc_addr.insert(pid, addr);
+        Ok(())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
+
+    pub fn infos(&self) -> impl Iterator<Item = &ProbeInfo> {
+        self.active.iter().map(|a| &a.info)
+    }
+
+    /// A code object seen for the first time in process `proc`, in a stack of thread `tid`:
+    /// probe it if a spec matches. `b` is the BPF sampler when there is one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn consider(
+        &mut self,
+        b: Option<&mut BpfSampler>,
+        proc: &PythonProcess,
+        tid: i32,
+        code: u64,
+        info: &CodeInfo,
+        now_rel_ns: u64,
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        if self.specs.is_empty() || !self.seen.insert((proc.pid, code)) {
+            return Ok(());
+        }
+        let Some(spec) = self
+            .specs
+            .iter()
+            .find(|s| s.matches(&info.qualname, &info.filename, proc.version.minor >= 11))
+        else {
+            return Ok(());
+        };
+        let id = self.active.len() as u32;
+        let mut why_sampled = String::new();
+        let mut plan = None;
+        let mut links: HashMap<i32, Vec<PerfEventLinkId>> = HashMap::new();
+        match (b, plan_exact(proc, code)) {
+            (None, _) => why_sampled = "no BPF backend".into(),
+            (Some(_), Err(e)) => why_sampled = e,
+            (Some(bpf), Ok(p)) => match attach_all(bpf, tid, &p) {
+                Ok(ls) => {
+                    links.insert(tid, ls);
+                    plan = Some(p);
+                }
+                Err(e) => {
+                    why_sampled = format!(
+                        "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread, exact GC pauses use one, other probes on the same thread the rest)",
+                        1 + p.returns.len()
+                    )
+                }
+            },
+        }
+        let exact = plan.is_some();
+        let probe = ProbeInfo {
+            id,
+            spec: spec.spec.clone(),
+            pid: proc.pid,
+            function: info.qualname.clone(),
+            file: info.filename.clone(),
+            firstlineno: info.firstlineno,
+            method: if exact { "exact" } else { "sampled" }.into(),
+            resolution_ns: if exact { self.trap_ns } else { self.period_ns },
+            t_ns: now_rel_ns,
+        };
+        if !self.quiet {
+            if let Some(p) = &plan {
+                eprintln!(
+                    "enginescope: probe {} -> {} ({}:{}) in process {}: exact, {} breakpoint(s) on each thread that runs it",
+                    spec.spec,
+                    info.qualname,
+                    info.filename,
+                    info.firstlineno,
+                    proc.pid,
+                    1 + p.returns.len()
+                );
+            } else {
+                eprintln!(
+                    "enginescope: probe {} -> {} ({}:{}) in process {}: sampled ({why_sampled})",
+                    spec.spec, info.qualname, info.filename, info.firstlineno, proc.pid
+                );
+            }
+        }
+        pipe.writer.probe(&probe)?;
+        if let Some(p) = &plan {
+            self.by_addr
+                .insert((proc.pid, p.entry), (id as usize, true));
+            for &r in &p.returns {
+                self.by_addr.insert((proc.pid, r), (id as usize, false));
+            }
+        }
+        self.active.push(Active {
+            info: probe,
+            code,
+            plan,
+            links,
+            failed: HashSet::new(),
+        });
+        Ok(())
+    }
+
+    /// A stack of thread `tid` of `pid` (raw code object addresses): set an exact probe's
+    /// breakpoints on this thread if the probed function is in it and they are not yet set.
+    pub fn observe(&mut self, b: &mut BpfSampler, pid: i32, tid: i32, codes: &[u64]) {
+        for a in self.active.iter_mut() {
+            let Some(p) = &a.plan else { continue };
+            if a.info.pid != pid
+                || a.links.contains_key(&tid)
+                || a.failed.contains(&tid)
+                || !codes.contains(&a.code)
+            {
+                continue;
+            }
+            match attach_all(b, tid, p) {
+                Ok(ls) => {
+                    a.links.insert(tid, ls);
+                    self.thread_attaches += 1;
+                }
+                Err(_) => {
+                    a.failed.insert(tid);
+                    self.attach_failures += 1;
+                }
+            }
+        }
+    }
+
+    /// Whether `observe` would try to set breakpoints for this stack.
+    pub fn needs_attach(&self, pid: i32, tid: i32, codes: &[u64]) -> bool {
+        self.active.iter().any(|a| {
+            a.plan.is_some()
+                && a.info.pid == pid
+                && !a.links.contains_key(&tid)
+                && !a.failed.contains(&tid)
+                && codes.contains(&a.code)
+        })
+    }
+
+    /// Whether any exact probe is active in `pid` (stacks must be passed to `observe`).
+    pub fn wants_stacks(&self, pid: i32) -> bool {
+        self.active
+            .iter()
+            .any(|a| a.plan.is_some() && a.info.pid == pid)
+    }
+
+    /// A thread of `pid` appeared: watch its GC state.
+    pub fn thread_added(&mut self, b: &mut BpfSampler, pid: i32, tid: i32) {
+        if let Some(&addr) = self.gc_addr.get(&pid) {
+            if let std::collections::hash_map::Entry::Vacant(e) = self.gc_links.entry(tid) {
+                match b.watch_gc_thread(tid, addr) {
+                    Ok(l) => {
+                        e.insert(l);
+                    }
+                    Err(_) => self.gc_attach_failures += 1,
+                }
+            }
+        }
+    }
+
+    /// A thread exited: drop its breakpoints and its open calls.
+    pub fn thread_gone(&mut self, b: &mut BpfSampler, tid: i32) {
+        if let Some(l) = self.gc_links.remove(&tid) {
+            b.unwatch_gc_thread(l);
+        }
+        for a in self.active.iter_mut() {
+            if let Some(ls) = a.links.remove(&tid) {
+                for l in ls {
+                    b.unwatch_code_unit(l);
+                }
+            }
+        }
+        let before = self.open.len();
+        self.open.retain(|(t, _), _| *t != tid);
+        self.unfinished += (before - self.open.len()) as u64;
+    }
+
+    /// A breakpoint hit (BPF PROBE_HIT): `t_ns` absolute monotonic time. Entry and return are
+    /// paired by thread and the call's caller frame: at a return the current frame is the
+    /// call's own, so the caller is its `previous`; at the entry the current frame is the
+    /// call's own when it runs the probed code (3.11–3.13, 3.15) and still the caller's when
+    /// not (3.14 reads the first instruction before it publishes the new frame).
+    pub fn hit(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        addr: u64,
+        f: crate::bpf::abi::ProbeFrame,
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        let Some(&(probe, is_entry)) = self.by_addr.get(&(pid, addr)) else {
+            return Ok(());
+        };
+        let code = self.active[probe].code;
+        let caller = if f.code == code { f.previous } else { f.frame };
+        if is_entry {
+            // The same caller frame again means the previous call from there ended without a
+            // return instruction (an exception).
+            if self.open.insert((tid, caller), (probe, t_ns)).is_some() {
+                self.unfinished += 1;
+            }
+            return Ok(());
+        }
+        match self.open.remove(&(tid, caller)) {
+            Some((p, start)) if p == probe => {
+                let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
+                self.calls += 1;
+                pipe.writer.call(&FunctionCall {
+                    probe: probe as u32,
+                    pid,
+                    tid,
+                    start_ns: start.saturating_sub(pipe.start_ns),
+                    dur_ns: dur,
+                })?;
+            }
+            Some(other) => {
+                // Another probed function called from the same frame: keep it open.
+                self.open.insert((tid, caller), other);
+                self.unmatched_returns += 1;
+            }
+            None => self.unmatched_returns += 1,
+        }
+        Ok(())
+    }
+
+    /// A resolved on-CPU sample (times absolute): follows sampled probes' calls.
+    pub fn sample(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        functions: &[(&str, &str)],
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        for i in 0..self.active.len() {
+            let a = &self.active[i];
+            if a.plan.is_some() || a.info.pid != pid {
+                continue;
+            }
+            let inside = functions
+                .iter()
+                .any(|(f, file)| *f == a.info.function && *file == a.info.file);
+            let key = (tid, i);
+            let run = self.runs.get(&key).copied();
+            match (inside, run) {
+                (true, Some((first, last))) if t_ns.saturating_sub(last) <= 2 * self.period_ns => {
+                    self.runs.insert(key, (first, t_ns));
+                }
+                (true, run) => {
+                    if let Some(r) = run {
+                        self.emit_run(i, pid, tid, r, pipe)?;
+                    }
+                    self.runs.insert(key, (t_ns, t_ns));
+                }
+                (false, Some(r)) => {
+                    self.runs.remove(&key);
+                    self.emit_run(i, pid, tid, r, pipe)?;
+                }
+                (false, None) => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn emit_run(
+        &mut self,
+        probe: usize,
+        pid: i32,
+        tid: i32,
+        (first, last): (u64, u64),
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        self.calls += 1;
+        pipe.writer.call(&FunctionCall {
+            probe: probe as u32,
+            pid,
+            tid,
+            start_ns: first
+                .saturating_sub(self.period_ns / 2)
+                .saturating_sub(pipe.start_ns),
+            dur_ns: last - first + self.period_ns,
+        })
+    }
+
+    /// Whether any probe uses the sampled method in `pid` (samples must be passed on).
+    pub fn wants_samples(&self, pid: i32) -> bool {
+        self.active
+            .iter()
+            .any(|a| a.plan.is_none() && a.info.pid == pid)
+    }
+
+    /// Remove every breakpoint and close sampled runs.
+    pub fn close(&mut self, b: Option<&mut BpfSampler>, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        if let Some(b) = b {
+            for (_, l) in self.gc_links.drain() {
+                b.unwatch_gc_thread(l);
+            }
+            for a in self.active.iter_mut() {
+                for (_, ls) in a.links.drain() {
+                    for l in ls {
+                        b.unwatch_code_unit(l);
+                    }
+                }
+            }
+        }
+        let runs: Vec<_> = self.runs.drain().collect();
+        for ((tid, i), r) in runs {
+            let pid = self.active[i].info.pid;
+            self.emit_run(i, pid, tid, r, pipe)?;
+        }
+        self.unfinished += self.open.len() as u64;
+        self.open.clear();
+        Ok(())
+    }
+}
+
+/// Set the entry and return breakpoints of `p` on thread `tid`: all of them or none.
+fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec<PerfEventLinkId>> {
+    let mut ls = Vec::new();
+    for &addr in std::iter::once(&p.entry).chain(&p.returns) {
+        match b.watch_code_unit(tid, addr) {
+            Ok(l) => ls.push(l),
+            Err(e) => {
+                for l in ls {
+                    b.unwatch_code_unit(l);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(ls)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spec_matching() {
+        let p = ProbeSpec::parse("MessageQueue.enqueue").unwrap();
+        assert!(p.matches("MessageQueue.enqueue", "/x/shm_broadcast.py", true));
+        assert!(p.matches("f.<locals>.MessageQueue.enqueue", "a.py", true));
+        assert!(!p.matches("OtherMessageQueue.enqueue", "a.py", true));
+        assert!(!p.matches("MessageQueue.enqueue_many", "a.py", true));
+        let p = ProbeSpec::parse("shm_broadcast.py:MessageQueue.dequeue").unwrap();
+        assert!(p.matches(
+            "MessageQueue.dequeue",
+            "/v/device_communicators/shm_broadcast.py",
+            true
+        ));
+        assert!(p.matches("MessageQueue.dequeue", "shm_broadcast.py", true));
+        assert!(!p.matches("MessageQueue.dequeue", "/v/not_shm_broadcast.py", true));
+        let p = ProbeSpec::parse("execute_model").unwrap();
+        assert!(p.matches("Worker.execute_model", "w.py", true));
+        assert!(p.matches("execute_model", "w.py", true));
+        let p = ProbeSpec::parse("MessageQueue.enqueue").unwrap();
+        assert!(p.matches("enqueue", "a.py", false));
+        for bad in ["", ":f", "f.", ".f", "x.py:"] {
+            assert!(ProbeSpec::parse(bad).is_err(), "{bad}");
+        }
+    }
+}
