@@ -112,6 +112,7 @@ fn run_in(
         gc: true,
         quiet: false,
         probes: Vec::new(),
+        probe_max_rate: 2000,
     })?;
     drop(child);
     println!(

@@ -69,6 +69,10 @@ enum Cmd {
         /// sampled otherwise; the recording says which.
         #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
         probes: Vec<String>,
+        /// An exactly probed function called more often than this (per second) switches to
+        /// the sampled method: each exact call costs two debug traps (~30 µs here). 0 = never.
+        #[arg(long, default_value_t = 2000)]
+        probe_max_rate: u64,
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
@@ -204,6 +208,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_gil,
             no_gc,
             probes,
+            probe_max_rate,
             json,
         } => {
             let opts = enginescope::sampler::RecordOptions {
@@ -217,6 +222,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 gc: !no_gc,
                 quiet: false,
                 probes,
+                probe_max_rate,
             };
             let s = enginescope::sampler::record(&opts)?;
             if json {
@@ -232,6 +238,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     s.bytes as f64 / s.samples.max(1) as f64,
                     s.lost
                 );
+                if let Some(calls) = s.counters.get("probe_calls") {
+                    eprintln!(
+                        "enginescope: {calls} probed calls timed ({} unfinished, {} probe(s) switched to sampling)",
+                        s.counters.get("probe_calls_unfinished").copied().unwrap_or(0),
+                        s.counters.get("probes_switched_to_sampling").copied().unwrap_or(0)
+                    );
+                }
             }
         }
         Cmd::Demo {

@@ -46,6 +46,8 @@ pub struct RecordOptions {
     pub quiet: bool,
     /// `record --probe` specs (`[FILE:]QUALNAME`).
     pub probes: Vec<String>,
+    /// Calls per second above which an exact probe switches to sampling (0: never).
+    pub probe_max_rate: u64,
 }
 
 /// What a finished recording contains, for the closing line and tests.
@@ -538,6 +540,7 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         counters.insert("probe_unmatched_returns".into(), probes.unmatched_returns);
         counters.insert("probe_attach_failures".into(), probes.attach_failures);
         counters.insert("probe_thread_attaches".into(), probes.thread_attaches);
+        counters.insert("probes_switched_to_sampling".into(), probes.demoted);
     }
     pipe.writer.counters(&counters)?;
     let reason = match &result {
@@ -684,6 +687,9 @@ fn run_bpf(
         std::thread::sleep(poll);
         drain_events(b, targets, &index, pipe, probes)?;
         consider_new_code(b, targets, pipe, probes)?;
+        if opts.probe_max_rate > 0 {
+            probes.enforce_rate(b, monotonic_ns(), opts.probe_max_rate, pipe)?;
+        }
         if last_threads.elapsed() >= Duration::from_millis(100) {
             last_threads = Instant::now();
             sync_threads(b, targets, pipe, probes)?;

@@ -175,6 +175,11 @@ struct Active {
     links: HashMap<i32, Vec<PerfEventLinkId>>,
     /// Threads where setting them failed (not retried).
     failed: HashSet<i32>,
+    /// Replaced by a sampled probe (too many calls for breakpoints): takes no more calls.
+    retired: bool,
+    /// Entries since `window_start_ns` (exact probes' rate check).
+    window_calls: u64,
+    window_start_ns: u64,
 }
 
 /// Probe state of one recording.
@@ -202,6 +207,8 @@ pub struct Probes {
     pub attach_failures: u64,
     /// Threads a probe was set on after its first.
     pub thread_attaches: u64,
+    /// Exact probes switched to sampling for their call rate.
+    pub demoted: u64,
     /// pid → `gcstate->collecting` address, for processes whose GC is watched.
     gc_addr: HashMap<i32, u64>,
     /// tid → its GC watchpoint.
@@ -226,6 +233,7 @@ impl Probes {
             unmatched_returns: 0,
             attach_failures: 0,
             thread_attaches: 0,
+            demoted: 0,
             gc_addr: HashMap::new(),
             gc_links: HashMap::new(),
             gc_attach_failures: 0,
@@ -349,7 +357,82 @@ impl Probes {
             plan,
             links,
             failed: HashSet::new(),
+            retired: false,
+            window_calls: 0,
+            window_start_ns: 0,
         });
+        Ok(())
+    }
+
+    /// Every exact probe whose calls in the last second exceed `max_per_s` (each call costs two
+    /// debug traps, ~30 µs here) is switched to the sampled method: its breakpoints are removed
+    /// and a new sampled probe on the same function takes its later calls. `now_ns` absolute.
+    pub fn enforce_rate(
+        &mut self,
+        b: &mut BpfSampler,
+        now_ns: u64,
+        max_per_s: u64,
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        let mut demote = Vec::new();
+        for (i, a) in self.active.iter_mut().enumerate() {
+            if a.plan.is_none() || a.retired {
+                continue;
+            }
+            if a.window_start_ns == 0 {
+                a.window_start_ns = now_ns;
+                continue;
+            }
+            let dt = now_ns.saturating_sub(a.window_start_ns);
+            if dt < 1_000_000_000 {
+                continue;
+            }
+            let rate = a.window_calls * 1_000_000_000 / dt.max(1);
+            a.window_calls = 0;
+            a.window_start_ns = now_ns;
+            if rate > max_per_s {
+                demote.push((i, rate));
+            }
+        }
+        for (i, rate) in demote {
+            let a = &mut self.active[i];
+            a.retired = true;
+            for (_, ls) in a.links.drain() {
+                for l in ls {
+                    b.unwatch_code_unit(l);
+                }
+            }
+            let pid = a.info.pid;
+            self.by_addr
+                .retain(|&(p, _), &mut (idx, _)| !(p == pid && idx == i));
+            let before = self.open.len();
+            self.open.retain(|_, &mut (idx, _)| idx != i);
+            self.unfinished += (before - self.open.len()) as u64;
+            let mut info = self.active[i].info.clone();
+            info.id = self.active.len() as u32;
+            info.method = "sampled".into();
+            info.resolution_ns = self.period_ns;
+            info.t_ns = now_ns.saturating_sub(pipe.start_ns);
+            if !self.quiet {
+                eprintln!(
+                    "enginescope: probe {} in process {}: {rate} calls/s is more than --probe-max-rate {max_per_s} for breakpoints; sampled from now on",
+                    info.function, info.pid
+                );
+            }
+            pipe.writer.probe(&info)?;
+            let code = self.active[i].code;
+            self.active.push(Active {
+                info,
+                code,
+                plan: None,
+                links: HashMap::new(),
+                failed: HashSet::new(),
+                retired: false,
+                window_calls: 0,
+                window_start_ns: 0,
+            });
+            self.demoted += 1;
+        }
         Ok(())
     }
 
@@ -358,7 +441,8 @@ impl Probes {
     pub fn observe(&mut self, b: &mut BpfSampler, pid: i32, tid: i32, codes: &[u64]) {
         for a in self.active.iter_mut() {
             let Some(p) = &a.plan else { continue };
-            if a.info.pid != pid
+            if a.retired
+                || a.info.pid != pid
                 || a.links.contains_key(&tid)
                 || a.failed.contains(&tid)
                 || !codes.contains(&a.code)
@@ -382,6 +466,7 @@ impl Probes {
     pub fn needs_attach(&self, pid: i32, tid: i32, codes: &[u64]) -> bool {
         self.active.iter().any(|a| {
             a.plan.is_some()
+                && !a.retired
                 && a.info.pid == pid
                 && !a.links.contains_key(&tid)
                 && !a.failed.contains(&tid)
@@ -393,7 +478,7 @@ impl Probes {
     pub fn wants_stacks(&self, pid: i32) -> bool {
         self.active
             .iter()
-            .any(|a| a.plan.is_some() && a.info.pid == pid)
+            .any(|a| a.plan.is_some() && !a.retired && a.info.pid == pid)
     }
 
     /// A thread of `pid` appeared: watch its GC state.
@@ -447,6 +532,7 @@ impl Probes {
         let code = self.active[probe].code;
         let caller = if f.code == code { f.previous } else { f.frame };
         if is_entry {
+            self.active[probe].window_calls += 1;
             // The same caller frame again means the previous call from there ended without a
             // return instruction (an exception).
             if self.open.insert((tid, caller), (probe, t_ns)).is_some() {
@@ -487,7 +573,7 @@ impl Probes {
     ) -> anyhow::Result<()> {
         for i in 0..self.active.len() {
             let a = &self.active[i];
-            if a.plan.is_some() || a.info.pid != pid {
+            if a.plan.is_some() || a.retired || a.info.pid != pid {
                 continue;
             }
             let inside = functions
@@ -539,7 +625,7 @@ impl Probes {
     pub fn wants_samples(&self, pid: i32) -> bool {
         self.active
             .iter()
-            .any(|a| a.plan.is_none() && a.info.pid == pid)
+            .any(|a| a.plan.is_none() && !a.retired && a.info.pid == pid)
     }
 
     /// Remove every breakpoint and close sampled runs.
