@@ -16,4 +16,5 @@
 //! `vllm:num_requests_waiting` (gauges); `vllm:time_to_first_token_seconds`,
 //! `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds` (histograms).
 
+pub mod discover;
 pub mod prom_text;
