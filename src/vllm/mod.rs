@@ -17,4 +17,5 @@
 //! `vllm:inter_token_latency_seconds`, `vllm:e2e_request_latency_seconds` (histograms).
 
 pub mod discover;
+pub mod metrics;
 pub mod prom_text;
