@@ -19,3 +19,4 @@
 pub mod discover;
 pub mod metrics;
 pub mod prom_text;
+pub mod summary;
