@@ -20,3 +20,4 @@ pub mod discover;
 pub mod metrics;
 pub mod prom_text;
 pub mod summary;
+pub mod tree;
