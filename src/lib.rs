@@ -12,3 +12,4 @@ pub mod procinfo;
 pub mod record;
 pub mod sampler;
 pub mod views;
+pub mod vllm;

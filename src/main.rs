@@ -130,6 +130,14 @@ enum Cmd {
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
     },
+    /// Find the vLLM engines on this host: API server, engine cores, workers, metrics URL.
+    Discover {
+        #[arg(long)]
+        json: bool,
+        /// Metrics URL to use instead of the one found (or of an engine on another host).
+        #[arg(long, value_name = "URL")]
+        metrics_url: Option<String>,
+    },
 }
 
 /// One place that turns failures into advice.
@@ -291,6 +299,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let bytes = enginescope::views::report(&rec, &sel, format)?;
             let out = output.unwrap_or_else(|| "-".into());
             enginescope::views::write_output(&out, &bytes)?;
+        }
+        Cmd::Discover { json, metrics_url } => {
+            print!(
+                "{}",
+                enginescope::vllm::tree::run(json, metrics_url.as_deref())?
+            );
         }
     }
     Ok(())

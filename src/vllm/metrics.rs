@@ -1,0 +1,620 @@
+//! Scraping an engine's Prometheus `/metrics`.
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! use enginescope::vllm::{discover::discover_engines, metrics::{Scraper, ScrapeEvent}};
+//! let d = discover_engines(None)?;
+//! let start = enginescope::sampler::monotonic_ns(); // the recording's Meta::start_mono_ns
+//! let (scraper, events) = Scraper::spawn(d.engines.clone(), std::time::Duration::from_secs(1), start)?;
+//! for ev in events.try_iter() {
+//!     match ev {
+//!         ScrapeEvent::Series(s) => { /* writer.series(&s) — always before its points */ }
+//!         ScrapeEvent::Points(ps) => { /* for p in &ps { writer.metric(p) } */ }
+//!         ScrapeEvent::Error(e) => { /* writer.scrape_error(&e) */ }
+//!     }
+//! }
+//! scraper.set_engines(d.engines.clone()); // after a rediscovery changed them
+//! scraper.stop(); // returns within one HTTP timeout (≤ 2 s)
+//! # Ok(()) }
+//! ```
+//!
+//! What is kept: every sample named `vllm:*` except prometheus_client's `*_created`
+//! timestamps, at most [`MAX_SERIES_PER_ENGINE`] series per engine (new series past that are
+//! dropped and reported once as a [`ScrapeError`]). Series ids are assigned in order of first
+//! appearance, from 0, and never change while the scraper runs, so they index
+//! `Recording::series` when this scraper is the only writer of series.
+//!
+//! Every point of one scrape carries the same `t_ns` (when its response arrived), which
+//! [`super::summary`] relies on to group a scrape's points.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::prom_text::{self, Exposition};
+use crate::record::{EngineInfo, MetricPoint, MetricSeries, ScrapeError};
+
+/// Series kept per engine; vLLM 0.32 exposes ~330 (idle) to ~400 (with every finish reason
+/// and waiting reason seen) `vllm:` series per DP rank.
+pub const MAX_SERIES_PER_ENGINE: usize = 2000;
+
+/// Largest `/metrics` body read (vLLM's is ~55 KB per DP rank).
+const MAX_BODY_BYTES: u64 = 16 << 20;
+
+/// Samples the scraper keeps.
+pub fn is_kept(name: &str) -> bool {
+    name.starts_with("vllm:") && !name.ends_with("_created")
+}
+
+/// An HTTP agent for scraping: plain HTTP, `timeout` for the whole request.
+fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .timeout_global(Some(timeout))
+        .http_status_as_error(false)
+        .user_agent(concat!("enginescope/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .into()
+}
+
+/// GET `url`, returning the body of a 200 response or an error that says what failed.
+fn get_text(agent: &ureq::Agent, url: &str) -> Result<String, String> {
+    if url.starts_with("https://") {
+        return Err(format!(
+            "{url}: https is not supported (enginescope is built without TLS); \
+             scrape the engine's plain-HTTP port or put a local proxy in front"
+        ));
+    }
+    let mut resp = agent.get(url).call().map_err(|e| match e {
+        ureq::Error::Timeout(_) => format!("GET {url}: timed out; is the engine overloaded or the URL wrong?"),
+        ureq::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+            format!("GET {url}: connection refused; is the engine running and listening there? (--metrics-url to choose)")
+        }
+        e => format!("GET {url}: {e}"),
+    })?;
+    let status = resp.status();
+    if status != 200 {
+        return Err(format!(
+            "GET {url}: HTTP {status}; the server answers but not with metrics (wrong port or path?)"
+        ));
+    }
+    resp.body_mut()
+        .with_config()
+        .limit(MAX_BODY_BYTES)
+        .read_to_string()
+        .map_err(|e| format!("GET {url}: reading the body: {e}"))
+}
+
+/// Fetch and parse one `/metrics`, keeping the `vllm:` samples.
+pub fn fetch(url: &str, timeout: Duration) -> Result<Exposition, String> {
+    let text = get_text(&agent(timeout), url)?;
+    Ok(prom_text::parse(&text, is_kept))
+}
+
+/// Result of checking that a URL serves vLLM metrics (for `discover`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LiveCheck {
+    pub url: String,
+    pub ok: bool,
+    /// `vllm:` series in the answer.
+    pub vllm_series: usize,
+    /// Distinct `vllm:` sample names.
+    pub vllm_names: usize,
+    /// Of the names enginescope's summaries use, those absent.
+    pub missing: Vec<String>,
+    pub error: String,
+}
+
+/// Sample names the summaries read.
+pub const RELIED_ON: [&str; 10] = [
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+];
+
+/// Check that `url` answers with `vllm:` metrics.
+pub fn check(url: &str, timeout: Duration) -> LiveCheck {
+    let mut c = LiveCheck {
+        url: url.to_string(),
+        ..Default::default()
+    };
+    if url.is_empty() {
+        c.error = "no metrics URL (an offline LLM(...) engine serves none)".into();
+        return c;
+    }
+    match fetch(url, timeout) {
+        Err(e) => c.error = e,
+        Ok(exp) => {
+            c.vllm_series = exp.samples.len();
+            let names: std::collections::BTreeSet<&str> =
+                exp.samples.iter().map(|s| s.name.as_str()).collect();
+            c.vllm_names = names.len();
+            c.missing = RELIED_ON
+                .iter()
+                .filter(|n| !names.contains(*n))
+                .map(|n| n.to_string())
+                .collect();
+            c.ok = c.vllm_series > 0;
+            if !c.ok {
+                c.error = format!(
+                    "{url} answers, but with no vllm: metrics (another server on that port?)"
+                );
+            }
+        }
+    }
+    c
+}
+
+/// What the scraper sends.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ScrapeEvent {
+    /// A series seen for the first time; always sent before any point that refers to it.
+    Series(MetricSeries),
+    /// One scrape of one engine: a point per kept series, all with the same `t_ns`.
+    Points(Vec<MetricPoint>),
+    /// A failed scrape (or a note such as the series limit); never fatal.
+    Error(ScrapeError),
+}
+
+/// Series ids: stable per (engine, name, labels), bounded per engine.
+#[derive(Default)]
+struct SeriesTable {
+    ids: HashMap<(String, String, BTreeMap<String, String>), u32>,
+    per_engine: HashMap<String, usize>,
+    limit_reported: std::collections::HashSet<String>,
+    next: u32,
+}
+
+impl SeriesTable {
+    /// Points (and new series) for one engine's scrape.
+    fn ingest(&mut self, engine: &str, url: &str, exp: Exposition, t_ns: u64) -> Vec<ScrapeEvent> {
+        let mut events = Vec::new();
+        let mut points = Vec::with_capacity(exp.samples.len());
+        let mut dropped = 0usize;
+        for s in exp.samples {
+            let key = (engine.to_string(), s.name, s.labels);
+            let id = match self.ids.get(&key) {
+                Some(id) => *id,
+                None => {
+                    let n = self.per_engine.entry(engine.to_string()).or_default();
+                    if *n >= MAX_SERIES_PER_ENGINE {
+                        dropped += 1;
+                        continue;
+                    }
+                    *n += 1;
+                    let id = self.next;
+                    self.next += 1;
+                    events.push(ScrapeEvent::Series(MetricSeries {
+                        id,
+                        engine: engine.to_string(),
+                        name: key.1.clone(),
+                        labels: key.2.clone(),
+                        kind: s.kind.as_str().to_string(),
+                    }));
+                    self.ids.insert(key, id);
+                    id
+                }
+            };
+            points.push(MetricPoint {
+                t_ns,
+                series: id,
+                value: s.value,
+            });
+        }
+        if dropped > 0 && self.limit_reported.insert(engine.to_string()) {
+            events.push(ScrapeEvent::Error(ScrapeError {
+                t_ns,
+                engine: engine.to_string(),
+                url: url.to_string(),
+                error: format!(
+                    "more than {MAX_SERIES_PER_ENGINE} vllm: series; {dropped} new series dropped \
+                     (this note is given once per engine)"
+                ),
+            }));
+        }
+        if exp.bad_lines > 0 {
+            events.push(ScrapeEvent::Error(ScrapeError {
+                t_ns,
+                engine: engine.to_string(),
+                url: url.to_string(),
+                error: format!(
+                    "{} unparsable vllm: lines skipped: {}",
+                    exp.bad_lines,
+                    exp.errors.join("; ")
+                ),
+            }));
+        }
+        if !points.is_empty() {
+            events.push(ScrapeEvent::Points(points));
+        }
+        events
+    }
+}
+
+enum Control {
+    Stop,
+    SetEngines(Vec<EngineInfo>),
+}
+
+/// A thread scraping every engine's metrics each interval. Dropping it stops it too.
+pub struct Scraper {
+    ctl: Sender<Control>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The per-request timeout for an interval: most of it, within 0.1–2 s.
+pub fn request_timeout(interval: Duration) -> Duration {
+    interval
+        .mul_f64(0.8)
+        .clamp(Duration::from_millis(100), Duration::from_secs(2))
+}
+
+impl Scraper {
+    /// Start scraping `engines` (those with a `metrics_url`) every `interval`; times are ns
+    /// since `start_mono_ns` (`CLOCK_MONOTONIC`, as `sampler::monotonic_ns`). The first scrape
+    /// happens at once.
+    pub fn spawn(
+        engines: Vec<EngineInfo>,
+        interval: Duration,
+        start_mono_ns: u64,
+    ) -> anyhow::Result<(Scraper, Receiver<ScrapeEvent>)> {
+        anyhow::ensure!(
+            interval >= Duration::from_millis(10),
+            "scrape interval {interval:?} is too short (at least 10 ms)"
+        );
+        let (tx, rx) = mpsc::channel();
+        let (ctl, ctl_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("es-scraper".into())
+            .spawn(move || scrape_loop(engines, interval, start_mono_ns, &tx, &ctl_rx))
+            .map_err(|e| anyhow::anyhow!("starting the metrics scraper thread: {e}"))?;
+        Ok((
+            Scraper {
+                ctl,
+                thread: Some(thread),
+            },
+            rx,
+        ))
+    }
+
+    /// Replace the engines scraped (after a rediscovery); series ids stay.
+    pub fn set_engines(&self, engines: Vec<EngineInfo>) {
+        // A stopped thread has nothing to update.
+        let _ = self.ctl.send(Control::SetEngines(engines));
+    }
+
+    /// Stop and wait for the thread (at most one HTTP timeout).
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let _ = self.ctl.send(Control::Stop);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::error!("the metrics scraper thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Scraper {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn since(start_mono_ns: u64) -> u64 {
+    crate::sampler::monotonic_ns().saturating_sub(start_mono_ns)
+}
+
+fn scrape_loop(
+    mut engines: Vec<EngineInfo>,
+    interval: Duration,
+    start_mono_ns: u64,
+    tx: &Sender<ScrapeEvent>,
+    ctl: &Receiver<Control>,
+) {
+    let timeout = request_timeout(interval);
+    let agent = agent(timeout);
+    let mut table = SeriesTable::default();
+    let mut next_tick = Instant::now();
+    loop {
+        for idx in 0..engines.len() {
+            // Stop between engines, so a shutdown waits for one request at most.
+            match ctl.try_recv() {
+                Ok(Control::Stop) | Err(mpsc::TryRecvError::Disconnected) => return,
+                Ok(Control::SetEngines(new)) => {
+                    engines = new;
+                    break;
+                }
+                Err(mpsc::TryRecvError::Empty) => {}
+            }
+            let Some(e) = engines.get(idx) else { break };
+            if e.metrics_url.is_empty() {
+                continue;
+            }
+            let events = match get_text(&agent, &e.metrics_url) {
+                Ok(text) => {
+                    let t_ns = since(start_mono_ns);
+                    table.ingest(
+                        &e.id,
+                        &e.metrics_url,
+                        prom_text::parse(&text, is_kept),
+                        t_ns,
+                    )
+                }
+                Err(error) => vec![ScrapeEvent::Error(ScrapeError {
+                    t_ns: since(start_mono_ns),
+                    engine: e.id.clone(),
+                    url: e.metrics_url.clone(),
+                    error,
+                })],
+            };
+            for ev in events {
+                if tx.send(ev).is_err() {
+                    return; // nobody listens any more
+                }
+            }
+        }
+        // Fixed rate; ticks missed while a slow scrape ran are skipped, not caught up.
+        next_tick += interval;
+        let now = Instant::now();
+        if next_tick < now {
+            let behind = (now - next_tick).as_nanos() / interval.as_nanos().max(1);
+            next_tick += interval * (behind as u32 + 1);
+        }
+        // Wait for the tick, handling control messages; bounded by the deadline.
+        loop {
+            let left = next_tick.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            match ctl.recv_timeout(left) {
+                Ok(Control::Stop) | Err(RecvTimeoutError::Disconnected) => return,
+                Ok(Control::SetEngines(new)) => engines = new,
+                Err(RecvTimeoutError::Timeout) => break,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
+    const SAMPLE: &str = include_str!("testdata/metrics-sample.txt");
+
+    /// A one-thread HTTP server answering each GET with the next body from `bodies`
+    /// (the last repeats), and counting requests. Stops when `bodies` is exhausted + 100.
+    fn serve(bodies: Vec<(u16, String)>) -> (String, std::thread::JoinHandle<()>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/metrics", l.local_addr().unwrap());
+        let h = std::thread::spawn(move || {
+            let n = bodies.len();
+            for i in 0..n + 100 {
+                let Ok((mut s, _)) = l.accept() else { return };
+                let mut buf = [0u8; 4096];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => got.extend_from_slice(&buf[..k]),
+                    }
+                }
+                if got.starts_with(b"GET /stop") {
+                    return;
+                }
+                let (status, body) = &bodies[i.min(n - 1)];
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 {status} X\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        (url, h)
+    }
+
+    fn engine(id: &str, url: &str) -> EngineInfo {
+        EngineInfo {
+            id: id.into(),
+            metrics_url: url.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn fetch_and_check_against_a_local_server() {
+        let (url, h) = serve(vec![
+            (200, SAMPLE.to_string()),
+            (404, "nope".into()),
+            (200, "other_metric 1\n".into()),
+        ]);
+        let c = check(&url, Duration::from_secs(5));
+        assert!(c.ok, "{c:?}");
+        // 374 vllm: samples less 44 _created ones.
+        assert_eq!(c.vllm_series, 330);
+        assert!(c.missing.is_empty(), "{:?}", c.missing);
+        let c = check(&url, Duration::from_secs(5));
+        assert!(!c.ok && c.error.contains("HTTP 404"), "{c:?}");
+        let c = check(&url, Duration::from_secs(5));
+        assert!(!c.ok && c.error.contains("no vllm: metrics"), "{c:?}");
+        let _ = ureq::get(&url.replace("/metrics", "/stop")).call();
+        h.join().unwrap();
+        // Nothing listens any more.
+        let c = check(&url, Duration::from_secs(5));
+        assert!(!c.ok && c.error.contains("refused"), "{c:?}");
+        assert!(check("https://x/metrics", Duration::from_secs(1))
+            .error
+            .contains("https"));
+    }
+
+    #[test]
+    fn series_ids_are_stable_and_bounded() {
+        let mut t = SeriesTable::default();
+        let exp = |v: f64| prom_text::parse(&format!("vllm:a{{x=\"1\"}} {v}\nvllm:b 2\n"), is_kept);
+        let ev = t.ingest("engine0", "u", exp(1.0), 10);
+        assert_eq!(ev.len(), 3);
+        assert!(
+            matches!(&ev[0], ScrapeEvent::Series(s) if s.id == 0 && s.name == "vllm:a" && s.labels["x"] == "1" && s.kind == "untyped")
+        );
+        assert!(matches!(&ev[1], ScrapeEvent::Series(s) if s.id == 1 && s.name == "vllm:b"));
+        let ev = t.ingest("engine0", "u", exp(5.0), 20);
+        assert_eq!(
+            ev,
+            vec![ScrapeEvent::Points(vec![
+                MetricPoint {
+                    t_ns: 20,
+                    series: 0,
+                    value: 5.0
+                },
+                MetricPoint {
+                    t_ns: 20,
+                    series: 1,
+                    value: 2.0
+                },
+            ])]
+        );
+        // Another engine: its own ids.
+        let ev = t.ingest("engine1", "u", exp(1.0), 30);
+        assert!(matches!(&ev[0], ScrapeEvent::Series(s) if s.id == 2 && s.engine == "engine1"));
+
+        // The per-engine bound.
+        let many: String = (0..MAX_SERIES_PER_ENGINE + 5)
+            .map(|i| format!("vllm:m{{i=\"{i}\"}} 1\n"))
+            .collect();
+        let ev = t.ingest("engine2", "u", prom_text::parse(&many, is_kept), 40);
+        let series = ev
+            .iter()
+            .filter(|e| matches!(e, ScrapeEvent::Series(_)))
+            .count();
+        assert_eq!(series, MAX_SERIES_PER_ENGINE);
+        assert!(ev.iter().any(
+            |e| matches!(e, ScrapeEvent::Error(x) if x.error.contains("5 new series dropped"))
+        ));
+        let ev = t.ingest("engine2", "u", prom_text::parse(&many, is_kept), 50);
+        assert_eq!(ev.len(), 1, "the limit is reported once");
+    }
+
+    #[test]
+    fn scraper_sends_series_points_and_errors_and_stops_promptly() {
+        let mut bodies = vec![(200, SAMPLE.to_string())];
+        bodies.push((
+            200,
+            SAMPLE.replace(
+                "vllm:generation_tokens_total{engine=\"0\",model_name=\"tiny-moe\"} 32.0",
+                "vllm:generation_tokens_total{engine=\"0\",model_name=\"tiny-moe\"} 132.0",
+            ),
+        ));
+        let (url, h) = serve(bodies);
+        // engine1 points at a closed port: errors, never fatal.
+        let closed = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}/metrics", l.local_addr().unwrap())
+        };
+        let start = crate::sampler::monotonic_ns();
+        let (scraper, rx) = Scraper::spawn(
+            vec![
+                engine("engine0", &url),
+                engine("engine1", &closed),
+                engine("engine2", ""),
+            ],
+            Duration::from_millis(50),
+            start,
+        )
+        .unwrap();
+        let mut series = HashMap::new();
+        let mut scrapes: Vec<Vec<MetricPoint>> = Vec::new();
+        let mut errors = Vec::new();
+        for ev in rx.iter() {
+            match ev {
+                ScrapeEvent::Series(s) => {
+                    series.insert(s.id, s);
+                }
+                ScrapeEvent::Points(p) => {
+                    for x in &p {
+                        assert!(series.contains_key(&x.series), "point before its series");
+                    }
+                    scrapes.push(p);
+                }
+                ScrapeEvent::Error(e) => errors.push(e),
+            }
+            if scrapes.len() >= 3 && errors.len() >= 3 {
+                break;
+            }
+        }
+        let t0 = Instant::now();
+        scraper.stop();
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "stop took {:?}",
+            t0.elapsed()
+        );
+        let _ = ureq::get(&url.replace("/metrics", "/stop")).call();
+        h.join().unwrap();
+
+        assert_eq!(series.len(), 330);
+        let gen = series
+            .values()
+            .find(|s| s.name == "vllm:generation_tokens_total")
+            .unwrap();
+        assert_eq!(
+            (gen.engine.as_str(), gen.kind.as_str()),
+            ("engine0", "counter")
+        );
+        let values: Vec<f64> = scrapes
+            .iter()
+            .map(|p| p.iter().find(|x| x.series == gen.id).unwrap().value)
+            .collect();
+        assert_eq!(&values[..3], &[32.0, 132.0, 132.0]);
+        for p in &scrapes {
+            assert!(p.iter().all(|x| x.t_ns == p[0].t_ns), "one time per scrape");
+        }
+        assert!(scrapes.windows(2).all(|w| w[1][0].t_ns > w[0][0].t_ns));
+        assert!(
+            errors
+                .iter()
+                .all(|e| e.engine == "engine1" && e.error.contains("refused")),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn stop_interrupts_a_long_interval() {
+        let (scraper, rx) = Scraper::spawn(vec![], Duration::from_secs(3600), 0).unwrap();
+        let t0 = Instant::now();
+        scraper.stop();
+        assert!(t0.elapsed() < Duration::from_secs(1));
+        assert!(
+            rx.recv().is_err(),
+            "the channel closes when the scraper stops"
+        );
+        assert!(Scraper::spawn(vec![], Duration::from_millis(1), 0).is_err());
+    }
+
+    #[test]
+    fn timeouts() {
+        assert_eq!(
+            request_timeout(Duration::from_secs(1)),
+            Duration::from_millis(800)
+        );
+        assert_eq!(
+            request_timeout(Duration::from_secs(60)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            request_timeout(Duration::from_millis(20)),
+            Duration::from_millis(100)
+        );
+    }
+}
