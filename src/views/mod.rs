@@ -7,13 +7,16 @@
 //! stand for sample flags, so that every format shows the same names.
 
 pub mod chrome;
+pub mod engines;
 pub mod filter;
 pub mod flame;
 pub mod folded;
 pub mod gil;
+pub mod latency;
 pub mod pprof;
 pub mod report;
 pub mod speedscope;
+pub mod timeline;
 
 use std::io::Write;
 use std::path::Path;
