@@ -16,6 +16,7 @@ pub mod latency;
 pub mod pprof;
 pub mod report;
 pub mod speedscope;
+pub mod stalls;
 pub mod timeline;
 
 use std::io::Write;
