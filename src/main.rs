@@ -108,7 +108,8 @@ enum Cmd {
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
     },
-    /// Summarize a recording: CPU per thread, top functions (docs/report-schema.md).
+    /// Summarize a recording: CPU per thread, top functions, engines, per-window timeline,
+    /// function latency, API-server stalls (docs/report-schema.md).
     Report {
         /// Recording (.esrec).
         file: std::path::PathBuf,
@@ -119,6 +120,8 @@ enum Cmd {
         output: Option<std::path::PathBuf>,
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
+        #[command(flatten)]
+        opts: enginescope::views::report::ReportArgs,
     },
 }
 
@@ -265,9 +268,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             format,
             output,
             filter,
+            opts,
         } => {
+            let opts = opts.options()?;
             let (rec, sel) = enginescope::views::open(&file, &filter)?;
-            let bytes = enginescope::views::report(&rec, &sel, format)?;
+            let bytes = enginescope::views::report_with(&rec, &sel, format, &opts)?;
             let out = output.unwrap_or_else(|| "-".into());
             enginescope::views::write_output(&out, &bytes)?;
         }

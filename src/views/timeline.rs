@@ -91,14 +91,20 @@ impl Windows {
     }
 }
 
-/// How far a recording reaches: its end record's duration, else the last event of any kind
-/// (samples, off-CPU intervals, GIL waits, GC pauses, calls, metric scrapes).
+/// How far a recording reaches: its end record's duration, else the end of its last event of
+/// any kind (a sample ends one period after its time; off-CPU intervals, GIL waits, GC pauses,
+/// calls, metric scrapes).
 pub fn extent_ns(rec: &Recording) -> u64 {
     if let Some(e) = &rec.end {
         return e.duration_ns;
     }
     let ends = [
         rec.duration_ns(),
+        rec.samples
+            .iter()
+            .map(|s| s.t_ns.saturating_add(u64::from(s.weight_ns)))
+            .max()
+            .unwrap_or(0),
         rec.gil_waits
             .iter()
             .map(|g| g.start_ns.saturating_add(g.dur_ns))
@@ -544,12 +550,12 @@ pub fn correlations(signals: &[Signal], gen: &[Option<f64>]) -> Vec<Correlation>
                 .unzip();
             let n = x.len();
             // A signal that never varies says nothing either way.
-            if n > 0 && x.iter().all(|v| *v == x[0]) {
+            if n > 1 && x.iter().all(|v| *v == x[0]) {
                 return None;
             }
             let r = pearson(&x, &y);
             let note = if n < MIN_CORRELATION_WINDOWS {
-                format!("only {n} windows: too few for r to mean much")
+                format!("{n} windows with both values: too few (< {MIN_CORRELATION_WINDOWS}) for r to mean much")
             } else if r.is_none() {
                 "throughput constant over these windows".to_string()
             } else {
@@ -733,6 +739,6 @@ mod tests {
         assert_eq!(c[0].signal, "gc_pct");
         assert!(c[0].r.unwrap() < -0.99);
         assert_eq!(c[0].n, 4);
-        assert!(c[0].note.contains("only 4 windows"));
+        assert!(c[0].note.contains("4 windows with both values: too few"));
     }
 }
