@@ -123,6 +123,9 @@ enum Cmd {
         #[command(flatten)]
         opts: enginescope::views::report::ReportArgs,
     },
+    /// Compare two recordings: per-thread, per-function, probe and engine changes against
+    /// each run's own noise, and a differential flamegraph (docs/views.md).
+    Diff(enginescope::views::diff::DiffArgs),
 }
 
 /// One place that turns failures into advice.
@@ -276,6 +279,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let out = output.unwrap_or_else(|| "-".into());
             enginescope::views::write_output(&out, &bytes)?;
         }
+        Cmd::Diff(args) => enginescope::views::diff::run(&args)?,
     }
     Ok(())
 }

@@ -683,9 +683,6 @@ fn markdown_sections_and_cli_flags() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let md = std::fs::read_to_string(&out).unwrap();
-    if std::env::var_os("SHOW_MD").is_some() {
-        eprintln!("{md}");
-    }
     for want in [
         "## Flamegraphs",
         "- [flame.svg](flame.svg)",
@@ -746,4 +743,347 @@ fn plain_recordings_have_empty_engine_sections() {
     ] {
         assert!(!md.contains(absent), "{absent} in\n{md}");
     }
+}
+
+// ---------------------------------------------------------------- diff
+
+/// One run of a small engine, 10 s: pid `pid` (role EngineCore). MainThread (tid = pid) on
+/// CPU 100%, `serialize_share` tenths of it in `serialize`, the rest in `step`; "worker" 10%
+/// in `poll`; "noisy" busy for `noisy_s` s starting at `noisy_at` s (so its halves differ).
+/// gen tokens at `gen_rate`/s. Probe `core.py:step` with 10 calls per half of `1..=10` ms
+/// times `call_scale`.
+struct Run {
+    pid: i32,
+    serialize_tenths: u64,
+    noisy_at: u64,
+    noisy_s: u64,
+    gen_rate: f64,
+    call_scale: u64,
+}
+
+fn write_run(path: &Path, r: &Run) {
+    let mut w = RecordingWriter::create(path, &meta()).unwrap();
+    let pid = r.pid;
+    w.process(&ProcessInfo {
+        pid,
+        role: "EngineCore".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    for (tid, name) in [(pid, "MainThread"), (pid + 1, "worker"), (pid + 2, "noisy")] {
+        w.thread(&ThreadInfo {
+            pid,
+            tid,
+            name: name.into(),
+            t_ns: 0,
+        })
+        .unwrap();
+    }
+    // Different venvs: the same package path.
+    let venv = format!("/opt/venv{pid}/lib/python3.11/site-packages/vllm");
+    let loop_f = frame("run", &format!("{venv}/core.py"), 1);
+    let ser = w
+        .intern_stack(&[
+            frame("serialize", &format!("{venv}/serial.py"), 10),
+            loop_f.clone(),
+        ])
+        .unwrap();
+    let step = w
+        .intern_stack(&[
+            frame("step", &format!("{venv}/core.py"), 20),
+            loop_f.clone(),
+        ])
+        .unwrap();
+    let poll = w.intern_stack(&[frame("poll", "/srv/poll.py", 5)]).unwrap();
+    let spin = w.intern_stack(&[frame("spin", "/srv/spin.py", 5)]).unwrap();
+    for k in 0..1000u64 {
+        let t = k * 10 * MS;
+        let stack = if k % 10 < r.serialize_tenths {
+            ser
+        } else {
+            step
+        };
+        w.sample(&sample(t, pid, pid, stack, 10 * MS)).unwrap();
+        if k % 10 == 0 {
+            w.sample(&sample(t, pid, pid + 1, poll, 10 * MS)).unwrap();
+        }
+        if t >= r.noisy_at * S && t < (r.noisy_at + r.noisy_s) * S {
+            w.sample(&sample(t, pid, pid + 2, spin, 10 * MS)).unwrap();
+        }
+    }
+    w.engine(&EngineInfo {
+        id: "engine0".into(),
+        engine_core_pids: vec![pid],
+        ..Default::default()
+    })
+    .unwrap();
+    let mut m = Metrics {
+        w: &mut w,
+        engine: "engine0".into(),
+        next: 0,
+    };
+    let gen = m.series("vllm:generation_tokens_total", &[], "counter");
+    for i in 0..=10u64 {
+        m.point(i * S, gen, r.gen_rate * i as f64);
+    }
+    w.probe(&ProbeInfo {
+        id: 0,
+        spec: "core.py:step".into(),
+        pid,
+        function: "step".into(),
+        method: "exact".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    for half in 0..2u64 {
+        for d in 1..=10u64 {
+            w.call(&FunctionCall {
+                probe: 0,
+                pid,
+                tid: pid,
+                start_ns: half * 5 * S + d * 100 * MS,
+                dur_ns: d * r.call_scale * MS,
+            })
+            .unwrap();
+        }
+    }
+    w.finish(&EndInfo {
+        duration_ns: 10 * S,
+        reason: "duration".into(),
+    })
+    .unwrap();
+}
+
+fn diff_fixture() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.esrec");
+    let b = dir.path().join("b.esrec");
+    write_run(
+        &a,
+        &Run {
+            pid: 100,
+            serialize_tenths: 2,
+            noisy_at: 0,
+            noisy_s: 1,
+            gen_rate: 100.0,
+            call_scale: 1,
+        },
+    );
+    write_run(
+        &b,
+        &Run {
+            pid: 200,
+            serialize_tenths: 5,
+            noisy_at: 6,
+            noisy_s: 2,
+            gen_rate: 60.0,
+            call_scale: 2,
+        },
+    );
+    (dir, a, b)
+}
+
+fn figure(v: &Value) -> (Value, Value, Value, Value, Value, bool) {
+    (
+        v["a"].clone(),
+        v["b"].clone(),
+        v["delta"].clone(),
+        v["noise_a"].clone(),
+        v["noise_b"].clone(),
+        v["beyond_noise"].as_bool().unwrap(),
+    )
+}
+
+#[test]
+fn diff_matches_threads_functions_probes_and_engines() {
+    use enginescope::views::diff::Diff;
+    let (_dir, pa, pb) = diff_fixture();
+    let (a, b) = (read_recording(&pa).unwrap(), read_recording(&pb).unwrap());
+    let d = serde_json::to_value(Diff::build(&pa, &a, &pb, &b, 3)).unwrap();
+    assert_eq!(d["schema"], "enginescope.diff/1");
+    assert_eq!(
+        (&d["a"]["duration_s"], &d["b"]["samples"]),
+        (&10.0.into(), &1300.into())
+    );
+
+    // Threads by role and name across different pids.
+    let threads = d["threads"].as_array().unwrap();
+    let t = |name: &str| {
+        threads
+            .iter()
+            .find(|t| t["thread"] == name)
+            .unwrap_or_else(|| panic!("no thread {name}"))
+    };
+    assert_eq!(threads.len(), 3);
+    assert_eq!(t("MainThread")["process"], "EngineCore");
+    assert_eq!(
+        (&t("MainThread")["threads_a"], &t("MainThread")["threads_b"]),
+        (&1.into(), &1.into())
+    );
+    assert_eq!(
+        figure(&t("MainThread")["cpu_pct"]),
+        (
+            100.0.into(),
+            100.0.into(),
+            0.0.into(),
+            0.0.into(),
+            0.0.into(),
+            false
+        )
+    );
+    // noisy: 1 s of 10 in A (all in the first half: halves 20% and 0%), 2 s in B (second
+    // half: 0% and 40%); +10 points is within both runs' own variation.
+    assert_eq!(
+        figure(&t("noisy")["cpu_pct"]),
+        (
+            10.0.into(),
+            20.0.into(),
+            10.0.into(),
+            20.0.into(),
+            40.0.into(),
+            false
+        )
+    );
+    // Largest CPU change first.
+    assert_eq!(threads[0]["thread"], "noisy");
+
+    // Functions, as shares of all on-CPU time: A has 12 s of CPU (6.5 s in the first half,
+    // 5.5 s in the second: noisy ran early), B 13 s (5.5 and 7.5 s). serialize: 2 s of A's
+    // (1 s per half), 5 s of B's (2.5 s per half); step: 8 s and 5 s.
+    let f = d["functions"].as_array().unwrap();
+    assert_eq!(f.len(), 3);
+    let names: Vec<&str> = f.iter().map(|x| x["function"].as_str().unwrap()).collect();
+    assert_eq!(names, ["step", "serialize", "spin"]);
+    assert_eq!(f[1]["file"], "vllm/serial.py");
+    let s = &f[1]["self_pct"];
+    assert_close(&s["a"], 200.0 / 12.0);
+    assert_close(&s["b"], 500.0 / 13.0);
+    assert_close(&s["delta"], 500.0 / 13.0 - 200.0 / 12.0);
+    assert_close(&s["noise_a"], 100.0 / 5.5 - 100.0 / 6.5);
+    assert_close(&s["noise_b"], 250.0 / 5.5 - 250.0 / 7.5);
+    assert_eq!(s["beyond_noise"], true);
+    // Innermost only in its own samples; total includes them.
+    assert_eq!(f[1]["total_pct"], f[1]["self_pct"]);
+    assert_close(&f[0]["self_pct"]["delta"], 500.0 / 13.0 - 800.0 / 12.0);
+    assert_eq!(f[0]["self_pct"]["beyond_noise"], true);
+    // spin only ran in one half of each run: its change is within the noise.
+    assert_eq!(f[2]["self_pct"]["beyond_noise"], false);
+
+    // Probe: per-call latency doubled, calls/s unchanged.
+    let p = &d["probes"][0];
+    assert_eq!(
+        (&p["process"], &p["probe"]),
+        (&"EngineCore".into(), &"core.py:step".into())
+    );
+    assert_eq!(
+        figure(&p["p50_ms"]),
+        (
+            5.0.into(),
+            10.0.into(),
+            5.0.into(),
+            0.0.into(),
+            0.0.into(),
+            true
+        )
+    );
+    assert_eq!(figure(&p["p90_ms"]).2, 9.0);
+    assert_eq!(
+        figure(&p["calls_per_s"]),
+        (
+            2.0.into(),
+            2.0.into(),
+            0.0.into(),
+            0.0.into(),
+            0.0.into(),
+            false
+        )
+    );
+
+    // Engine: 100 -> 60 tok/s, steady within each run.
+    let e = &d["engines"][0];
+    assert_eq!(e["engine"], "engine0");
+    assert_eq!(
+        figure(&e["gen_tok_s"]),
+        (
+            100.0.into(),
+            60.0.into(),
+            (-40.0).into(),
+            0.0.into(),
+            0.0.into(),
+            true
+        )
+    );
+    assert_eq!(e["ttft_p50_ms"]["a"], Value::Null);
+}
+
+#[test]
+fn diff_cli_markdown_json_and_differential_flamegraph() {
+    let (dir, pa, pb) = diff_fixture();
+    let md_out = dir.path().join("diff.md");
+    let svg = dir.path().join("diff.svg");
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        o.stdout
+    };
+    run(&[
+        "diff",
+        pa.to_str().unwrap(),
+        pb.to_str().unwrap(),
+        "-o",
+        md_out.to_str().unwrap(),
+        "--flame",
+        svg.to_str().unwrap(),
+    ]);
+    let md = std::fs::read_to_string(&md_out).unwrap();
+    for want in [
+        "# enginescope diff",
+        "## Engines",
+        "| engine0 | **100.0 → 60.0 (-40.0; noise 0.0/0.0)** |",
+        "## Threads",
+        "| EngineCore | noisy | 1/1 | 10.0 → 20.0 (+10.0; noise 20.0/40.0) |",
+        "## Functions",
+        "| serialize | serial.py | **16.7 → 38.5 (+21.8; noise 2.8/12.1)** |",
+        "## Probes",
+        "| EngineCore | core.py:step | **5.000 → 10.000 (+5.000; noise 0.000/0.000)** |",
+    ] {
+        assert!(md.contains(want), "missing {want:?} in\n{md}");
+    }
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("Differential on-CPU: a.esrec → b.esrec"));
+    // Frames without pids or lines, so both runs share them.
+    assert!(
+        svg.contains("serialize (serial.py)"),
+        "serialize frame missing"
+    );
+    assert!(!svg.contains("pid 200"));
+    let json = run(&[
+        "diff",
+        pa.to_str().unwrap(),
+        pb.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    let v: Value = serde_json::from_slice(&json).unwrap();
+    assert_eq!(v["functions"].as_array().unwrap().len(), 5);
+    assert!(v["noise"].as_str().unwrap().contains("half"));
+}
+
+#[test]
+fn diff_folded_lines_scale_by_duration() {
+    let (_dir, pa, _pb) = diff_fixture();
+    let a = read_recording(&pa).unwrap();
+    let folded = enginescope::views::diff::diff_folded(&a);
+    // serialize: 200 samples of 10 ms over 10 s = 200,000 µs of CPU per s.
+    assert!(
+        folded.contains("EngineCore;MainThread;run (core.py);serialize (serial.py) 200000\n"),
+        "{folded}"
+    );
+    assert!(
+        folded.contains("EngineCore;worker;poll (poll.py) 100000\n"),
+        "{folded}"
+    );
 }
