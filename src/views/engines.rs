@@ -69,8 +69,13 @@ impl Increase {
 /// The increase of one raw counter series within `[t0, t1)`, and the ns of it covered.
 pub fn series_increase(pts: &[(u64, f64)], t0: u64, t1: u64) -> (f64, u64) {
     let (mut inc, mut covered) = (0.0, 0u64);
-    for w in pts.windows(2) {
+    // Points are in time order: start at the last point before the range, stop past it.
+    let first = pts.partition_point(|p| p.0 < t0).saturating_sub(1);
+    for w in pts[first..].windows(2) {
         let ((ta, va), (tb, vb)) = (w[0], w[1]);
+        if ta >= t1 {
+            break;
+        }
         if !va.is_finite() || !vb.is_finite() {
             continue;
         }
