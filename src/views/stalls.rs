@@ -396,6 +396,25 @@ mod tests {
     }
 
     #[test]
+    fn api_servers_by_role_or_engine() {
+        use crate::record::{EngineInfo, ProcessInfo};
+        let mut rec = Recording::default();
+        for (pid, role) in [(1, "APIServer"), (2, "EngineCore"), (4, "api_server")] {
+            rec.processes.push(ProcessInfo {
+                pid,
+                role: role.into(),
+                ..Default::default()
+            });
+        }
+        rec.engines.push(EngineInfo {
+            api_server_pid: 3,
+            ..Default::default()
+        });
+        let found: Vec<i32> = (0..6).filter(|&p| is_api_server(&rec, p)).collect();
+        assert_eq!(found, [1, 3, 4]);
+    }
+
+    #[test]
     fn runs_split_on_gaps_blocks_and_idle() {
         let ms = 1_000_000u64;
         let mk = |t: u64| Sample {
