@@ -122,7 +122,12 @@ fn run_in(
 
     // 3. views: report and flamegraph.
     let (rec, sel) = crate::views::open(&rec_path, &crate::views::filter::FilterArgs::default())?;
-    let md = crate::views::report(&rec, &sel, crate::views::ReportFormat::Md)?;
+    // The flamegraphs are written next to the report, so it links them by name.
+    let opts = crate::views::report::ReportOptions {
+        flame_links: vec!["flame.svg".into(), "flame-offcpu.svg".into()],
+        ..Default::default()
+    };
+    let md = crate::views::report_with(&rec, &sel, crate::views::ReportFormat::Md, &opts)?;
     let md_path = out_dir.join("report.md");
     std::fs::write(&md_path, &md)?;
     let svg = crate::views::flame::render(&rec, &sel, false)?;

@@ -118,7 +118,8 @@ enum Cmd {
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
     },
-    /// Summarize a recording: CPU per thread, top functions (docs/report-schema.md).
+    /// Summarize a recording: CPU per thread, top functions, engines, per-window timeline,
+    /// function latency, API-server stalls (docs/report-schema.md).
     Report {
         /// Recording (.esrec).
         file: std::path::PathBuf,
@@ -129,6 +130,8 @@ enum Cmd {
         output: Option<std::path::PathBuf>,
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
+        #[command(flatten)]
+        opts: enginescope::views::report::ReportArgs,
     },
     /// Find the vLLM engines on this host: API server, engine cores, workers, metrics URL.
     Discover {
@@ -138,6 +141,9 @@ enum Cmd {
         #[arg(long, value_name = "URL")]
         metrics_url: Option<String>,
     },
+    /// Compare two recordings: per-thread, per-function, probe and engine changes against
+    /// each run's own noise, and a differential flamegraph (docs/views.md).
+    Diff(enginescope::views::diff::DiffArgs),
 }
 
 /// One place that turns failures into advice.
@@ -294,9 +300,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             format,
             output,
             filter,
+            opts,
         } => {
+            let opts = opts.options()?;
             let (rec, sel) = enginescope::views::open(&file, &filter)?;
-            let bytes = enginescope::views::report(&rec, &sel, format)?;
+            let bytes = enginescope::views::report_with(&rec, &sel, format, &opts)?;
             let out = output.unwrap_or_else(|| "-".into());
             enginescope::views::write_output(&out, &bytes)?;
         }
@@ -306,6 +314,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 enginescope::vllm::tree::run(json, metrics_url.as_deref())?
             );
         }
+        Cmd::Diff(args) => enginescope::views::diff::run(&args)?,
     }
     Ok(())
 }

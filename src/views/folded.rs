@@ -26,7 +26,7 @@ pub enum Measure {
 }
 
 /// Folded-format frame names cannot contain the separator or line breaks.
-fn clean(s: &str) -> std::borrow::Cow<'_, str> {
+pub(super) fn clean(s: &str) -> std::borrow::Cow<'_, str> {
     if s.contains([';', '\n', '\r']) {
         s.replace(';', ",").replace(['\n', '\r'], " ").into()
     } else {

@@ -7,13 +7,19 @@
 //! stand for sample flags, so that every format shows the same names.
 
 pub mod chrome;
+pub mod diff;
+pub mod engines;
 pub mod filter;
 pub mod flame;
 pub mod folded;
 pub mod gil;
+pub mod latency;
 pub mod pprof;
 pub mod report;
+mod report_md;
 pub mod speedscope;
+pub mod stalls;
+pub mod timeline;
 
 use std::io::Write;
 use std::path::Path;
@@ -71,9 +77,19 @@ pub fn export(rec: &Recording, sel: &Selection, format: ExportFormat) -> anyhow:
     }
 }
 
-/// Render the report.
+/// Render the report with default options.
 pub fn report(rec: &Recording, sel: &Selection, format: ReportFormat) -> anyhow::Result<Vec<u8>> {
-    let r = report::Report::build(rec, sel);
+    report_with(rec, sel, format, &report::ReportOptions::default())
+}
+
+/// Render the report.
+pub fn report_with(
+    rec: &Recording,
+    sel: &Selection,
+    format: ReportFormat,
+    opts: &report::ReportOptions,
+) -> anyhow::Result<Vec<u8>> {
+    let r = report::Report::build_with(rec, sel, opts);
     match format {
         ReportFormat::Json => {
             let mut v = serde_json::to_vec_pretty(&r).context("serializing the report")?;

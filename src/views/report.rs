@@ -1,5 +1,7 @@
 //! The report: per-thread CPU split, per-thread function tables, GIL waits (who blocked whom,
-//! doing what) and GC pauses, as versioned JSON (docs/report-schema.md) or Markdown.
+//! doing what) and GC pauses; for vLLM-aware recordings also the engines' metrics, a
+//! time-aligned per-window table with correlations and throughput drops, probed function
+//! latency and API-server stalls; as versioned JSON (docs/report-schema.md) or Markdown.
 //!
 //! All times come from integer nanoseconds summed first and divided once, so round inputs
 //! give round outputs (300 samples of 1 ms -> `0.3`).
@@ -9,7 +11,11 @@ use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 
+use super::engines::{self, EngineImbalance, EngineRow, MetricIndex};
 use super::gil::{generation_key, thread_name_or_tid, HolderFrame};
+use super::latency::{function_latency, FunctionLatencyRow};
+use super::stalls::{api_server_stalls, ApiServerStalls};
+use super::timeline::{self, Correlation, ThroughputDrop, WindowRow, Windows};
 use super::{format_utc, process_name, secs, short_file, Selection};
 use crate::record::{flags, Recording};
 
@@ -23,6 +29,76 @@ pub const MD_TOP_FUNCTIONS: usize = 15;
 pub const HOLDER_TOP: usize = 5;
 /// (waiter, holder) rows in the Markdown "who blocks whom" table.
 pub const MD_GIL_PAIRS: usize = 20;
+
+/// What the report computes beyond the thread selection (`report --window`, `--stall-ms`,
+/// `--drop-pct`, `--flame-link`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportOptions {
+    /// Window length of the per-window table, correlations and latency series, ns.
+    pub window_ns: u64,
+    /// An API-server main-thread run longer than this is a stall, ns.
+    pub stall_ns: u64,
+    /// A window whose generation throughput is more than this % below the median window's
+    /// is a throughput drop.
+    pub drop_pct: f64,
+    /// Flamegraph files the Markdown report links to, as given (relative to the report).
+    pub flame_links: Vec<String>,
+}
+
+impl Default for ReportOptions {
+    fn default() -> Self {
+        ReportOptions {
+            window_ns: 10_000_000_000,
+            stall_ns: 100_000_000,
+            drop_pct: 20.0,
+            flame_links: Vec::new(),
+        }
+    }
+}
+
+/// `report` flags for the engine, timeline and stall sections.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReportArgs {
+    /// Window length, s, for the per-window table, correlations and latency series.
+    #[arg(long, default_value_t = 10.0, value_name = "S")]
+    pub window: f64,
+    /// An API-server event-loop run on CPU longer than this is a stall, ms.
+    #[arg(long, default_value_t = 100.0, value_name = "MS")]
+    pub stall_ms: f64,
+    /// A window whose gen tok/s is this % or more below the median window's is a drop.
+    #[arg(long, default_value_t = 20.0, value_name = "PCT")]
+    pub drop_pct: f64,
+    /// Link this flamegraph from the Markdown report (repeatable; the path is written as
+    /// given, so give it relative to where the report goes).
+    #[arg(long = "flame-link", value_name = "SVG")]
+    pub flame_links: Vec<String>,
+}
+
+impl ReportArgs {
+    pub fn options(&self) -> anyhow::Result<ReportOptions> {
+        if !(self.window.is_finite() && self.window > 0.0) {
+            anyhow::bail!(
+                "--window must be a positive number of seconds, not {}",
+                self.window
+            );
+        }
+        if !(self.stall_ms.is_finite() && self.stall_ms >= 0.0) {
+            anyhow::bail!("--stall-ms must be 0 or more, not {}", self.stall_ms);
+        }
+        if !(self.drop_pct.is_finite() && (0.0..=100.0).contains(&self.drop_pct)) {
+            anyhow::bail!(
+                "--drop-pct must be between 0 and 100, not {}",
+                self.drop_pct
+            );
+        }
+        Ok(ReportOptions {
+            window_ns: ((self.window * 1e9).round() as u64).max(1),
+            stall_ns: (self.stall_ms * 1e6).round() as u64,
+            drop_pct: self.drop_pct,
+            flame_links: self.flame_links.clone(),
+        })
+    }
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Report {
@@ -51,6 +127,39 @@ pub struct Report {
     pub gc: GcSummary,
     /// Recorder health counters, copied from the recording.
     pub counters: BTreeMap<String, u64>,
+    /// Engines (vLLM-aware recordings): processes and metrics over the whole recording.
+    #[serde(default)]
+    pub engines: Vec<EngineRow>,
+    /// Spread across engines; null with fewer than two.
+    #[serde(default)]
+    pub engine_imbalance: Option<EngineImbalance>,
+    /// Calls of probed functions per probe and thread, most calls first.
+    #[serde(default)]
+    pub function_latency: Vec<FunctionLatencyRow>,
+    /// Length of the windows, s (`--window`, widened when there would be more than 10,000).
+    #[serde(default)]
+    pub window_s: f64,
+    /// Threads with per-window columns (`pid:tid name`), busiest first.
+    #[serde(default)]
+    pub key_threads: Vec<String>,
+    /// The recording cut into windows.
+    #[serde(default)]
+    pub windows: Vec<WindowRow>,
+    /// Profiler signals against generation throughput over the windows.
+    #[serde(default)]
+    pub correlations: Vec<Correlation>,
+    /// `--drop-pct`.
+    #[serde(default)]
+    pub throughput_drop_pct: f64,
+    /// Windows with generation throughput more than `throughput_drop_pct` below the median.
+    #[serde(default)]
+    pub throughput_drops: Vec<ThroughputDrop>,
+    /// API-server event-loop stalls and serialization cost.
+    #[serde(default)]
+    pub api_server_stalls: ApiServerStalls,
+    /// Flamegraph files the Markdown links to (`--flame-link`).
+    #[serde(default)]
+    pub flamegraphs: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -299,7 +408,12 @@ fn share(part: u64, whole: u64) -> f64 {
 }
 
 impl Report {
+    /// The report with default options.
     pub fn build(rec: &Recording, sel: &Selection) -> Report {
+        Report::build_with(rec, sel, &ReportOptions::default())
+    }
+
+    pub fn build_with(rec: &Recording, sel: &Selection, opts: &ReportOptions) -> Report {
         let mut threads: BTreeMap<(i32, i32), ThreadAcc> =
             sel.threads().map(|k| (k, ThreadAcc::default())).collect();
         // (pid, tid, stack, native) -> (samples, ns): one pass over samples, then per stack.
@@ -532,6 +646,13 @@ impl Report {
         totals.gil_switch_wait_s = secs(gil_switch);
         totals.gc_s = secs(gc_ns);
 
+        let end_ns = timeline::extent_ns(rec);
+        let windows = Windows::new(opts.window_ns, end_ns);
+        let ix = MetricIndex::new(rec);
+        let engine_ids = engines::engine_ids(rec, &ix);
+        let tl = timeline::build(rec, sel, &ix, &engine_ids, &windows, opts.drop_pct);
+        let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &tl.windows, end_ns);
+
         let m = &rec.meta;
         Report {
             schema: SCHEMA.to_string(),
@@ -573,6 +694,17 @@ impl Report {
             gil_blocking_pairs,
             gc,
             counters: rec.counters.clone(),
+            engine_imbalance: engines::imbalance(&engine_rows),
+            engines: engine_rows,
+            function_latency: function_latency(rec, sel, &windows),
+            window_s: tl.window_s,
+            key_threads: tl.key_threads,
+            windows: tl.windows,
+            correlations: tl.correlations,
+            throughput_drop_pct: opts.drop_pct,
+            throughput_drops: tl.throughput_drops,
+            api_server_stalls: api_server_stalls(rec, sel, opts.stall_ns),
+            flamegraphs: opts.flame_links.clone(),
         }
     }
 
@@ -647,6 +779,9 @@ impl Report {
             );
         }
 
+        self.links_markdown(&mut s);
+        self.engines_markdown(&mut s);
+
         let _ = writeln!(s, "\n## Threads\n");
         let _ = writeln!(
             s,
@@ -670,6 +805,9 @@ impl Report {
             );
         }
 
+        self.timeline_markdown(&mut s);
+        self.latency_markdown(&mut s);
+        self.stalls_markdown(&mut s);
         self.gil_markdown(&mut s);
         self.gc_markdown(&mut s);
 
@@ -1010,7 +1148,7 @@ fn gil_tables(
 
 /// Escape text for a Markdown table cell. `<` and `>` too: `<module>` or `<gil free>` would
 /// otherwise be taken for HTML tags (and dropped by GitHub's renderer).
-fn md(s: &str) -> String {
+pub(super) fn md(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('|', "\\|")
         .replace('<', "\\<")

@@ -1,0 +1,425 @@
+//! Markdown sections of the report for vLLM-aware recordings: flamegraph links, engines, the
+//! per-window table with correlations and throughput drops, function latency and API-server
+//! stalls. Each section is left out when the recording has nothing for it.
+
+use std::fmt::Write;
+
+use super::report::{md, Report};
+use super::short_file;
+
+/// Windows shown in the Markdown table (all are in the JSON).
+pub const MD_WINDOWS: usize = 120;
+/// Correlations shown.
+pub const MD_CORRELATIONS: usize = 15;
+/// Stalls shown.
+pub const MD_STALLS: usize = 20;
+/// Frames of a stall's dominant stack shown.
+pub const MD_STALL_FRAMES: usize = 4;
+
+/// A number with `prec` decimals, `-` when absent.
+fn opt(v: Option<f64>, prec: usize) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{x:.prec$}"),
+        _ => "-".into(),
+    }
+}
+
+fn pct_opt(v: Option<f64>) -> String {
+    match v {
+        Some(x) if x.is_finite() => format!("{:.1}%", x * 100.0),
+        _ => "-".into(),
+    }
+}
+
+fn pids(v: &[i32]) -> String {
+    if v.is_empty() {
+        "-".into()
+    } else {
+        v.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// A link target: spaces would end a Markdown link.
+fn href(path: &str) -> String {
+    path.replace(' ', "%20")
+}
+
+impl Report {
+    pub(super) fn links_markdown(&self, s: &mut String) {
+        if self.flamegraphs.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n## Flamegraphs\n");
+        for f in &self.flamegraphs {
+            let name = f.rsplit('/').next().unwrap_or(f);
+            let _ = writeln!(s, "- [{}]({})", md(name), href(f));
+        }
+    }
+
+    pub(super) fn engines_markdown(&self, s: &mut String) {
+        if self.engines.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n## Engines\n");
+        let _ = writeln!(
+            s,
+            "| engine | API server | EngineCore | workers | metrics | scrapes | scrape errors |"
+        );
+        let _ = writeln!(s, "|---|---:|---|---|---|---:|---:|");
+        for e in &self.engines {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                md(&e.id),
+                if e.api_server_pid == 0 {
+                    "-".to_string()
+                } else {
+                    e.api_server_pid.to_string()
+                },
+                pids(&e.engine_core_pids),
+                pids(&e.worker_pids),
+                if e.metrics_url.is_empty() {
+                    "-".to_string()
+                } else {
+                    md(&e.metrics_url)
+                },
+                e.scrapes,
+                e.scrape_errors
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\n| engine | gen tok/s | min | max | prompt tok/s | KV mean | KV max | running | max | waiting | max | prefix-cache hits |"
+        );
+        let _ = writeln!(
+            s,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for e in &self.engines {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                md(&e.id),
+                opt(e.gen_tok_s.mean, 1),
+                opt(e.gen_tok_s.min, 1),
+                opt(e.gen_tok_s.max, 1),
+                opt(e.prompt_tok_s.mean, 1),
+                pct_opt(e.kv_usage.mean),
+                pct_opt(e.kv_usage.max),
+                opt(e.running.mean, 1),
+                opt(e.running.max, 0),
+                opt(e.waiting.mean, 1),
+                opt(e.waiting.max, 0),
+                pct_opt(e.prefix_cache_hit_rate)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "\nLatency over the recording, ms (from histogram bucket increases; requests: \
+             first tokens observed):\n"
+        );
+        let _ = writeln!(
+            s,
+            "| engine | TTFT p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | p90 | p99 | requests |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for e in &self.engines {
+            let (t, i, x) = (&e.ttft_ms, &e.itl_ms, &e.e2e_ms);
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                md(&e.id),
+                opt(t.p50, 1),
+                opt(t.p90, 1),
+                opt(t.p99, 1),
+                opt(i.p50, 1),
+                opt(i.p90, 1),
+                opt(i.p99, 1),
+                opt(x.p50, 1),
+                opt(x.p90, 1),
+                opt(x.p99, 1),
+                t.count.round()
+            );
+        }
+        if let Some(im) = &self.engine_imbalance {
+            let mut parts = Vec::new();
+            for (what, sp, prec) in [
+                ("gen tok/s", &im.gen_tok_s, 1),
+                ("KV usage", &im.kv_usage, 3),
+                ("running", &im.running, 1),
+            ] {
+                if let Some(sp) = sp {
+                    parts.push(format!(
+                        "{what} max/min {} ({} {:.prec$} vs {} {:.prec$})",
+                        opt(sp.max_over_min, 2),
+                        md(&sp.max_engine),
+                        sp.max,
+                        md(&sp.min_engine),
+                        sp.min
+                    ));
+                }
+            }
+            if !parts.is_empty() {
+                let _ = writeln!(
+                    s,
+                    "\n**Imbalance across {} engines:** {}.",
+                    im.engines,
+                    parts.join("; ")
+                );
+            }
+        }
+    }
+
+    pub(super) fn timeline_markdown(&self, s: &mut String) {
+        if self.windows.len() < 2 {
+            return;
+        }
+        let engines = !self.engines.is_empty();
+        let _ = writeln!(s, "\n## Per-window timeline\n");
+        let _ = writeln!(
+            s,
+            "{} windows of {} s. Thread cells: CPU % / GIL wait % / GC % of the window; probe \
+             cells: p50 ms (calls).\n",
+            self.windows.len(),
+            self.window_s
+        );
+        let mut head = String::from("| window s |");
+        let mut rule = String::from("|---:|");
+        if engines {
+            head.push_str(" gen tok/s | KV | running | waiting |");
+            rule.push_str("---:|---:|---:|---:|");
+        }
+        for t in &self.key_threads {
+            let _ = write!(head, " {} |", md(t));
+            rule.push_str("---:|");
+        }
+        let probes: Vec<String> = self
+            .windows
+            .first()
+            .map(|w| w.probes.iter().map(|p| p.probe.clone()).collect())
+            .unwrap_or_default();
+        for p in &probes {
+            let _ = write!(head, " {} |", md(p));
+            rule.push_str("---:|");
+        }
+        let _ = writeln!(s, "{head}\n{rule}");
+        for w in self.windows.iter().take(MD_WINDOWS) {
+            let mut row = format!("| {:.1} |", w.start_s);
+            if engines {
+                let _ = write!(
+                    row,
+                    " {} | {} | {} | {} |",
+                    opt(w.gen_tok_s, 1),
+                    pct_opt(w.kv_usage),
+                    opt(w.running, 1),
+                    opt(w.waiting, 1)
+                );
+            }
+            for t in &w.threads {
+                let _ = write!(
+                    row,
+                    " {:.1} / {:.1} / {:.1} |",
+                    t.cpu_pct, t.gil_wait_pct, t.gc_pct
+                );
+            }
+            for p in &w.probes {
+                let _ = write!(row, " {} ({}) |", opt(p.p50_ms, 2), p.calls);
+            }
+            let _ = writeln!(s, "{row}");
+        }
+        if self.windows.len() > MD_WINDOWS {
+            let _ = writeln!(
+                s,
+                "\n{} more windows in the JSON report.",
+                self.windows.len() - MD_WINDOWS
+            );
+        }
+
+        if !self.correlations.is_empty() {
+            let _ = writeln!(s, "\n### Correlation with gen tok/s\n");
+            let _ = writeln!(
+                s,
+                "Pearson r over the windows (signals constant over the windows left out).\n"
+            );
+            let _ = writeln!(s, "| signal | of | r | windows | note |");
+            let _ = writeln!(s, "|---|---|---:|---:|---|");
+            for c in self.correlations.iter().take(MD_CORRELATIONS) {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} |",
+                    c.signal,
+                    md(&c.subject),
+                    opt(c.r, 2),
+                    c.n,
+                    md(&c.note)
+                );
+            }
+        }
+        if engines {
+            let _ = writeln!(s, "\n### Throughput drops\n");
+            match self.throughput_drops.first() {
+                None => {
+                    let _ = writeln!(
+                        s,
+                        "No window's gen tok/s is more than {}% below the median window's.",
+                        self.throughput_drop_pct
+                    );
+                }
+                Some(d0) => {
+                    let _ = writeln!(
+                        s,
+                        "Windows with gen tok/s more than {}% below the median ({:.1} tok/s), \
+                         and the signals furthest from their own medians there.\n",
+                        self.throughput_drop_pct, d0.median_gen_tok_s
+                    );
+                    let _ = writeln!(s, "| window s | gen tok/s | below median | what changed |");
+                    let _ = writeln!(s, "|---:|---:|---:|---|");
+                    for d in &self.throughput_drops {
+                        let changed: Vec<String> = d
+                            .changed
+                            .iter()
+                            .map(|c| {
+                                format!(
+                                    "{} {}: {:.2} (median {:.2})",
+                                    c.signal, c.subject, c.value, c.median
+                                )
+                            })
+                            .collect();
+                        let _ = writeln!(
+                            s,
+                            "| {:.1}-{:.1} | {:.1} | {:.1}% | {} |",
+                            d.start_s,
+                            d.end_s,
+                            d.gen_tok_s,
+                            d.drop_pct,
+                            md(&changed.join("; "))
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn latency_markdown(&self, s: &mut String) {
+        if self.function_latency.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n## Function latency\n");
+        let _ = writeln!(
+            s,
+            "| probe | thread | calls | calls/s | p50 ms | p90 ms | p99 ms | max ms | mean ms | method | resolution ms |"
+        );
+        let _ = writeln!(s, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|");
+        for f in &self.function_latency {
+            let l = &f.latency_ms;
+            let _ = writeln!(
+                s,
+                "| {} ({}) | {} (tid {}, pid {}) | {} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
+                md(&f.function),
+                md(short_file(&f.file)),
+                md(if f.thread.is_empty() { "thread" } else { &f.thread }),
+                f.tid,
+                f.pid,
+                f.calls,
+                f.calls_per_s,
+                l.p50,
+                l.p90,
+                l.p99,
+                l.max,
+                l.mean,
+                md(&f.method),
+                f.resolution_ms
+            );
+        }
+        if self.function_latency.iter().any(|f| f.method == "sampled") {
+            let _ = writeln!(
+                s,
+                "\n`sampled` probes see only calls longer than their resolution, so their counts \
+                 are low and their percentiles high."
+            );
+        }
+    }
+
+    pub(super) fn stalls_markdown(&self, s: &mut String) {
+        let st = &self.api_server_stalls;
+        if st.servers.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n## API-server stalls\n");
+        let _ = writeln!(
+            s,
+            "The event loop (main thread) on CPU in Python code for more than {} ms without \
+             going idle.\n",
+            st.threshold_ms
+        );
+        let _ = writeln!(
+            s,
+            "| pid | CPU s | main thread CPU s | serialization | stalls | stalled s | longest ms |"
+        );
+        let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|");
+        for r in &st.servers {
+            let _ = writeln!(
+                s,
+                "| {} | {:.3} | {:.3} | {:.1}% | {} | {:.3} | {:.1} |",
+                r.pid,
+                r.cpu_s,
+                r.main_thread_cpu_s,
+                r.serialization_share * 100.0,
+                r.stalls,
+                r.stalled_s,
+                r.longest_ms
+            );
+        }
+        for r in st
+            .servers
+            .iter()
+            .filter(|r| !r.serialization_top.is_empty())
+        {
+            let top: Vec<String> = r
+                .serialization_top
+                .iter()
+                .map(|f| format!("{} ({}) {:.3} s", f.function, short_file(&f.file), f.cpu_s))
+                .collect();
+            let _ = writeln!(
+                s,
+                "\nSerialization in pid {}: {}.",
+                r.pid,
+                md(&top.join("; "))
+            );
+        }
+        if st.stalls.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n| pid | start s | duration ms | samples | serialization | dominant stack (innermost first) | share |");
+        let _ = writeln!(s, "|---:|---:|---:|---:|---:|---|---:|");
+        for x in st.stalls.iter().take(MD_STALLS) {
+            let mut frames: Vec<&str> = x
+                .dominant_stack
+                .iter()
+                .take(MD_STALL_FRAMES)
+                .map(String::as_str)
+                .collect();
+            if x.dominant_stack.len() > MD_STALL_FRAMES {
+                frames.push("…");
+            }
+            let _ = writeln!(
+                s,
+                "| {} | {:.3} | {:.1} | {} | {:.1}% | {} | {:.1}% |",
+                x.pid,
+                x.start_s,
+                x.duration_ms,
+                x.samples,
+                x.serialization_share * 100.0,
+                md(&frames.join(" ← ")),
+                x.dominant_share * 100.0
+            );
+        }
+        if st.stalls.len() > MD_STALLS {
+            let _ = writeln!(
+                s,
+                "\n{} more stalls in the JSON report.",
+                st.stalls.len() - MD_STALLS
+            );
+        }
+    }
+}

@@ -1,0 +1,458 @@
+//! API-server event-loop stalls and serialization cost.
+//!
+//! In a vLLM API server (a process with role `api_server`, or an engine's `api_server_pid`)
+//! the asyncio event loop runs on the main thread (tid = pid). While the loop runs one
+//! callback it serves nothing else, so a long stretch of the main thread on CPU in Python code
+//! is a stall: every request waits. A stall is a run of the main thread's samples
+//! - in Python code that is not the loop's poll (a stack with a Python frame whose innermost
+//!   frame is not in `selectors.py`),
+//! - each within two sampling periods of the previous one, not counting time the thread was
+//!   preempted (runnable but switched out: the loop still is not serving),
+//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between them (a loop that
+//!   slept in epoll went idle),
+//!
+//! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
+//! sample's time to the last sample's time plus its period.
+//!
+//! Serialization: samples with a frame in JSON/pickle/msgpack/pydantic encoding or decoding
+//! anywhere on the stack ([`is_serialization_frame`]), as a share of the API server's CPU.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+use super::{frame_label, secs, Selection};
+use crate::record::{Frame, Recording, Sample};
+
+/// A blocked off-CPU interval longer than this between two samples ends a run.
+pub const MAX_BLOCK_NS: u64 = 2_000_000;
+/// Frames kept of a stall's dominant stack.
+pub const STACK_FRAMES: usize = 20;
+/// Serializing functions listed per API server.
+pub const SERIALIZATION_TOP: usize = 5;
+
+/// Files whose every frame is (de)serialization.
+const SERIALIZATION_FILES: &[&str] = &[
+    "json/encoder.py",
+    "json/decoder.py",
+    "json/__init__.py",
+    "/pickle.py",
+    "/copyreg.py",
+    "/_compat_pickle.py",
+    "fastapi/encoders.py",
+    // vLLM's msgpack encoder/decoder for the API server <-> EngineCore messages.
+    "vllm/v1/serial_utils.py",
+];
+/// Path parts of serialization packages.
+const SERIALIZATION_PACKAGES: &[&str] =
+    &["/msgspec/", "/orjson/", "/ujson/", "/cbor2/", "/msgpack/"];
+/// Functions (last part of the qualified name) that are (de)serialization wherever they are.
+const SERIALIZATION_FUNCTIONS: &[&str] = &[
+    "dumps",
+    "loads",
+    "model_dump_json",
+    "model_dump",
+    "model_validate_json",
+    "jsonable_encoder",
+    "serialize_response",
+];
+
+/// Whether a frame is JSON/pickle/msgpack/pydantic encoding or decoding: a function named
+/// `dumps`, `loads`, `model_dump_json`, `model_dump`, `model_validate_json`,
+/// `jsonable_encoder`, `serialize_response` or `*JSONResponse.render`, or any function in
+/// `json/encoder.py`, `json/decoder.py`, `json/__init__.py`, `pickle.py`, `copyreg.py`,
+/// `fastapi/encoders.py`, `vllm/v1/serial_utils.py`, or under `msgspec/`, `orjson/`,
+/// `ujson/`, `cbor2/`, `msgpack/`. (C encoders such as `orjson.dumps` have no frame of their
+/// own; their Python caller's frame is what matches.)
+pub fn is_serialization_frame(f: &Frame) -> bool {
+    let file = f.file.replace('\\', "/");
+    if SERIALIZATION_FILES.iter().any(|s| file.ends_with(s)) {
+        return true;
+    }
+    if SERIALIZATION_PACKAGES.iter().any(|p| file.contains(p)) {
+        return true;
+    }
+    let last = f.function.rsplit('.').next().unwrap_or(&f.function);
+    SERIALIZATION_FUNCTIONS.contains(&last)
+        || (last == "render" && f.function.contains("JSONResponse"))
+}
+
+/// Whether a process is an API server: its role says so (`api_server`, `APIServer`,
+/// `api-server`, any case), or an engine names it as its API server.
+pub fn is_api_server(rec: &Recording, pid: i32) -> bool {
+    let role_says = rec
+        .processes
+        .iter()
+        .rev()
+        .find(|p| p.pid == pid)
+        .is_some_and(|p| {
+            let r: String = p
+                .role
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric())
+                .collect::<String>()
+                .to_ascii_lowercase();
+            r == "apiserver"
+        });
+    role_says
+        || rec
+            .engines
+            .iter()
+            .any(|e| e.api_server_pid == pid && pid != 0)
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SerializingFunction {
+    pub function: String,
+    pub file: String,
+    /// On-CPU time in samples where this is the innermost serialization frame, s.
+    pub cpu_s: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ApiServerRow {
+    pub pid: i32,
+    /// The event loop's thread (the main thread, tid = pid).
+    pub main_tid: i32,
+    /// On-CPU time of the process's selected threads, s.
+    pub cpu_s: f64,
+    pub main_thread_cpu_s: f64,
+    /// Part of `cpu_s` in samples with a serialization frame on the stack, s.
+    pub serialization_s: f64,
+    /// `serialization_s` over `cpu_s`, 0..1.
+    pub serialization_share: f64,
+    /// Where that time went: innermost serialization frame's function, most first.
+    pub serialization_top: Vec<SerializingFunction>,
+    /// Stalls of the main thread.
+    pub stalls: u64,
+    /// Their summed duration, s.
+    pub stalled_s: f64,
+    /// The longest, ms (0 when none).
+    pub longest_ms: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Stall {
+    pub pid: i32,
+    pub tid: i32,
+    /// s since the recording's start.
+    pub start_s: f64,
+    pub duration_ms: f64,
+    pub samples: u64,
+    /// Sample weights, ms (the stall minus time preempted).
+    pub cpu_ms: f64,
+    /// Share of the stall's samples with a serialization frame, 0..1.
+    pub serialization_share: f64,
+    /// The most frequent stack in the stall, innermost frame first (`function (file:line)`),
+    /// at most [`STACK_FRAMES`].
+    pub dominant_stack: Vec<String>,
+    /// Share of the stall's samples on that stack, 0..1.
+    pub dominant_share: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ApiServerStalls {
+    /// `--stall-ms`.
+    pub threshold_ms: f64,
+    /// Selected API-server processes.
+    pub servers: Vec<ApiServerRow>,
+    /// Every stall, longest first (ties by start).
+    pub stalls: Vec<Stall>,
+}
+
+/// Whether a sample is the event loop idling or outside Python: no Python frame, or the
+/// innermost frame in `selectors.py` (the loop's poll).
+fn is_idle(rec: &Recording, s: &Sample) -> bool {
+    match rec.stack_frames(s.stack).next() {
+        None => true,
+        Some(f) => f.file.ends_with("selectors.py"),
+    }
+}
+
+/// Runs of busy samples (indices into `samples`, sorted by time) joined as the module
+/// describes.
+fn runs(
+    samples: &[&Sample],
+    off: &[(u64, u64, bool)],
+    idle: &[bool],
+    period_ns: u64,
+) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut cur: Vec<usize> = Vec::new();
+    let mut k = 0; // first off-CPU interval that may end after the previous sample
+    for (i, s) in samples.iter().enumerate() {
+        if idle[i] {
+            if !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+            continue;
+        }
+        if let Some(&p) = cur.last() {
+            let prev = samples[p];
+            let (a, b) = (prev.t_ns, s.t_ns);
+            while k < off.len() && off[k].0.saturating_add(off[k].1) <= a {
+                k += 1;
+            }
+            let (mut preempted, mut blocked_long) = (0u64, false);
+            for &(start, dur, pre) in off[k..].iter().take_while(|o| o.0 < b) {
+                let ov = start
+                    .saturating_add(dur)
+                    .min(b)
+                    .saturating_sub(start.max(a));
+                if pre {
+                    preempted += ov;
+                } else if dur > MAX_BLOCK_NS && ov > 0 {
+                    blocked_long = true;
+                }
+            }
+            let period = if prev.weight_ns > 0 {
+                u64::from(prev.weight_ns)
+            } else {
+                period_ns
+            };
+            let gap = b.saturating_sub(a).saturating_sub(preempted);
+            if blocked_long || gap > 2 * period {
+                out.push(std::mem::take(&mut cur));
+            }
+        }
+        cur.push(i);
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Stalls and serialization of the selected API servers.
+pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) -> ApiServerStalls {
+    let period_ns = if rec.meta.rate_hz > 0 {
+        1_000_000_000 / u64::from(rec.meta.rate_hz)
+    } else {
+        10_000_000
+    };
+    let mut out = ApiServerStalls {
+        threshold_ms: threshold_ns as f64 / 1e6,
+        ..Default::default()
+    };
+    // Per stack: whether serialization, and the innermost serialization frame.
+    let mut ser_of: HashMap<u32, Option<&Frame>> = HashMap::new();
+    let mut ser = |stack: u32| -> Option<&Frame> {
+        *ser_of
+            .entry(stack)
+            .or_insert_with(|| rec.stack_frames(stack).find(|f| is_serialization_frame(f)))
+    };
+    for pid in sel.pids().into_iter().filter(|&p| is_api_server(rec, p)) {
+        let mut row = ApiServerRow {
+            pid,
+            main_tid: pid,
+            ..Default::default()
+        };
+        let (mut cpu, mut main_cpu, mut ser_ns) = (0u64, 0u64, 0u64);
+        let mut by_fn: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+        let mut main: Vec<&Sample> = Vec::new();
+        for s in sel.samples(rec).filter(|s| s.pid == pid) {
+            let w = u64::from(s.weight_ns);
+            cpu += w;
+            if let Some(f) = ser(s.stack) {
+                ser_ns += w;
+                *by_fn
+                    .entry((f.function.as_str(), f.file.as_str()))
+                    .or_default() += w;
+            }
+            if s.tid == pid {
+                main_cpu += w;
+                main.push(s);
+            }
+        }
+        row.cpu_s = secs(cpu);
+        row.main_thread_cpu_s = secs(main_cpu);
+        row.serialization_s = secs(ser_ns);
+        row.serialization_share = if cpu == 0 {
+            0.0
+        } else {
+            ser_ns as f64 / cpu as f64
+        };
+        let mut top: Vec<((&str, &str), u64)> = by_fn.into_iter().collect();
+        top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        row.serialization_top = top
+            .into_iter()
+            .take(SERIALIZATION_TOP)
+            .map(|((function, file), ns)| SerializingFunction {
+                function: function.to_string(),
+                file: file.to_string(),
+                cpu_s: secs(ns),
+            })
+            .collect();
+
+        if sel.contains(pid, pid) {
+            main.sort_by_key(|s| s.t_ns);
+            let mut off: Vec<(u64, u64, bool)> = sel
+                .offcpu(rec)
+                .filter(|o| o.pid == pid && o.tid == pid)
+                .map(|o| (o.start_ns, o.dur_ns, o.preempted))
+                .collect();
+            off.sort_unstable();
+            let idle: Vec<bool> = main.iter().map(|s| is_idle(rec, s)).collect();
+            for run in runs(&main, &off, &idle, period_ns) {
+                let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
+                    continue;
+                };
+                let (a, z) = (main[first], main[last]);
+                let end = z.t_ns + u64::from(z.weight_ns).max(1);
+                let dur = end.saturating_sub(a.t_ns);
+                if dur <= threshold_ns {
+                    continue;
+                }
+                let mut stacks: BTreeMap<u32, u64> = BTreeMap::new();
+                let (mut w, mut ser_n) = (0u64, 0u64);
+                for &i in &run {
+                    let s = main[i];
+                    *stacks.entry(s.stack).or_default() += 1;
+                    w += u64::from(s.weight_ns);
+                    if ser(s.stack).is_some() {
+                        ser_n += 1;
+                    }
+                }
+                // Most frequent stack; ties to the lowest id (first interned).
+                let (dom, dom_n) = stacks
+                    .iter()
+                    .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
+                    .map_or((0, 0), |(&k, &n)| (k, n));
+                let n = run.len() as u64;
+                out.stalls.push(Stall {
+                    pid,
+                    tid: pid,
+                    start_s: secs(a.t_ns),
+                    duration_ms: dur as f64 / 1e6,
+                    samples: n,
+                    cpu_ms: w as f64 / 1e6,
+                    serialization_share: ser_n as f64 / n as f64,
+                    dominant_stack: rec
+                        .stack_frames(dom)
+                        .take(STACK_FRAMES)
+                        .map(frame_label)
+                        .collect(),
+                    dominant_share: dom_n as f64 / n as f64,
+                });
+                row.stalls += 1;
+                row.stalled_s += dur as f64 / 1e9;
+                row.longest_ms = row.longest_ms.max(dur as f64 / 1e6);
+            }
+        }
+        out.servers.push(row);
+    }
+    out.stalls.sort_by(|a, b| {
+        b.duration_ms
+            .total_cmp(&a.duration_ms)
+            .then(a.start_s.total_cmp(&b.start_s))
+            .then(a.pid.cmp(&b.pid))
+    });
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f(function: &str, file: &str) -> Frame {
+        Frame {
+            function: function.into(),
+            file: file.into(),
+            line: None,
+        }
+    }
+
+    #[test]
+    fn serialization_frames() {
+        assert!(is_serialization_frame(&f(
+            "JSONEncoder.encode",
+            "/usr/lib/python3.12/json/encoder.py"
+        )));
+        assert!(is_serialization_frame(&f(
+            "dumps",
+            "/x/site-packages/foo.py"
+        )));
+        assert!(is_serialization_frame(&f(
+            "BaseModel.model_dump_json",
+            "/x/pydantic/main.py"
+        )));
+        assert!(is_serialization_frame(&f(
+            "ORJSONResponse.render",
+            "/x/fastapi/responses.py"
+        )));
+        assert!(is_serialization_frame(&f(
+            "MsgpackEncoder.encode",
+            "/x/vllm/v1/serial_utils.py"
+        )));
+        // Tokenizers encode too, but that is not serialization.
+        assert!(!is_serialization_frame(&f(
+            "PreTrainedTokenizerFast.encode",
+            "/x/transformers/tokenization_utils_fast.py"
+        )));
+        assert!(!is_serialization_frame(&f(
+            "Response.render",
+            "/x/starlette/responses.py"
+        )));
+    }
+
+    #[test]
+    fn api_servers_by_role_or_engine() {
+        use crate::record::{EngineInfo, ProcessInfo};
+        let mut rec = Recording::default();
+        for (pid, role) in [(1, "APIServer"), (2, "EngineCore"), (4, "api_server")] {
+            rec.processes.push(ProcessInfo {
+                pid,
+                role: role.into(),
+                ..Default::default()
+            });
+        }
+        rec.engines.push(EngineInfo {
+            api_server_pid: 3,
+            ..Default::default()
+        });
+        let found: Vec<i32> = (0..6).filter(|&p| is_api_server(&rec, p)).collect();
+        assert_eq!(found, [1, 3, 4]);
+    }
+
+    #[test]
+    fn runs_split_on_gaps_blocks_and_idle() {
+        let ms = 1_000_000u64;
+        let mk = |t: u64| Sample {
+            t_ns: t * ms,
+            pid: 1,
+            tid: 1,
+            stack: 1,
+            flags: 0,
+            weight_ns: ms as u32,
+        };
+        // 0..4 ms; a gap of 4 ms (> 2 periods): split; 8, 9, then 20..22 with a 10 ms
+        // preemption between 9 and 20 (runnable all along: not a split); 27 after a 5 ms gap.
+        let times = [0, 1, 2, 3, 4, 8, 9, 20, 21, 22, 27];
+        let s: Vec<Sample> = times.iter().map(|&t| mk(t)).collect();
+        let refs: Vec<&Sample> = s.iter().collect();
+        let off = [(9 * ms + ms / 2, 10 * ms, true)];
+        let idle = vec![false; refs.len()];
+        let r = runs(&refs, &off, &idle, ms);
+        assert_eq!(r, vec![vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9], vec![10]]);
+        // At 4 ms periods, 8 ms apart is one run unless the thread blocked > 2 ms between.
+        let slow: Vec<Sample> = [0, 8, 16]
+            .iter()
+            .map(|&t| Sample {
+                weight_ns: 4 * ms as u32,
+                ..mk(t)
+            })
+            .collect();
+        let refs4: Vec<&Sample> = slow.iter().collect();
+        let blocked = [(9 * ms, 3 * ms, false)];
+        let r = runs(&refs4, &blocked, &[false; 3], 4 * ms);
+        assert_eq!(r, vec![vec![0, 1], vec![2]]);
+        let short_block = [(9 * ms, ms, false)];
+        let r = runs(&refs4, &short_block, &[false; 3], 4 * ms);
+        assert_eq!(r, vec![vec![0, 1, 2]]);
+        // An idle sample ends a run and belongs to none.
+        let mut idle = vec![false; refs.len()];
+        idle[2] = true;
+        let r = runs(&refs[..5], &[], &idle[..5], ms);
+        assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
+    }
+}
