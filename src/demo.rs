@@ -102,17 +102,9 @@ fn run_in(
     let rec_path = out_dir.join("demo.esrec");
     println!("\n== 2. record: {seconds} s of a mixed workload (pid {pid}): mix-cpu splits its CPU 70/30 between hot_a and hot_b, the others mostly wait\n");
     let summary = crate::sampler::record(&crate::sampler::RecordOptions {
-        pids: vec![pid],
         duration: Some(std::time::Duration::from_secs_f64(seconds)),
         rate_hz: 997,
-        output: rec_path.clone(),
-        backend: crate::sampler::Backend::Auto,
-        offcpu: true,
-        gil: true,
-        gc: true,
-        quiet: false,
-        probes: Vec::new(),
-        probe_max_rate: 2000,
+        ..crate::sampler::RecordOptions::new(vec![pid], rec_path.clone())
     })?;
     drop(child);
     println!(

@@ -40,8 +40,23 @@ enum Cmd {
     /// Sample every thread of running Python processes and write a recording (.esrec).
     Record {
         /// Target process ids (comma-separated or repeated).
-        #[arg(long, short, value_delimiter = ',', required = true)]
+        #[arg(long, short, value_delimiter = ',', required_unless_present = "vllm")]
         pid: Vec<i32>,
+        /// Find every vLLM engine on this host (API servers, engine cores, workers) and record
+        /// all of them, with their roles, their `/metrics` series and the default probes
+        /// (MessageQueue.enqueue/dequeue, Worker.execute_model, EngineCore.step, the
+        /// router-replay store's put and _evict_to_fit). Processes that start later are added.
+        #[arg(long)]
+        vllm: bool,
+        /// With --vllm: scrape this URL instead of the metrics URL found from the API server.
+        #[arg(long, value_name = "URL")]
+        metrics_url: Option<String>,
+        /// With --vllm: seconds between metric scrapes.
+        #[arg(long, default_value_t = 1.0)]
+        scrape_interval: f64,
+        /// With --vllm: do not add the default probes.
+        #[arg(long)]
+        no_default_probes: bool,
         /// Seconds to record; without it, until Ctrl-C.
         #[arg(long, short)]
         duration: Option<f64>,
@@ -223,6 +238,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_gc,
             probes,
             probe_max_rate,
+            vllm,
+            metrics_url,
+            scrape_interval,
+            no_default_probes,
             json,
         } => {
             let opts = enginescope::sampler::RecordOptions {
@@ -237,6 +256,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 quiet: false,
                 probes,
                 probe_max_rate,
+                vllm,
+                metrics_url,
+                scrape_interval: std::time::Duration::from_secs_f64(scrape_interval.max(0.01)),
+                default_probes: !no_default_probes,
             };
             let s = enginescope::sampler::record(&opts)?;
             if json {

@@ -18,6 +18,7 @@ use anyhow::Context;
 use crate::bpf::abi::{self, kind};
 use crate::bpf::{BpfSampler, EsThread};
 use crate::cpython::PythonProcess;
+use crate::record::EngineInfo;
 use crate::record::{
     flags, EndInfo, GcPause, GilWait, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample,
     ThreadInfo,
@@ -48,6 +49,37 @@ pub struct RecordOptions {
     pub probes: Vec<String>,
     /// Calls per second above which an exact probe switches to sampling (0: never).
     pub probe_max_rate: u64,
+    /// Find vLLM engines and record all their processes, roles and metrics (`--vllm`).
+    pub vllm: bool,
+    /// Metrics URL instead of the one discovered.
+    pub metrics_url: Option<String>,
+    /// How often engine metrics are scraped.
+    pub scrape_interval: Duration,
+    /// With `vllm`: also probe `probes::VLLM_DEFAULT_PROBES`.
+    pub default_probes: bool,
+}
+
+impl RecordOptions {
+    /// Options for `pids` with the defaults `record` uses.
+    pub fn new(pids: Vec<i32>, output: PathBuf) -> Self {
+        RecordOptions {
+            pids,
+            duration: None,
+            rate_hz: 99,
+            output,
+            backend: Backend::Auto,
+            offcpu: true,
+            gil: true,
+            gc: true,
+            quiet: false,
+            probes: Vec::new(),
+            probe_max_rate: 2000,
+            vllm: false,
+            metrics_url: None,
+            scrape_interval: Duration::from_secs(1),
+            default_probes: true,
+        }
+    }
 }
 
 /// What a finished recording contains, for the closing line and tests.
@@ -127,9 +159,38 @@ pub struct Pipeline {
     pub gc_pause_records: u64,
     /// Measured cost of one watchpoint hit, subtracted from each GC pause (probe effect).
     pub gc_trap_ns: u64,
+    /// Engine metrics from the scraper thread (`record --vllm`).
+    pub metrics: Option<std::sync::mpsc::Receiver<crate::vllm::metrics::ScrapeEvent>>,
+    pub metric_points: u64,
+    pub scrape_errors: u64,
 }
 
 impl Pipeline {
+    /// Write whatever the metrics scraper has sent since the last call.
+    pub fn poll_metrics(&mut self) -> anyhow::Result<()> {
+        use crate::vllm::metrics::ScrapeEvent;
+        let Some(rx) = &self.metrics else {
+            return Ok(());
+        };
+        let events: Vec<ScrapeEvent> = rx.try_iter().collect();
+        for ev in events {
+            match ev {
+                ScrapeEvent::Series(s) => self.writer.series(&s)?,
+                ScrapeEvent::Points(ps) => {
+                    for p in &ps {
+                        self.writer.metric(p)?;
+                    }
+                    self.metric_points += ps.len() as u64;
+                }
+                ScrapeEvent::Error(e) => {
+                    self.scrape_errors += 1;
+                    self.writer.scrape_error(&e)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn rel(&self, t: u64) -> u64 {
         t.saturating_sub(self.start_ns)
     }
@@ -396,15 +457,80 @@ fn hostname() -> String {
 
 /// Attach to every pid, choose a backend, record until the duration ends or SIGINT/SIGTERM.
 pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
-    anyhow::ensure!(!opts.pids.is_empty(), "no target: pass --pid PID[,PID…]");
+    let discovery = if opts.vllm {
+        let d = crate::vllm::discover::discover_engines(opts.metrics_url.as_deref())?;
+        if !opts.quiet {
+            for w in &d.warnings {
+                eprintln!("enginescope: {w}");
+            }
+            for e in &d.engines {
+                eprintln!(
+                    "enginescope: {}: API server {}, engine core {:?}, workers {:?}, metrics {}",
+                    e.id,
+                    if e.api_server_pid == 0 {
+                        "-".to_string()
+                    } else {
+                        e.api_server_pid.to_string()
+                    },
+                    e.engine_core_pids,
+                    e.worker_pids,
+                    if e.metrics_url.is_empty() {
+                        "-"
+                    } else {
+                        &e.metrics_url
+                    }
+                );
+            }
+        }
+        anyhow::ensure!(
+            !d.engines.is_empty() || !opts.pids.is_empty(),
+            "no vLLM engine found on this host (looked for `vllm serve` API servers, VLLM::EngineCore and VLLM::Worker processes); start one, pass --pid, or give --metrics-url for a remote engine"
+        );
+        Some(d)
+    } else {
+        None
+    };
+    let mut opts = opts.clone();
+    if let Some(d) = &discovery {
+        for pid in d.pids() {
+            if !opts.pids.contains(&pid) {
+                opts.pids.push(pid);
+            }
+        }
+        if opts.default_probes {
+            for p in probes::VLLM_DEFAULT_PROBES {
+                if !opts.probes.iter().any(|q| q == p) {
+                    opts.probes.push(p.to_string());
+                }
+            }
+        }
+    }
+    let opts = &opts;
+    anyhow::ensure!(
+        !opts.pids.is_empty() || discovery.is_some(),
+        "no target: pass --pid PID[,PID…] or --vllm"
+    );
     anyhow::ensure!(
         (1..=20_000).contains(&opts.rate_hz),
         "--rate must be 1..=20000 Hz"
     );
     let mut targets = Vec::new();
     for &pid in &opts.pids {
-        targets.push(Target::new(PythonProcess::attach(pid)?));
+        match PythonProcess::attach(pid) {
+            Ok(p) => targets.push(Target::new(p)),
+            // An engine process that exited between discovery and attach is not an error.
+            Err(e) if discovery.is_some() && !crate::procinfo::is_running(pid) => {
+                if !opts.quiet {
+                    eprintln!("enginescope: process {pid} exited before attach: {e}");
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
+    anyhow::ensure!(
+        !targets.is_empty() || discovery.as_ref().is_some_and(|d| !d.engines.is_empty()),
+        "no process to record"
+    );
     install_stop_handlers();
 
     let (backend, reason, mut bpf) = match opts.backend {
@@ -496,25 +622,65 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         gil_wait_records: 0,
         gc_pause_records: 0,
         gc_trap_ns: 0,
+        metrics: None,
+        metric_points: 0,
+        scrape_errors: 0,
     };
     for t in &targets {
         pipe.writer.process(&ProcessInfo {
             pid: t.pid,
             cmdline: t.cmdline.clone(),
             python_version: t.proc.version.to_string(),
-            role: String::new(),
+            role: discovery
+                .as_ref()
+                .and_then(|d| d.roles.get(&t.pid).cloned())
+                .unwrap_or_default(),
         })?;
     }
+    let mut session = match discovery {
+        Some(d) => {
+            for e in &d.engines {
+                pipe.writer.engine(&EngineInfo {
+                    t_ns: 0,
+                    ..e.clone()
+                })?;
+            }
+            let (scraper, rx) = crate::vllm::metrics::Scraper::spawn(
+                d.engines.clone(),
+                opts.scrape_interval,
+                start_ns,
+            )?;
+            pipe.metrics = Some(rx);
+            Some(EngineSession {
+                discovery: d,
+                scraper,
+                last: Instant::now(),
+            })
+        }
+        None => None,
+    };
 
     let deadline = opts.duration.map(|d| Instant::now() + d);
     let result = match bpf.as_mut() {
-        Some(b) => run_bpf(b, &mut targets, &mut pipe, &mut probes, opts, deadline),
+        Some(b) => run_bpf(
+            b,
+            &mut targets,
+            &mut pipe,
+            &mut probes,
+            session.as_mut(),
+            opts,
+            deadline,
+        ),
         None => {
             announce_started(opts.quiet);
             memory::run(&mut targets, &mut pipe, rate, deadline, &STOP)
         }
     };
     let end_ns = monotonic_ns();
+    if let Some(s) = session.take() {
+        s.scraper.stop();
+        pipe.poll_metrics()?;
+    }
     probes.close(bpf.as_mut(), &mut pipe)?;
     pipe.close(end_ns)?;
     let mut counters = BTreeMap::new();
@@ -533,6 +699,10 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     );
     counters.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
     counters.insert("gc_watch_attach_failures".into(), probes.gc_attach_failures);
+    if pipe.metrics.is_some() {
+        counters.insert("metric_points".into(), pipe.metric_points);
+        counters.insert("scrape_errors".into(), pipe.scrape_errors);
+    }
     if !probes.is_empty() {
         counters.insert("probe_trap_cost_ns".into(), probes.trap_ns);
         counters.insert("probe_calls".into(), probes.calls);
@@ -611,9 +781,10 @@ fn sync_threads(
 
 fn run_bpf(
     b: &mut BpfSampler,
-    targets: &mut [Target],
+    targets: &mut Vec<Target>,
     pipe: &mut Pipeline,
     probes: &mut probes::Probes,
+    mut session: Option<&mut EngineSession>,
     opts: &RecordOptions,
     deadline: Option<Instant>,
 ) -> anyhow::Result<String> {
@@ -631,29 +802,7 @@ fn run_bpf(
         }
     }
     for t in targets.iter() {
-        let mut fl = 0;
-        if opts.offcpu {
-            fl |= abi::TARGET_OFFCPU;
-        }
-        if opts.gil {
-            fl |= abi::TARGET_GIL;
-        }
-        let mut cfg = t.bpf_config(fl)?;
-        if opts.gc {
-            let tids: Vec<i32> = t.threads.keys().copied().collect();
-            match probes.watch_gc(b, t.pid, cfg.gc_collecting_addr, &tids) {
-                Ok(()) => cfg.flags |= abi::TARGET_GC,
-                Err(e) => {
-                    if !opts.quiet {
-                        eprintln!(
-                            "enginescope: no exact GC pauses for process {}: {e:#}",
-                            t.pid
-                        );
-                    }
-                }
-            }
-        }
-        b.set_target(t.pid as u32, &cfg)?;
+        configure_target(b, t, probes, opts)?;
     }
     if opts.gc || !probes.is_empty() {
         match b.watchpoint_cost_ns() {
@@ -668,7 +817,7 @@ fn run_bpf(
         }
     }
     announce_started(opts.quiet);
-    let index: HashMap<i32, usize> = targets
+    let mut index: HashMap<i32, usize> = targets
         .iter()
         .enumerate()
         .map(|(i, t)| (t.pid, i))
@@ -702,8 +851,47 @@ fn run_bpf(
                     }
                 }
             }
-            if !alive.iter().any(|a| *a) {
+            if !alive.iter().any(|a| *a) && session.is_none() {
                 break "all targets exited".to_string();
+            }
+        }
+        pipe.poll_metrics()?;
+        if let Some(sess) = session.as_deref_mut() {
+            if sess.last.elapsed() >= Duration::from_secs(2) {
+                sess.last = Instant::now();
+                for (pid, role) in sess.rediscover(pipe, opts)? {
+                    if index.contains_key(&pid) {
+                        continue;
+                    }
+                    match PythonProcess::attach(pid) {
+                        Ok(p) => {
+                            let t = Target::new(p);
+                            pipe.writer.process(&ProcessInfo {
+                                pid,
+                                cmdline: t.cmdline.clone(),
+                                python_version: t.proc.version.to_string(),
+                                role,
+                            })?;
+                            targets.push(t);
+                            let i = targets.len() - 1;
+                            if !probes.is_empty() {
+                                targets[i].collect_new_code = true;
+                            }
+                            index.insert(pid, i);
+                            alive.push(true);
+                            sync_threads(b, &mut targets[i..], pipe, probes)?;
+                            configure_target(b, &targets[i], probes, opts)?;
+                            if !opts.quiet {
+                                eprintln!("enginescope: attached to new engine process {pid}");
+                            }
+                        }
+                        Err(e) => {
+                            if !opts.quiet {
+                                eprintln!("enginescope: new engine process {pid}: {e}");
+                            }
+                        }
+                    }
+                }
             }
         }
         if last_flush.elapsed() >= Duration::from_millis(200) {
@@ -717,6 +905,98 @@ fn run_bpf(
     }
     drain_events(b, targets, &index, pipe, probes)?;
     Ok(reason)
+}
+
+/// A `record --vllm` session: the engines as last discovered and the metrics scraper.
+pub struct EngineSession {
+    discovery: crate::vllm::discover::Discovery,
+    scraper: crate::vllm::metrics::Scraper,
+    last: Instant,
+}
+
+impl EngineSession {
+    /// Discover again; write changed engines and roles, point the scraper at the engines now
+    /// present, and return the processes that appeared (pid, role).
+    fn rediscover(
+        &mut self,
+        pipe: &mut Pipeline,
+        opts: &RecordOptions,
+    ) -> anyhow::Result<Vec<(i32, String)>> {
+        let (fresh, change) =
+            match crate::vllm::discover::rediscover(&self.discovery, opts.metrics_url.as_deref()) {
+                Ok(x) => x,
+                // /proc raced with exiting processes: try again next time.
+                Err(_) => return Ok(Vec::new()),
+            };
+        if change.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = monotonic_ns().saturating_sub(pipe.start_ns);
+        for e in &change.changed_engines {
+            pipe.writer.engine(&EngineInfo {
+                t_ns: now,
+                ..e.clone()
+            })?;
+        }
+        if !change.changed_engines.is_empty() || !change.gone_engines.is_empty() {
+            self.scraper.set_engines(fresh.engines.clone());
+        }
+        for (pid, role) in &change.role_changes {
+            if let Some(p) = fresh.processes.iter().find(|p| p.pid == *pid) {
+                pipe.writer.process(&ProcessInfo {
+                    pid: *pid,
+                    cmdline: p.cmdline.clone(),
+                    python_version: String::new(),
+                    role: role.clone(),
+                })?;
+            }
+        }
+        if !opts.quiet {
+            for e in &change.changed_engines {
+                eprintln!(
+                    "enginescope: engine {} changed: engine core {:?}, workers {:?}",
+                    e.id, e.engine_core_pids, e.worker_pids
+                );
+            }
+            for id in &change.gone_engines {
+                eprintln!("enginescope: engine {id} is gone");
+            }
+        }
+        self.discovery = fresh;
+        Ok(change.new_pids)
+    }
+}
+
+/// Push one target's configuration to BPF, with its GC watchpoints.
+fn configure_target(
+    b: &mut BpfSampler,
+    t: &Target,
+    probes: &mut probes::Probes,
+    opts: &RecordOptions,
+) -> anyhow::Result<()> {
+    let mut fl = 0;
+    if opts.offcpu {
+        fl |= abi::TARGET_OFFCPU;
+    }
+    if opts.gil {
+        fl |= abi::TARGET_GIL;
+    }
+    let mut cfg = t.bpf_config(fl)?;
+    if opts.gc {
+        let tids: Vec<i32> = t.threads.keys().copied().collect();
+        match probes.watch_gc(b, t.pid, cfg.gc_collecting_addr, &tids) {
+            Ok(()) => cfg.flags |= abi::TARGET_GC,
+            Err(e) => {
+                if !opts.quiet {
+                    eprintln!(
+                        "enginescope: no exact GC pauses for process {}: {e:#}",
+                        t.pid
+                    );
+                }
+            }
+        }
+    }
+    b.set_target(t.pid as u32, &cfg)
 }
 
 /// Offer code objects met for the first time to the probes.

@@ -43,15 +43,17 @@ use crate::record::model::{FunctionCall, ProbeInfo};
 use super::Pipeline;
 
 /// Functions probed by default in vLLM processes (`record --vllm`): the calls that proved the
-/// router-replay fix. Names that match nothing cost nothing.
+/// router-replay fix, most important first (earlier probes win debug registers). Names that
+/// match nothing cost nothing.
 pub const VLLM_DEFAULT_PROBES: &[&str] = &[
     "MessageQueue.enqueue",
     "MessageQueue.dequeue",
     "Worker.execute_model",
+    "_evict_to_fit",
     "EngineCore.step",
     "EngineCore.step_with_batch_queue",
-    "put",
-    "_evict_to_fit",
+    "BlockObjectStore.put",
+    "AuxOutputStore.put",
 ];
 
 /// A function to probe, as asked for.
@@ -118,6 +120,8 @@ pub struct ExactPlan {
     pub returns: Vec<u64>,
 }
 
+/// Hardware breakpoints per thread (x86 debug registers DR0-DR3).
+const DEBUG_REGISTERS: usize = 4;
 /// Largest bytecode we walk, in bytes.
 const MAX_CODE_BYTES: u64 = 1 << 20;
 /// Most return instructions an exactly probed function may have (each needs a debug register
@@ -170,6 +174,8 @@ struct Active {
     info: ProbeInfo,
     /// Code object address.
     code: u64,
+    /// Index of the spec it matched: earlier specs win debug registers from later ones.
+    prio: usize,
     plan: Option<ExactPlan>,
     /// tid → breakpoints set on it.
     links: HashMap<i32, Vec<PerfEventLinkId>>,
@@ -286,34 +292,76 @@ impl Probes {
         if self.specs.is_empty() || !self.seen.insert((proc.pid, code)) {
             return Ok(());
         }
-        let Some(spec) = self
+        let Some((prio, spec)) = self
             .specs
             .iter()
-            .find(|s| s.matches(&info.qualname, &info.filename, proc.version.minor >= 11))
+            .enumerate()
+            .find(|(_, s)| s.matches(&info.qualname, &info.filename, proc.version.minor >= 11))
         else {
             return Ok(());
         };
-        let id = self.active.len() as u32;
+        let spec = spec.clone();
         let mut why_sampled = String::new();
         let mut plan = None;
         let mut links: HashMap<i32, Vec<PerfEventLinkId>> = HashMap::new();
         match (b, plan_exact(proc, code)) {
             (None, _) => why_sampled = "no BPF backend".into(),
             (Some(_), Err(e)) => why_sampled = e,
-            (Some(bpf), Ok(p)) => match attach_all(bpf, tid, &p) {
-                Ok(ls) => {
-                    links.insert(tid, ls);
-                    plan = Some(p);
-                }
-                Err(e) => {
-                    why_sampled = format!(
-                        "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread, exact GC pauses use one, other probes on the same thread the rest)",
-                        1 + p.returns.len()
-                    )
+            (Some(bpf), Ok(p)) => loop {
+                match attach_all(bpf, tid, &p) {
+                    Ok(ls) => {
+                        links.insert(tid, ls);
+                        plan = Some(p);
+                        break;
+                    }
+                    Err(e) => {
+                        // Out of debug registers: take them from the least important exact
+                        // probe on this thread that was asked for after this one, if any.
+                        // Only when that can make room: 4 registers, less the GC watchpoint,
+                        // less what probes asked for earlier hold on this thread.
+                        let kept: usize = self
+                            .active
+                            .iter()
+                            .filter(|a| !a.retired && a.prio <= prio && a.links.contains_key(&tid))
+                            .map(|a| a.plan.as_ref().map_or(0, |p| 1 + p.returns.len()))
+                            .sum();
+                        let gc = usize::from(self.gc_links.contains_key(&tid));
+                        let fits = 1 + p.returns.len() + kept + gc <= DEBUG_REGISTERS;
+                        let victim = self
+                            .active
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, a)| {
+                                fits && a.plan.is_some()
+                                    && !a.retired
+                                    && a.prio > prio
+                                    && a.links.contains_key(&tid)
+                            })
+                            .max_by_key(|(_, a)| a.prio)
+                            .map(|(i, _)| i);
+                        match victim {
+                            Some(v) => {
+                                let why = format!(
+                                    "its debug registers on thread {tid} go to {}, asked for earlier",
+                                    info.qualname
+                                );
+                                self.demote(bpf, v, &why, now_rel_ns + pipe.start_ns, pipe)?;
+                            }
+                            None => {
+                                why_sampled = format!(
+                                    "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread, exact GC pauses use one, probes asked for earlier on the same thread the rest)",
+                                    1 + p.returns.len()
+                                );
+                                break;
+                            }
+                        }
+                    }
                 }
             },
         }
         let exact = plan.is_some();
+        // After any demotion above, which adds probes.
+        let id = self.active.len() as u32;
         let probe = ProbeInfo {
             id,
             spec: spec.spec.clone(),
@@ -360,6 +408,7 @@ impl Probes {
             retired: false,
             window_calls: 0,
             window_start_ns: 0,
+            prio,
         });
         Ok(())
     }
@@ -395,44 +444,61 @@ impl Probes {
             }
         }
         for (i, rate) in demote {
-            let a = &mut self.active[i];
-            a.retired = true;
-            for (_, ls) in a.links.drain() {
-                for l in ls {
-                    b.unwatch_code_unit(l);
-                }
-            }
-            let pid = a.info.pid;
-            self.by_addr
-                .retain(|&(p, _), &mut (idx, _)| !(p == pid && idx == i));
-            let before = self.open.len();
-            self.open.retain(|_, &mut (idx, _)| idx != i);
-            self.unfinished += (before - self.open.len()) as u64;
-            let mut info = self.active[i].info.clone();
-            info.id = self.active.len() as u32;
-            info.method = "sampled".into();
-            info.resolution_ns = self.period_ns;
-            info.t_ns = now_ns.saturating_sub(pipe.start_ns);
-            if !self.quiet {
-                eprintln!(
-                    "enginescope: probe {} in process {}: {rate} calls/s is more than --probe-max-rate {max_per_s} for breakpoints; sampled from now on",
-                    info.function, info.pid
-                );
-            }
-            pipe.writer.probe(&info)?;
-            let code = self.active[i].code;
-            self.active.push(Active {
-                info,
-                code,
-                plan: None,
-                links: HashMap::new(),
-                failed: HashSet::new(),
-                retired: false,
-                window_calls: 0,
-                window_start_ns: 0,
-            });
-            self.demoted += 1;
+            let why =
+                format!("{rate} calls/s is more than --probe-max-rate {max_per_s} for breakpoints");
+            self.demote(b, i, &why, now_ns, pipe)?;
         }
+        Ok(())
+    }
+
+    /// Switch exact probe `i` to the sampled method from `now_ns` on: remove its breakpoints
+    /// and add a sampled probe on the same function (a new probe record).
+    fn demote(
+        &mut self,
+        b: &mut BpfSampler,
+        i: usize,
+        why: &str,
+        now_ns: u64,
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        let a = &mut self.active[i];
+        a.retired = true;
+        for (_, ls) in a.links.drain() {
+            for l in ls {
+                b.unwatch_code_unit(l);
+            }
+        }
+        let pid = a.info.pid;
+        self.by_addr
+            .retain(|&(p, _), &mut (idx, _)| !(p == pid && idx == i));
+        let before = self.open.len();
+        self.open.retain(|_, &mut (idx, _)| idx != i);
+        self.unfinished += (before - self.open.len()) as u64;
+        let mut info = self.active[i].info.clone();
+        info.id = self.active.len() as u32;
+        info.method = "sampled".into();
+        info.resolution_ns = self.period_ns;
+        info.t_ns = now_ns.saturating_sub(pipe.start_ns);
+        if !self.quiet {
+            eprintln!(
+                "enginescope: probe {} in process {}: {why}; sampled from now on",
+                info.function, info.pid
+            );
+        }
+        pipe.writer.probe(&info)?;
+        let (code, prio) = (self.active[i].code, self.active[i].prio);
+        self.active.push(Active {
+            info,
+            code,
+            prio,
+            plan: None,
+            links: HashMap::new(),
+            failed: HashSet::new(),
+            retired: false,
+            window_calls: 0,
+            window_start_ns: 0,
+        });
+        self.demoted += 1;
         Ok(())
     }
 
