@@ -341,6 +341,36 @@ pub struct FunctionRow {
     pub self_native_s: f64,
     pub self_samples: u64,
     pub total_samples: u64,
+    /// For a probed function (`record --probe`): its calls in this thread (the probe with the
+    /// most calls when it has several, e.g. exact and then sampled).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls_per_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latency_ms: Option<super::latency::LatencyMs>,
+    /// `exact` or `sampled` (see `function_latency[]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+}
+
+/// Fill the call fields of each function row that has a probe in the same thread.
+fn with_calls(mut rows: Vec<FunctionRow>, lat: &[FunctionLatencyRow]) -> Vec<FunctionRow> {
+    for r in rows.iter_mut() {
+        if let Some(l) = lat
+            .iter()
+            .filter(|l| {
+                l.pid == r.pid && l.tid == r.tid && l.function == r.function && l.file == r.file
+            })
+            .max_by_key(|l| l.calls)
+        {
+            r.calls = Some(l.calls);
+            r.calls_per_s = Some(l.calls_per_s);
+            r.latency_ms = Some(l.latency_ms.clone());
+            r.method = Some(l.method.clone());
+        }
+    }
+    rows
 }
 
 #[derive(Default)]
@@ -548,6 +578,10 @@ impl Report {
                         self_native_s: secs(a.self_native_ns),
                         self_samples: a.self_samples,
                         total_samples: a.total_samples,
+                        calls: None,
+                        calls_per_s: None,
+                        latency_ms: None,
+                        method: None,
                     },
                 )
             })
@@ -654,6 +688,7 @@ impl Report {
         let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &tl.windows, end_ns);
 
         let m = &rec.meta;
+        let function_latency = function_latency(rec, sel, &windows);
         Report {
             schema: SCHEMA.to_string(),
             tool_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -689,14 +724,17 @@ impl Report {
                 .collect(),
             totals,
             threads: rows.into_iter().map(|(_, r)| r).collect(),
-            functions: functions.into_iter().map(|(_, f)| f).collect(),
+            functions: with_calls(
+                functions.into_iter().map(|(_, f)| f).collect(),
+                &function_latency,
+            ),
             gil_blocking,
             gil_blocking_pairs,
             gc,
             counters: rec.counters.clone(),
             engine_imbalance: engines::imbalance(&engine_rows),
             engines: engine_rows,
-            function_latency: function_latency(rec, sel, &windows),
+            function_latency,
             window_s: tl.window_s,
             key_threads: tl.key_threads,
             windows: tl.windows,
