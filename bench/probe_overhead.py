@@ -2,7 +2,7 @@
 
     sudo python3 bench/probe_overhead.py [--python PY] [--rounds 3] [--seconds 5] [--out FILE]
 
-A child process calls `work()` (about 20 µs of pure-Python work per call) from one thread,
+A child process calls `work()` (about 10 µs of pure-Python work per call) from one thread,
 paced to RATE calls/s, for --seconds, and reports its own figures: calls made, the calling
 thread's CPU time per call (its CPU clock, so a debug trap's kernel time counts) and the
 median call time seen by the caller (perf_counter_ns around the call). Modes, interleaved per
