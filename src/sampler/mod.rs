@@ -112,7 +112,7 @@ pub fn stop_requested() -> bool {
 }
 
 /// Stop cleanly (finish the file) on SIGINT and SIGTERM.
-fn install_stop_handlers() {
+pub fn install_stop_handlers() {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
