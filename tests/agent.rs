@@ -484,3 +484,418 @@ fn agent_metrics_and_segments_match_truth_across_rotations() {
     let log = agent.stop();
     assert!(!log.contains("panicked"), "{log}");
 }
+
+/// The `prometheus` binary (Debian package `prometheus`); under CI=true a missing one fails.
+fn prometheus_binary() -> Option<PathBuf> {
+    let p = std::env::var_os("PATH")?;
+    let found = std::env::split_paths(&p)
+        .map(|d| d.join("prometheus"))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("prometheus is missing (CI=true; scripts/test.sh installs it)");
+        }
+        eprintln!("SKIP: prometheus not installed (apt-get install prometheus)");
+    }
+    found
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A Prometheus server on loopback with a temporary config and storage; killed on drop.
+struct Prometheus {
+    child: Child,
+    base: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Prometheus {
+    fn start(bin: &Path, target: &str) -> Prometheus {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: enginescope\n    scrape_interval: 1s\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .unwrap();
+        let port = free_port();
+        let child = Command::new(bin)
+            .arg(format!("--config.file={}", cfg.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--log.level=warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus");
+        let p = Prometheus {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            _dir: dir,
+        };
+        let ready = poll_until(Duration::from_secs(60), Duration::from_millis(200), || {
+            let ok = http_get(&format!("{}/-/ready", p.base)).is_ok();
+            (ok, ok)
+        });
+        assert!(ready, "prometheus did not become ready");
+        p
+    }
+
+    /// An instant query (at `time`, Unix seconds, or now): (labels, value) per series.
+    fn query(&self, q: &str, time: Option<f64>) -> Vec<(BTreeMap<String, String>, f64)> {
+        let mut url = format!("{}/api/v1/query?query={}", self.base, urlencode(q));
+        if let Some(t) = time {
+            url.push_str(&format!("&time={t:.3}"));
+        }
+        let body = http_get(&url).unwrap_or_else(|e| panic!("{q}: {e}"));
+        let j: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(j["status"], "success", "{q}: {body}");
+        j["data"]["result"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                let labels = r["metric"]
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_string()))
+                    .collect();
+                let v = r["value"][1].as_str().unwrap().parse::<f64>().unwrap();
+                (labels, v)
+            })
+            .collect()
+    }
+
+    /// The single value of a query that must return one series.
+    fn one(&self, q: &str, time: Option<f64>) -> f64 {
+        let r = self.query(q, time);
+        assert_eq!(r.len(), 1, "{q}: {r:?}");
+        r[0].1
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// CLOCK_MONOTONIC ns → Unix seconds (the offset read now).
+fn mono_to_unix(mono_ns: u64) -> f64 {
+    let now_mono = enginescope::sampler::monotonic_ns();
+    let now_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    now_unix - (now_mono as f64 - mono_ns as f64) / 1e9
+}
+
+/// A real Prometheus (Debian's package, on loopback, scraping every second) scrapes the agent
+/// recording cpu_mix (probing `hot_b`) and gc_churn; its PromQL answers are checked against
+/// the workloads' truth: per-thread CPU rates mid-window, the thread-name label set, gen-0 GC
+/// pause rate and median (histogram_quantile), and, at the end, totals that equal the agent's
+/// own /metrics and whose in-window part matches the truth (GC pauses per generation, probed
+/// calls and their total duration).
+#[test]
+fn prometheus_scrapes_the_agent_and_answers_promql() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(prom_bin) = prometheus_binary() else {
+        return;
+    };
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let args = [
+        "--truth",
+        "{dir}/truth.json",
+        "--duration",
+        "10",
+        "--go-fifo",
+        "{dir}/go",
+    ];
+    let mut mix = start(&i, "cpu_mix.py", &args);
+    let mut gcw = start(&i, "gc_churn.py", &args);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("segs");
+    let pids = format!("{},{}", mix.pid, gcw.pid);
+    let mut agent = Agent::start(&[
+        "--pid",
+        &pids,
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--rate",
+        "199",
+        "--poll",
+        "0.25",
+        "--segment-seconds",
+        "4",
+        "--probe",
+        "cpu_mix.py:hot_b",
+    ]);
+    agent.wait_line("sampling started", Duration::from_secs(30));
+    let t0 = Instant::now();
+    let prom = Prometheus::start(&prom_bin, &agent.addr);
+    eprintln!("prometheus ready after {:?}", t0.elapsed());
+    let up = poll_until(Duration::from_secs(30), Duration::from_millis(250), || {
+        let r = prom.query(r#"up{job="enginescope"}"#, None);
+        (r.first().is_some_and(|x| x.1 == 1.0), r)
+    });
+    assert!(
+        up.first().is_some_and(|x| x.1 == 1.0),
+        "agent not scraped: {up:?}"
+    );
+    agent.wait_line("probe cpu_mix.py:hot_b -> hot_b", Duration::from_secs(30));
+    eprintln!("scraped and probe attached after {:?}", t0.elapsed());
+    mix.go();
+    gcw.go();
+    assert!(mix.child.wait().unwrap().success());
+    assert!(gcw.child.wait().unwrap().success());
+    let t_mix = read_json(&mix.dir.join("truth.json"));
+    let t_gc = read_json(&gcw.dir.join("truth.json"));
+    agent.wait_line("every --pid target has exited", Duration::from_secs(30));
+    eprintln!("workloads done after {:?}", t0.elapsed());
+
+    let mut report = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    let mut check = |ok: bool, what: String| {
+        report.push(format!("{} {what}", if ok { "ok  " } else { "FAIL" }));
+        if !ok {
+            failures.push(what);
+        }
+    };
+
+    // Thread names as labels: every thread of cpu_mix has a series.
+    let mix_role = format!("pid{}", mix.pid);
+    let series = prom.query(
+        &format!(r#"enginescope_thread_offcpu_seconds_total{{role="{mix_role}"}}"#),
+        None,
+    );
+    let mut got_names: Vec<String> = series
+        .iter()
+        .filter_map(|(l, _)| l.get("thread").cloned())
+        .collect();
+    got_names.sort();
+    let mut want_names: Vec<String> = t_mix["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap().to_string())
+        .collect();
+    want_names.sort();
+    check(
+        got_names == want_names,
+        format!("thread label values {got_names:?} = truth {want_names:?}"),
+    );
+
+    // Rates mid-window: a 6 s range ending 1 s before the window's end (the agent's figures
+    // trail the workload by up to half a second).
+    let a = t_mix["window"]["start_mono_ns"].as_u64().unwrap();
+    let b = t_mix["window"]["end_mono_ns"].as_u64().unwrap();
+    let wall = (b - a) as f64 / 1e9;
+    let at = mono_to_unix(b) - 1.0;
+    for t in t_mix["threads"].as_array().unwrap() {
+        let name = t["name"].as_str().unwrap();
+        if !["mix-cpu", "mix-sleeper"].contains(&name) {
+            continue;
+        }
+        let want = t["cpu_s"].as_f64().unwrap() / wall;
+        let got = prom.one(
+            &format!(
+                r#"rate(enginescope_thread_cpu_seconds_total{{role="{mix_role}",thread="{name}"}}[6s])"#
+            ),
+            Some(at),
+        );
+        check(
+            (got - want).abs() <= 0.05 + 0.1 * want,
+            format!("rate(thread_cpu {name}[6s]) = {got:.3} CPU, truth {want:.3}"),
+        );
+    }
+    let ga = t_gc["window"]["start_mono_ns"].as_u64().unwrap();
+    let gb = t_gc["window"]["end_mono_ns"].as_u64().unwrap();
+    let gwall = (gb - ga) as f64 / 1e9;
+    let gc_role = format!("pid{}", gcw.pid);
+    let g0 = &t_gc["by_generation"]["0"];
+    let want_rate = g0["pauses"].as_f64().unwrap() / gwall;
+    let got_rate = prom.one(
+        &format!(
+            r#"sum(rate(enginescope_gc_pause_seconds_count{{role="{gc_role}",generation="0"}}[6s]))"#
+        ),
+        Some(mono_to_unix(gb) - 1.0),
+    );
+    check(
+        (got_rate / want_rate - 1.0).abs() <= 0.15,
+        format!("gen-0 pauses {got_rate:.1}/s, truth {want_rate:.1}/s"),
+    );
+    // Median gen-0 pause: histogram_quantile interpolates inside a bucket (buckets 2-2.5x
+    // apart), so it is held to within one bucket of the truth.
+    let mut durs: Vec<f64> = t_gc["pause_list"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p[2].as_i64() == Some(0))
+        .map(|p| p[1].as_f64().unwrap() / 1e9)
+        .collect();
+    durs.sort_by(f64::total_cmp);
+    let want_median = durs[durs.len() / 2];
+    let got_median = prom.one(
+        &format!(
+            r#"histogram_quantile(0.5, sum by (le) (rate(enginescope_gc_pause_seconds_bucket{{role="{gc_role}",generation="0"}}[6s])))"#
+        ),
+        Some(mono_to_unix(gb) - 1.0),
+    );
+    check(
+        got_median / want_median <= 2.5 && want_median / got_median <= 2.5,
+        format!("gen-0 median pause {got_median:.6} s, truth {want_median:.6} s"),
+    );
+
+    // Totals at the end: what Prometheus stored equals what the agent serves, and their
+    // in-window part (from the segments the counters were made from) matches the truth.
+    let recs: Vec<Recording> = segments(&dir)
+        .iter()
+        .map(|p| read_recording(p).unwrap())
+        .collect();
+    // The agent has caught up once it serves every pause and call the segments hold.
+    let seg_pauses = recs.iter().map(|r| r.gc_pauses.len()).sum::<usize>() as f64;
+    let seg_calls = recs.iter().map(|r| r.calls.len()).sum::<usize>() as f64;
+    let exp = poll_until(Duration::from_secs(15), Duration::from_millis(200), || {
+        let exp = parse_exposition(&agent.metrics());
+        let p = sum_of(&exp, "enginescope_gc_pause_seconds_count", &[]);
+        let c = sum_of(&exp, "enginescope_probe_call_duration_seconds_count", &[]);
+        (p == seg_pauses && c == seg_calls, exp)
+    });
+    check(
+        sum_of(&exp, "enginescope_gc_pause_seconds_count", &[]) == seg_pauses,
+        format!("agent serves the segments' {seg_pauses} GC pauses"),
+    );
+    for g in 0..3 {
+        let q = format!(
+            r#"sum(enginescope_gc_pause_seconds_count{{role="{gc_role}",generation="{g}"}})"#
+        );
+        let served = sum_of(
+            &exp,
+            "enginescope_gc_pause_seconds_count",
+            &[("role", gc_role.as_str()), ("generation", &g.to_string())],
+        );
+        let stored = poll_until(Duration::from_secs(10), Duration::from_millis(250), || {
+            let v = prom.query(&q, None).first().map(|x| x.1).unwrap_or(-1.0);
+            (v == served, v)
+        });
+        check(
+            stored == served,
+            format!("gen {g}: Prometheus {stored} pauses = agent {served}"),
+        );
+        let in_window = recs
+            .iter()
+            .flat_map(|r| {
+                r.gc_pauses
+                    .iter()
+                    .filter(|p| p.pid == gcw.pid && p.generation == g as i8)
+                    .map(move |p| r.meta.start_mono_ns + p.start_ns)
+            })
+            .filter(|t| (ga..gb).contains(t))
+            .count() as f64;
+        let want = t_gc["by_generation"][g.to_string()]["pauses"]
+            .as_f64()
+            .unwrap_or(0.0);
+        check(
+            (in_window - want).abs() <= (0.01 * want).max(1.0) && served >= in_window,
+            format!("gen {g}: {in_window} pauses in the window (truth {want}), {served} in all"),
+        );
+    }
+    let mix_pid = mix.pid;
+    let probe_q = format!(
+        r#"enginescope_probe_call_duration_seconds_count{{role="{mix_role}",function="hot_b",method="exact"}}"#
+    );
+    let served = sum_of(
+        &exp,
+        "enginescope_probe_call_duration_seconds_count",
+        &[("role", mix_role.as_str()), ("function", "hot_b")],
+    );
+    let stored = poll_until(Duration::from_secs(10), Duration::from_millis(250), || {
+        let v = prom
+            .query(&probe_q, None)
+            .first()
+            .map(|x| x.1)
+            .unwrap_or(-1.0);
+        (v == served, v)
+    });
+    check(
+        stored == served && served > 0.0,
+        format!("hot_b: Prometheus {stored} calls = agent {served}"),
+    );
+    let calls: Vec<(u64, u64)> = recs
+        .iter()
+        .flat_map(|r| {
+            r.calls
+                .iter()
+                .filter(|c| c.pid == mix_pid)
+                .map(move |c| (r.meta.start_mono_ns + c.start_ns, c.dur_ns))
+        })
+        .filter(|(s, _)| (a..b).contains(s))
+        .collect();
+    let mix_cpu = t_mix["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "mix-cpu")
+        .unwrap();
+    let want_calls = mix_cpu["functions"]["hot_b"]["calls"].as_f64().unwrap();
+    let want_wall = mix_cpu["functions"]["hot_b"]["wall_s"].as_f64().unwrap();
+    let got_wall: f64 = calls.iter().map(|c| c.1 as f64 / 1e9).sum();
+    check(
+        (calls.len() as f64 - want_calls).abs() <= 0.02 * want_calls + 2.0,
+        format!(
+            "hot_b: {} calls in the window, truth {want_calls}",
+            calls.len()
+        ),
+    );
+    check(
+        (got_wall / want_wall - 1.0).abs() <= 0.10,
+        format!("hot_b: {got_wall:.3} s in calls, truth {want_wall:.3} s"),
+    );
+    let sum_stored = prom.one(
+        &format!(
+            r#"enginescope_probe_call_duration_seconds_sum{{role="{mix_role}",function="hot_b"}}"#
+        ),
+        None,
+    );
+    check(
+        sum_stored >= got_wall * 0.999,
+        format!("hot_b: Prometheus _sum {sum_stored:.3} s covers the window's {got_wall:.3} s"),
+    );
+    let lost = prom.one("enginescope_samples_lost_total", None);
+    check(lost >= 0.0, format!("samples lost series present ({lost})"));
+    eprintln!("{}", report.join("\n"));
+    drop(prom);
+    agent.stop();
+    assert!(failures.is_empty(), "{failures:?}\n{}", report.join("\n"));
+}
