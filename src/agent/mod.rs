@@ -229,12 +229,18 @@ fn supervise(
             restarts.inc();
         }
         runs += 1;
-        let msg = match sampler::record_rotating(opts, Some(policy.clone())) {
-            Ok(s) => format!(
+        // A panic in the recorder (a bug) is reported and the recorder started again: the
+        // agent keeps serving. Its BPF programs and breakpoints are dropped while unwinding.
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sampler::record_rotating(opts, Some(policy.clone()))
+        }));
+        let msg = match run {
+            Ok(Ok(s)) => format!(
                 "recorder stopped after {:.1} s ({} samples)",
                 s.duration_s, s.samples
             ),
-            Err(e) => format!("recorder: {e:#}"),
+            Ok(Err(e)) => format!("recorder: {e:#}"),
+            Err(_) => "the recorder panicked (a bug; please report it with the lines above)".into(),
         };
         if sampler::stop_requested() {
             break;
