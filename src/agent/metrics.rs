@@ -26,50 +26,64 @@ pub const NO_PYTHON: &str = "(no Python frame)";
 /// Longest label value kept (longer ones are cut).
 const MAX_LABEL_LEN: usize = 120;
 
-/// Every metric family the agent exposes: (family name as registered, type). Counters are
-/// exposed with `_total`, histograms as `_bucket`, `_sum`, `_count`.
-pub const FAMILIES: &[(&str, &str)] = &[
-    ("enginescope_thread_cpu_seconds", "counter"),
-    ("enginescope_thread_gil_held_seconds", "counter"),
-    ("enginescope_thread_gil_wait_seconds", "counter"),
-    ("enginescope_thread_offcpu_seconds", "counter"),
-    ("enginescope_function_cpu_seconds", "counter"),
-    ("enginescope_samples", "counter"),
-    ("enginescope_gc_pause_seconds", "histogram"),
-    ("enginescope_gc_collected_objects", "counter"),
-    ("enginescope_probe_call_duration_seconds", "histogram"),
-    ("enginescope_samples_lost", "counter"),
-    ("enginescope_recorder_errors", "counter"),
-    ("enginescope_probe_errors", "counter"),
-    ("enginescope_probes_switched_to_sampling", "counter"),
-    ("enginescope_scrape_errors", "counter"),
-    ("enginescope_processes", "gauge"),
-    ("enginescope_label_sets_aggregated", "counter"),
-    ("enginescope_recording_segments", "gauge"),
-    ("enginescope_recording_bytes", "gauge"),
-    ("enginescope_recording_rotations", "counter"),
-    ("enginescope_recorder_restarts", "counter"),
-    ("enginescope_info", "gauge"),
-    ("process_resident_memory_bytes", "gauge"),
-    ("process_virtual_memory_bytes", "gauge"),
-    ("process_cpu_seconds", "counter"),
-    ("process_open_fds", "gauge"),
-    ("process_start_time_seconds", "gauge"),
+/// Every metric family the agent exposes: (family name as registered, type, label names).
+/// Counters are exposed with `_total`, histograms as `_bucket` (with `le`), `_sum`, `_count`.
+pub const FAMILIES: &[(&str, &str, &[&str])] = &[
+    ("enginescope_thread_cpu_seconds", "counter", THREAD),
+    ("enginescope_thread_gil_held_seconds", "counter", THREAD),
+    ("enginescope_thread_gil_wait_seconds", "counter", THREAD),
+    ("enginescope_thread_offcpu_seconds", "counter", THREAD),
+    (
+        "enginescope_function_cpu_seconds",
+        "counter",
+        &["engine", "role", "function", "file"],
+    ),
+    ("enginescope_samples", "counter", PROCESS),
+    ("enginescope_gc_pause_seconds", "histogram", GC),
+    ("enginescope_gc_collected_objects", "counter", GC),
+    (
+        "enginescope_probe_call_duration_seconds",
+        "histogram",
+        &["engine", "role", "function", "method"],
+    ),
+    ("enginescope_samples_lost", "counter", &[]),
+    ("enginescope_recorder_errors", "counter", &["kind"]),
+    ("enginescope_probe_errors", "counter", &["kind"]),
+    ("enginescope_probes_switched_to_sampling", "counter", &[]),
+    ("enginescope_scrape_errors", "counter", &["engine"]),
+    ("enginescope_processes", "gauge", PROCESS),
+    ("enginescope_label_sets_aggregated", "counter", &["kind"]),
+    ("enginescope_recording_segments", "gauge", &[]),
+    ("enginescope_recording_bytes", "gauge", &[]),
+    ("enginescope_recording_rotations", "counter", &[]),
+    ("enginescope_recorder_restarts", "counter", &[]),
+    ("enginescope_info", "gauge", &["version", "backend", "mode"]),
+    ("process_resident_memory_bytes", "gauge", &[]),
+    ("process_virtual_memory_bytes", "gauge", &[]),
+    ("process_cpu_seconds", "counter", &[]),
+    ("process_open_fds", "gauge", &[]),
+    ("process_start_time_seconds", "gauge", &[]),
 ];
 
-/// The names a query may use for each family: counters with `_total`, histograms with their
-/// three series, gauges as they are.
-pub fn exposed_names() -> Vec<String> {
+const THREAD: &[&str] = &["engine", "role", "thread"];
+const PROCESS: &[&str] = &["engine", "role"];
+const GC: &[&str] = &["engine", "role", "generation"];
+
+/// The sample names a query may use, with their labels: counters with `_total`, histograms
+/// with their three series, gauges as they are.
+pub fn exposed_names() -> Vec<(String, Vec<&'static str>)> {
     let mut out = Vec::new();
-    for (name, kind) in FAMILIES {
+    for (name, kind, labels) in FAMILIES {
         match *kind {
-            "counter" => out.push(format!("{name}_total")),
+            "counter" => out.push((format!("{name}_total"), labels.to_vec())),
             "histogram" => {
-                for s in ["_bucket", "_sum", "_count"] {
-                    out.push(format!("{name}{s}"));
-                }
+                let mut with_le = labels.to_vec();
+                with_le.push("le");
+                out.push((format!("{name}_bucket"), with_le));
+                out.push((format!("{name}_sum"), labels.to_vec()));
+                out.push((format!("{name}_count"), labels.to_vec()));
             }
-            _ => out.push(name.to_string()),
+            _ => out.push((name.to_string(), labels.to_vec())),
         }
     }
     out
@@ -1030,9 +1044,28 @@ mod tests {
             .map(|l| l.split(' ').next().unwrap_or("").to_string())
             .collect();
         typed.sort();
-        let mut want: Vec<String> = FAMILIES.iter().map(|(n, _)| n.to_string()).collect();
+        let mut want: Vec<String> = FAMILIES.iter().map(|(n, _, _)| n.to_string()).collect();
         want.sort();
         assert_eq!(typed, want);
+        // And every exposed sample carries exactly the labels FAMILIES declares.
+        let names = exposed_names();
+        for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+            let series = line.rsplit_once(' ').unwrap().0;
+            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+            let mut got: Vec<&str> = labels
+                .split(',')
+                .filter_map(|kv| kv.split_once('=').map(|x| x.0))
+                .collect();
+            got.sort();
+            let mut declared = names
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("{name} not declared"))
+                .1
+                .clone();
+            declared.sort();
+            assert_eq!(got, declared, "{line}");
+        }
     }
 
     #[test]
