@@ -999,7 +999,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
         let segs = enginescope::record::rotate::list_segments(&dir).unwrap();
         max_disk = max_disk.max(segs.iter().map(|s| s.bytes).sum());
         max_segments = max_segments.max(segs.len());
-        if k % 5 == 0 {
+        if k.is_multiple_of(5) {
             let exp = parse_exposition(&agent.metrics());
             let n = exp
                 .iter()
@@ -1013,6 +1013,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     agent.drain_log();
     let attached = agent.log.matches("attached to new engine process").count();
     let rotations = sum_of(&last_exp, "enginescope_recording_rotations_total", &[]);
+    let restarts = sum_of(&last_exp, "enginescope_recorder_restarts_total", &[]);
     let aggregated = sum_of(
         &last_exp,
         "enginescope_label_sets_aggregated_total",
@@ -1027,7 +1028,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let hi = after.iter().cloned().fold(f64::MIN, f64::max);
     let lo = after.iter().cloned().fold(f64::MAX, f64::min);
     let figures = format!(
-        "soak {secs} s: agent RSS {:.1} MiB at start, {first:.1} MiB after warm-up ({warm} s), {last:.1} MiB at the end (min {lo:.1}, max {hi:.1}); disk max {max_disk} bytes (cap {disk_cap}), max {max_segments} segments; {rotations} rotations; {attached} processes attached; max {max_thread_series} thread series (cap {max_threads}); {aggregated} events into thread=\"_other\"",
+        "soak {secs} s: agent RSS {:.1} MiB at start, {first:.1} MiB after warm-up ({warm} s), {last:.1} MiB at the end (min {lo:.1}, max {hi:.1}); disk max {max_disk} bytes (cap {disk_cap}), max {max_segments} segments; {rotations} rotations; {restarts} recorder restarts; {attached} processes attached; max {max_thread_series} thread series (cap {max_threads}); {aggregated} events into thread=\"_other\"",
         rss[0]
     );
     eprintln!("{figures}");
@@ -1050,10 +1051,15 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
         "disk over the cap: {figures}"
     );
     assert!(max_thread_series <= max_threads, "{figures}");
-    assert!(aggregated > 0.0, "thread names never overflowed the cap: {figures}");
+    assert!(
+        aggregated > 0.0,
+        "thread names never overflowed the cap: {figures}"
+    );
     assert!(
         attached as u64 >= secs / 3,
         "processes did not come and go: {figures}"
     );
     assert!(rotations as u64 >= secs / 4, "{figures}");
+    // Processes exiting while they are attached never stop the recorder.
+    assert_eq!(restarts, 0.0, "{figures}\n{log}");
 }

@@ -95,7 +95,8 @@ fn grouping_labels(expr: &str) -> Vec<String> {
         let mut rest = expr;
         while let Some(p) = rest.find(kw) {
             let before_ok = p == 0
-                || !rest.as_bytes()[p - 1].is_ascii_alphanumeric() && rest.as_bytes()[p - 1] != b'_';
+                || !rest.as_bytes()[p - 1].is_ascii_alphanumeric()
+                    && rest.as_bytes()[p - 1] != b'_';
             let after = rest[p + kw.len()..].trim_start();
             if before_ok && after.starts_with('(') {
                 if let Some(end) = after.find(')') {
@@ -147,7 +148,10 @@ fn lint_expr(known: &Known, where_: &str, expr: &str, legend: &str, errs: &mut V
             }
         }
     }
-    for l in grouping_labels(expr).into_iter().chain(legend_labels(legend)) {
+    for l in grouping_labels(expr)
+        .into_iter()
+        .chain(legend_labels(legend))
+    {
         if !labels.contains(&l) {
             errs.push(format!(
                 "{where_}: label {l:?} is not a label of {:?}",
@@ -167,19 +171,27 @@ fn lint(known: &Known, name: &str, d: &Value) -> Vec<String> {
     if d["schemaVersion"].as_u64().is_none_or(|v| v < 30) {
         errs.push(format!("{name}: schemaVersion missing or older than 30"));
     }
-    let vars = d["templating"]["list"].as_array().cloned().unwrap_or_default();
-    let has_ds = vars
-        .iter()
-        .any(|v| v["type"] == "datasource" && v["query"] == "prometheus" && v["name"] == "datasource");
+    let vars = d["templating"]["list"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let has_ds = vars.iter().any(|v| {
+        v["type"] == "datasource" && v["query"] == "prometheus" && v["name"] == "datasource"
+    });
     if !has_ds {
-        errs.push(format!("{name}: no `datasource` variable of type datasource (prometheus)"));
+        errs.push(format!(
+            "{name}: no `datasource` variable of type datasource (prometheus)"
+        ));
     }
     for v in vars.iter().filter(|v| v["type"] == "query") {
         let w = format!("{name}: variable {}", v["name"]);
         if !is_ds_ref(&v["datasource"]) {
             errs.push(format!("{w}: datasource is not ${{datasource}}"));
         }
-        let q = v["query"]["query"].as_str().or(v["query"].as_str()).unwrap_or("");
+        let q = v["query"]["query"]
+            .as_str()
+            .or(v["query"].as_str())
+            .unwrap_or("");
         lint_expr(known, &w, q, "", &mut errs);
     }
     let panels = d["panels"].as_array().cloned().unwrap_or_default();
@@ -261,7 +273,10 @@ fn dashboards_are_valid_and_query_exported_metrics() {
             }
         }
     }
-    assert!(files >= 2, "expected the overview and the thread dashboards");
+    assert!(
+        files >= 2,
+        "expected the overview and the thread dashboards"
+    );
     assert!(errs.is_empty(), "{}", errs.join("\n"));
     // The dashboards show what the issue asks for: vLLM throughput and KV usage beside
     // enginescope's CPU, GIL, GC and queue latency, and the agent's health.
@@ -304,26 +319,41 @@ fn the_lint_catches_mistakes() {
     );
     assert_eq!(lint(&known, "ok", &ok), Vec::<String>::new());
     let cases = [
-        (r#"rate(enginescope_thread_cpu_seconds[5m])"#, "", "unknown metric"),
-        (r#"rate(enginescope_thread_cpu_seconds_total{pid="1"}[5m])"#, "", "no label \"pid\""),
-        (r#"sum by (model_name) (rate(enginescope_samples_total[5m]))"#, "", "not a label"),
-        (r#"rate(vllm:generation_tokens_total[5m])"#, "{{thread}}", "not a label"),
+        (
+            r#"rate(enginescope_thread_cpu_seconds[5m])"#,
+            "",
+            "unknown metric",
+        ),
+        (
+            r#"rate(enginescope_thread_cpu_seconds_total{pid="1"}[5m])"#,
+            "",
+            "no label \"pid\"",
+        ),
+        (
+            r#"sum by (model_name) (rate(enginescope_samples_total[5m]))"#,
+            "",
+            "not a label",
+        ),
+        (
+            r#"rate(vllm:generation_tokens_total[5m])"#,
+            "{{thread}}",
+            "not a label",
+        ),
         (r#"rate(vllm:no_such_thing[5m])"#, "", "unknown metric"),
         (r#"up"#, "", "names no exported metric"),
     ];
     for (expr, legend, want) in cases {
-        let errs = lint(&known, "bad", &dash(expr, legend, json!([good_var.clone()]), ds.clone()));
+        let errs = lint(
+            &known,
+            "bad",
+            &dash(expr, legend, json!([good_var.clone()]), ds.clone()),
+        );
         assert!(
             errs.iter().any(|e| e.contains(want)),
             "{expr}: expected {want:?} in {errs:?}"
         );
     }
-    let no_var = dash(
-        "enginescope_samples_lost_total",
-        "",
-        json!([]),
-        ds.clone(),
-    );
+    let no_var = dash("enginescope_samples_lost_total", "", json!([]), ds.clone());
     assert!(lint(&known, "v", &no_var)
         .iter()
         .any(|e| e.contains("no `datasource` variable")));

@@ -1049,7 +1049,10 @@ mod tests {
         assert_eq!(typed, want);
         // And every exposed sample carries exactly the labels FAMILIES declares.
         let names = exposed_names();
-        for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
             let series = line.rsplit_once(' ').unwrap().0;
             let (name, labels) = series.split_once('{').unwrap_or((series, ""));
             let mut got: Vec<&str> = labels

@@ -688,6 +688,8 @@ pub fn record_rotating(
     } else {
         None
     };
+    // Processes asked for by pid must attach; discovered ones may exit while we attach.
+    let asked = opts.pids.clone();
     let mut opts = opts.clone();
     if let Some(d) = &discovery {
         for pid in d.pids() {
@@ -716,10 +718,11 @@ pub fn record_rotating(
     for &pid in &opts.pids {
         match PythonProcess::attach(pid) {
             Ok(p) => targets.push(Target::new(p)),
-            // An engine process that exited between discovery and attach is not an error.
-            Err(e) if discovery.is_some() && !crate::procinfo::is_running(pid) => {
+            // An engine process that exits between discovery and attach (or cannot be read)
+            // is skipped; rediscovery attaches the processes that replace it.
+            Err(e) if discovery.is_some() && !asked.contains(&pid) => {
                 if !opts.quiet {
-                    eprintln!("enginescope: process {pid} exited before attach: {e}");
+                    eprintln!("enginescope: engine process {pid} skipped: {e}");
                 }
             }
             Err(e) => return Err(e.into()),
@@ -1055,8 +1058,27 @@ fn run_bpf(
             }
         }
     }
+    let mut index: HashMap<i32, usize> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.pid, i))
+        .collect();
+    let mut failed = Vec::new();
     for t in targets.iter() {
-        configure_target(b, t, probes, opts)?;
+        if let Err(e) = configure_target(b, t, probes, opts) {
+            // A discovered engine process that exits while we attach is skipped; a --pid
+            // target that cannot be configured is an error.
+            if session.is_none() {
+                return Err(e);
+            }
+            if !opts.quiet {
+                eprintln!("enginescope: engine process {} skipped: {e:#}", t.pid);
+            }
+            failed.push(t.pid);
+        }
+    }
+    if !failed.is_empty() {
+        drop_exited(b, targets, &mut index, pipe, probes, &failed, opts.quiet)?;
     }
     if opts.gc || !probes.is_empty() {
         match b.watchpoint_cost_ns() {
@@ -1071,11 +1093,6 @@ fn run_bpf(
         }
     }
     announce_started(opts.quiet);
-    let mut index: HashMap<i32, usize> = targets
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.pid, i))
-        .collect();
     let poll = Duration::from_millis(20);
     let mut last_threads = Instant::now();
     let mut last_flush = Instant::now();
@@ -1130,10 +1147,31 @@ fn run_bpf(
                                 targets[i].collect_new_code = true;
                             }
                             index.insert(pid, i);
-                            sync_threads(b, &mut targets[i..], pipe, probes)?;
-                            configure_target(b, &targets[i], probes, opts)?;
-                            if !opts.quiet {
-                                eprintln!("enginescope: attached to new engine process {pid}");
+                            let setup = sync_threads(b, &mut targets[i..], pipe, probes)
+                                .and_then(|()| configure_target(b, &targets[i], probes, opts));
+                            match setup {
+                                Ok(()) if !opts.quiet => {
+                                    eprintln!("enginescope: attached to new engine process {pid}")
+                                }
+                                Ok(()) => {}
+                                // It exited right after attaching (workers come and go):
+                                // forget it; not a reason to stop recording.
+                                Err(e) => {
+                                    if !opts.quiet {
+                                        eprintln!(
+                                            "enginescope: new engine process {pid} skipped: {e:#}"
+                                        );
+                                    }
+                                    drop_exited(
+                                        b,
+                                        targets,
+                                        &mut index,
+                                        pipe,
+                                        probes,
+                                        &[pid],
+                                        true,
+                                    )?;
+                                }
                             }
                         }
                         Err(e) => {
