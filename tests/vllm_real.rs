@@ -24,7 +24,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use enginescope::record::{MetricSeries, Recording};
-use enginescope::vllm::discover::{discover_engines, LiveProc, ProcSource};
+use enginescope::vllm::discover::{discover_engines, rediscover, LiveProc, ProcSource};
 use enginescope::vllm::metrics::{ScrapeEvent, Scraper};
 use enginescope::vllm::summary::{engine_summary, Window};
 
@@ -410,6 +410,28 @@ fn serve_discovery_and_scraped_throughput() {
     assert!(s.prompt_tok_s.unwrap_or(0.0) > 0.0);
     let hit = s.prefix_cache_hit_rate.expect("prefix cache hit rate");
     assert!((0.0..=1.0).contains(&hit));
+
+    // Rediscovery: nothing of ours changed; once the server is stopped, its three pids have
+    // exited and its engine is gone. (Other engines on the host may come and go meanwhile.)
+    let ours = [srv.pid, core, worker];
+    let (d2, ch) = rediscover(&d, None).expect("rediscover");
+    let touched: Vec<i32> = ch
+        .new_pids
+        .iter()
+        .chain(&ch.role_changes)
+        .map(|x| x.0)
+        .chain(ch.exited_pids.iter().copied())
+        .filter(|p| ours.contains(p))
+        .collect();
+    assert!(touched.is_empty(), "{ch:?}");
+    assert!(!ch.changed_engines.iter().any(|x| x.id == e.id), "{ch:?}");
+    let id = e.id.clone();
+    drop(srv); // SIGTERM to the server's group; returns once every member is gone
+    let (_, ch) = rediscover(&d2, None).expect("rediscover");
+    for p in ours {
+        assert!(ch.exited_pids.contains(&p), "{p} not among exited: {ch:?}");
+    }
+    assert!(ch.gone_engines.contains(&id), "{ch:?}");
 }
 
 #[test]
