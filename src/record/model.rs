@@ -137,7 +137,8 @@ pub struct EngineInfo {
     pub worker_pids: Vec<i32>,
     /// Where its Prometheus metrics are scraped; empty when none.
     pub metrics_url: String,
-    /// How `metrics_url` was found: "argv", "socket", "--metrics-url", "".
+    /// How `metrics_url` was found: "argv", "socket", "--metrics-url", "default" (vLLM's
+    /// port 8000, nothing better known), "".
     #[serde(default)]
     pub metrics_url_source: String,
     /// ns since start when this description was written.
