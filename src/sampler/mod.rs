@@ -775,6 +775,14 @@ fn sync_threads(
             b.remove_thread(tid as u32);
             probes.thread_gone(b, tid);
         }
+        for (tid, name) in std::mem::take(&mut t.native_changes) {
+            pipe.writer.thread(&ThreadInfo {
+                pid: t.pid,
+                tid,
+                name,
+                t_ns: now.saturating_sub(pipe.start_ns),
+            })?;
+        }
     }
     Ok(())
 }
