@@ -57,6 +57,9 @@ enum Cmd {
         /// With --vllm: do not add the default probes.
         #[arg(long)]
         no_default_probes: bool,
+        /// With --vllm: only the engine whose API server (or offline `LLM` script) is PID.
+        #[arg(long, value_name = "PID", requires = "vllm")]
+        engine_pid: Option<i32>,
         /// Seconds to record; without it, until Ctrl-C.
         #[arg(long, short)]
         duration: Option<f64>,
@@ -242,6 +245,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_url,
             scrape_interval,
             no_default_probes,
+            engine_pid,
             json,
         } => {
             let opts = enginescope::sampler::RecordOptions {
@@ -260,6 +264,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 metrics_url,
                 scrape_interval: std::time::Duration::from_secs_f64(scrape_interval.max(0.01)),
                 default_probes: !no_default_probes,
+                vllm_root_pid: engine_pid,
             };
             let s = enginescope::sampler::record(&opts)?;
             if json {

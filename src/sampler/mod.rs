@@ -57,6 +57,8 @@ pub struct RecordOptions {
     pub scrape_interval: Duration,
     /// With `vllm`: also probe `probes::VLLM_DEFAULT_PROBES`.
     pub default_probes: bool,
+    /// With `vllm`: only the engine whose API server (or offline script) has this pid.
+    pub vllm_root_pid: Option<i32>,
 }
 
 impl RecordOptions {
@@ -78,6 +80,7 @@ impl RecordOptions {
             metrics_url: None,
             scrape_interval: Duration::from_secs(1),
             default_probes: true,
+            vllm_root_pid: None,
         }
     }
 }
@@ -458,7 +461,10 @@ fn hostname() -> String {
 /// Attach to every pid, choose a backend, record until the duration ends or SIGINT/SIGTERM.
 pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     let discovery = if opts.vllm {
-        let d = crate::vllm::discover::discover_engines(opts.metrics_url.as_deref())?;
+        let mut d = crate::vllm::discover::discover_engines(opts.metrics_url.as_deref())?;
+        if let Some(root) = opts.vllm_root_pid {
+            restrict_to_engine(&mut d, root);
+        }
         if !opts.quiet {
             for w in &d.warnings {
                 eprintln!("enginescope: {w}");
@@ -913,6 +919,19 @@ fn run_bpf(
     }
     drain_events(b, targets, &index, pipe, probes)?;
     Ok(reason)
+}
+
+/// Keep only the engine rooted at `root` (its API server or offline script).
+fn restrict_to_engine(d: &mut crate::vllm::discover::Discovery, root: i32) {
+    let keep: Option<String> = d
+        .processes
+        .iter()
+        .find(|p| p.pid == root)
+        .map(|p| p.engine.clone());
+    d.engines.retain(|e| Some(&e.id) == keep.as_ref());
+    d.processes.retain(|p| Some(&p.engine) == keep.as_ref());
+    let pids: std::collections::BTreeSet<i32> = d.processes.iter().map(|p| p.pid).collect();
+    d.roles.retain(|pid, _| pids.contains(pid));
 }
 
 /// A `record --vllm` session: the engines as last discovered and the metrics scraper.
