@@ -326,10 +326,10 @@ def serve(args, cfg):
             pass
         try:
             if not stop.is_set():
-                _announce("READY %d %d" % (os.getpid(), port), args)
+                # Both may block (a FIFO's open waits for the other end): a signal ends them.
                 state["interruptible"] = True
+                _announce("READY %d %d" % (os.getpid(), port), args)
                 _wait_go(args)
-                state["interruptible"] = False
         except Interrupted:
             pass
         state["interruptible"] = False

@@ -98,9 +98,10 @@ class GcMonitor:
 
     def __init__(self, cap=200000):
         self.cap = cap
-        self.rows = []  # (start_ns, dur_ns, generation, native_id, collected)
+        self.rows = []  # (start_ns, dur_ns, generation, native_id, collected, cpu_ns)
         self.total_pauses = 0
         self._t0 = 0
+        self._c0 = 0
 
     def install(self):
         rows = self.rows
@@ -111,11 +112,13 @@ class GcMonitor:
             t = mono()
             if phase == "start":
                 self._t0 = t
+                self._c0 = tcpu()
                 return
+            c = tcpu()
             self.total_pauses += 1
             if len(rows) < cap:
                 rows.append((self._t0, t - self._t0, info["generation"], native_id(),
-                             info.get("collected", 0)))
+                             info.get("collected", 0), c - self._c0))
 
         self._cb = on_gc
         gc.callbacks.append(on_gc)
@@ -124,15 +127,18 @@ class GcMonitor:
         by_gen = {}
         inwin = [r for r in self.rows if start <= r[0] < end]
         for g in (0, 1, 2):
-            by_gen[str(g)] = {"count": 0, "total_ns": 0, "max_ns": 0}
+            by_gen[str(g)] = {"count": 0, "total_ns": 0, "max_ns": 0, "cpu_ns": 0}
         for r in inwin:
-            d = by_gen.setdefault(str(r[2]), {"count": 0, "total_ns": 0, "max_ns": 0})
+            d = by_gen.setdefault(str(r[2]), {"count": 0, "total_ns": 0, "max_ns": 0,
+                                              "cpu_ns": 0})
             d["count"] += 1
             d["total_ns"] += r[1]
             d["max_ns"] = max(d["max_ns"], r[1])
+            d["cpu_ns"] += r[5]
         wall = max(end - start, 1)
         for d in by_gen.values():
             d["share_of_wall"] = round(d["total_ns"] / wall, 6)
+            d["cpu_share_of_wall"] = round(d["cpu_ns"] / wall, 6)
         by_thread = {}
         for r in inwin:
             t = by_thread.setdefault(r[3], {"native_id": r[3], "count": 0, "total_ns": 0})
@@ -147,7 +153,8 @@ class GcMonitor:
             "share_of_wall": round(sum(d["total_ns"] for d in by_gen.values()) / wall, 6),
             "by_thread": list(by_thread.values()),
             "pauses_total_lifetime": self.total_pauses,
-            "pause_columns": ["start_ns", "dur_ns", "generation", "native_id", "collected"],
+            "pause_columns": ["start_ns", "dur_ns", "generation", "native_id", "collected",
+                              "cpu_ns"],
             "pauses": [list(r) for r in inwin[:list_cap]],
             "pauses_truncated": len(inwin) > list_cap,
         }

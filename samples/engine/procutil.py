@@ -98,13 +98,14 @@ def child_signals(stop_event):
 # --- named threads and their CPU clocks ---------------------------------------------------------
 
 class ThreadRecord:
-    __slots__ = ("name", "native_id", "ident", "clock", "cpu_at_exit_ns", "window")
+    __slots__ = ("name", "native_id", "ident", "clock", "comm", "cpu_at_exit_ns", "window")
 
     def __init__(self, name):
         self.name = name
         self.native_id = threading.get_native_id()
         self.ident = threading.get_ident()
         self.clock = time.pthread_getcpuclockid(self.ident)
+        self.comm = read_comm(self.native_id)
         self.cpu_at_exit_ns = None
         self.window = {}  # edge ("start"/"end") -> (read_mono_ns, cpu_ns, run_ns, runq_ns, slices)
 
@@ -159,7 +160,8 @@ def threads_doc():
     with _THREADS_LOCK:
         recs = list(THREADS)
     for rec in recs:
-        d = {"native_id": rec.native_id, "name": rec.name, "comm": read_comm(rec.native_id)}
+        d = {"native_id": rec.native_id, "name": rec.name,
+             "comm": read_comm(rec.native_id) or rec.comm}
         total = rec.cpu_at_exit_ns
         if total is None:
             try:

@@ -56,8 +56,9 @@ def build_parser():
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     eng.add_argument("--steps-per-s", type=float, default=0,
                      help="pace the EngineCore's steps (default 0: as fast as it goes)")
-    eng.add_argument("--exec-ms", type=float, default=2.7,
-                     help="CPU time of one uncontended Worker.execute_model")
+    eng.add_argument("--exec-ms", type=float, default=2.45,
+                     help="CPU time of the calibrated part of one Worker.execute_model "
+                          "(the per-token bookkeeping adds ~0.25 ms at the default load)")
     eng.add_argument("--python-share", type=float, default=0.35,
                      help="part of --exec-ms that is pure Python (the rest releases the GIL)")
     eng.add_argument("--layers", type=int, default=8,

@@ -46,6 +46,7 @@ def numbers(d):
         out["EC dequeue p50 ms"] = ms(f["MessageQueue.dequeue"]["wall_ns"]["p50"])
         g = ec["gc"]
         out["EC gen2 GC share"] = g["gen2_share_of_wall"]
+        out["EC gen2 GC CPU share"] = g["by_generation"]["2"]["cpu_share_of_wall"]
         out["EC gen2 count"] = g["by_generation"]["2"]["count"]
         out["EC gen2 max ms"] = ms(g["by_generation"]["2"]["max_ns"])
         out["EC GC share (all gens)"] = g["share_of_wall"]
@@ -59,6 +60,8 @@ def numbers(d):
         out["execute_model mean ms"] = ms(ex["wall_ns"]["mean"])
         out["execute_model p90 ms"] = ms(ex["wall_ns"]["p90"])
         out["execute_model cpu p50 ms"] = ms(ex["cpu_ns"]["p50"])
+        off = sum(r[1] - r[2] for r in ex["list"])
+        out["execute_model off-CPU ms/s"] = round(off / 1e6 / out.get("window s", 1), 1)
         out["W dequeue p50 ms"] = ms(f["MessageQueue.dequeue"]["wall_ns"]["p50"])
         out["W enqueue p50 ms"] = ms(f["MessageQueue.enqueue"]["wall_ns"]["p50"])
         ev = f["AuxOutputStore._evict_to_fit"]

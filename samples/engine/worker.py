@@ -9,7 +9,8 @@ releases the GIL (hashlib.sha256 over a buffer sized at start so that the kernel
 share of --exec-ms). Each GIL release is a point where the thread must get the GIL back.
 
 `aux-output-writer` thread: the router-replay store of vLLM 0.32 in miniature. At --puts-per-s
-it takes the routed-expert bytes execute_model produced since its last put and calls
+(deadline-paced; when nothing new was produced at a deadline it waits for the next step's
+output) it takes the routed-expert bytes execute_model produced since its last put and calls
 `AuxOutputStore.put`, which calls `AuxOutputStore._evict_to_fit`. The slow store scans all of
 its entries in pure Python on every put to find the least recently used one (the scan holds
 the GIL: the main thread's execute_model waits for it at its next GIL re-acquisition, up to
@@ -158,11 +159,13 @@ class AuxOutputWriter:
         self.put_log = put_log
         self.stop = stop
         self.pending = collections.deque()
+        self.data_ready = threading.Event()
         self.next_key = 0
         self.bytes_put = 0
 
     def submit(self, blob):
         self.pending.append(blob)  # deque.append is atomic: no lock between the two threads
+        self.data_ready.set()
 
     def run(self):
         rec = procutil.register_thread("aux-output-writer")
@@ -188,8 +191,14 @@ class AuxOutputWriter:
                     return
             elif now - next_t > 3 * interval:
                 next_t = now  # far behind: no burst of puts to catch up
-            if not pending:
-                continue
+            # Nothing produced since the last put (the engine stalled): wait for the next step's
+            # output rather than skip the slot.
+            self.data_ready.clear()
+            while not pending:
+                if self.stop.is_set():
+                    return
+                self.data_ready.wait(0.5)
+                self.data_ready.clear()
             parts = []
             while pending:
                 parts.append(pending.popleft())
