@@ -139,12 +139,14 @@ class EngineClient:
                     self._handle_outputs(msg[1], msg[2])
                 elif tag == "bye":
                     self.bye = msg[1]
+                    if msg[1].get("ended", "").startswith("error"):
+                        self.engine_failed = msg[1]["ended"]
                     break
                 elif tag == "failed":
                     self.engine_failed = msg[1]
                     break
         finally:
-            if self.bye is None:
+            if self.bye is None or self.engine_failed:
                 self.engine_failed = self.engine_failed or "EngineCore exited"
                 self.stop.set()
             procutil.thread_exiting(rec)

@@ -34,6 +34,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 
 import groundtruth as gt
 import procutil
@@ -339,7 +340,8 @@ class MultiprocExecutor:
             r, w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=worker_mod.run_worker, name="VllmWorker-%d" % rank,
                             args=(cfg, rank, self.sched_handle,
-                                  self.resp_handle if rank == 0 else None, w, os.getpid()))
+                                  self.resp_handle if rank == 0 else None, w, os.getpid()),
+                            daemon=True)
             p.start()
             w.close()
             self.procs.append(p)
@@ -478,6 +480,13 @@ class EngineCore:
         sched = self.scheduler
         so = sched.schedule()
         if not so.records:
+            if sched.waiting and not sched.running:
+                req = sched.waiting[0]
+                raise RuntimeError(
+                    "request %d (prompt %d + max_tokens %d) can never be scheduled with "
+                    "--num-blocks %d x --block-size %d and --max-num-batched-tokens %d" % (
+                        req.req_id, len(req.prompt), req.max_tokens, sched.pool.num_blocks,
+                        sched.block_size, sched.max_batched))
             return None
         sampled = self.executor.execute_model(so)
         outputs, done = sched.update_from_output(so, sampled)
@@ -598,7 +607,10 @@ def run_engine_core(cfg, input_conn, output_conn, parent_pid):
         if not core.shutdown_requested:
             ended = "stopped"
     except PeerGone:
-        ended = "worker_gone"
+        ended = "stopped" if stop.is_set() else "worker_gone"
+    except Exception as e:  # still stop the workers, write the truth and tell the API server
+        traceback.print_exc()
+        ended = "error: %s" % e
     if window[1] is None:
         procutil.read_thread_clocks("end")
         window[1] = mono()
@@ -640,6 +652,6 @@ def run_engine_core(cfg, input_conn, output_conn, parent_pid):
         })
         path = gt.write_truth(cfg["truth"], "engine_core", doc)
     try:
-        output_conn.send(("bye", {"truth": path, "workers": workers}))
+        output_conn.send(("bye", {"truth": path, "workers": workers, "ended": ended}))
     except (OSError, ValueError):
         pass
