@@ -378,7 +378,8 @@ class MultiprocExecutor:
         c1 = tcpu()
         t1 = mono()
         self.dequeue_log.add(t0, t1, c0, c1)
-        return out
+        flat = out[0]  # one record: req_id, token, req_id, token, ...
+        return [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
 
     def broadcast_control(self, obj):
         self.sched_mq.enqueue_control(obj)

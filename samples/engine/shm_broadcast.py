@@ -7,11 +7,12 @@ The ring is one `multiprocessing.shared_memory` segment (`/dev/shm/psm_*`, as in
 fixed-size data chunks, then a metadata area with one byte per chunk saying "written" and one
 byte per reader saying "read by reader r" (vLLM's layout). The handshake is two counting
 semaphores per reader (`/dev/shm/sem.mp-*`, again as in vLLM's process tree): `data[r]` counts
-chunks written and not yet taken by reader r, `space[r]` counts chunks reader r has freed. The
-writer takes one `space` credit from every reader before it overwrites a chunk, so a chunk is
-reused only once every reader has read it; the metadata bytes record the same facts and are
-checked. A waiting side blocks in sem_timedwait with the GIL released (off-CPU, like a real
-engine waiting for its peer) and wakes every `poll_s` to see whether its peer died.
+chunks written (and announced: a message's chunks are announced together after its last one)
+and not yet taken by reader r, `space[r]` counts chunks reader r has freed. The writer takes
+one `space` credit from every reader before it overwrites a chunk, so a chunk is reused only
+once every reader has read it; the metadata bytes record the same facts and are checked. A
+waiting side blocks in sem_timedwait with the GIL released (off-CPU, like a real engine
+waiting for its peer) and wakes every `poll_s` to see whether its peer died.
 
 What goes through it: a message is a list of records, each record a list of ints (one
 scheduled request of a step, or one sampled token).
@@ -76,6 +77,7 @@ class MessageQueue:
         self.meta_base = self.n_chunks * self.chunk
         self.meta_stride = 1 + self.n_readers
         self.index = 0
+        self.unposted = 0
         if role == "reader":
             self.data_sem = handle.data_sems[rank]
             self.space_sem = handle.space_sems[rank]
@@ -115,9 +117,20 @@ class MessageQueue:
     def _wait(self, sem):
         if sem.acquire(False):
             return
+        self.flush()  # never block with chunks the readers were not told about
         while not sem.acquire(True, self.poll_s):
             if self.alive is not None and not self.alive():
                 raise PeerGone(self.handle.name)
+
+    def flush(self):
+        """Tell the readers about the chunks written since the last flush. A message's chunks
+        are announced together, after its last one, so a reader wakes once per message (a
+        real engine's readers spin instead; waking per chunk would measure the scheduler)."""
+        n = self.unposted
+        self.unposted = 0
+        for sem in self.handle.data_sems:
+            for _ in range(n):
+                sem.release()
 
     @contextmanager
     def acquire_write(self):
@@ -135,8 +148,7 @@ class MessageQueue:
             for r in range(1, self.n_readers + 1):
                 meta[r] = 0
             meta[0] = 1
-        for sem in self.handle.data_sems:
-            sem.release()
+        self.unposted += 1
         self.index = (self.index + 1) % self.n_chunks
 
     @contextmanager
@@ -175,6 +187,7 @@ class MessageQueue:
             self._write_chunk(KIND_PICKLED_HEAD, len(records), b"")
             for rec in records:
                 self._write_chunk(KIND_PICKLED_RECORD, 0, pickle.dumps(rec))
+        self.flush()
 
     def dequeue(self):
         """Receive one message: its list of records, or a Control."""
@@ -213,6 +226,7 @@ class MessageQueue:
 
     def enqueue_control(self, obj):
         self._write_chunk(KIND_CONTROL, 0, pickle.dumps(obj))
+        self.flush()
 
     def close(self):
         self.buf = None

@@ -256,6 +256,7 @@ class Worker:
                             "python_blocks_per_step": self.layers + 2}
 
     def execute_model(self, records):
+        """Returns the sampled tokens as one flat list: req_id, token, req_id, token, ..."""
         bs = self.block_size
         # Prepare inputs: token ids, positions and paged-KV slots of every scheduled token.
         input_ids = []
@@ -282,7 +283,8 @@ class Worker:
         aux = []
         for k, rec in enumerate(records):
             pos = positions[last[k]]
-            out.append([rec[0], (digest[k % 32] * 7 + rec[0] * 13 + pos + x) % VOCAB])
+            out.append(rec[0])
+            out.append((digest[k % 32] * 7 + rec[0] * 13 + pos + x) % VOCAB)
             aux.append(digest[(k + pos) % 16:(k + pos) % 16 + 16])
         self.x = self._python_block(self.iters, x)
         self.writer.submit(b"".join(aux))
@@ -367,7 +369,7 @@ def run_worker(cfg, rank, sched_handle, resp_handle, ready_conn, parent_pid):
             if resp_mq is not None:
                 t0 = mono()
                 c0 = tcpu()
-                resp_mq.enqueue(out)
+                resp_mq.enqueue([out])
                 c1 = tcpu()
                 t1 = mono()
                 eq.add(t0, t1, c0, c1)
