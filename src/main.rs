@@ -97,15 +97,27 @@ enum Cmd {
     },
     /// Run a bundled sample workload and show what enginescope sees in it.
     Demo {
-        /// Python interpreter to run the samples with.
-        #[arg(long, default_value = "python3")]
-        python: String,
-        /// Where to write the recording, report and flamegraphs.
-        #[arg(long, default_value = "enginescope-demo")]
-        out: std::path::PathBuf,
-        /// Seconds to record.
-        #[arg(long, default_value_t = 5.0)]
+        /// Python interpreter for the sample engine (CPython 3.10-3.15); default: pyenv's
+        /// newest 3.12, else python3.
+        #[arg(long)]
+        python: Option<String>,
+        /// Where to write the recording, report, flamegraphs and the engine's own truth;
+        /// default enginescope-demo (enginescope-demo-fixed with --fixed).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+        /// Seconds to record (without a terminal; with one, until you press q).
+        #[arg(long, default_value_t = 15.0)]
         seconds: f64,
+        /// Run the engine with its three fixes applied; writes the diff against the slow run
+        /// when ./enginescope-demo/demo.esrec exists.
+        #[arg(long)]
+        fixed: bool,
+        /// Record and report even when stdout is a terminal (no live dashboard).
+        #[arg(long)]
+        no_tui: bool,
+        /// Samples per second.
+        #[arg(long, default_value_t = 499)]
+        rate: u32,
     },
     /// Draw a recording as a flamegraph SVG (docs/views.md).
     Flame {
@@ -293,7 +305,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             python,
             out,
             seconds,
-        } => enginescope::demo::run(&python, &out, seconds)?,
+            fixed,
+            no_tui,
+            rate,
+        } => enginescope::demo::run(&enginescope::demo::DemoOptions {
+            python,
+            out,
+            seconds,
+            fixed,
+            tui: !no_tui,
+            rate_hz: rate,
+        })?,
         Cmd::Flame {
             file,
             output,

@@ -99,6 +99,11 @@ pub struct RecordSummary {
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
+/// Ask a running `record` (on another thread) to finish its file and return.
+pub fn request_stop() {
+    STOP.store(true, Ordering::SeqCst);
+}
+
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
@@ -990,7 +995,11 @@ impl EngineSession {
             }
         }
         self.discovery = fresh;
-        Ok(change.new_pids)
+        let mut new = change.new_pids;
+        if let Some(root) = opts.vllm_root_pid {
+            new.retain(|(pid, _)| crate::procinfo::descends_from(*pid, root));
+        }
+        Ok(new)
     }
 }
 
