@@ -449,7 +449,7 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             *by_holder.entry(format!("{holder} in {func}")).or_default() += g.dur_ns;
         }
         let mut top: Vec<_> = by_holder.into_iter().collect();
-        top.sort_by(|a, b| b.1.cmp(&a.1));
+        top.sort_by_key(|x| std::cmp::Reverse(x.1));
         writeln!(
             s,
             "1. GIL: the Worker's main thread waited {:.0} ms/s for the GIL ({} waits)",
