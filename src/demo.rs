@@ -69,6 +69,9 @@ pub struct DemoOptions {
     /// Run the live dashboard when stdout is a terminal.
     pub tui: bool,
     pub rate_hz: u32,
+    /// With `fixed`: the slow run's recording to diff against; default
+    /// `enginescope-demo/demo.esrec` next to the output directory.
+    pub baseline: Option<PathBuf>,
 }
 
 /// Kills the engine (its whole process group) when dropped, so nothing outlives the demo.
@@ -200,7 +203,9 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         })
     });
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let engine_dir = out.join("engine");
+    // One place for the engine's files whatever the output directory, so that the slow and the
+    // fixed run's functions have the same file names and `diff` matches them.
+    let engine_dir = std::env::temp_dir().join("enginescope-demo-engine");
     std::fs::create_dir_all(&engine_dir)?;
     for (name, src) in ENGINE_FILES {
         std::fs::write(engine_dir.join(name), src)?;
@@ -283,10 +288,11 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
     let rec = crate::record::read_recording(&rec_path)?;
     print!("{}", findings(&rec, &truth)?);
     if opts.fixed {
-        let slow = out
-            .parent()
-            .unwrap_or(Path::new("."))
-            .join("enginescope-demo/demo.esrec");
+        let slow = opts.baseline.clone().unwrap_or_else(|| {
+            out.parent()
+                .unwrap_or(Path::new("."))
+                .join("enginescope-demo/demo.esrec")
+        });
         if slow.exists() {
             let args = crate::views::diff::DiffArgs {
                 a: slow.clone(),

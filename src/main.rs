@@ -118,6 +118,10 @@ enum Cmd {
         /// Samples per second.
         #[arg(long, default_value_t = 499)]
         rate: u32,
+        /// With --fixed: the slow run's recording to diff against (default:
+        /// enginescope-demo/demo.esrec).
+        #[arg(long, value_name = "ESREC")]
+        baseline: Option<std::path::PathBuf>,
     },
     /// Draw a recording as a flamegraph SVG (docs/views.md).
     Flame {
@@ -308,7 +312,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fixed,
             no_tui,
             rate,
+            baseline,
         } => enginescope::demo::run(&enginescope::demo::DemoOptions {
+            baseline,
             python,
             out,
             seconds,

@@ -191,6 +191,8 @@ class MessageQueue:
 
     def dequeue(self):
         """Receive one message: its list of records, or a Control."""
+        # One way out (see worker.AuxOutputStore._evict_to_fit).
+        result = None
         with self.acquire_read() as buf:
             kind, count, n = HEADER.unpack_from(buf, 0)
             payload = buf[HEADER.size:HEADER.size + n]
@@ -199,30 +201,32 @@ class MessageQueue:
                     blob = array("i")
                     blob.frombytes(payload)
                 elif kind == KIND_CONTROL:
-                    return Control(pickle.loads(payload))
+                    result = Control(pickle.loads(payload))
                 elif kind != KIND_PICKLED_HEAD:
                     raise RuntimeError("unexpected chunk kind %d" % kind)
             finally:
                 payload.release()
-        records = []
-        if kind == KIND_PACKED:
-            pos = 0
-            for _ in range(count):
-                n = blob[pos]
-                records.append(blob[pos + 1:pos + 1 + n].tolist())
-                pos += 1 + n
-            return records
-        for _ in range(count):
-            with self.acquire_read() as buf:
-                kind, _, n = HEADER.unpack_from(buf, 0)
-                if kind != KIND_PICKLED_RECORD:
-                    raise RuntimeError("expected a record chunk, got kind %d" % kind)
-                payload = buf[HEADER.size:HEADER.size + n]
-                try:
-                    records.append(pickle.loads(payload))
-                finally:
-                    payload.release()
-        return records
+        if result is None:
+            records = []
+            if kind == KIND_PACKED:
+                pos = 0
+                for _ in range(count):
+                    n = blob[pos]
+                    records.append(blob[pos + 1:pos + 1 + n].tolist())
+                    pos += 1 + n
+            else:
+                for _ in range(count):
+                    with self.acquire_read() as buf:
+                        kind, _, n = HEADER.unpack_from(buf, 0)
+                        if kind != KIND_PICKLED_RECORD:
+                            raise RuntimeError("expected a record chunk, got kind %d" % kind)
+                        payload = buf[HEADER.size:HEADER.size + n]
+                        try:
+                            records.append(pickle.loads(payload))
+                        finally:
+                            payload.release()
+            result = records
+        return result
 
     def enqueue_control(self, obj):
         self._write_chunk(KIND_CONTROL, 0, pickle.dumps(obj))

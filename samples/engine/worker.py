@@ -77,32 +77,35 @@ class AuxOutputStore:
         return len(value)
 
     def _evict_to_fit(self, incoming):
+        # One way out (no early returns), like most real methods of this size: a probe's exact
+        # method needs one debug register per return instruction.
+        entries = self._entries
         if self.fixed:
-            entries = self._entries
             while self._total + incoming > self.max_bytes and entries:
                 _, (_, nbytes) = entries.popitem(last=False)
                 self._total -= nbytes
                 self.evicted += 1
-            return
-        # The bug: sum every entry's size and find the least recently used one, on every put.
-        entries = self._entries
-        while True:
-            total = 0
-            oldest = NEVER
-            victim = None
-            for key, (tick, nbytes) in entries.items():
-                total += nbytes
-                if tick < oldest:
-                    oldest = tick
-                    victim = key
-            if total + incoming <= self.max_bytes or victim is None:
+        else:
+            # The bug: sum every entry's size and find the least recently used one, on every
+            # put.
+            done = False
+            while not done:
+                total = 0
+                oldest = NEVER
+                victim = None
+                for key, (tick, nbytes) in entries.items():
+                    total += nbytes
+                    if tick < oldest:
+                        oldest = tick
+                        victim = key
+                if total + incoming <= self.max_bytes or victim is None:
+                    done = True
+                else:
+                    total -= entries.pop(victim)[1]
+                    self.evicted += 1
+                    done = total + incoming <= self.max_bytes
                 self._total = total
-                return
-            total -= entries.pop(victim)[1]
-            self.evicted += 1
-            self._total = total
-            if total + incoming <= self.max_bytes:
-                return
+        return self._total
 
     def scan_cpu_ns(self, rounds=3):
         """Thread-CPU of one full slow scan (min over rounds), without evicting anything."""

@@ -1108,9 +1108,18 @@ fn drain_events(
             },
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
-                pipe.writer.intern_stack(&resolved).map(|s| {
+                let r = pipe.writer.intern_stack(&resolved).map(|s| {
                     pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
-                })
+                });
+                if r.is_ok() && probes.wants_samples(pid) {
+                    let fns: Vec<(&str, &str)> = resolved
+                        .iter()
+                        .map(|f| (f.function.as_str(), f.file.as_str()))
+                        .collect();
+                    probes.switch_out(pid, tid, h.time_ns, &fns, pipe)
+                } else {
+                    r
+                }
             }
             kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
             kind::GIL_WAIT_START => {

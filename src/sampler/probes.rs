@@ -27,8 +27,9 @@
 //! before any probe's), since both draw on the same four registers.
 //!
 //! **Sampled method** (everything else): a call is followed across consecutive samples of a
-//! thread whose stack contains the function; its duration is the run's length, so only calls
-//! longer than the sampling interval are seen, and back-to-back calls merge.
+//! thread whose stack contains the function, and across the times the thread blocks inside it
+//! (its switch-out stack contains the function); its duration is the run's length, so only
+//! calls longer than the sampling interval are seen, and back-to-back calls merge.
 
 use std::collections::{HashMap, HashSet};
 
@@ -200,6 +201,9 @@ pub struct Probes {
     open: HashMap<(i32, u64), (usize, u64)>,
     /// (tid, probe index) → (first, last) sample time of the current sampled run.
     runs: HashMap<(i32, usize), (u64, u64)>,
+    /// Runs whose thread was switched out inside the function: the next sample continues them
+    /// whatever the gap (the thread was blocked in the call).
+    blocked: HashSet<(i32, usize)>,
     /// Cost of one breakpoint trap, subtracted from exact durations.
     pub trap_ns: u64,
     period_ns: u64,
@@ -231,6 +235,7 @@ impl Probes {
             by_addr: HashMap::new(),
             open: HashMap::new(),
             runs: HashMap::new(),
+            blocked: HashSet::new(),
             trap_ns: 0,
             period_ns: period_ns.max(1),
             quiet,
@@ -647,8 +652,11 @@ impl Probes {
                 .any(|(f, file)| *f == a.info.function && *file == a.info.file);
             let key = (tid, i);
             let run = self.runs.get(&key).copied();
+            let was_blocked = self.blocked.remove(&key);
             match (inside, run) {
-                (true, Some((first, last))) if t_ns.saturating_sub(last) <= 2 * self.period_ns => {
+                (true, Some((first, last)))
+                    if was_blocked || t_ns.saturating_sub(last) <= 2 * self.period_ns =>
+                {
                     self.runs.insert(key, (first, t_ns));
                 }
                 (true, run) => {
@@ -663,6 +671,39 @@ impl Probes {
                 }
                 (false, None) => {}
             }
+        }
+        Ok(())
+    }
+
+    /// A thread switched out (times absolute) with `functions` on its stack: a sampled call it
+    /// is inside goes on while it is blocked (and one it entered since its last sample starts).
+    pub fn switch_out(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        functions: &[(&str, &str)],
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<()> {
+        for i in 0..self.active.len() {
+            let a = &self.active[i];
+            if a.plan.is_some() || a.retired || a.info.pid != pid {
+                continue;
+            }
+            let inside = functions
+                .iter()
+                .any(|(f, file)| *f == a.info.function && *file == a.info.file);
+            let key = (tid, i);
+            if !inside {
+                if let Some(r) = self.runs.remove(&key) {
+                    self.blocked.remove(&key);
+                    self.emit_run(i, pid, tid, r, pipe)?;
+                }
+                continue;
+            }
+            let first = self.runs.get(&key).map_or(t_ns, |r| r.0);
+            self.runs.insert(key, (first, t_ns));
+            self.blocked.insert(key);
         }
         Ok(())
     }
