@@ -237,13 +237,14 @@ impl Ui {
         if threads.is_empty() {
             return;
         }
+        // With nothing selected, the first thread is (it is highlighted).
         let cur = self
             .selected
-            .and_then(|k| threads.iter().position(|&t| t == k));
-        let next = match cur {
-            None => 0,
-            Some(i) => (i as isize + by).clamp(0, threads.len() as isize - 1) as usize,
-        };
+            .and_then(|k| threads.iter().position(|&t| t == k))
+            .unwrap_or(0);
+        let next = (cur as isize)
+            .saturating_add(by)
+            .clamp(0, threads.len() as isize - 1) as usize;
         self.selected = Some(threads[next]);
     }
 
