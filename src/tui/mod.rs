@@ -156,8 +156,9 @@ pub fn run_replay(path: &Path, window: Duration) -> anyhow::Result<()> {
 /// The background recorder of live mode.
 struct Recorder {
     handle: Option<JoinHandle<anyhow::Result<RecordSummary>>>,
-    /// Set once it has finished: Ok(summary) or the error.
-    outcome: Option<Result<RecordSummary, String>>,
+    /// Set once it has finished: Ok(summary) or the error (kept whole: `main` turns an
+    /// attach error into advice).
+    outcome: Option<anyhow::Result<RecordSummary>>,
 }
 
 impl Recorder {
@@ -171,22 +172,17 @@ impl Recorder {
 
     fn join(&mut self) {
         if let Some(h) = self.handle.take() {
-            self.outcome = Some(match h.join() {
-                Ok(Ok(s)) => Ok(s),
-                Ok(Err(e)) => Err(format!("{e:#}")),
-                Err(_) => Err("the recorder thread panicked".into()),
-            });
+            self.outcome = Some(
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the recorder thread panicked"))),
+            );
         }
     }
 
     /// Wait for it to end (after `request_stop`) and return its result.
     fn finish(&mut self) -> anyhow::Result<Option<RecordSummary>> {
         self.join();
-        match self.outcome.take() {
-            None => Ok(None),
-            Some(Ok(s)) => Ok(Some(s)),
-            Some(Err(e)) => Err(anyhow::anyhow!(e)),
-        }
+        self.outcome.take().transpose()
     }
 }
 
@@ -368,7 +364,9 @@ fn plain_loop(
         if stop || Instant::now() >= next_print {
             next_print += PLAIN_EVERY;
             if stop {
-                // Whatever the recorder wrote last.
+                // Let the recorder finish its file, and show what it wrote last.
+                crate::sampler::request_stop();
+                recorder.join();
                 update(feed, w, false, &mut last_trim)?;
             }
             if !print(w, feed.rec()) || stop {
@@ -507,7 +505,7 @@ fn tui_loop(
         if !recorder_noted && recorder.done() {
             recorder_noted = true;
             app.ui.status = match &recorder.outcome {
-                Some(Err(e)) => format!("recorder stopped: {e}"),
+                Some(Err(e)) => format!("recorder stopped: {e:#}"),
                 _ => "recorder finished".into(),
             };
             dirty = true;
