@@ -233,7 +233,7 @@ fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
         "  launcher (tid 201): CPU 30.0%, GIL held 30.0%, GIL wait 50.0%, GC 0.0%, off-CPU 0.0%, top Worker.execute_model (worker.py) 100.0%"
     );
     assert!(line("aux-writer").contains("CPU 60.0%") && line("aux-writer").contains("GC 0.4%"));
-    assert!(line("1 threads with no samples").starts_with("  "));
+    assert!(line("1 thread with no samples").starts_with("  "));
     // 200 tokens per 0.5 s: 400 tokens/s; the KV cache's last scrape (5.5 s) was 0.3875.
     let eng = line("engine engine0:");
     assert!(

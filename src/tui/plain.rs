@@ -81,10 +81,9 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
                 .partition(|t| t.stats.samples > 0 || t.stats.gil_wait > 0.0 || t.stats.gc > 0.0);
             out.extend(active.into_iter().map(thread_line));
             if !quiet.is_empty() {
-                out.push(format!(
-                    "  {} threads with no samples in the window",
-                    quiet.len()
-                ));
+                let n = quiet.len();
+                let threads = if n == 1 { "thread" } else { "threads" };
+                out.push(format!("  {n} {threads} with no samples in the window"));
             }
         }
     }
