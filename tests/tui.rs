@@ -209,6 +209,7 @@ fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}");
     // One block per 2 s of recording, the last at its end.
     let blocks: Vec<&str> = text.split("[t ").skip(1).collect();
     assert_eq!(blocks.len(), 3, "{text}");

@@ -4,6 +4,11 @@
 use super::model::{EngineMetrics, Snapshot, ThreadRow};
 use super::render::pct;
 
+/// `1 thread`, `3 threads`.
+fn threads(n: usize) -> String {
+    format!("{n} thread{}", if n == 1 { "" } else { "s" })
+}
+
 fn fmt_opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
     v.map(f).unwrap_or_else(|| "-".into())
 }
@@ -65,10 +70,10 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
         for p in &g.processes {
             let s = &p.stats;
             out.push(format!(
-                "{} (pid {}): {} threads, CPU {}, GIL held {}, GIL wait {}, GC {}",
+                "{} (pid {}): {}, CPU {}, GIL held {}, GIL wait {}, GC {}",
                 p.name,
                 p.pid,
-                p.threads.len(),
+                threads(p.threads.len()),
                 pct(s.cpu),
                 pct(s.gil_held),
                 pct(s.gil_wait),
@@ -81,9 +86,10 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
                 .partition(|t| t.stats.samples > 0 || t.stats.gil_wait > 0.0 || t.stats.gc > 0.0);
             out.extend(active.into_iter().map(thread_line));
             if !quiet.is_empty() {
-                let n = quiet.len();
-                let threads = if n == 1 { "thread" } else { "threads" };
-                out.push(format!("  {n} {threads} with no samples in the window"));
+                out.push(format!(
+                    "  {} with no samples in the window",
+                    threads(quiet.len())
+                ));
             }
         }
     }
