@@ -270,13 +270,12 @@ impl Feed {
         }
     }
 
-    fn header(&self, label: &str, window: &window::Window) -> render::Header {
+    fn header(&self, label: &str) -> render::Header {
         let rec = self.rec();
         render::Header {
             source: label.to_string(),
             backend: rec.meta.backend.clone(),
             rate_hz: rec.meta.rate_hz,
-            window_ns: window.bucket_ns * window.len_buckets,
             replay: match self {
                 Feed::Replay { replay, speed, .. } => Some((*speed, replay.len_ns)),
                 Feed::Live { .. } => None,
@@ -379,8 +378,9 @@ fn plain_loop(
 /// A flamegraph being drawn on its own thread: (what, where it went or why not).
 type FlameResult = (String, Result<PathBuf, String>);
 
-/// A copy of the window's samples of the threads shown, for a flamegraph.
-fn flame_recording(rec: &Recording, w: &window::Window, app: &render::App) -> (Recording, String) {
+/// A copy of the samples of the window shown (paused: the one on screen) and of the threads
+/// shown, for a flamegraph.
+fn flame_recording(rec: &Recording, app: &render::App) -> (Recording, String) {
     let ui = &app.ui;
     let keep: std::collections::HashSet<(i32, i32)> = if ui.view == app::View::Threads && ui.detail
     {
@@ -397,7 +397,7 @@ fn flame_recording(rec: &Recording, w: &window::Window, app: &render::App) -> (R
             })
             .collect()
     };
-    let start = w.start_ns();
+    let (start, end) = (app.snap.window_start_ns, app.snap.now_ns);
     let sub = Recording {
         meta: rec.meta.clone(),
         processes: rec.processes.clone(),
@@ -412,19 +412,19 @@ fn flame_recording(rec: &Recording, w: &window::Window, app: &render::App) -> (R
         samples: rec
             .samples
             .iter()
-            .filter(|s| s.t_ns >= start && s.t_ns <= w.now_ns() && keep.contains(&(s.pid, s.tid)))
+            .filter(|s| s.t_ns >= start && s.t_ns <= end && keep.contains(&(s.pid, s.tid)))
             .copied()
             .collect(),
         end: Some(EndInfo {
-            duration_ns: w.now_ns(),
+            duration_ns: end,
             reason: "enginescope top".into(),
         }),
         ..Recording::default()
     };
     let what = format!(
-        "flamegraph of {} s to {:.1} s ({} samples, {} threads)",
-        format_args!("{:.1}", start as f64 / 1e9),
-        w.now_ns() as f64 / 1e9,
+        "flamegraph of {:.1} s to {:.1} s ({} samples, {} threads)",
+        start as f64 / 1e9,
+        end as f64 / 1e9,
         sub.samples.len(),
         keep.len()
     );
@@ -477,7 +477,7 @@ fn tui_loop(
 ) -> anyhow::Result<()> {
     let (mut term, _guard) = terminal::enter()?;
     let mut app = render::App {
-        header: feed.header(label, w),
+        header: feed.header(label),
         ..render::App::default()
     };
     let (flame_tx, flame_rx) = mpsc::channel::<FlameResult>();
@@ -497,7 +497,7 @@ fn tui_loop(
                 app.snap = model::snapshot(w, feed.rec(), topo);
             }
             let frame_ms = app.header.frame_ms;
-            app.header = feed.header(label, w);
+            app.header = feed.header(label);
             app.header.frame_ms = frame_ms;
             app.header.update_ms = t0.elapsed().as_secs_f64() * 1e3;
             dirty = true;
@@ -537,7 +537,7 @@ fn tui_loop(
                     app::Command::None => {}
                     app::Command::Quit => return Ok(()),
                     app::Command::Flame => {
-                        let (sub, what) = flame_recording(feed.rec(), w, &app);
+                        let (sub, what) = flame_recording(feed.rec(), &app);
                         app.ui.status = format!("drawing {what}…");
                         start_flame(sub, what, flame_tx.clone());
                     }

@@ -19,7 +19,6 @@ pub struct Header {
     pub source: String,
     pub backend: String,
     pub rate_hz: u32,
-    pub window_ns: u64,
     /// Replay only: speed and the recording's length.
     pub replay: Option<(f64, u64)>,
     /// Time to draw the last frame and to take in the last batch of events, ms.
@@ -849,7 +848,6 @@ mod tests {
                 source: "live pid 1".into(),
                 backend: "bpf".into(),
                 rate_hz: 999,
-                window_ns: 10 * S,
                 replay: None,
                 frame_ms: 1.5,
                 update_ms: 0.5,
