@@ -100,6 +100,12 @@ impl NameFilter {
     }
 }
 
+/// A thread that did (almost) nothing in the window: under 0.1% of it on CPU, waiting for the
+/// GIL and collecting garbage. A vLLM worker has dozens of such threads (gloo, ZMQ, pools).
+pub fn is_idle(s: &Stats) -> bool {
+    s.cpu < 0.001 && s.gil_wait < 0.001 && s.gc < 0.001
+}
+
 /// What the loop must do after a key.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Command {
@@ -126,6 +132,8 @@ pub struct Ui {
     pub input: Option<String>,
     pub help: bool,
     pub paused: bool,
+    /// Hide threads that did (almost) nothing in the window (`i`).
+    pub hide_idle: bool,
     /// Last message for the status line (saved flamegraph, errors).
     pub status: String,
 }
@@ -142,6 +150,7 @@ impl Default for Ui {
             input: None,
             help: false,
             paused: false,
+            hide_idle: false,
             status: String::new(),
         }
     }
@@ -157,9 +166,11 @@ pub enum Row<'a> {
 
 impl Ui {
     fn thread_visible(&self, p: &ProcessRow, t: &ThreadRow) -> bool {
-        self.filter
-            .as_ref()
-            .is_none_or(|f| f.matches(&t.name) || f.matches(&p.name))
+        (!self.hide_idle || !is_idle(&t.stats))
+            && self
+                .filter
+                .as_ref()
+                .is_none_or(|f| f.matches(&t.name) || f.matches(&p.name))
     }
 
     fn order(&self, a: (&Stats, &str, i32), b: (&Stats, &str, i32)) -> std::cmp::Ordering {
@@ -333,6 +344,15 @@ impl Ui {
                 self.paused = !self.paused;
                 self.status = if self.paused { "paused" } else { "resumed" }.into();
             }
+            KeyCode::Char('i') => {
+                self.hide_idle = !self.hide_idle;
+                self.status = if self.hide_idle {
+                    "hiding idle threads (under 0.1% CPU, GIL wait and GC)"
+                } else {
+                    "showing every thread"
+                }
+                .into();
+            }
             KeyCode::Char('f') => return Command::Flame,
             KeyCode::Char('+') | KeyCode::Char('=') => return Command::Speed(2.0),
             KeyCode::Char('-') => return Command::Speed(0.5),
@@ -434,6 +454,13 @@ pub(crate) mod tests {
         // The process name matches all its threads.
         ui.filter = Some(NameFilter::new("python3"));
         assert_eq!(thread_names(&ui, &s).len(), 3);
+        // `i` hides threads that did nothing; MainThread waited for the GIL, so it stays.
+        let mut quiet = three_threads();
+        quiet.groups[0].processes[0].threads[1].stats = Stats::default();
+        ui.on_key(&quiet, key(KeyCode::Char('i')));
+        assert_eq!(thread_names(&ui, &quiet), ["worker-a", "MainThread"]);
+        ui.on_key(&quiet, key(KeyCode::Char('i')));
+        assert_eq!(thread_names(&ui, &quiet).len(), 3);
         // An empty filter clears it; Esc abandons an edit.
         ui.on_key(&s, key(KeyCode::Char('/')));
         ui.on_key(&s, key(KeyCode::Esc));

@@ -181,6 +181,12 @@ fn draw_tabs(f: &mut Frame, area: Rect, app: &App) {
             Style::new().fg(Color::Magenta),
         ));
     }
+    if app.ui.hide_idle {
+        spans.push(Span::styled(
+            "  idle hidden",
+            Style::new().fg(Color::Magenta),
+        ));
+    }
     f.render_widget(Line::from(spans), area);
 }
 
@@ -710,6 +716,10 @@ const HELP: &[(&str, &str)] = &[
     (
         "f",
         "save a flamegraph SVG of the window (the shown thread in its detail)",
+    ),
+    (
+        "i",
+        "hide / show idle threads (under 0.1% CPU, GIL wait and GC)",
     ),
     ("p / space", "pause / resume the display"),
     ("+ / -", "replay: faster / slower"),
