@@ -486,7 +486,7 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
             Table::new(
                 blame_rows,
                 [
-                    Constraint::Length(22),
+                    Constraint::Length(25),
                     Constraint::Fill(1),
                     Constraint::Length(9),
                     Constraint::Length(6),
