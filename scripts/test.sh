@@ -16,9 +16,9 @@ export ENGINESCOPE_SHARED=${ENGINESCOPE_SHARED:-$REPO/../shared}
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks)"
+step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks), tmux (top in a real terminal)"
 need=()
-for pkg in clang llvm libbpf-dev bpftool; do
+for pkg in clang llvm libbpf-dev bpftool tmux; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

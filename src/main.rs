@@ -152,6 +152,28 @@ enum Cmd {
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
     },
+    /// Live dashboard: per process and thread CPU, GIL, GC, off-CPU, top functions, GIL blame,
+    /// function latency and engine metrics over a sliding window (docs/top.md).
+    Top {
+        /// Target process ids (comma-separated or repeated).
+        #[arg(long, short, value_delimiter = ',', required_unless_present = "replay")]
+        pid: Vec<i32>,
+        /// Samples per second per CPU.
+        #[arg(long, short, default_value_t = 99)]
+        rate: u32,
+        /// Seconds the dashboard's figures cover (a sliding window).
+        #[arg(long, short, default_value_t = 10.0)]
+        window: f64,
+        /// Keep the recording in this file (a temporary file is used and removed otherwise).
+        #[arg(long, short)]
+        output: Option<std::path::PathBuf>,
+        /// bpf (kernel-side stack walks), memory (user-space polling), or auto.
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: enginescope::sampler::Backend,
+        /// Replay a recording (.esrec) instead, paced by its event time.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["pid", "output"])]
+        replay: Option<std::path::PathBuf>,
+    },
     /// Summarize a recording: CPU per thread, top functions, engines, per-window timeline,
     /// function latency, API-server stalls (docs/report-schema.md).
     Report {
@@ -350,6 +372,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let (rec, sel) = enginescope::views::open(&file, &filter)?;
             let bytes = enginescope::views::export(&rec, &sel, format)?;
             enginescope::views::write_output(&output, &bytes)?;
+        }
+        Cmd::Top {
+            pid,
+            rate,
+            window,
+            output,
+            backend,
+            replay,
+        } => {
+            anyhow::ensure!(
+                window.is_finite() && (0.5..=3600.0).contains(&window),
+                "--window must be 0.5 to 3600 seconds"
+            );
+            let window = std::time::Duration::from_secs_f64(window);
+            match replay {
+                Some(file) => enginescope::tui::run_replay(&file, window)?,
+                None => enginescope::tui::run_live(
+                    &enginescope::tui::LiveOptions {
+                        pids: pid,
+                        rate_hz: rate,
+                        backend,
+                        output,
+                    },
+                    window,
+                )?,
+            }
         }
         Cmd::Report {
             file,
