@@ -258,7 +258,13 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         ..RecordOptions::new(Vec::new(), rec_path.clone())
     };
     if live {
-        bail!("the live dashboard is not built into this binary yet; run with --no-tui");
+        println!(
+            "   starting the live dashboard (q to quit; Tab switches views; Enter shows a thread)"
+        );
+        go_when_probed(&go, None)?;
+        crate::tui::run_record(ropts, false, Duration::from_secs(10))?;
+        // The engine writes its truth when it stops.
+        drop(engine);
     } else {
         let handle = std::thread::Builder::new()
             .name("es-recorder".into())

@@ -156,8 +156,21 @@ enum Cmd {
     /// function latency and engine metrics over a sliding window (docs/top.md).
     Top {
         /// Target process ids (comma-separated or repeated).
-        #[arg(long, short, value_delimiter = ',', required_unless_present = "replay")]
+        #[arg(long, short, value_delimiter = ',', required_unless_present_any = ["replay", "vllm"])]
         pid: Vec<i32>,
+        /// Every vLLM engine on this host (as `record --vllm`): processes by engine and role,
+        /// engine metrics, default probes.
+        #[arg(long)]
+        vllm: bool,
+        /// With --vllm: scrape this URL instead of the metrics URL found.
+        #[arg(long, value_name = "URL")]
+        metrics_url: Option<String>,
+        /// With --vllm: only the engine whose API server (or offline script) is PID.
+        #[arg(long, value_name = "PID", requires = "vllm")]
+        engine_pid: Option<i32>,
+        /// Time every call of a function (`[FILE:]QUALNAME`, repeatable), as `record --probe`.
+        #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
+        probes: Vec<String>,
         /// Samples per second per CPU.
         #[arg(long, short, default_value_t = 99)]
         rate: u32,
@@ -375,6 +388,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Top {
             pid,
+            vllm,
+            metrics_url,
+            engine_pid,
+            probes,
             rate,
             window,
             output,
@@ -388,6 +405,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let window = std::time::Duration::from_secs_f64(window);
             match replay {
                 Some(file) => enginescope::tui::run_replay(&file, window)?,
+                None if vllm || !probes.is_empty() => {
+                    let temporary = output.is_none();
+                    let path = output.unwrap_or_else(|| {
+                        std::env::temp_dir()
+                            .join(format!("enginescope-top-{}.esrec", std::process::id()))
+                    });
+                    enginescope::tui::run_record(
+                        enginescope::sampler::RecordOptions {
+                            rate_hz: rate,
+                            backend,
+                            vllm,
+                            metrics_url,
+                            vllm_root_pid: engine_pid,
+                            probes,
+                            ..enginescope::sampler::RecordOptions::new(pid, path)
+                        },
+                        temporary,
+                        window,
+                    )?
+                }
                 None => enginescope::tui::run_live(
                     &enginescope::tui::LiveOptions {
                         pids: pid,

@@ -123,7 +123,10 @@ fn check_slow(rec: &Recording, tdir: &Path) {
         total as f64 / 1e6 / wall,
         100.0 * share
     );
-    assert!(total as f64 / 1e9 / wall > 0.05, "the worker waits for the GIL");
+    assert!(
+        total as f64 / 1e9 / wall > 0.05,
+        "the worker waits for the GIL"
+    );
     assert!(share >= 0.8, "blame: {share}");
 
     // 2. Exact probes against the engine's own call logs.
@@ -266,7 +269,13 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
     eprintln!("{out}");
     let rec = enginescope::record::read_recording(&slow.join("demo.esrec")).unwrap();
     check_slow(&rec, &slow.join("truth"));
-    for f in ["report.md", "report.json", "flame.svg", "flame-offcpu.svg", "gil-blame.svg"] {
+    for f in [
+        "report.md",
+        "report.json",
+        "flame.svg",
+        "flame-offcpu.svg",
+        "gil-blame.svg",
+    ] {
         assert!(slow.join(f).exists(), "{f} written");
     }
 
@@ -295,7 +304,10 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
         )
     };
     let gen = fig(&d["engines"][0]["gen_tok_s"]);
-    assert!(gen.0 > 0.0 && gen.1, "throughput rises beyond noise: {gen:?}");
+    assert!(
+        gen.0 > 0.0 && gen.1,
+        "throughput rises beyond noise: {gen:?}"
+    );
     let thread = |process: &str, name: &str| {
         d["threads"]
             .as_array()

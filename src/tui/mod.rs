@@ -97,6 +97,49 @@ pub fn run_engines(opts: &LiveOptions, topo: Topology, window: Duration) -> anyh
     };
     let pids: Vec<String> = opts.pids.iter().map(|p| p.to_string()).collect();
     eprintln!("enginescope: attaching to pid {}", pids.join(","));
+    run_with(
+        ropts,
+        temporary,
+        &topo,
+        window,
+        format!("live pid {}", pids.join(",")),
+    )
+}
+
+/// `top --vllm` (and `demo` on a terminal): the dashboard over a recorder with any options,
+/// e.g. `vllm: true`, which finds the engines and writes their roles, engines and metrics
+/// into the recording the dashboard follows. `ropts.output` is replaced when it exists and
+/// removed at the end when `temporary`.
+pub fn run_record(
+    mut ropts: RecordOptions,
+    temporary: bool,
+    window: Duration,
+) -> anyhow::Result<()> {
+    terminal::catch_stop_signals()?;
+    let path = ropts.output.clone();
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("replacing {}", path.display())),
+    }
+    ropts.quiet = true;
+    let label = if ropts.vllm {
+        "live vLLM engines".to_string()
+    } else {
+        let pids: Vec<String> = ropts.pids.iter().map(|p| p.to_string()).collect();
+        format!("live pid {}", pids.join(","))
+    };
+    run_with(ropts, temporary, &Topology::default(), window, label)
+}
+
+fn run_with(
+    ropts: RecordOptions,
+    temporary: bool,
+    topo: &Topology,
+    window: Duration,
+    label: String,
+) -> anyhow::Result<()> {
+    let path = ropts.output.clone();
     let handle = std::thread::Builder::new()
         .name("es-recorder".into())
         .spawn(move || crate::sampler::record(&ropts))
@@ -112,13 +155,7 @@ pub fn run_engines(opts: &LiveOptions, topo: Topology, window: Duration) -> anyh
         let feed = Feed::Live {
             follow: Box::new(follow),
         };
-        drive(
-            feed,
-            &mut recorder,
-            &topo,
-            window,
-            format!("live pid {}", pids.join(",")),
-        )
+        drive(feed, &mut recorder, topo, window, label)
     })();
     crate::sampler::request_stop();
     let finished = recorder.finish();
