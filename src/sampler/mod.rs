@@ -135,6 +135,8 @@ struct ThreadTimeline {
     /// Stack at recording start, for a thread that had not run yet.
     initial_stack: Option<u32>,
     seen_event: bool,
+    /// The thread's latest known stack (sample or blocking switch-out).
+    last_stack: u32,
 }
 
 /// A GIL wait that has begun and not yet ended.
@@ -214,7 +216,20 @@ impl Pipeline {
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
+        tl.last_stack = stack;
         self.sample_weighted(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
+    }
+
+    /// The thread's latest known stack: what a preempted switch-out (recorded without a stack
+    /// walk) is attributed to. 0 (empty) when none is known yet.
+    pub fn last_stack(&self, pid: i32, tid: i32) -> u32 {
+        self.timelines.get(&(pid, tid)).map_or(0, |t| {
+            if t.last_stack != 0 {
+                t.last_stack
+            } else {
+                t.initial_stack.unwrap_or(0)
+            }
+        })
     }
 
     /// A sample standing for `weight_ns` of CPU time (the memory backend's measured CPU time).
@@ -267,6 +282,9 @@ impl Pipeline {
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
+        if stack != 0 {
+            tl.last_stack = stack;
+        }
         tl.pending_out = Some((t, stack, preempted));
     }
 
@@ -1106,6 +1124,12 @@ fn drain_events(
                 Some(frame) => probes.hit(pid, tid, h.time_ns, h.ip, frame, pipe),
                 None => Ok(()),
             },
+            kind::SWITCH_OUT if frames.is_empty() && h.flags & abi::ev::PREEMPTED != 0 => {
+                // Still runnable (preempted, yielded): no stack walked; its latest known one.
+                let s = pipe.last_stack(pid, tid);
+                pipe.switch_out(pid, tid, h.time_ns, s, true);
+                Ok(())
+            }
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
                 let r = pipe.writer.intern_stack(&resolved).map(|s| {
