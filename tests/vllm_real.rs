@@ -395,6 +395,23 @@ fn serve_discovery_and_scraped_throughput() {
     let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
     assert!(rec.end.is_some(), "the recorder finished the file");
     let errors: Vec<String> = rec.scrape_errors.iter().map(|e| e.error.clone()).collect();
+    // Nothing lost to a full ring buffer: vLLM's busy-waiting threads switch thousands of
+    // times a second; only Python threads are traced and runnable switch-outs carry no stack.
+    let c = |k: &str| rec.counters.get(k).copied().unwrap_or(0);
+    let events = c("bpf_samples") + c("bpf_switch_out") + c("bpf_switch_in") + c("bpf_gil_waits");
+    eprintln!(
+        "events: {} samples, {} switch-outs, {} GIL waits, {} native switches skipped, {} lost",
+        c("bpf_samples"),
+        c("bpf_switch_out"),
+        c("bpf_gil_waits"),
+        c("bpf_switch_native_skipped"),
+        c("bpf_ringbuf_full_lost")
+    );
+    assert!(
+        c("bpf_ringbuf_full_lost") * 1000 <= events,
+        "{} of {events} events lost to a full ring buffer",
+        c("bpf_ringbuf_full_lost")
+    );
 
     // The recording knows the engine's processes, their roles and their threads.
     let re = rec
