@@ -354,7 +354,7 @@ impl Probes {
                             }
                             None => {
                                 why_sampled = format!(
-                                    "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread, exact GC pauses use one, probes asked for earlier on the same thread the rest)",
+                                    "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread: exact GC pauses use one, probes asked for earlier on the same thread the rest, and another enginescope, perf or a debugger on this process any it holds)",
                                     1 + p.returns.len()
                                 );
                                 break;
