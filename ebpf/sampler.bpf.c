@@ -264,6 +264,23 @@ int on_sample(struct bpf_perf_event_data *ctx)
     return 0;
 }
 
+/* A record with no stack: a switch-in, or a switch-out of a still-runnable thread. */
+static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u32 tid)
+{
+    struct es_event_header h = {
+        .kind = kind,
+        .flags = flags,
+        .nframes = 0,
+        .tgid = tgid,
+        .tid = tid,
+        .cpu = bpf_get_smp_processor_id(),
+        .time_ns = bpf_ktime_get_ns(),
+        .ip = 0,
+    };
+    if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
+        count(ES_C_RINGBUF_FULL);
+}
+
 /* Only threads user space knows (with a PyThreadState) are traced off-CPU: a native thread
  * (BLAS/OpenMP pools, torch, gRPC) has no Python stack to blame, and engines have dozens of
  * them switching thousands of times a second. A switch-out of a still-runnable thread
@@ -283,18 +300,7 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
         } else if (preempt || prev_state == 0) {
             /* Runs in prev's context: its memory is the current address space. */
             count(ES_C_SWITCH_OUT);
-            struct es_event_header h = {
-                .kind = ES_EV_SWITCH_OUT,
-                .flags = ES_EV_PREEMPTED,
-                .nframes = 0,
-                .tgid = prev_tgid,
-                .tid = tid,
-                .cpu = bpf_get_smp_processor_id(),
-                .time_ns = bpf_ktime_get_ns(),
-                .ip = 0,
-            };
-            if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
-                count(ES_C_RINGBUF_FULL);
+            submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
         } else {
             count(ES_C_SWITCH_OUT);
             record_current(ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0);
@@ -308,18 +314,7 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
         if (!th || th->tgid != next_tgid)
             return 0;
         count(ES_C_SWITCH_IN);
-        struct es_event_header h = {
-            .kind = ES_EV_SWITCH_IN,
-            .flags = 0,
-            .nframes = 0,
-            .tgid = next_tgid,
-            .tid = tid,
-            .cpu = bpf_get_smp_processor_id(),
-            .time_ns = bpf_ktime_get_ns(),
-            .ip = 0,
-        };
-        if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
-            count(ES_C_RINGBUF_FULL);
+        submit_header(ES_EV_SWITCH_IN, 0, next_tgid, tid);
     }
     return 0;
 }

@@ -1106,19 +1106,10 @@ fn drain_events(
         let r = match h.kind {
             kind::SAMPLE => {
                 let resolved = targets[ti].resolve(&frames);
-                let r = pipe
-                    .writer
+                pipe.writer
                     .intern_stack(&resolved)
-                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)));
-                if r.is_ok() && probes.wants_samples(pid) {
-                    let fns: Vec<(&str, &str)> = resolved
-                        .iter()
-                        .map(|f| (f.function.as_str(), f.file.as_str()))
-                        .collect();
-                    probes.sample(pid, tid, h.time_ns, &fns, pipe)
-                } else {
-                    r
-                }
+                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)))
+                    .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, false, pipe))
             }
             kind::PROBE_HIT => match abi::parse_probe_frame(bytes) {
                 Some(frame) => probes.hit(pid, tid, h.time_ns, h.ip, frame, pipe),
@@ -1132,18 +1123,12 @@ fn drain_events(
             }
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
-                let r = pipe.writer.intern_stack(&resolved).map(|s| {
-                    pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
-                });
-                if r.is_ok() && probes.wants_samples(pid) {
-                    let fns: Vec<(&str, &str)> = resolved
-                        .iter()
-                        .map(|f| (f.function.as_str(), f.file.as_str()))
-                        .collect();
-                    probes.switch_out(pid, tid, h.time_ns, &fns, pipe)
-                } else {
-                    r
-                }
+                pipe.writer
+                    .intern_stack(&resolved)
+                    .map(|s| {
+                        pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
+                    })
+                    .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, true, pipe))
             }
             kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
             kind::GIL_WAIT_START => {

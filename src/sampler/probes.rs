@@ -38,7 +38,7 @@ use aya::programs::perf_event::PerfEventLinkId;
 use crate::bpf::BpfSampler;
 use crate::cpython::objects::CodeInfo;
 use crate::cpython::opcodes;
-use crate::cpython::PythonProcess;
+use crate::cpython::{Frame, PythonProcess};
 use crate::record::model::{FunctionCall, ProbeInfo};
 
 use super::Pipeline;
@@ -633,29 +633,48 @@ impl Probes {
         Ok(())
     }
 
-    /// A resolved on-CPU sample (times absolute): follows sampled probes' calls.
-    pub fn sample(
+    /// The sampled probes of `pid`, each with whether its function is in `frames`.
+    fn sampled_in(&self, pid: i32, frames: &[Frame]) -> Vec<(usize, bool)> {
+        self.active
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.plan.is_none() && !a.retired && a.info.pid == pid)
+            .map(|(i, a)| {
+                let inside = frames
+                    .iter()
+                    .any(|f| f.function == a.info.function && f.file == a.info.file);
+                (i, inside)
+            })
+            .collect()
+    }
+
+    /// A resolved stack of thread `tid` (times absolute), from an on-CPU sample or, with
+    /// `switched_out`, from a switch-out where the thread blocked: follows sampled probes'
+    /// calls. A call goes on across samples at most 2 periods apart, and across any gap after
+    /// the thread blocked inside it; a blocking switch-out inside a function starts or extends
+    /// its call.
+    pub fn stack(
         &mut self,
         pid: i32,
         tid: i32,
         t_ns: u64,
-        functions: &[(&str, &str)],
+        frames: &[Frame],
+        switched_out: bool,
         pipe: &mut Pipeline,
     ) -> anyhow::Result<()> {
-        for i in 0..self.active.len() {
-            let a = &self.active[i];
-            if a.plan.is_some() || a.retired || a.info.pid != pid {
-                continue;
-            }
-            let inside = functions
-                .iter()
-                .any(|(f, file)| *f == a.info.function && *file == a.info.file);
+        for (i, inside) in self.sampled_in(pid, frames) {
             let key = (tid, i);
             let run = self.runs.get(&key).copied();
-            let was_blocked = self.blocked.remove(&key);
+            let was_blocked = if switched_out {
+                self.blocked.contains(&key)
+            } else {
+                self.blocked.remove(&key)
+            };
             match (inside, run) {
                 (true, Some((first, last)))
-                    if was_blocked || t_ns.saturating_sub(last) <= 2 * self.period_ns =>
+                    if switched_out
+                        || was_blocked
+                        || t_ns.saturating_sub(last) <= 2 * self.period_ns =>
                 {
                     self.runs.insert(key, (first, t_ns));
                 }
@@ -667,43 +686,14 @@ impl Probes {
                 }
                 (false, Some(r)) => {
                     self.runs.remove(&key);
+                    self.blocked.remove(&key);
                     self.emit_run(i, pid, tid, r, pipe)?;
                 }
                 (false, None) => {}
             }
-        }
-        Ok(())
-    }
-
-    /// A thread switched out (times absolute) with `functions` on its stack: a sampled call it
-    /// is inside goes on while it is blocked (and one it entered since its last sample starts).
-    pub fn switch_out(
-        &mut self,
-        pid: i32,
-        tid: i32,
-        t_ns: u64,
-        functions: &[(&str, &str)],
-        pipe: &mut Pipeline,
-    ) -> anyhow::Result<()> {
-        for i in 0..self.active.len() {
-            let a = &self.active[i];
-            if a.plan.is_some() || a.retired || a.info.pid != pid {
-                continue;
+            if switched_out && inside {
+                self.blocked.insert(key);
             }
-            let inside = functions
-                .iter()
-                .any(|(f, file)| *f == a.info.function && *file == a.info.file);
-            let key = (tid, i);
-            if !inside {
-                if let Some(r) = self.runs.remove(&key) {
-                    self.blocked.remove(&key);
-                    self.emit_run(i, pid, tid, r, pipe)?;
-                }
-                continue;
-            }
-            let first = self.runs.get(&key).map_or(t_ns, |r| r.0);
-            self.runs.insert(key, (first, t_ns));
-            self.blocked.insert(key);
         }
         Ok(())
     }
@@ -726,13 +716,6 @@ impl Probes {
                 .saturating_sub(pipe.start_ns),
             dur_ns: last - first + self.period_ns,
         })
-    }
-
-    /// Whether any probe uses the sampled method in `pid` (samples must be passed on).
-    pub fn wants_samples(&self, pid: i32) -> bool {
-        self.active
-            .iter()
-            .any(|a| a.plan.is_none() && !a.retired && a.info.pid == pid)
     }
 
     /// Remove every breakpoint and close sampled runs.
