@@ -3,6 +3,7 @@
 //! Module map (see ARCHITECTURE.md): `cpython` reads interpreters from outside; `procinfo`
 //! wraps `/proc`; `dump` and `doctor` are the first views.
 
+pub mod agent;
 pub mod bpf;
 pub mod cpython;
 pub mod demo;

@@ -213,6 +213,141 @@ enum Cmd {
     /// Compare two recordings: per-thread, per-function, probe and engine changes against
     /// each run's own noise, and a differential flamegraph (docs/views.md).
     Diff(enginescope::views::diff::DiffArgs),
+    /// Profile continuously at a low rate with bounded memory and disk: Prometheus metrics on
+    /// --listen, rotating recordings in --dir that report/flame/diff read (docs/deployment.md).
+    Agent(AgentArgs),
+}
+
+#[derive(clap::Args)]
+struct AgentArgs {
+    /// Target process ids (comma-separated or repeated).
+    #[arg(long, short, value_delimiter = ',', required_unless_present = "vllm")]
+    pid: Vec<i32>,
+    /// Find every vLLM engine on this host and follow them as they come and go (waits for
+    /// one when there is none yet).
+    #[arg(long)]
+    vllm: bool,
+    /// With --vllm: scrape this URL instead of the metrics URL found from the API server.
+    #[arg(long, value_name = "URL")]
+    metrics_url: Option<String>,
+    /// With --vllm: seconds between scrapes of the engine's /metrics into the recording.
+    #[arg(long, default_value_t = 10.0)]
+    scrape_interval: f64,
+    /// With --vllm: do not add the default probes.
+    #[arg(long)]
+    no_default_probes: bool,
+    /// Address for /metrics (port 0: any free port, printed).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    listen: String,
+    /// Directory of the rotating recording segments.
+    #[arg(long, default_value = "/var/lib/enginescope")]
+    dir: std::path::PathBuf,
+    /// Samples per second per CPU (low: the agent runs all the time).
+    #[arg(long, short, default_value_t = 19)]
+    rate: u32,
+    /// Start a new segment at this size (MB).
+    #[arg(long, default_value_t = 32.0)]
+    segment_mb: f64,
+    /// … or at this age (seconds).
+    #[arg(long, default_value_t = 600.0)]
+    segment_seconds: f64,
+    /// Remove the oldest segments beyond this much disk (MB); at least two segments.
+    #[arg(long, default_value_t = 1024.0)]
+    disk_mb: f64,
+    /// … or beyond this many segments.
+    #[arg(long, default_value_t = 1000)]
+    max_segments: usize,
+    /// Resident memory (MB) above which a new segment is started early (its frame and stack
+    /// tables start empty). 0: no check.
+    #[arg(long, default_value_t = 256.0)]
+    max_memory_mb: f64,
+    /// Threads with series of their own; the rest add into thread="_other".
+    #[arg(long, default_value_t = 64)]
+    max_threads: usize,
+    /// Functions with series of their own; the rest add into function="_other".
+    #[arg(long, default_value_t = 50)]
+    max_functions: usize,
+    /// Probed functions with histograms of their own.
+    #[arg(long, default_value_t = 32)]
+    max_probes: usize,
+    /// Minutes after which a series with no activity is dropped.
+    #[arg(long, default_value_t = 10.0)]
+    series_idle_minutes: f64,
+    /// Seconds between updates of the metrics from the recording.
+    #[arg(long, default_value_t = 1.0)]
+    poll: f64,
+    /// bpf (kernel-side stack walks), memory (user-space polling), or auto.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: enginescope::sampler::Backend,
+    /// Do not trace off-CPU intervals (sched_switch).
+    #[arg(long)]
+    no_offcpu: bool,
+    /// Do not time GIL waits (futex tracing).
+    #[arg(long)]
+    no_gil: bool,
+    /// Do not time GC pauses (hardware write watchpoint on the GC state).
+    #[arg(long)]
+    no_gc: bool,
+    /// Time every call of a function: `[FILE:]QUALNAME` (repeat for several).
+    #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
+    probes: Vec<String>,
+    /// An exactly probed function called more often than this (per second) switches to
+    /// the sampled method. 0 = never.
+    #[arg(long, default_value_t = 500)]
+    probe_max_rate: u64,
+}
+
+impl AgentArgs {
+    fn options(self) -> anyhow::Result<enginescope::agent::AgentOptions> {
+        use enginescope::agent::budget::BudgetConfig;
+        use std::time::Duration;
+        let pos = |v: f64, what: &str| {
+            anyhow::ensure!(v.is_finite() && v > 0.0, "{what} must be a positive number");
+            Ok(v)
+        };
+        let poll = pos(self.poll, "--poll")?;
+        let idle_ticks =
+            (pos(self.series_idle_minutes, "--series-idle-minutes")? * 60.0 / poll).ceil() as u64;
+        let cap = |n: usize| BudgetConfig {
+            idle_ticks,
+            min_residency: idle_ticks / 2,
+            ..BudgetConfig::new(n.max(1))
+        };
+        let mut rotation = enginescope::record::rotate::RotationPolicy::new(self.dir);
+        rotation.max_segment_bytes = (pos(self.segment_mb, "--segment-mb")? * 1e6) as u64;
+        rotation.max_segment_age =
+            Duration::from_secs_f64(pos(self.segment_seconds, "--segment-seconds")?);
+        rotation.max_total_bytes = (pos(self.disk_mb, "--disk-mb")? * 1e6) as u64;
+        rotation.max_segments = self.max_segments.max(2);
+        let record = enginescope::sampler::RecordOptions {
+            rate_hz: self.rate,
+            backend: self.backend,
+            offcpu: !self.no_offcpu,
+            gil: !self.no_gil,
+            gc: !self.no_gc,
+            probes: self.probes,
+            probe_max_rate: self.probe_max_rate,
+            vllm: self.vllm,
+            metrics_url: self.metrics_url,
+            scrape_interval: Duration::from_secs_f64(self.scrape_interval.max(0.01)),
+            default_probes: !self.no_default_probes,
+            ..enginescope::sampler::RecordOptions::new(self.pid, "unused.esrec".into())
+        };
+        Ok(enginescope::agent::AgentOptions {
+            record,
+            listen: self.listen,
+            rotation,
+            poll: Duration::from_secs_f64(poll),
+            max_rss_bytes: (self.max_memory_mb.max(0.0) * 1e6) as u64,
+            limits: enginescope::agent::metrics::Limits {
+                threads: cap(self.max_threads),
+                functions: cap(self.max_functions),
+                probes: cap(self.max_probes),
+                idle_ticks,
+            },
+            retry: Duration::from_secs(5),
+        })
+    }
 }
 
 /// One place that turns failures into advice.
@@ -456,6 +591,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Cmd::Diff(args) => enginescope::views::diff::run(&args)?,
+        Cmd::Agent(args) => enginescope::agent::run(&args.options()?)?,
     }
     Ok(())
 }

@@ -23,6 +23,22 @@ pub enum ObjectError {
     },
 }
 
+/// Highest user-space address on x86-64 and aarch64 (with 5-level paging: 57 bits).
+const MAX_USER_ADDR: u64 = 1 << 57;
+
+/// A pointer read from the target that could point at an object: not NULL and in user space.
+/// A stale pointer (freed object, exiting process) can hold anything; past this check adding a
+/// struct offset cannot overflow.
+fn object_addr(what: &'static str, addr: u64) -> Result<u64, ObjectError> {
+    if addr == 0 {
+        return Err(garbage(what, addr, "NULL"));
+    }
+    if addr >= MAX_USER_ADDR {
+        return Err(garbage(what, addr, "not a user-space address"));
+    }
+    Ok(addr)
+}
+
 fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError {
     ObjectError::Garbage {
         what,
@@ -34,9 +50,7 @@ fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError
 /// Read a `str` object. Handles compact ASCII, compact non-ASCII (kinds 1, 2, 4) and legacy
 /// (non-compact, ≤3.11) strings.
 pub fn read_unicode(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<String, ObjectError> {
-    if addr == 0 {
-        return Err(garbage("str", addr, "NULL"));
-    }
+    let addr = object_addr("str", addr)?;
     let len = mem.read_u64(addr + o.unicode_length)?;
     if len > MAX_STR_CHARS {
         return Err(garbage("str", addr, format!("length {len}")));
@@ -52,7 +66,7 @@ pub fn read_unicode(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<St
         addr + o.unicode_compact_size
     } else {
         // Legacy string: PyUnicodeObject.data.any follows the compact header.
-        mem.read_u64(addr + o.unicode_compact_size)?
+        object_addr("str data", mem.read_u64(addr + o.unicode_compact_size)?)?
     };
     let width = match kind {
         1 => 1,
@@ -93,9 +107,7 @@ pub fn read_bytes(
     addr: u64,
     max: u64,
 ) -> Result<Vec<u8>, ObjectError> {
-    if addr == 0 {
-        return Err(garbage("bytes", addr, "NULL"));
-    }
+    let addr = object_addr("bytes", addr)?;
     let size = mem.read_u64(addr + o.bytes_size)?;
     if size > max {
         return Err(garbage("bytes", addr, format!("size {size}")));
@@ -129,6 +141,7 @@ impl CodeInfo {
 
 /// Read a code object.
 pub fn read_code(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<CodeInfo, ObjectError> {
+    let addr = object_addr("code", addr)?;
     let name = read_unicode(mem, o, mem.read_u64(addr + o.code_name)?)?;
     let qualname = match o.code_qualname {
         Some(q) => read_unicode(mem, o, mem.read_u64(addr + q)?)?,
@@ -227,6 +240,12 @@ mod tests {
         assert!(read_unicode(&m, &o, 0x4000).is_err());
         assert!(read_unicode(&m, &o, 0).is_err());
         assert!(read_unicode(&m, &o, 0x9000).is_err());
+        // Stale pointers near the top of the address space: an error, not an overflow.
+        for addr in [u64::MAX, u64::MAX - 8, 1 << 63] {
+            assert!(read_unicode(&m, &o, addr).is_err());
+            assert!(read_bytes(&m, &o, addr, 100).is_err());
+            assert!(read_code(&m, &o, addr).is_err());
+        }
         // A 3.10 header is larger (wstr): same bytes read with 3.10 offsets land elsewhere.
         assert_ne!(read_unicode(&m, &PY310, 0x1000).ok(), Some("hello".into()));
     }

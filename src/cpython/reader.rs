@@ -398,14 +398,14 @@ impl PythonProcess {
         }
         if let Some(ct) = code_type {
             // 3.13+: f_executable can be a non-code object (None for C entry frames).
-            if self.read(code + 8)? != ct {
+            if self.read(code.wrapping_add(8))? != ct {
                 return Ok((None, prev));
             }
         }
         let info = cache.get(self.mem.as_ref(), o, code)?;
         let addr: i64 = match o.frame_kind {
             FrameKind::FrameObject => {
-                let lasti = self.mem.read_i32(frame + o.frame_instr)?;
+                let lasti = self.mem.read_i32(frame.wrapping_add(o.frame_instr))?;
                 if lasti < 0 {
                     -1
                 } else {

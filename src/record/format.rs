@@ -115,6 +115,42 @@ pub struct RecordingWriter {
     bytes: u64,
     samples: u64,
     last_sample_ns: u64,
+    /// Set for a rotating recording: the tables a new segment starts with.
+    carried: Option<Carried>,
+}
+
+/// The latest description of everything a segment's events refer to (other than frames and
+/// stacks), kept by a rotating writer so that each segment reads on its own.
+#[derive(Default)]
+struct Carried {
+    processes: std::collections::BTreeMap<i32, ProcessInfo>,
+    threads: std::collections::BTreeMap<(i32, i32), ThreadInfo>,
+    engines: std::collections::BTreeMap<String, EngineInfo>,
+    /// Dense ids: every series and probe ever written (points and calls name them by id).
+    series: Vec<MetricSeries>,
+    probes: Vec<ProbeInfo>,
+}
+
+/// The stack table of a finished segment, to carry the stacks that open intervals still refer
+/// to into the next one ([`RecordingWriter::rotate`]).
+pub struct StackCarry {
+    frames: Vec<Frame>,
+    stacks: Vec<Vec<u32>>,
+}
+
+impl StackCarry {
+    /// The id in the new segment of the stack that was `old` in the previous one (0, the empty
+    /// stack, for an id the previous segment did not have).
+    pub fn carry(&self, w: &mut RecordingWriter, old: u32) -> anyhow::Result<u32> {
+        let Some(ids) = self.stacks.get(old as usize) else {
+            return Ok(0);
+        };
+        let frames: Vec<Frame> = ids
+            .iter()
+            .filter_map(|&f| self.frames.get(f as usize).cloned())
+            .collect();
+        w.intern_stack(&frames)
+    }
 }
 
 impl RecordingWriter {
@@ -129,17 +165,117 @@ impl RecordingWriter {
             bytes: 0,
             samples: 0,
             last_sample_ns: 0,
+            carried: None,
         };
-        w.out.write_all(MAGIC)?;
-        w.out.write_all(&VERSION.to_le_bytes())?;
-        w.bytes = 8;
-        w.json(tag::META, meta)?;
+        w.header(meta)?;
+        Ok(w)
+    }
+
+    /// A writer whose recording can be continued in a new file ([`Self::rotate`]).
+    pub fn create_rotating(path: &Path, meta: &Meta) -> anyhow::Result<Self> {
+        let mut w = Self::create(path, meta)?;
+        w.carried = Some(Carried::default());
+        Ok(w)
+    }
+
+    fn header(&mut self, meta: &Meta) -> anyhow::Result<()> {
+        self.out.write_all(MAGIC)?;
+        self.out.write_all(&VERSION.to_le_bytes())?;
+        self.bytes = 8;
+        self.json(tag::META, meta)?;
         // Stack 0 is the empty stack.
-        w.intern_stack(&[])?;
+        self.intern_stack(&[])?;
         // The header is on disk before anything else happens: a recorder killed at once still
         // leaves a readable (empty) recording.
-        w.out.flush()?;
-        Ok(w)
+        self.out.flush()?;
+        Ok(())
+    }
+
+    /// Finish this file with `end` and go on in a new file at `path` that reads on its own:
+    /// header with `meta` (its own start), then the processes and threads for which `alive`
+    /// holds (`alive(pid, None)` for a process, `alive(pid, Some(tid))` for a thread), the
+    /// engines with a live process (or none at all: a remote engine), and every metric series
+    /// and probe under the same ids, all at time 0. Frames and stacks start afresh; the
+    /// returned [`StackCarry`] maps stack ids still held by the caller into the new file.
+    /// Only for writers made with [`Self::create_rotating`].
+    pub fn rotate(
+        &mut self,
+        path: &Path,
+        meta: &Meta,
+        end: &EndInfo,
+        alive: &dyn Fn(i32, Option<i32>) -> bool,
+    ) -> anyhow::Result<StackCarry> {
+        anyhow::ensure!(
+            self.carried.is_some(),
+            "rotate on a writer not made with create_rotating"
+        );
+        self.json(tag::END, end)?;
+        self.out.flush()?;
+        self.out.get_ref().sync_data().ok();
+        let f =
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        self.out = BufWriter::with_capacity(1 << 16, f);
+        // Ids are dense from 0, so sorting by id gives the tables back in order.
+        let mut frames: Vec<(u32, Frame)> = self.frames.drain().map(|(f, id)| (id, f)).collect();
+        frames.sort_unstable_by_key(|(id, _)| *id);
+        let frames: Vec<Frame> = frames.into_iter().map(|(_, f)| f).collect();
+        let mut stacks: Vec<(u32, Vec<u32>)> = self.stacks.drain().map(|(s, id)| (id, s)).collect();
+        stacks.sort_unstable_by_key(|(id, _)| *id);
+        let stacks: Vec<Vec<u32>> = stacks.into_iter().map(|(_, s)| s).collect();
+        self.samples = 0;
+        self.last_sample_ns = 0;
+        self.header(meta)?;
+        let mut c = self.carried.take().unwrap_or_default();
+        c.processes.retain(|&pid, _| alive(pid, None));
+        c.threads
+            .retain(|&(pid, tid), _| c.processes.contains_key(&pid) && alive(pid, Some(tid)));
+        c.engines.retain(|_, e| {
+            let pids: Vec<i32> = std::iter::once(e.api_server_pid)
+                .chain(e.engine_core_pids.iter().copied())
+                .chain(e.worker_pids.iter().copied())
+                .filter(|&p| p > 0)
+                .collect();
+            pids.is_empty() || pids.iter().any(|&p| alive(p, None))
+        });
+        let res = (|| {
+            for p in c.processes.values() {
+                self.json(tag::PROCESS, p)?;
+            }
+            for t in c.threads.values() {
+                self.json(
+                    tag::THREAD,
+                    &ThreadInfo {
+                        t_ns: 0,
+                        ..t.clone()
+                    },
+                )?;
+            }
+            for e in c.engines.values() {
+                self.json(
+                    tag::ENGINE,
+                    &EngineInfo {
+                        t_ns: 0,
+                        ..e.clone()
+                    },
+                )?;
+            }
+            for s in &c.series {
+                self.json(tag::SERIES, s)?;
+            }
+            for p in &c.probes {
+                self.json(
+                    tag::PROBE,
+                    &ProbeInfo {
+                        t_ns: 0,
+                        ..p.clone()
+                    },
+                )?;
+            }
+            anyhow::Ok(())
+        })();
+        self.carried = Some(c);
+        res?;
+        Ok(StackCarry { frames, stacks })
     }
 
     fn record(&mut self, tag: u8) -> anyhow::Result<()> {
@@ -169,10 +305,16 @@ impl RecordingWriter {
     }
 
     pub fn process(&mut self, p: &ProcessInfo) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            c.processes.insert(p.pid, p.clone());
+        }
         self.json(tag::PROCESS, p)
     }
 
     pub fn thread(&mut self, t: &ThreadInfo) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            c.threads.insert((t.pid, t.tid), t.clone());
+        }
         self.json(tag::THREAD, t)
     }
 
@@ -273,10 +415,16 @@ impl RecordingWriter {
     }
 
     pub fn engine(&mut self, e: &EngineInfo) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            c.engines.insert(e.id.clone(), e.clone());
+        }
         self.json(tag::ENGINE, e)
     }
 
     pub fn series(&mut self, m: &MetricSeries) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            c.series.push(m.clone());
+        }
         self.json(tag::SERIES, m)
     }
 
@@ -293,6 +441,9 @@ impl RecordingWriter {
     }
 
     pub fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            c.probes.push(p.clone());
+        }
         self.json(tag::PROBE, p)
     }
 
@@ -778,6 +929,160 @@ mod tests {
             parse_recording(&bytes[..20]).is_err(),
             "cut inside the header record"
         );
+    }
+
+    #[test]
+    fn rotation_makes_standalone_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
+        let meta = Meta {
+            rate_hz: 99,
+            ..Default::default()
+        };
+        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        for pid in [7, 8] {
+            w.process(&ProcessInfo {
+                pid,
+                role: format!("r{pid}"),
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        for (pid, tid, name) in [
+            (7, 70, "old"),
+            (7, 70, "renamed"),
+            (7, 71, "gone"),
+            (8, 80, "x"),
+        ] {
+            w.thread(&ThreadInfo {
+                pid,
+                tid,
+                name: name.into(),
+                t_ns: 5,
+            })
+            .unwrap();
+        }
+        for (id, pids) in [("e0", vec![7]), ("e1", vec![8]), ("remote", vec![])] {
+            w.engine(&EngineInfo {
+                id: id.into(),
+                engine_core_pids: pids,
+                t_ns: 9,
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        w.series(&MetricSeries {
+            id: 0,
+            engine: "e0".into(),
+            name: "vllm:x".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        w.probe(&ProbeInfo {
+            id: 0,
+            pid: 7,
+            function: "f".into(),
+            t_ns: 3,
+            ..Default::default()
+        })
+        .unwrap();
+        let deep = w
+            .intern_stack(&[frame("leaf", 1), frame("mid", 2), frame("main", 3)])
+            .unwrap();
+        let other = w.intern_stack(&[frame("other", 9)]).unwrap();
+        w.sample(&Sample {
+            t_ns: 1_000,
+            pid: 7,
+            tid: 70,
+            stack: other,
+            flags: 0,
+            weight_ns: 10,
+        })
+        .unwrap();
+        // Process 8 and thread 71 have exited by the rotation.
+        let alive = |pid: i32, tid: Option<i32>| pid == 7 && tid != Some(71);
+        let meta2 = Meta {
+            start_mono_ns: 5_000,
+            ..meta.clone()
+        };
+        let carry = w
+            .rotate(
+                &b,
+                &meta2,
+                &EndInfo {
+                    duration_ns: 2_000,
+                    reason: "rotated".into(),
+                },
+                &alive,
+            )
+            .unwrap();
+        let deep2 = carry.carry(&mut w, deep).unwrap();
+        assert_eq!(
+            carry.carry(&mut w, 999).unwrap(),
+            0,
+            "unknown id: empty stack"
+        );
+        w.sample(&Sample {
+            t_ns: 10,
+            pid: 7,
+            tid: 70,
+            stack: deep2,
+            flags: 0,
+            weight_ns: 10,
+        })
+        .unwrap();
+        w.call(&FunctionCall {
+            probe: 0,
+            pid: 7,
+            tid: 70,
+            start_ns: 0,
+            dur_ns: 5,
+        })
+        .unwrap();
+        w.finish(&EndInfo {
+            duration_ns: 20,
+            reason: "done".into(),
+        })
+        .unwrap();
+
+        let r1 = read_recording(&a).unwrap();
+        assert_eq!(r1.end.as_ref().unwrap().reason, "rotated");
+        assert_eq!(r1.samples.len(), 1);
+        assert_eq!(r1.stacks.len(), 3);
+        let r2 = read_recording(&b).unwrap();
+        assert_eq!(r2.meta, meta2);
+        assert_eq!(r2.processes.len(), 1);
+        assert_eq!(r2.processes[0].role, "r7");
+        assert_eq!(r2.threads.len(), 1, "{:?}", r2.threads);
+        assert_eq!(r2.threads[0].name, "renamed");
+        assert_eq!(r2.threads[0].t_ns, 0);
+        let ids: Vec<&str> = r2.engines.iter().map(|e| e.id.as_str()).collect();
+        assert_eq!(ids, ["e0", "remote"]);
+        assert_eq!(r2.series.len(), 1);
+        assert_eq!(r2.probes.len(), 1);
+        assert_eq!(r2.calls.len(), 1);
+        // Only the stack carried is in the new table, under a new id, with the same frames.
+        assert_eq!(r2.stacks.len(), 2);
+        let names: Vec<&str> = r2
+            .stack_frames(r2.samples[0].stack)
+            .map(|f| f.function.as_str())
+            .collect();
+        assert_eq!(names, ["leaf", "mid", "main"]);
+        assert_eq!(
+            r2.samples[0].t_ns, 10,
+            "sample times restart with the segment"
+        );
+        assert!(r2.end.is_some());
+        // Not a rotating writer: refused.
+        let mut plain = RecordingWriter::create(&dir.path().join("c.esrec"), &meta).unwrap();
+        assert!(plain
+            .rotate(
+                &dir.path().join("d.esrec"),
+                &meta,
+                &EndInfo::default(),
+                &alive
+            )
+            .is_err());
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub fn run(
     // (thread CPU ns, monotonic ns) at the previous tick
     let mut last: HashMap<(i32, i32), (u64, u64)> = HashMap::new();
     let mut last_flush = Instant::now();
+    let mut last_prune = Instant::now();
+    let no_probes = super::probes::Probes::new(Vec::new(), 1, true);
     loop {
         if stop.load(Ordering::SeqCst) {
             return Ok("stopped by signal".into());
@@ -97,6 +99,16 @@ pub fn run(
         if last_flush.elapsed() >= Duration::from_millis(200) {
             last_flush = Instant::now();
             pipe.writer.flush()?;
+            pipe.periodic(&|p: &Pipeline| super::collect_counters(None, targets, p, &no_probes))?;
+        }
+        if last_prune.elapsed() >= Duration::from_secs(5) {
+            // Threads that exited: forget them (threads may come and go for hours).
+            last_prune = Instant::now();
+            let gone = |&(pid, tid): &(i32, i32)| {
+                !std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+            };
+            known.retain(|k, _| !gone(k));
+            last.retain(|k, _| !gone(k));
         }
         next += period;
         let now = Instant::now();

@@ -18,6 +18,7 @@ use anyhow::Context;
 use crate::bpf::abi::{self, kind};
 use crate::bpf::{BpfSampler, EsThread};
 use crate::cpython::PythonProcess;
+use crate::record::rotate::RotationPolicy;
 use crate::record::EngineInfo;
 use crate::record::{
     flags, EndInfo, GcPause, GilWait, Meta, OffCpu, ProcessInfo, RecordingWriter, Sample,
@@ -99,17 +100,22 @@ pub struct RecordSummary {
 
 static STOP: AtomicBool = AtomicBool::new(false);
 
-/// Ask a running `record` (on another thread) to finish its file and return.
-pub fn request_stop() {
-    STOP.store(true, Ordering::SeqCst);
-}
-
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::SeqCst);
 }
 
+/// Ask a running [`record`] to stop and finish its file, as SIGINT would.
+pub fn request_stop() {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Whether a stop was asked for (SIGINT, SIGTERM or [`request_stop`]).
+pub fn stop_requested() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
+
 /// Stop cleanly (finish the file) on SIGINT and SIGTERM.
-fn install_stop_handlers() {
+pub fn install_stop_handlers() {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -150,7 +156,9 @@ struct PendingGilWait {
 
 /// A collection that has begun: when, in which thread, and the statistics then.
 struct PendingGc {
-    start_ns: u64,
+    /// Absolute (CLOCK_MONOTONIC): a pause that spans a rotation is written whole in the
+    /// segment where it ends.
+    start_abs_ns: u64,
     tid: i32,
     stats: abi::GcStats,
 }
@@ -173,9 +181,184 @@ pub struct Pipeline {
     pub metrics: Option<std::sync::mpsc::Receiver<crate::vllm::metrics::ScrapeEvent>>,
     pub metric_points: u64,
     pub scrape_errors: u64,
+    /// Set for a rotating recording (the agent).
+    pub rotation: Option<Rotator>,
+    /// Counters of targets that exited and were dropped, so that totals never go back.
+    pub exited_unresolved_frames: u64,
+    pub exited_code_rereads: u64,
+}
+
+/// How often a rotating recording writes its counters (for a live reader's lost-sample and
+/// error counts; unchanged counters are not written again).
+const LIVE_COUNTERS_EVERY: Duration = Duration::from_secs(5);
+
+/// State of a rotating recording: the policy, the current segment and its start.
+pub struct Rotator {
+    pub policy: RotationPolicy,
+    /// The segment being written.
+    pub path: PathBuf,
+    meta: Meta,
+    seq: u64,
+    started: Instant,
+    last_counters: Instant,
+    written_counters: BTreeMap<String, u64>,
+    pub rotations: u64,
+    pub segments_removed: u64,
 }
 
 impl Pipeline {
+    /// Work a rotating recording does between event batches (every 200 ms): end the segment
+    /// when it is full or old enough (or rotation is asked for), else write the counters when
+    /// they changed and a while has passed. `counters` gives the recording's counters now.
+    pub fn periodic(
+        &mut self,
+        counters: &dyn Fn(&Pipeline) -> BTreeMap<String, u64>,
+    ) -> anyhow::Result<()> {
+        let Some(r) = &self.rotation else {
+            return Ok(());
+        };
+        let forced = r.policy.rotate_now.swap(false, Ordering::SeqCst);
+        if forced
+            || self.writer.bytes_written() >= r.policy.max_segment_bytes
+            || r.started.elapsed() >= r.policy.max_segment_age
+        {
+            let c = counters(self);
+            return self.rotate(&c);
+        }
+        if r.last_counters.elapsed() >= LIVE_COUNTERS_EVERY {
+            let c = counters(self);
+            let changed = c != r.written_counters;
+            if changed {
+                self.writer.counters(&c)?;
+            }
+            if let Some(r) = &mut self.rotation {
+                r.last_counters = Instant::now();
+                if changed {
+                    r.written_counters = c;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// End the current segment and start the next, which reads on its own: intervals still
+    /// open (off CPU, GIL waits) are split at the rotation, their part so far written into the
+    /// ending segment; threads and processes that exited are forgotten (a dead thread's last
+    /// switch-out is its exit, not a wait); old segments beyond the caps are removed.
+    fn rotate(&mut self, counters: &BTreeMap<String, u64>) -> anyhow::Result<()> {
+        let Some(mut r) = self.rotation.take() else {
+            return Ok(());
+        };
+        let res = self.rotate_with(&mut r, counters);
+        self.rotation = Some(r);
+        res
+    }
+
+    fn rotate_with(
+        &mut self,
+        r: &mut Rotator,
+        counters: &BTreeMap<String, u64>,
+    ) -> anyhow::Result<()> {
+        let now = monotonic_ns();
+        let end = self.rel(now);
+        let thread_alive =
+            |pid: i32, tid: i32| std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists();
+        self.timelines
+            .retain(|&(pid, tid), _| thread_alive(pid, tid));
+        self.gil_waits
+            .retain(|&(pid, tid), _| thread_alive(pid, tid));
+        self.gc.retain(|&pid, _| crate::procinfo::is_running(pid));
+        let mut split = Vec::new();
+        for (&(pid, tid), tl) in self.timelines.iter() {
+            if let Some((start, stack, preempted)) = tl.pending_out {
+                split.push((pid, tid, start, stack, preempted));
+            } else if let (Some(stack), false) = (tl.initial_stack, tl.seen_event) {
+                split.push((pid, tid, 0, stack, false));
+            }
+        }
+        split.sort_by_key(|x| (x.0, x.1));
+        for (pid, tid, start, stack, preempted) in split {
+            self.offcpu += 1;
+            self.writer.offcpu(&OffCpu {
+                pid,
+                tid,
+                start_ns: start,
+                dur_ns: end.saturating_sub(start),
+                stack,
+                preempted,
+            })?;
+        }
+        let mut waits: Vec<(i32, i32)> = self.gil_waits.keys().copied().collect();
+        waits.sort();
+        for (pid, tid) in waits {
+            if let Some(w) = self.gil_waits.get(&(pid, tid)) {
+                self.gil_wait_records += 1;
+                self.writer.gil_wait(&GilWait {
+                    pid,
+                    tid,
+                    start_ns: w.start_ns,
+                    dur_ns: end.saturating_sub(w.start_ns),
+                    holder_tid: w.holder_tid,
+                    holder_stack: w.holder_stack,
+                    waiter_stack: w.waiter_stack.unwrap_or(0),
+                    switch_wait: w.switch_wait,
+                })?;
+            }
+        }
+        self.writer.counters(counters)?;
+        let unix_now = r.meta.start_unix_s + now.saturating_sub(r.meta.start_mono_ns) as f64 / 1e9;
+        let path = crate::record::rotate::next_segment_path(&r.policy.dir, unix_now, &mut r.seq)
+            .with_context(|| format!("naming a segment in {}", r.policy.dir.display()))?;
+        let meta = Meta {
+            start_mono_ns: now,
+            start_unix_s: unix_now,
+            ..r.meta.clone()
+        };
+        let carry = self.writer.rotate(
+            &path,
+            &meta,
+            &EndInfo {
+                duration_ns: end,
+                reason: "rotated".into(),
+            },
+            &|pid, tid| match tid {
+                None => crate::procinfo::is_running(pid),
+                Some(tid) => thread_alive(pid, tid),
+            },
+        )?;
+        self.start_ns = now;
+        // Open intervals go on in the new segment from its start, at their stacks.
+        for tl in self.timelines.values_mut() {
+            if let Some((_, stack, preempted)) = tl.pending_out {
+                tl.pending_out = Some((0, carry.carry(&mut self.writer, stack)?, preempted));
+            }
+            if let Some(stack) = tl.initial_stack {
+                tl.initial_stack = Some(carry.carry(&mut self.writer, stack)?);
+            }
+        }
+        for w in self.gil_waits.values_mut() {
+            w.start_ns = 0;
+            w.holder_stack = carry.carry(&mut self.writer, w.holder_stack)?;
+            if let Some(s) = w.waiter_stack {
+                w.waiter_stack = Some(carry.carry(&mut self.writer, s)?);
+            }
+        }
+        self.writer.flush()?;
+        r.path = path;
+        r.started = Instant::now();
+        r.written_counters.clear();
+        r.rotations += 1;
+        let cap = r
+            .policy
+            .max_total_bytes
+            .saturating_sub(r.policy.max_segment_bytes);
+        let removed =
+            crate::record::rotate::prune(&r.policy.dir, &r.path, cap, r.policy.max_segments)
+                .with_context(|| format!("removing old segments in {}", r.policy.dir.display()))?;
+        r.segments_removed += removed.len() as u64;
+        Ok(())
+    }
+
     /// Write whatever the metrics scraper has sent since the last call.
     pub fn poll_metrics(&mut self) -> anyhow::Result<()> {
         use crate::vllm::metrics::ScrapeEvent;
@@ -383,10 +566,9 @@ impl Pipeline {
         value: i64,
         stats: abi::GcStats,
     ) -> anyhow::Result<()> {
-        let t = self.rel(t_ns);
         if value != 0 {
             self.gc.entry(pid).or_insert(PendingGc {
-                start_ns: t,
+                start_abs_ns: t_ns,
                 tid,
                 stats,
             });
@@ -414,10 +596,12 @@ impl Pipeline {
         self.writer.gc_pause(&GcPause {
             pid,
             tid: p.tid,
-            start_ns: p.start_ns,
+            start_ns: self.rel(p.start_abs_ns),
             // The watchpoint's own trap (the end of the first hit, the start of the second) is
             // inside the interval but is not the collector's: take it out.
-            dur_ns: t.saturating_sub(p.start_ns).saturating_sub(self.gc_trap_ns),
+            dur_ns: t_ns
+                .saturating_sub(p.start_abs_ns)
+                .saturating_sub(self.gc_trap_ns),
             generation,
             collected,
         })
@@ -483,6 +667,15 @@ fn hostname() -> String {
 
 /// Attach to every pid, choose a backend, record until the duration ends or SIGINT/SIGTERM.
 pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
+    record_rotating(opts, None)
+}
+
+/// [`record`], into a directory of rotating segments when `rotation` is given (`opts.output`
+/// is then not used): the always-on agent records this way.
+pub fn record_rotating(
+    opts: &RecordOptions,
+    rotation: Option<RotationPolicy>,
+) -> anyhow::Result<RecordSummary> {
     let discovery = if opts.vllm {
         let mut d = crate::vllm::discover::discover_engines(opts.metrics_url.as_deref())?;
         if let Some(root) = opts.vllm_root_pid {
@@ -589,12 +782,19 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     } else {
         opts.rate_hz
     };
+    let output = match &rotation {
+        Some(r) => {
+            std::fs::create_dir_all(&r.dir)
+                .with_context(|| format!("creating {}", r.dir.display()))?;
+            format!("{}/ (rotating segments)", r.dir.display())
+        }
+        None => opts.output.display().to_string(),
+    };
     if !opts.quiet {
         eprintln!(
-            "enginescope: recording {} process(es) with the {backend} backend ({reason}) at {rate} Hz{} -> {}",
+            "enginescope: recording {} process(es) with the {backend} backend ({reason}) at {rate} Hz{} -> {output}",
             targets.len(),
             opts.duration.map(|d| format!(" for {:.1} s", d.as_secs_f64())).unwrap_or_default(),
-            opts.output.display()
         );
         if rate != opts.rate_hz {
             eprintln!(
@@ -638,7 +838,37 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
             t.collect_new_code = true;
         }
     }
-    let writer = RecordingWriter::create(&opts.output, &meta)?;
+    let (writer, rotator) = match rotation {
+        None => (RecordingWriter::create(&opts.output, &meta)?, None),
+        Some(policy) => {
+            let mut seq = 0;
+            let path =
+                crate::record::rotate::next_segment_path(&policy.dir, meta.start_unix_s, &mut seq)
+                    .with_context(|| format!("naming a segment in {}", policy.dir.display()))?;
+            let cap = policy
+                .max_total_bytes
+                .saturating_sub(policy.max_segment_bytes);
+            let removed =
+                crate::record::rotate::prune(&policy.dir, &path, cap, policy.max_segments)
+                    .with_context(|| {
+                        format!("removing old segments in {}", policy.dir.display())
+                    })?;
+            let w = RecordingWriter::create_rotating(&path, &meta)?;
+            let now = Instant::now();
+            let r = Rotator {
+                policy,
+                path,
+                meta: meta.clone(),
+                seq,
+                started: now,
+                last_counters: now,
+                written_counters: BTreeMap::new(),
+                rotations: 0,
+                segments_removed: removed.len() as u64,
+            };
+            (w, Some(r))
+        }
+    };
     let mut pipe = Pipeline {
         writer,
         start_ns,
@@ -654,6 +884,9 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         metrics: None,
         metric_points: 0,
         scrape_errors: 0,
+        rotation: rotator,
+        exited_unresolved_frames: 0,
+        exited_code_rereads: 0,
     };
     for t in &targets {
         pipe.writer.process(&ProcessInfo {
@@ -712,19 +945,52 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
     }
     probes.close(bpf.as_mut(), &mut pipe)?;
     pipe.close(end_ns)?;
+    let counters = collect_counters(bpf.as_ref(), &targets, &pipe, &probes);
+    pipe.writer.counters(&counters)?;
+    let reason = match &result {
+        Ok(r) => r.clone(),
+        Err(e) => format!("error: {e:#}"),
+    };
+    let samples = pipe.samples;
+    let offcpu = pipe.offcpu;
+    // The last segment's own length when rotating (each segment's times start at its start).
+    let bytes = pipe.writer.finish(&EndInfo {
+        duration_ns: end_ns.saturating_sub(pipe.start_ns),
+        reason,
+    })?;
+    drop(bpf);
+    result?;
+    Ok(RecordSummary {
+        backend: backend.into(),
+        samples,
+        offcpu_intervals: offcpu,
+        bytes,
+        duration_s: (end_ns - start_ns) as f64 / 1e9,
+        lost: counters.get("bpf_ringbuf_full_lost").copied().unwrap_or(0),
+        counters,
+    })
+}
+
+/// The recording's failure-path and health counters now (docs/recording-format.md, record 8).
+pub(crate) fn collect_counters(
+    bpf: Option<&BpfSampler>,
+    targets: &[Target],
+    pipe: &Pipeline,
+    probes: &probes::Probes,
+) -> BTreeMap<String, u64> {
     let mut counters = BTreeMap::new();
-    if let Some(b) = &bpf {
+    if let Some(b) = bpf {
         for (k, v) in b.counters() {
             counters.insert(k.to_string(), v);
         }
     }
     counters.insert(
         "unresolved_frames".into(),
-        targets.iter().map(|t| t.unresolved_frames).sum(),
+        pipe.exited_unresolved_frames + targets.iter().map(|t| t.unresolved_frames).sum::<u64>(),
     );
     counters.insert(
         "code_object_rereads".into(),
-        targets.iter().map(|t| t.code_rereads).sum(),
+        pipe.exited_code_rereads + targets.iter().map(|t| t.code_rereads).sum::<u64>(),
     );
     counters.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
     counters.insert("gc_watch_attach_failures".into(), probes.gc_attach_failures);
@@ -741,28 +1007,11 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
         counters.insert("probe_thread_attaches".into(), probes.thread_attaches);
         counters.insert("probes_switched_to_sampling".into(), probes.demoted);
     }
-    pipe.writer.counters(&counters)?;
-    let reason = match &result {
-        Ok(r) => r.clone(),
-        Err(e) => format!("error: {e:#}"),
-    };
-    let samples = pipe.samples;
-    let offcpu = pipe.offcpu;
-    let bytes = pipe.writer.finish(&EndInfo {
-        duration_ns: end_ns - start_ns,
-        reason,
-    })?;
-    drop(bpf);
-    result?;
-    Ok(RecordSummary {
-        backend: backend.into(),
-        samples,
-        offcpu_intervals: offcpu,
-        bytes,
-        duration_s: (end_ns - start_ns) as f64 / 1e9,
-        lost: counters.get("bpf_ringbuf_full_lost").copied().unwrap_or(0),
-        counters,
-    })
+    if let Some(r) = &pipe.rotation {
+        counters.insert("segments_rotated".into(), r.rotations);
+        counters.insert("segments_removed".into(), r.segments_removed);
+    }
+    counters
 }
 
 /// Say (on stderr) that events are being collected from now on: scripts and tests that need
@@ -862,7 +1111,6 @@ fn run_bpf(
     let poll = Duration::from_millis(20);
     let mut last_threads = Instant::now();
     let mut last_flush = Instant::now();
-    let mut alive: Vec<bool> = vec![true; targets.len()];
     let reason = loop {
         if STOP.load(Ordering::SeqCst) {
             break "stopped by signal".to_string();
@@ -879,16 +1127,15 @@ fn run_bpf(
         if last_threads.elapsed() >= Duration::from_millis(100) {
             last_threads = Instant::now();
             sync_threads(b, targets, pipe, probes)?;
-            for (i, t) in targets.iter().enumerate() {
-                if alive[i] && !crate::procinfo::is_running(t.pid) {
-                    alive[i] = false;
-                    b.remove_target(t.pid as u32);
-                    if !opts.quiet {
-                        eprintln!("enginescope: process {} exited", t.pid);
-                    }
-                }
+            let exited: Vec<i32> = targets
+                .iter()
+                .filter(|t| !crate::procinfo::is_running(t.pid))
+                .map(|t| t.pid)
+                .collect();
+            if !exited.is_empty() {
+                drop_exited(b, targets, &mut index, pipe, probes, &exited, opts.quiet)?;
             }
-            if !alive.iter().any(|a| *a) && session.is_none() {
+            if targets.is_empty() && session.is_none() {
                 break "all targets exited".to_string();
             }
         }
@@ -915,7 +1162,6 @@ fn run_bpf(
                                 targets[i].collect_new_code = true;
                             }
                             index.insert(pid, i);
-                            alive.push(true);
                             sync_threads(b, &mut targets[i..], pipe, probes)?;
                             configure_target(b, &targets[i], probes, opts)?;
                             if !opts.quiet {
@@ -934,6 +1180,7 @@ fn run_bpf(
         if last_flush.elapsed() >= Duration::from_millis(200) {
             last_flush = Instant::now();
             pipe.writer.flush()?;
+            pipe.periodic(&|p: &Pipeline| collect_counters(Some(&*b), targets, p, probes))?;
         }
     };
     // Stop new events, then drain what is left.
@@ -955,6 +1202,43 @@ fn restrict_to_engine(d: &mut crate::vllm::discover::Discovery, root: i32) {
     d.processes.retain(|p| Some(&p.engine) == keep.as_ref());
     let pids: std::collections::BTreeSet<i32> = d.processes.iter().map(|p| p.pid).collect();
     d.roles.retain(|pid, _| pids.contains(pid));
+}
+
+/// Forget processes that exited: their last events are drained first, then their BPF state,
+/// probes and caches (code objects, ELF tables) go, so that a long recording with processes
+/// coming and going stays the same size in memory.
+fn drop_exited(
+    b: &mut BpfSampler,
+    targets: &mut Vec<Target>,
+    index: &mut HashMap<i32, usize>,
+    pipe: &mut Pipeline,
+    probes: &mut probes::Probes,
+    exited: &[i32],
+    quiet: bool,
+) -> anyhow::Result<()> {
+    for &pid in exited {
+        b.remove_target(pid as u32);
+    }
+    drain_events(b, targets, index, pipe, probes)?;
+    for t in targets.iter().filter(|t| exited.contains(&t.pid)) {
+        for &tid in t.threads.keys() {
+            b.remove_thread(tid as u32);
+            probes.thread_gone(b, tid);
+        }
+        probes.process_gone(b, t.pid);
+        pipe.exited_unresolved_frames += t.unresolved_frames;
+        pipe.exited_code_rereads += t.code_rereads;
+        if !quiet {
+            eprintln!("enginescope: process {} exited", t.pid);
+        }
+    }
+    targets.retain(|t| !exited.contains(&t.pid));
+    *index = targets
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.pid, i))
+        .collect();
+    Ok(())
 }
 
 /// A `record --vllm` session: the engines as last discovered and the metrics scraper.
@@ -1208,4 +1492,148 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
     out.insert("frames_resolved".into(), frames - unresolved);
     out.insert("frames_unresolved".into(), unresolved);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Frame;
+
+    fn frame(f: &str) -> Frame {
+        Frame {
+            function: f.into(),
+            file: "x.py".into(),
+            line: Some(1),
+        }
+    }
+
+    #[test]
+    fn rotation_splits_open_intervals_and_forgets_exited_threads() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = std::process::id() as i32;
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        let dead = (me, i32::MAX - 7); // no such thread
+        let t0 = monotonic_ns() - 1_000_000_000;
+        let meta = Meta {
+            start_mono_ns: t0,
+            start_unix_s: 1_700_000_000.0,
+            ..Default::default()
+        };
+        let mut seq = 0;
+        let first = crate::record::rotate::next_segment_path(dir.path(), 1.0, &mut seq).unwrap();
+        let policy = RotationPolicy::new(dir.path().to_path_buf());
+        let rotate_now = policy.rotate_now.clone();
+        let mut pipe = Pipeline {
+            writer: RecordingWriter::create_rotating(&first, &meta).unwrap(),
+            start_ns: t0,
+            weight_ns: 10_000_000,
+            timelines: HashMap::new(),
+            gil_waits: HashMap::new(),
+            gc: HashMap::new(),
+            samples: 0,
+            offcpu: 0,
+            gil_wait_records: 0,
+            gc_pause_records: 0,
+            gc_trap_ns: 0,
+            metrics: None,
+            metric_points: 0,
+            scrape_errors: 0,
+            rotation: Some(Rotator {
+                policy,
+                path: first.clone(),
+                meta: meta.clone(),
+                seq,
+                started: Instant::now(),
+                last_counters: Instant::now(),
+                written_counters: BTreeMap::new(),
+                rotations: 0,
+                segments_removed: 0,
+            }),
+            exited_unresolved_frames: 0,
+            exited_code_rereads: 0,
+        };
+        pipe.writer
+            .process(&ProcessInfo {
+                pid: me,
+                ..Default::default()
+            })
+            .unwrap();
+        let blocked = pipe
+            .writer
+            .intern_stack(&[frame("wait"), frame("main")])
+            .unwrap();
+        let holder = pipe.writer.intern_stack(&[frame("hold")]).unwrap();
+        let ms = 1_000_000;
+        pipe.switch_out(me, tid, t0 + 100 * ms, blocked, false);
+        pipe.switch_out(dead.0, dead.1, t0 + 150 * ms, blocked, false);
+        pipe.gil_wait_start(me, tid, t0 + 200 * ms, 1, holder, false);
+        let stats0 = abi::GcStats::default();
+        pipe.gc_edge(me, tid, t0 + 300 * ms, 1, stats0).unwrap();
+
+        rotate_now.store(true, Ordering::SeqCst);
+        pipe.periodic(&|_| BTreeMap::from([("bpf_ringbuf_full_lost".to_string(), 3)]))
+            .unwrap();
+        let rot = pipe.start_ns;
+        assert!(rot > t0 + 300 * ms);
+        let second = pipe.rotation.as_ref().unwrap().path.clone();
+        assert_ne!(second, first);
+
+        let end = rot + 50 * ms;
+        let stats1 = abi::GcStats {
+            collections: [1, 1, 0],
+            collected: [5, 9, 0],
+        };
+        pipe.gc_edge(me, tid, end, 0, stats1).unwrap();
+        pipe.gil_wait_end(me, tid, end).unwrap();
+        pipe.switch_in(me, tid, end).unwrap();
+        pipe.close(end).unwrap();
+        let Pipeline { writer, .. } = pipe;
+        writer
+            .finish(&EndInfo {
+                duration_ns: 50 * ms,
+                reason: "done".into(),
+            })
+            .unwrap();
+
+        let r1 = crate::record::read_recording(&first).unwrap();
+        let split = (rot - t0) - 100 * ms;
+        assert_eq!(r1.end.as_ref().unwrap().reason, "rotated");
+        assert_eq!(r1.end.as_ref().unwrap().duration_ns, rot - t0);
+        assert_eq!(r1.counters.get("bpf_ringbuf_full_lost"), Some(&3));
+        // The exited thread's pending switch-out is not a wait: nothing for it.
+        assert_eq!(r1.offcpu.len(), 1, "{:?}", r1.offcpu);
+        assert_eq!((r1.offcpu[0].tid, r1.offcpu[0].start_ns), (tid, 100 * ms));
+        assert_eq!(r1.offcpu[0].dur_ns, split);
+        assert_eq!(r1.gil_waits.len(), 1);
+        assert_eq!(r1.gil_waits[0].dur_ns, (rot - t0) - 200 * ms);
+        assert!(r1.gc_pauses.is_empty());
+
+        let r2 = crate::record::read_recording(&second).unwrap();
+        assert_eq!(r2.meta.start_mono_ns, rot);
+        assert!((r2.meta.start_unix_s - (1_700_000_000.0 + (rot - t0) as f64 / 1e9)).abs() < 1e-6);
+        assert_eq!(r2.offcpu.len(), 1);
+        assert_eq!((r2.offcpu[0].start_ns, r2.offcpu[0].dur_ns), (0, 50 * ms));
+        let names: Vec<&str> = r2
+            .stack_frames(r2.offcpu[0].stack)
+            .map(|f| f.function.as_str())
+            .collect();
+        assert_eq!(names, ["wait", "main"], "the blocked stack carried over");
+        assert_eq!(r2.gil_waits.len(), 1);
+        assert_eq!(
+            (r2.gil_waits[0].start_ns, r2.gil_waits[0].dur_ns),
+            (0, 50 * ms)
+        );
+        let names: Vec<&str> = r2
+            .stack_frames(r2.gil_waits[0].holder_stack)
+            .map(|f| f.function.as_str())
+            .collect();
+        assert_eq!(names, ["hold"]);
+        // The GC pause is written whole where it ends.
+        assert_eq!(r2.gc_pauses.len(), 1);
+        let g = r2.gc_pauses[0];
+        assert_eq!((g.start_ns, g.generation, g.collected), (0, 1, 9));
+        assert_eq!(g.dur_ns, end - (t0 + 300 * ms));
+        assert_eq!(r2.processes.len(), 1);
+    }
 }

@@ -581,6 +581,30 @@ impl Probes {
         let before = self.open.len();
         self.open.retain(|(t, _), _| *t != tid);
         self.unfinished += (before - self.open.len()) as u64;
+        // Forget the thread everywhere, so that threads coming and going for hours leave
+        // nothing behind (tids are reused).
+        for a in self.active.iter_mut() {
+            a.failed.remove(&tid);
+        }
+        self.runs.retain(|(t, _), _| *t != tid);
+    }
+
+    /// A process exited (after [`Self::thread_gone`] for its threads): its probes take no more
+    /// calls and what was kept per code object and per breakpoint address goes. The probes
+    /// themselves stay, since probe ids index them.
+    pub fn process_gone(&mut self, b: &mut BpfSampler, pid: i32) {
+        for a in self.active.iter_mut().filter(|a| a.info.pid == pid) {
+            a.retired = true;
+            a.failed.clear();
+            for (_, ls) in a.links.drain() {
+                for l in ls {
+                    b.unwatch_code_unit(l);
+                }
+            }
+        }
+        self.seen.retain(|(p, _)| *p != pid);
+        self.by_addr.retain(|(p, _), _| *p != pid);
+        self.gc_addr.remove(&pid);
     }
 
     /// A breakpoint hit (BPF PROBE_HIT): `t_ns` absolute monotonic time. Entry and return are

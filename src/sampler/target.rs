@@ -202,7 +202,7 @@ impl Target {
                 let o = &self.proc.offsets;
                 let read = objects::read_code(mem, o, f.code)
                     .ok()
-                    .zip(mem.read_u64(f.code + o.code_name).ok());
+                    .zip(mem.read_u64(f.code.wrapping_add(o.code_name)).ok());
                 match read {
                     Some((info, name_ptr))
                         if abi::code_id(info.firstlineno, name_ptr) == f.code_id =>

@@ -1,0 +1,1137 @@
+//! The agent's Prometheus metrics, and the aggregator that turns recording events into them.
+//!
+//! Every figure comes from the recording the agent writes (the same records `report` reads),
+//! so the exporter and the reports agree. Names follow Prometheus conventions: base units
+//! (seconds, bytes), `_total` on counters, `enginescope_` prefix; the standard `process_*`
+//! metrics describe the agent itself. The full list with label sets is in
+//! docs/deployment.md and [`FAMILIES`] (which the dashboard lint checks queries against).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use super::budget::{Budget, BudgetConfig};
+use crate::record::{flags, Recording};
+
+/// Label value of the aggregate series of keys without a series of their own.
+pub const OTHER: &str = "_other";
+/// Function label of samples with no Python frame (a thread in native code only).
+pub const NO_PYTHON: &str = "(no Python frame)";
+/// Longest label value kept (longer ones are cut).
+const MAX_LABEL_LEN: usize = 120;
+
+/// Every metric family the agent exposes: (family name as registered, type, label names).
+/// Counters are exposed with `_total`, histograms as `_bucket` (with `le`), `_sum`, `_count`.
+pub const FAMILIES: &[(&str, &str, &[&str])] = &[
+    ("enginescope_thread_cpu_seconds", "counter", THREAD),
+    ("enginescope_thread_gil_held_seconds", "counter", THREAD),
+    ("enginescope_thread_gil_wait_seconds", "counter", THREAD),
+    ("enginescope_thread_offcpu_seconds", "counter", THREAD),
+    (
+        "enginescope_function_cpu_seconds",
+        "counter",
+        &["engine", "role", "function", "file"],
+    ),
+    ("enginescope_samples", "counter", PROCESS),
+    ("enginescope_gc_pause_seconds", "histogram", GC),
+    ("enginescope_gc_collected_objects", "counter", GC),
+    (
+        "enginescope_probe_call_duration_seconds",
+        "histogram",
+        &["engine", "role", "function", "method"],
+    ),
+    ("enginescope_samples_lost", "counter", &[]),
+    ("enginescope_recorder_errors", "counter", &["kind"]),
+    ("enginescope_probe_errors", "counter", &["kind"]),
+    ("enginescope_probes_switched_to_sampling", "counter", &[]),
+    ("enginescope_scrape_errors", "counter", &["engine"]),
+    ("enginescope_processes", "gauge", PROCESS),
+    ("enginescope_label_sets_aggregated", "counter", &["kind"]),
+    ("enginescope_recording_segments", "gauge", &[]),
+    ("enginescope_recording_bytes", "gauge", &[]),
+    ("enginescope_recording_rotations", "counter", &[]),
+    ("enginescope_recorder_restarts", "counter", &[]),
+    ("enginescope_info", "gauge", &["version", "backend", "mode"]),
+    ("process_resident_memory_bytes", "gauge", &[]),
+    ("process_virtual_memory_bytes", "gauge", &[]),
+    ("process_cpu_seconds", "counter", &[]),
+    ("process_open_fds", "gauge", &[]),
+    ("process_start_time_seconds", "gauge", &[]),
+];
+
+const THREAD: &[&str] = &["engine", "role", "thread"];
+const PROCESS: &[&str] = &["engine", "role"];
+const GC: &[&str] = &["engine", "role", "generation"];
+
+/// The sample names a query may use, with their labels: counters with `_total`, histograms
+/// with their three series, gauges as they are.
+pub fn exposed_names() -> Vec<(String, Vec<&'static str>)> {
+    let mut out = Vec::new();
+    for (name, kind, labels) in FAMILIES {
+        match *kind {
+            "counter" => out.push((format!("{name}_total"), labels.to_vec())),
+            "histogram" => {
+                let mut with_le = labels.to_vec();
+                with_le.push("le");
+                out.push((format!("{name}_bucket"), with_le));
+                out.push((format!("{name}_sum"), labels.to_vec()));
+                out.push((format!("{name}_count"), labels.to_vec()));
+            }
+            _ => out.push((name.to_string(), labels.to_vec())),
+        }
+    }
+    out
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct ThreadLabels {
+    pub engine: String,
+    pub role: String,
+    pub thread: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct ProcessLabels {
+    pub engine: String,
+    pub role: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct GcLabels {
+    pub engine: String,
+    pub role: String,
+    pub generation: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct FunctionLabels {
+    pub engine: String,
+    pub role: String,
+    pub function: String,
+    pub file: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct ProbeLabels {
+    pub engine: String,
+    pub role: String,
+    pub function: String,
+    pub method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineLabels {
+    pub engine: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct InfoLabels {
+    pub version: String,
+    pub backend: String,
+    pub mode: String,
+}
+
+type Seconds = Counter<f64, AtomicU64>;
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn gc_histogram() -> Histogram {
+    // 50 µs … 2.5 s: young collections are ~0.1-1 ms, full ones tens of ms.
+    Histogram::new([
+        0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+        1.0, 2.5,
+    ])
+}
+
+fn call_histogram() -> Histogram {
+    // 10 µs … 10 s: queue operations to model steps.
+    Histogram::new([
+        0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+        0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ])
+}
+
+/// The metric families, registered once; cheap to clone (shared handles).
+#[derive(Clone)]
+pub struct Metrics {
+    pub thread_cpu: Family<ThreadLabels, Seconds>,
+    pub thread_gil_held: Family<ThreadLabels, Seconds>,
+    pub thread_gil_wait: Family<ThreadLabels, Seconds>,
+    pub thread_offcpu: Family<ThreadLabels, Seconds>,
+    pub function_cpu: Family<FunctionLabels, Seconds>,
+    pub samples: Family<ProcessLabels, Counter>,
+    pub gc_pause: HistogramFamily<GcLabels>,
+    pub gc_collected: Family<GcLabels, Counter>,
+    pub probe_duration: HistogramFamily<ProbeLabels>,
+    pub samples_lost: Counter,
+    pub recorder_errors: Family<KindLabels, Counter>,
+    pub probe_errors: Family<KindLabels, Counter>,
+    pub probes_demoted: Counter,
+    pub scrape_errors: Family<EngineLabels, Counter>,
+    pub processes: Family<ProcessLabels, Gauge>,
+    pub aggregated: Family<KindLabels, Counter>,
+    pub segments: Gauge,
+    pub recording_bytes: Gauge,
+    pub rotations: Counter,
+    pub recorder_restarts: Counter,
+    pub info: Family<InfoLabels, Gauge>,
+    pub rss: Gauge,
+    pub vsize: Gauge,
+    pub cpu: Seconds,
+    pub open_fds: Gauge,
+    pub start_time: Gauge<f64, AtomicU64>,
+}
+
+impl Metrics {
+    /// Register every family in a new registry.
+    pub fn new() -> (Self, Registry) {
+        let m = Metrics {
+            thread_cpu: Family::default(),
+            thread_gil_held: Family::default(),
+            thread_gil_wait: Family::default(),
+            thread_offcpu: Family::default(),
+            function_cpu: Family::default(),
+            samples: Family::default(),
+            gc_pause: Family::new_with_constructor(gc_histogram),
+            gc_collected: Family::default(),
+            probe_duration: Family::new_with_constructor(call_histogram),
+            samples_lost: Counter::default(),
+            recorder_errors: Family::default(),
+            probe_errors: Family::default(),
+            probes_demoted: Counter::default(),
+            scrape_errors: Family::default(),
+            processes: Family::default(),
+            aggregated: Family::default(),
+            segments: Gauge::default(),
+            recording_bytes: Gauge::default(),
+            rotations: Counter::default(),
+            recorder_restarts: Counter::default(),
+            info: Family::default(),
+            rss: Gauge::default(),
+            vsize: Gauge::default(),
+            cpu: Seconds::default(),
+            open_fds: Gauge::default(),
+            start_time: Gauge::default(),
+        };
+        let mut r = Registry::default();
+        let c = m.clone();
+        let reg = &mut r;
+        reg.register(
+            "enginescope_thread_cpu_seconds",
+            "CPU time of Python threads, from samples (each stands for one sampling period)",
+            c.thread_cpu,
+        );
+        reg.register(
+            "enginescope_thread_gil_held_seconds",
+            "CPU time during which the thread held the GIL, from samples",
+            c.thread_gil_held,
+        );
+        reg.register(
+            "enginescope_thread_gil_wait_seconds",
+            "Time threads spent blocked waiting for the GIL (exact: futex waits, counted when each wait ends)",
+            c.thread_gil_wait,
+        );
+        reg.register(
+            "enginescope_thread_offcpu_seconds",
+            "Time threads spent off CPU, blocked or preempted (exact: sched_switch, counted when each interval ends)",
+            c.thread_offcpu,
+        );
+        reg.register(
+            "enginescope_function_cpu_seconds",
+            "CPU time by the innermost Python function (self time), from samples; top functions, the rest in function=\"_other\"",
+            c.function_cpu,
+        );
+        reg.register("enginescope_samples", "On-CPU samples recorded", c.samples);
+        reg.register(
+            "enginescope_gc_pause_seconds",
+            "Garbage-collection pauses by generation (exact: watchpoint on the collector's state; generation=\"-1\" when unknown)",
+            c.gc_pause,
+        );
+        reg.register(
+            "enginescope_gc_collected_objects",
+            "Objects freed by garbage collections",
+            c.gc_collected,
+        );
+        reg.register(
+            "enginescope_probe_call_duration_seconds",
+            "Duration of calls of probed functions (method=\"exact\": every call, from hardware breakpoints; \"sampled\": runs seen across samples)",
+            c.probe_duration,
+        );
+        reg.register(
+            "enginescope_samples_lost",
+            "Events (samples, context switches, GIL and GC edges) dropped because the kernel ring buffer was full",
+            c.samples_lost,
+        );
+        reg.register(
+            "enginescope_recorder_errors",
+            "Failure paths of the recorder (stack reads, unresolved frames, watchpoint attaches), by kind",
+            c.recorder_errors,
+        );
+        reg.register(
+            "enginescope_probe_errors",
+            "Probe failures: attach_failed (no free debug register on a thread), unfinished (call left without a return), unmatched_return",
+            c.probe_errors,
+        );
+        reg.register(
+            "enginescope_probes_switched_to_sampling",
+            "Exact probes switched to the sampled method for their call rate",
+            c.probes_demoted,
+        );
+        reg.register(
+            "enginescope_scrape_errors",
+            "Failed scrapes of an engine's /metrics",
+            c.scrape_errors,
+        );
+        reg.register(
+            "enginescope_processes",
+            "Target processes being recorded",
+            c.processes,
+        );
+        reg.register(
+            "enginescope_label_sets_aggregated",
+            "Events added into an aggregate series (thread or function \"_other\") for lack of room under the cardinality cap",
+            c.aggregated,
+        );
+        reg.register(
+            "enginescope_recording_segments",
+            "Recording segments on disk",
+            c.segments,
+        );
+        reg.register(
+            "enginescope_recording_bytes",
+            "Bytes of recording segments on disk",
+            c.recording_bytes,
+        );
+        reg.register(
+            "enginescope_recording_rotations",
+            "Recording segments started after the first",
+            c.rotations,
+        );
+        reg.register(
+            "enginescope_recorder_restarts",
+            "Times the recorder started again (targets gone, an error, or no engine yet)",
+            c.recorder_restarts,
+        );
+        reg.register(
+            "enginescope_info",
+            "The agent's version and backend",
+            c.info,
+        );
+        reg.register(
+            "process_resident_memory_bytes",
+            "Resident memory of the agent",
+            c.rss,
+        );
+        reg.register(
+            "process_virtual_memory_bytes",
+            "Virtual memory of the agent",
+            c.vsize,
+        );
+        reg.register(
+            "process_cpu_seconds",
+            "CPU time of the agent (user and system)",
+            c.cpu,
+        );
+        reg.register(
+            "process_open_fds",
+            "Open file descriptors of the agent",
+            c.open_fds,
+        );
+        reg.register(
+            "process_start_time_seconds",
+            "Start time of the agent, seconds since the Unix epoch",
+            c.start_time,
+        );
+        (m, r)
+    }
+}
+
+/// Cut a label value to a bounded length (on a character boundary).
+fn label(s: &str) -> String {
+    if s.len() <= MAX_LABEL_LEN {
+        return s.to_string();
+    }
+    let mut end = MAX_LABEL_LEN;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s[..end].to_string()
+}
+
+fn basename(s: &str) -> &str {
+    s.rsplit('/').next().unwrap_or(s)
+}
+
+/// Cardinality caps.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub threads: BudgetConfig,
+    pub functions: BudgetConfig,
+    pub probes: BudgetConfig,
+    /// For label sets with no cap of their own (GC by engine and role, aggregates): only
+    /// idle expiry.
+    pub idle_ticks: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            threads: BudgetConfig::new(64),
+            functions: BudgetConfig::new(50),
+            probes: BudgetConfig::new(32),
+            idle_ticks: 600,
+        }
+    }
+}
+
+/// Counters the recorder writes (cumulative within one recorder run) and where they go.
+fn counter_target(name: &str) -> Option<(&'static str, String)> {
+    Some(match name {
+        "bpf_ringbuf_full_lost" => ("lost", String::new()),
+        "bpf_no_tstate"
+        | "bpf_read_frame_errors"
+        | "bpf_read_tstate_errors"
+        | "bpf_truncated_stacks"
+        | "bpf_gil_read_errors"
+        | "bpf_gc_read_errors"
+        | "bpf_gil_wait_unpaired"
+        | "bpf_probe_no_frame" => ("recorder", name.trim_start_matches("bpf_").to_string()),
+        "unresolved_frames" | "gc_watch_attach_failures" => ("recorder", name.to_string()),
+        "probe_attach_failures" => ("probe", "attach_failed".into()),
+        "probe_calls_unfinished" => ("probe", "unfinished".into()),
+        "probe_unmatched_returns" => ("probe", "unmatched_return".into()),
+        "probes_switched_to_sampling" => ("demoted", String::new()),
+        "segments_rotated" => ("rotations", String::new()),
+        _ => return None,
+    })
+}
+
+/// Label sets with only idle expiry: last tick each was touched.
+struct Touched<K> {
+    last: HashMap<K, u64>,
+}
+
+impl<K> Default for Touched<K> {
+    fn default() -> Self {
+        Touched {
+            last: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Clone + Eq + std::hash::Hash> Touched<K> {
+    fn touch(&mut self, k: &K, tick: u64) {
+        if let Some(t) = self.last.get_mut(k) {
+            *t = tick;
+        } else {
+            self.last.insert(k.clone(), tick);
+        }
+    }
+    fn expire(&mut self, tick: u64, idle: u64) -> Vec<K> {
+        let gone: Vec<K> = self
+            .last
+            .iter()
+            .filter(|(_, t)| tick.saturating_sub(**t) >= idle)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &gone {
+            self.last.remove(k);
+        }
+        gone
+    }
+}
+
+/// What one segment's tables say, rebuilt for every segment (each carries its own tables).
+#[derive(Default)]
+struct SegmentTables {
+    /// pid → role label
+    roles: HashMap<i32, String>,
+    /// pid → engine id
+    engines: HashMap<i32, String>,
+    /// (pid, tid) → thread name
+    threads: HashMap<(i32, i32), String>,
+    /// How many entries of each table have been read.
+    n_processes: usize,
+    n_threads: usize,
+    n_engines: usize,
+}
+
+/// Turns recording events into the metrics, with bounded label sets.
+pub struct Aggregator {
+    pub m: Metrics,
+    limits: Limits,
+    threads: Budget<ThreadLabels>,
+    functions: Budget<FunctionLabels>,
+    probes: Budget<ProbeLabels>,
+    /// Aggregate thread series (`thread="_other"`) and other uncapped label sets.
+    other_threads: Touched<ThreadLabels>,
+    other_functions: Touched<FunctionLabels>,
+    other_probes: Touched<ProbeLabels>,
+    gc_sets: Touched<GcLabels>,
+    sample_sets: Touched<ProcessLabels>,
+    seg: SegmentTables,
+    /// Recorder counters as last seen in this recorder run (baseline for increments).
+    last_counters: BTreeMap<String, u64>,
+    tick: u64,
+    /// The recorder's backend, from the latest segment's header.
+    backend: String,
+}
+
+impl Aggregator {
+    pub fn new(m: Metrics, limits: Limits) -> Self {
+        Aggregator {
+            m,
+            limits,
+            threads: Budget::new(limits.threads),
+            functions: Budget::new(limits.functions),
+            probes: Budget::new(limits.probes),
+            other_threads: Touched::default(),
+            other_functions: Touched::default(),
+            other_probes: Touched::default(),
+            gc_sets: Touched::default(),
+            sample_sets: Touched::default(),
+            seg: SegmentTables::default(),
+            last_counters: BTreeMap::new(),
+            tick: 0,
+            backend: String::new(),
+        }
+    }
+
+    /// A new segment begins: its tables are read afresh. `same_run`: it continues the previous
+    /// segment's recorder run (a rotation), so the recorder's counters continue too; otherwise
+    /// they start again from zero.
+    pub fn begin_segment(&mut self, same_run: bool) {
+        self.seg = SegmentTables::default();
+        if !same_run {
+            self.last_counters.clear();
+        }
+    }
+
+    fn process_labels(&self, pid: i32) -> ProcessLabels {
+        ProcessLabels {
+            engine: self.seg.engines.get(&pid).cloned().unwrap_or_default(),
+            role: self
+                .seg
+                .roles
+                .get(&pid)
+                .cloned()
+                .unwrap_or_else(|| format!("pid{pid}")),
+        }
+    }
+
+    fn thread_labels(&mut self, pid: i32, tid: i32, activity: f64) -> ThreadLabels {
+        let p = self.process_labels(pid);
+        let name = self
+            .seg
+            .threads
+            .get(&(pid, tid))
+            .map(|n| label(n))
+            .unwrap_or_else(|| format!("tid{tid}"));
+        let l = ThreadLabels {
+            engine: p.engine,
+            role: p.role,
+            thread: name,
+        };
+        if self.threads.admit(&l, activity) {
+            return l;
+        }
+        self.m
+            .aggregated
+            .get_or_create(&KindLabels {
+                kind: "thread".into(),
+            })
+            .inc();
+        let o = ThreadLabels {
+            thread: OTHER.into(),
+            ..l
+        };
+        self.other_threads.touch(&o, self.tick);
+        o
+    }
+
+    /// Read the tables added since the last call (processes, threads, engines).
+    /// The recorder's backend (`bpf` or `memory`), once a segment header was read.
+    pub fn backend(&self) -> Option<&str> {
+        (!self.backend.is_empty()).then_some(self.backend.as_str())
+    }
+
+    fn read_tables(&mut self, r: &Recording) {
+        if !r.meta.backend.is_empty() && r.meta.backend != self.backend {
+            self.backend = r.meta.backend.clone();
+        }
+        for p in r.processes.iter().skip(self.seg.n_processes) {
+            let role = if p.role.is_empty() {
+                format!("pid{}", p.pid)
+            } else {
+                label(&p.role)
+            };
+            self.seg.roles.insert(p.pid, role);
+        }
+        self.seg.n_processes = r.processes.len();
+        for t in r.threads.iter().skip(self.seg.n_threads) {
+            self.seg.threads.insert((t.pid, t.tid), t.name.clone());
+        }
+        self.seg.n_threads = r.threads.len();
+        for e in r.engines.iter().skip(self.seg.n_engines) {
+            let pids = std::iter::once(e.api_server_pid)
+                .chain(e.engine_core_pids.iter().copied())
+                .chain(e.worker_pids.iter().copied())
+                .filter(|&p| p > 0);
+            for pid in pids {
+                self.seg.engines.insert(pid, label(&e.id));
+            }
+        }
+        self.seg.n_engines = r.engines.len();
+    }
+
+    /// Apply every event the reader has gathered since the last call, then drop the events
+    /// (the tables stay: later events refer to them). The recording keeps only its tables.
+    pub fn apply(&mut self, r: &mut Recording) {
+        self.read_tables(r);
+        let samples = std::mem::take(&mut r.samples);
+        for s in &samples {
+            let secs = s.weight_ns as f64 / 1e9;
+            let t = self.thread_labels(s.pid, s.tid, secs);
+            self.m.thread_cpu.get_or_create(&t).inc_by(secs);
+            if s.flags & flags::GIL != 0 {
+                self.m.thread_gil_held.get_or_create(&t).inc_by(secs);
+            }
+            let p = self.process_labels(s.pid);
+            self.sample_sets.touch(&p, self.tick);
+            self.m.samples.get_or_create(&p).inc();
+            let leaf = r
+                .stacks
+                .get(s.stack as usize)
+                .and_then(|st| st.first())
+                .and_then(|&f| r.frames.get(f as usize));
+            let (function, file) = match leaf {
+                Some(f) => (label(&f.function), label(basename(&f.file))),
+                None => (NO_PYTHON.to_string(), String::new()),
+            };
+            let fl = FunctionLabels {
+                engine: p.engine,
+                role: p.role,
+                function,
+                file,
+            };
+            let fl = if self.functions.admit(&fl, secs) {
+                fl
+            } else {
+                self.m
+                    .aggregated
+                    .get_or_create(&KindLabels {
+                        kind: "function".into(),
+                    })
+                    .inc();
+                let o = FunctionLabels {
+                    function: OTHER.into(),
+                    file: String::new(),
+                    ..fl
+                };
+                self.other_functions.touch(&o, self.tick);
+                o
+            };
+            self.m.function_cpu.get_or_create(&fl).inc_by(secs);
+        }
+        for o in std::mem::take(&mut r.offcpu) {
+            let secs = o.dur_ns as f64 / 1e9;
+            // Off-CPU time counts as activity a million times less than CPU time: it keeps a
+            // blocked thread's series alive, but every idle thread has it, so it ranks last.
+            let t = self.thread_labels(o.pid, o.tid, secs * 1e-6);
+            self.m.thread_offcpu.get_or_create(&t).inc_by(secs);
+        }
+        for g in std::mem::take(&mut r.gil_waits) {
+            let secs = g.dur_ns as f64 / 1e9;
+            let t = self.thread_labels(g.pid, g.tid, secs);
+            self.m.thread_gil_wait.get_or_create(&t).inc_by(secs);
+        }
+        for g in std::mem::take(&mut r.gc_pauses) {
+            let p = self.process_labels(g.pid);
+            let l = GcLabels {
+                engine: p.engine,
+                role: p.role,
+                generation: g.generation.to_string(),
+            };
+            self.gc_sets.touch(&l, self.tick);
+            self.m
+                .gc_pause
+                .get_or_create(&l)
+                .observe(g.dur_ns as f64 / 1e9);
+            let freed = self.m.gc_collected.get_or_create(&l);
+            if g.collected > 0 {
+                freed.inc_by(g.collected as u64);
+            }
+        }
+        for c in std::mem::take(&mut r.calls) {
+            let Some(pr) = r.probes.get(c.probe as usize) else {
+                continue;
+            };
+            let p = self.process_labels(c.pid);
+            let secs = c.dur_ns as f64 / 1e9;
+            let l = ProbeLabels {
+                engine: p.engine,
+                role: p.role,
+                function: label(&pr.function),
+                method: label(&pr.method),
+            };
+            let l = if self.probes.admit(&l, secs.max(1e-9)) {
+                l
+            } else {
+                let o = ProbeLabels {
+                    function: OTHER.into(),
+                    ..l
+                };
+                self.other_probes.touch(&o, self.tick);
+                o
+            };
+            self.m.probe_duration.get_or_create(&l).observe(secs);
+        }
+        for e in std::mem::take(&mut r.scrape_errors) {
+            self.m
+                .scrape_errors
+                .get_or_create(&EngineLabels {
+                    engine: label(&e.engine),
+                })
+                .inc();
+        }
+        // Engine metric points are in the segment for `report`; Prometheus scrapes the engine
+        // itself, so they are not re-exported.
+        r.metrics.clear();
+        r.metrics.shrink_to(1 << 16);
+        let counters = std::mem::take(&mut r.counters);
+        self.apply_counters(&counters);
+    }
+
+    /// The recorder's counters are cumulative within its run: add what they grew by.
+    fn apply_counters(&mut self, c: &BTreeMap<String, u64>) {
+        for (name, &v) in c {
+            let Some((dest, kind)) = counter_target(name) else {
+                continue;
+            };
+            let prev = self.last_counters.get(name).copied().unwrap_or(0);
+            // A smaller value: a new run whose start we did not notice; it counted from 0.
+            let inc = if v >= prev { v - prev } else { v };
+            self.last_counters.insert(name.clone(), v);
+            if inc == 0 {
+                // Make the series exist (at 0) so that dashboards and alerts see it.
+                match dest {
+                    "recorder" => {
+                        let _ = self.m.recorder_errors.get_or_create(&KindLabels { kind });
+                    }
+                    "probe" => {
+                        let _ = self.m.probe_errors.get_or_create(&KindLabels { kind });
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            match dest {
+                "lost" => {
+                    self.m.samples_lost.inc_by(inc);
+                }
+                "recorder" => {
+                    self.m
+                        .recorder_errors
+                        .get_or_create(&KindLabels { kind })
+                        .inc_by(inc);
+                }
+                "probe" => {
+                    self.m
+                        .probe_errors
+                        .get_or_create(&KindLabels { kind })
+                        .inc_by(inc);
+                }
+                "demoted" => {
+                    self.m.probes_demoted.inc_by(inc);
+                }
+                "rotations" => {
+                    self.m.rotations.inc_by(inc);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Processes of the current segment that still run, by engine and role.
+    pub fn update_process_gauge(&mut self, alive: &dyn Fn(i32) -> bool) {
+        let mut counts: HashMap<ProcessLabels, i64> = HashMap::new();
+        let pids: Vec<i32> = self.seg.roles.keys().copied().collect();
+        for pid in pids {
+            if alive(pid) {
+                *counts.entry(self.process_labels(pid)).or_default() += 1;
+            }
+        }
+        self.m.processes.clear();
+        for (l, n) in counts {
+            self.m.processes.get_or_create(&l).set(n);
+        }
+    }
+
+    /// End of a poll: expire idle label sets and let busier keys in (see [`Budget`]).
+    pub fn tick(&mut self) {
+        self.tick += 1;
+        for l in self.threads.tick() {
+            self.m.thread_cpu.remove(&l);
+            self.m.thread_gil_held.remove(&l);
+            self.m.thread_gil_wait.remove(&l);
+            self.m.thread_offcpu.remove(&l);
+        }
+        for l in self.functions.tick() {
+            self.m.function_cpu.remove(&l);
+        }
+        for l in self.probes.tick() {
+            self.m.probe_duration.remove(&l);
+        }
+        let idle = self.limits.idle_ticks;
+        for l in self.other_threads.expire(self.tick, idle) {
+            self.m.thread_cpu.remove(&l);
+            self.m.thread_gil_held.remove(&l);
+            self.m.thread_gil_wait.remove(&l);
+            self.m.thread_offcpu.remove(&l);
+        }
+        for l in self.other_functions.expire(self.tick, idle) {
+            self.m.function_cpu.remove(&l);
+        }
+        for l in self.other_probes.expire(self.tick, idle) {
+            self.m.probe_duration.remove(&l);
+        }
+        for l in self.gc_sets.expire(self.tick, idle) {
+            self.m.gc_pause.remove(&l);
+            self.m.gc_collected.remove(&l);
+        }
+        for l in self.sample_sets.expire(self.tick, idle) {
+            self.m.samples.remove(&l);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::*;
+
+    fn encode(r: &Registry) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, r).unwrap();
+        s
+    }
+
+    /// The value of the exposed sample `name{labels}` (labels as written, sorted as declared).
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    fn rec() -> Recording {
+        let mut r = Recording {
+            stacks: vec![vec![], vec![0]],
+            frames: vec![Frame {
+                function: "Worker.execute_model".into(),
+                file: "/x/vllm/worker.py".into(),
+                line: Some(3),
+            }],
+            ..Default::default()
+        };
+        r.processes.push(ProcessInfo {
+            pid: 10,
+            role: "worker_tp0".into(),
+            ..Default::default()
+        });
+        r.processes.push(ProcessInfo {
+            pid: 20,
+            ..Default::default()
+        });
+        r.engines.push(EngineInfo {
+            id: "engine0".into(),
+            worker_pids: vec![10],
+            ..Default::default()
+        });
+        r.threads.push(ThreadInfo {
+            pid: 10,
+            tid: 11,
+            name: "MainThread".into(),
+            t_ns: 0,
+        });
+        for i in 0..100 {
+            r.samples.push(Sample {
+                t_ns: i,
+                pid: 10,
+                tid: 11,
+                stack: if i < 70 { 1 } else { 0 },
+                flags: if i < 40 { flags::GIL } else { 0 },
+                weight_ns: 10_000_000,
+            });
+        }
+        r.samples.push(Sample {
+            t_ns: 0,
+            pid: 20,
+            tid: 21,
+            stack: 1,
+            flags: 0,
+            weight_ns: 10_000_000,
+        });
+        r.offcpu.push(OffCpu {
+            pid: 10,
+            tid: 11,
+            start_ns: 0,
+            dur_ns: 2_500_000_000,
+            stack: 0,
+            preempted: false,
+        });
+        r.gil_waits.push(GilWait {
+            pid: 10,
+            tid: 11,
+            start_ns: 0,
+            dur_ns: 300_000_000,
+            holder_tid: 0,
+            holder_stack: 0,
+            waiter_stack: 0,
+            switch_wait: false,
+        });
+        for (g, d) in [(0i8, 200_000u64), (0, 300_000), (2, 30_000_000)] {
+            r.gc_pauses.push(GcPause {
+                pid: 10,
+                tid: 11,
+                start_ns: 0,
+                dur_ns: d,
+                generation: g,
+                collected: 5,
+            });
+        }
+        r.probes.push(ProbeInfo {
+            id: 0,
+            pid: 10,
+            function: "MessageQueue.dequeue".into(),
+            method: "exact".into(),
+            ..Default::default()
+        });
+        for d in [40_000u64, 60_000, 2_000_000] {
+            r.calls.push(FunctionCall {
+                probe: 0,
+                pid: 10,
+                tid: 11,
+                start_ns: 0,
+                dur_ns: d,
+            });
+        }
+        r.counters.insert("bpf_ringbuf_full_lost".into(), 7);
+        r.counters.insert("probe_attach_failures".into(), 2);
+        r
+    }
+
+    #[test]
+    fn events_become_labelled_metrics() {
+        let (m, reg) = Metrics::new();
+        let mut a = Aggregator::new(m, Limits::default());
+        let mut r = rec();
+        a.apply(&mut r);
+        assert!(r.samples.is_empty() && r.calls.is_empty(), "events dropped");
+        assert_eq!(r.stacks.len(), 2, "tables kept");
+        let t = encode(&reg);
+        let th = r#"{engine="engine0",role="worker_tp0",thread="MainThread"}"#;
+        let v = |s: &str| value(&t, s).unwrap_or_else(|| panic!("no {s} in\n{t}"));
+        assert!((v(&format!("enginescope_thread_cpu_seconds_total{th}")) - 1.0).abs() < 1e-9);
+        assert!((v(&format!("enginescope_thread_gil_held_seconds_total{th}")) - 0.4).abs() < 1e-9);
+        assert!((v(&format!("enginescope_thread_offcpu_seconds_total{th}")) - 2.5).abs() < 1e-9);
+        assert!((v(&format!("enginescope_thread_gil_wait_seconds_total{th}")) - 0.3).abs() < 1e-9);
+        // A process outside any engine and a thread never named.
+        assert!(
+            (v(r#"enginescope_thread_cpu_seconds_total{engine="",role="pid20",thread="tid21"}"#)
+                - 0.01)
+                .abs()
+                < 1e-9
+        );
+        let f = r#"enginescope_function_cpu_seconds_total{engine="engine0",role="worker_tp0",function="Worker.execute_model",file="worker.py"}"#;
+        assert!((v(f) - 0.7).abs() < 1e-9);
+        let nf = format!(
+            r#"enginescope_function_cpu_seconds_total{{engine="engine0",role="worker_tp0",function="{NO_PYTHON}",file=""}}"#
+        );
+        assert!((v(&nf) - 0.3).abs() < 1e-9);
+        let g0 = r#"{engine="engine0",role="worker_tp0",generation="0"}"#;
+        assert_eq!(v(&format!("enginescope_gc_pause_seconds_count{g0}")), 2.0);
+        assert!((v(&format!("enginescope_gc_pause_seconds_sum{g0}")) - 0.0005).abs() < 1e-12);
+        let b = r#"enginescope_gc_pause_seconds_bucket{le="0.00025",engine="engine0",role="worker_tp0",generation="0"}"#;
+        assert_eq!(v(b), 1.0);
+        assert_eq!(
+            v(
+                r#"enginescope_gc_collected_objects_total{engine="engine0",role="worker_tp0",generation="2"}"#
+            ),
+            5.0
+        );
+        let p = r#"{engine="engine0",role="worker_tp0",function="MessageQueue.dequeue",method="exact"}"#;
+        assert_eq!(
+            v(&format!("enginescope_probe_call_duration_seconds_count{p}")),
+            3.0
+        );
+        assert_eq!(v("enginescope_samples_lost_total"), 7.0);
+        assert_eq!(
+            v(r#"enginescope_probe_errors_total{kind="attach_failed"}"#),
+            2.0
+        );
+        assert_eq!(
+            v(r#"enginescope_samples_total{engine="engine0",role="worker_tp0"}"#),
+            100.0
+        );
+
+        // Processes still running, by engine and role.
+        a.update_process_gauge(&|pid| pid == 10);
+        let t = encode(&reg);
+        assert_eq!(
+            value(
+                &t,
+                r#"enginescope_processes{engine="engine0",role="worker_tp0"}"#
+            ),
+            Some(1.0)
+        );
+        assert!(!t.contains(r#"enginescope_processes{engine="",role="pid20"}"#));
+
+        // Counters are cumulative per run: only growth counts; a new run starts from 0.
+        let mut more = Recording {
+            counters: [("bpf_ringbuf_full_lost".to_string(), 10)].into(),
+            ..Default::default()
+        };
+        a.apply(&mut more);
+        assert_eq!(
+            value(&encode(&reg), "enginescope_samples_lost_total"),
+            Some(10.0)
+        );
+        a.begin_segment(false);
+        let mut new_run = Recording {
+            counters: [("bpf_ringbuf_full_lost".to_string(), 4)].into(),
+            ..Default::default()
+        };
+        a.apply(&mut new_run);
+        assert_eq!(
+            value(&encode(&reg), "enginescope_samples_lost_total"),
+            Some(14.0)
+        );
+
+        // Every family in FAMILIES is registered, and nothing else (families show once they
+        // have a series).
+        let k = KindLabels { kind: "x".into() };
+        a.m.recorder_errors.get_or_create(&k).inc();
+        a.m.aggregated.get_or_create(&k).inc();
+        a.m.scrape_errors
+            .get_or_create(&EngineLabels { engine: "e".into() })
+            .inc();
+        a.m.processes
+            .get_or_create(&ProcessLabels {
+                engine: "e".into(),
+                role: "r".into(),
+            })
+            .set(1);
+        a.m.info
+            .get_or_create(&InfoLabels {
+                version: "v".into(),
+                backend: "b".into(),
+                mode: "m".into(),
+            })
+            .set(1);
+        let text = encode(&reg);
+        let mut typed: Vec<String> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .map(|l| l.split(' ').next().unwrap_or("").to_string())
+            .collect();
+        typed.sort();
+        let mut want: Vec<String> = FAMILIES.iter().map(|(n, _, _)| n.to_string()).collect();
+        want.sort();
+        assert_eq!(typed, want);
+        // And every exposed sample carries exactly the labels FAMILIES declares.
+        let names = exposed_names();
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let series = line.rsplit_once(' ').unwrap().0;
+            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+            let mut got: Vec<&str> = labels
+                .split(',')
+                .filter_map(|kv| kv.split_once('=').map(|x| x.0))
+                .collect();
+            got.sort();
+            let mut declared = names
+                .iter()
+                .find(|(n, _)| n == name)
+                .unwrap_or_else(|| panic!("{name} not declared"))
+                .1
+                .clone();
+            declared.sort();
+            assert_eq!(got, declared, "{line}");
+        }
+    }
+
+    #[test]
+    fn thread_cardinality_is_capped_and_idle_series_expire() {
+        let (m, reg) = Metrics::new();
+        let limits = Limits {
+            threads: BudgetConfig {
+                cap: 3,
+                idle_ticks: 5,
+                min_residency: 0,
+                max_candidates: 8,
+            },
+            idle_ticks: 5,
+            ..Limits::default()
+        };
+        let mut a = Aggregator::new(m, limits);
+        let mut r = Recording {
+            stacks: vec![vec![]],
+            ..Default::default()
+        };
+        // 50 threads with distinct names, 1 s of CPU each.
+        for tid in 1..=50 {
+            r.threads.push(ThreadInfo {
+                pid: 1,
+                tid,
+                name: format!("Thread-{tid}"),
+                t_ns: 0,
+            });
+            r.samples.push(Sample {
+                t_ns: 0,
+                pid: 1,
+                tid,
+                stack: 0,
+                flags: 0,
+                weight_ns: 1_000_000_000,
+            });
+        }
+        a.apply(&mut r);
+        let t = encode(&reg);
+        let series = t
+            .lines()
+            .filter(|l| l.starts_with("enginescope_thread_cpu_seconds_total{"))
+            .count();
+        assert_eq!(series, 4, "3 threads + _other:\n{t}");
+        let other = value(
+            &t,
+            r#"enginescope_thread_cpu_seconds_total{engine="",role="pid1",thread="_other"}"#,
+        );
+        assert_eq!(other, Some(47.0));
+        // Total CPU is conserved.
+        let total: f64 = t
+            .lines()
+            .filter(|l| l.starts_with("enginescope_thread_cpu_seconds_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert!((total - 50.0).abs() < 1e-9);
+        for _ in 0..6 {
+            a.tick();
+        }
+        let t = encode(&reg);
+        assert!(
+            !t.contains("enginescope_thread_cpu_seconds_total{"),
+            "idle series gone:\n{t}"
+        );
+    }
+}
