@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 3
+#define ES_ABI_VERSION 4
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -135,6 +135,7 @@ enum es_counter {
     ES_C_GIL_WAIT_UNPAIRED,  /* futex exit without a matching enter (attached mid-wait) */
     ES_C_PROBE_HITS,         /* probe breakpoint hits in a target */
     ES_C_PROBE_NO_FRAME,     /* probe hit whose frame could not be read */
+    ES_C_SWITCH_NATIVE,      /* switches of threads with no Python thread state: not recorded */
     ES_C_COUNT,
 };
 

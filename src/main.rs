@@ -57,6 +57,9 @@ enum Cmd {
         /// With --vllm: do not add the default probes.
         #[arg(long)]
         no_default_probes: bool,
+        /// With --vllm: only the engine whose API server (or offline `LLM` script) is PID.
+        #[arg(long, value_name = "PID", requires = "vllm")]
+        engine_pid: Option<i32>,
         /// Seconds to record; without it, until Ctrl-C.
         #[arg(long, short)]
         duration: Option<f64>,
@@ -94,15 +97,31 @@ enum Cmd {
     },
     /// Run a bundled sample workload and show what enginescope sees in it.
     Demo {
-        /// Python interpreter to run the samples with.
-        #[arg(long, default_value = "python3")]
-        python: String,
-        /// Where to write the recording, report and flamegraphs.
-        #[arg(long, default_value = "enginescope-demo")]
-        out: std::path::PathBuf,
-        /// Seconds to record.
-        #[arg(long, default_value_t = 5.0)]
+        /// Python interpreter for the sample engine (CPython 3.10-3.15); default: pyenv's
+        /// newest 3.12, else python3.
+        #[arg(long)]
+        python: Option<String>,
+        /// Where to write the recording, report, flamegraphs and the engine's own truth;
+        /// default enginescope-demo (enginescope-demo-fixed with --fixed).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+        /// Seconds to record (without a terminal; with one, until you press q).
+        #[arg(long, default_value_t = 15.0)]
         seconds: f64,
+        /// Run the engine with its three fixes applied; writes the diff against the slow run
+        /// when ./enginescope-demo/demo.esrec exists.
+        #[arg(long)]
+        fixed: bool,
+        /// Record and report even when stdout is a terminal (no live dashboard).
+        #[arg(long)]
+        no_tui: bool,
+        /// Samples per second.
+        #[arg(long, default_value_t = 499)]
+        rate: u32,
+        /// With --fixed: the slow run's recording to diff against (default:
+        /// enginescope-demo/demo.esrec).
+        #[arg(long, value_name = "ESREC")]
+        baseline: Option<std::path::PathBuf>,
     },
     /// Draw a recording as a flamegraph SVG (docs/views.md).
     Flame {
@@ -132,6 +151,41 @@ enum Cmd {
         output: std::path::PathBuf,
         #[command(flatten)]
         filter: enginescope::views::FilterArgs,
+    },
+    /// Live dashboard: per process and thread CPU, GIL, GC, off-CPU, top functions, GIL blame,
+    /// function latency and engine metrics over a sliding window (docs/top.md).
+    Top {
+        /// Target process ids (comma-separated or repeated).
+        #[arg(long, short, value_delimiter = ',', required_unless_present_any = ["replay", "vllm"])]
+        pid: Vec<i32>,
+        /// Every vLLM engine on this host (as `record --vllm`): processes by engine and role,
+        /// engine metrics, default probes.
+        #[arg(long)]
+        vllm: bool,
+        /// With --vllm: scrape this URL instead of the metrics URL found.
+        #[arg(long, value_name = "URL")]
+        metrics_url: Option<String>,
+        /// With --vllm: only the engine whose API server (or offline script) is PID.
+        #[arg(long, value_name = "PID", requires = "vllm")]
+        engine_pid: Option<i32>,
+        /// Time every call of a function (`[FILE:]QUALNAME`, repeatable), as `record --probe`.
+        #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
+        probes: Vec<String>,
+        /// Samples per second per CPU.
+        #[arg(long, short, default_value_t = 99)]
+        rate: u32,
+        /// Seconds the dashboard's figures cover (a sliding window).
+        #[arg(long, short, default_value_t = 10.0)]
+        window: f64,
+        /// Keep the recording in this file (a temporary file is used and removed otherwise).
+        #[arg(long, short)]
+        output: Option<std::path::PathBuf>,
+        /// bpf (kernel-side stack walks), memory (user-space polling), or auto.
+        #[arg(long, value_enum, default_value = "auto")]
+        backend: enginescope::sampler::Backend,
+        /// Replay a recording (.esrec) instead, paced by its event time.
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["pid", "output"])]
+        replay: Option<std::path::PathBuf>,
     },
     /// Summarize a recording: CPU per thread, top functions, engines, per-window timeline,
     /// function latency, API-server stalls (docs/report-schema.md).
@@ -377,6 +431,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             metrics_url,
             scrape_interval,
             no_default_probes,
+            engine_pid,
             json,
         } => {
             let opts = enginescope::sampler::RecordOptions {
@@ -395,6 +450,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 metrics_url,
                 scrape_interval: std::time::Duration::from_secs_f64(scrape_interval.max(0.01)),
                 default_probes: !no_default_probes,
+                vllm_root_pid: engine_pid,
             };
             let s = enginescope::sampler::record(&opts)?;
             if json {
@@ -423,7 +479,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             python,
             out,
             seconds,
-        } => enginescope::demo::run(&python, &out, seconds)?,
+            fixed,
+            no_tui,
+            rate,
+            baseline,
+        } => enginescope::demo::run(&enginescope::demo::DemoOptions {
+            baseline,
+            python,
+            out,
+            seconds,
+            fixed,
+            tui: !no_tui,
+            rate_hz: rate,
+        })?,
         Cmd::Flame {
             file,
             output,
@@ -452,6 +520,56 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let (rec, sel) = enginescope::views::open(&file, &filter)?;
             let bytes = enginescope::views::export(&rec, &sel, format)?;
             enginescope::views::write_output(&output, &bytes)?;
+        }
+        Cmd::Top {
+            pid,
+            vllm,
+            metrics_url,
+            engine_pid,
+            probes,
+            rate,
+            window,
+            output,
+            backend,
+            replay,
+        } => {
+            anyhow::ensure!(
+                window.is_finite() && (0.5..=3600.0).contains(&window),
+                "--window must be 0.5 to 3600 seconds"
+            );
+            let window = std::time::Duration::from_secs_f64(window);
+            match replay {
+                Some(file) => enginescope::tui::run_replay(&file, window)?,
+                None if vllm || !probes.is_empty() => {
+                    let temporary = output.is_none();
+                    let path = output.unwrap_or_else(|| {
+                        std::env::temp_dir()
+                            .join(format!("enginescope-top-{}.esrec", std::process::id()))
+                    });
+                    enginescope::tui::run_record(
+                        enginescope::sampler::RecordOptions {
+                            rate_hz: rate,
+                            backend,
+                            vllm,
+                            metrics_url,
+                            vllm_root_pid: engine_pid,
+                            probes,
+                            ..enginescope::sampler::RecordOptions::new(pid, path)
+                        },
+                        temporary,
+                        window,
+                    )?
+                }
+                None => enginescope::tui::run_live(
+                    &enginescope::tui::LiveOptions {
+                        pids: pid,
+                        rate_hz: rate,
+                        backend,
+                        output,
+                    },
+                    window,
+                )?,
+            }
         }
         Cmd::Report {
             file,

@@ -88,6 +88,37 @@ pub fn describe(pid: i32) -> String {
         .unwrap_or_else(|| "?".to_string())
 }
 
+/// The parent of `pid` (0 when unknown).
+pub fn ppid(pid: i32) -> i32 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|st| {
+            // The 2nd field after the ")" that ends comm (comm may hold spaces and parens).
+            st.rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+/// Whether `pid` is `root` or one of its descendants (bounded walk up the parents).
+pub fn descends_from(pid: i32, root: i32) -> bool {
+    let mut p = pid;
+    for _ in 0..64 {
+        if p == root {
+            return true;
+        }
+        if p <= 1 {
+            return false;
+        }
+        p = ppid(p);
+    }
+    false
+}
+
 /// Whether `pid` still runs: it exists and is not a zombie waiting for its parent to reap it.
 pub fn is_running(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {

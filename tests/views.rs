@@ -194,6 +194,7 @@ fn select(rec: &Recording, pid: Option<i32>, tid: Option<i32>, name: Option<&str
         pid,
         tid,
         thread_name: name.map(String::from),
+        ..Default::default()
     })
     .select(rec)
 }

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 pub const MAX_FRAMES: usize = 128;
 
 /// `struct es_target`.
@@ -122,6 +122,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_gil_wait_unpaired",
     "bpf_probe_hits",
     "bpf_probe_no_frame",
+    "bpf_switch_native_skipped",
 ];
 
 // SAFETY: plain-old-data #[repr(C)] structs without padding holes that matter to the kernel

@@ -153,22 +153,14 @@ impl BpfSampler {
         tid: i32,
         addr: u64,
     ) -> anyhow::Result<aya::programs::perf_event::PerfEventLinkId> {
-        use aya::programs::perf_event::{
-            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
-        };
+        use aya::programs::perf_event::{PerfBreakpointLength, PerfBreakpointType};
         let prog = self.probe_program()?;
-        prog.attach(
-            PerfEventConfig::Breakpoint(BreakpointConfig::Data {
-                r#type: PerfBreakpointType::ReadWrite,
-                address: addr,
-                length: PerfBreakpointLength::Len1,
-            }),
-            PerfEventScope::OneProcess {
-                pid: tid as u32,
-                cpu: None,
-            },
-            SamplePolicy::Period(1),
-            false,
+        thread_breakpoint(
+            prog,
+            tid,
+            addr,
+            PerfBreakpointType::ReadWrite,
+            PerfBreakpointLength::Len1,
         )
         .map_err(|e| anyhow!("breakpoint at {addr:#x} on thread {tid}: {e}"))
     }
@@ -189,22 +181,14 @@ impl BpfSampler {
         tid: i32,
         addr: u64,
     ) -> anyhow::Result<aya::programs::perf_event::PerfEventLinkId> {
-        use aya::programs::perf_event::{
-            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
-        };
+        use aya::programs::perf_event::{PerfBreakpointLength, PerfBreakpointType};
         let prog = self.gc_write_program()?;
-        prog.attach(
-            PerfEventConfig::Breakpoint(BreakpointConfig::Data {
-                r#type: PerfBreakpointType::Write,
-                address: addr,
-                length: PerfBreakpointLength::Len4,
-            }),
-            PerfEventScope::OneProcess {
-                pid: tid as u32,
-                cpu: None,
-            },
-            SamplePolicy::Period(1),
-            false,
+        thread_breakpoint(
+            prog,
+            tid,
+            addr,
+            PerfBreakpointType::Write,
+            PerfBreakpointLength::Len4,
         )
         .map_err(|e| anyhow!("GC watchpoint at {addr:#x} on thread {tid}: {e}"))
     }
@@ -310,4 +294,28 @@ impl BpfSampler {
     pub fn object(&self) -> &Ebpf {
         &self.bpf
     }
+}
+
+/// Attach `prog` to a hardware breakpoint on `addr` in thread `tid` alone, firing on every hit.
+fn thread_breakpoint(
+    prog: &mut PerfEvent,
+    tid: i32,
+    addr: u64,
+    r#type: aya::programs::perf_event::PerfBreakpointType,
+    length: aya::programs::perf_event::PerfBreakpointLength,
+) -> Result<aya::programs::perf_event::PerfEventLinkId, aya::programs::ProgramError> {
+    use aya::programs::perf_event::BreakpointConfig;
+    prog.attach(
+        PerfEventConfig::Breakpoint(BreakpointConfig::Data {
+            r#type,
+            address: addr,
+            length,
+        }),
+        PerfEventScope::OneProcess {
+            pid: tid as u32,
+            cpu: None,
+        },
+        SamplePolicy::Period(1),
+        false,
+    )
 }

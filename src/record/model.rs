@@ -137,7 +137,8 @@ pub struct EngineInfo {
     pub worker_pids: Vec<i32>,
     /// Where its Prometheus metrics are scraped; empty when none.
     pub metrics_url: String,
-    /// How `metrics_url` was found: "argv", "socket", "--metrics-url", "".
+    /// How `metrics_url` was found: "argv", "socket", "--metrics-url", "default" (vLLM's
+    /// port 8000, nothing better known), "".
     #[serde(default)]
     pub metrics_url_source: String,
     /// ns since start when this description was written.
@@ -271,6 +272,74 @@ impl Recording {
             .unwrap_or("")
     }
 
+    /// Keep only `[from_ns, to_ns)` (ns since start): events inside it, intervals clipped to it,
+    /// metric points inside it; times are shifted so the range starts at 0. Tables (processes,
+    /// threads, frames, stacks, engines, series, probes) are kept whole.
+    pub fn trim(&mut self, from_ns: u64, to_ns: u64) {
+        let inside = |t: u64| t >= from_ns && t < to_ns;
+        self.samples.retain(|s| inside(s.t_ns));
+        for s in &mut self.samples {
+            s.t_ns -= from_ns;
+        }
+        // Intervals: clip to the range.
+        let clip = |start: u64, dur: u64| -> Option<(u64, u64)> {
+            let s = start.max(from_ns);
+            let e = (start + dur).min(to_ns);
+            (e > s || (dur == 0 && inside(start))).then(|| (s - from_ns, e.saturating_sub(s)))
+        };
+        self.offcpu
+            .retain_mut(|o| match clip(o.start_ns, o.dur_ns) {
+                Some((s, d)) => {
+                    o.start_ns = s;
+                    o.dur_ns = d;
+                    true
+                }
+                None => false,
+            });
+        self.gil_waits
+            .retain_mut(|g| match clip(g.start_ns, g.dur_ns) {
+                Some((s, d)) => {
+                    g.start_ns = s;
+                    g.dur_ns = d;
+                    true
+                }
+                None => false,
+            });
+        // Pauses and calls are whole events: kept when they start inside the range.
+        self.gc_pauses.retain(|g| inside(g.start_ns));
+        for g in &mut self.gc_pauses {
+            g.start_ns -= from_ns;
+        }
+        self.calls.retain(|c| inside(c.start_ns));
+        for c in &mut self.calls {
+            c.start_ns -= from_ns;
+        }
+        self.metrics.retain(|m| inside(m.t_ns));
+        for m in &mut self.metrics {
+            m.t_ns -= from_ns;
+        }
+        self.scrape_errors.retain(|e| inside(e.t_ns));
+        for e in &mut self.scrape_errors {
+            e.t_ns -= from_ns;
+        }
+        for t in &mut self.threads {
+            t.t_ns = t.t_ns.saturating_sub(from_ns);
+        }
+        for p in &mut self.probes {
+            p.t_ns = p.t_ns.saturating_sub(from_ns);
+        }
+        for e in &mut self.engines {
+            e.t_ns = e.t_ns.saturating_sub(from_ns);
+        }
+        self.meta.start_mono_ns += from_ns;
+        self.meta.start_unix_s += from_ns as f64 / 1e9;
+        let end = self.end.get_or_insert_with(|| EndInfo {
+            duration_ns: 0,
+            reason: "cut short".into(),
+        });
+        end.duration_ns = to_ns - from_ns;
+    }
+
     /// Recording length: the clean end's duration, else the last event's time.
     pub fn duration_ns(&self) -> u64 {
         if let Some(e) = &self.end {
@@ -284,5 +353,67 @@ impl Recording {
             .max()
             .unwrap_or(0);
         s.max(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trim_keeps_and_clips_the_range() {
+        let mut r = Recording::default();
+        r.meta.start_mono_ns = 1_000;
+        r.end = Some(EndInfo {
+            duration_ns: 100,
+            reason: "done".into(),
+        });
+        for t in [5, 20, 59, 60, 90] {
+            r.samples.push(Sample {
+                t_ns: t,
+                pid: 1,
+                tid: 1,
+                stack: 0,
+                flags: 0,
+                weight_ns: 1,
+            });
+        }
+        // 10..30 clipped to 20..30; 50..70 clipped to 50..60; 70..80 dropped.
+        for (s, d) in [(10, 20), (50, 20), (70, 10)] {
+            r.offcpu.push(OffCpu {
+                pid: 1,
+                tid: 1,
+                start_ns: s,
+                dur_ns: d,
+                stack: 0,
+                preempted: false,
+            });
+        }
+        r.metrics.push(MetricPoint {
+            t_ns: 25,
+            series: 0,
+            value: 1.0,
+        });
+        r.metrics.push(MetricPoint {
+            t_ns: 65,
+            series: 0,
+            value: 2.0,
+        });
+        r.trim(20, 60);
+        assert_eq!(
+            r.samples.iter().map(|s| s.t_ns).collect::<Vec<_>>(),
+            [0, 39]
+        );
+        assert_eq!(
+            r.offcpu
+                .iter()
+                .map(|o| (o.start_ns, o.dur_ns))
+                .collect::<Vec<_>>(),
+            [(0, 10), (30, 10)]
+        );
+        assert_eq!(r.metrics.len(), 1);
+        assert_eq!(r.metrics[0].t_ns, 5);
+        assert_eq!(r.meta.start_mono_ns, 1_020);
+        assert_eq!(r.duration_ns(), 40);
     }
 }

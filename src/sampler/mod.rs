@@ -58,6 +58,8 @@ pub struct RecordOptions {
     pub scrape_interval: Duration,
     /// With `vllm`: also probe `probes::VLLM_DEFAULT_PROBES`.
     pub default_probes: bool,
+    /// With `vllm`: only the engine whose API server (or offline script) has this pid.
+    pub vllm_root_pid: Option<i32>,
 }
 
 impl RecordOptions {
@@ -79,6 +81,7 @@ impl RecordOptions {
             metrics_url: None,
             scrape_interval: Duration::from_secs(1),
             default_probes: true,
+            vllm_root_pid: None,
         }
     }
 }
@@ -138,6 +141,8 @@ struct ThreadTimeline {
     /// Stack at recording start, for a thread that had not run yet.
     initial_stack: Option<u32>,
     seen_event: bool,
+    /// The thread's latest known stack (sample or blocking switch-out).
+    last_stack: u32,
 }
 
 /// A GIL wait that has begun and not yet ended.
@@ -394,7 +399,20 @@ impl Pipeline {
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
+        tl.last_stack = stack;
         self.sample_weighted(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
+    }
+
+    /// The thread's latest known stack: what a preempted switch-out (recorded without a stack
+    /// walk) is attributed to. 0 (empty) when none is known yet.
+    pub fn last_stack(&self, pid: i32, tid: i32) -> u32 {
+        self.timelines.get(&(pid, tid)).map_or(0, |t| {
+            if t.last_stack != 0 {
+                t.last_stack
+            } else {
+                t.initial_stack.unwrap_or(0)
+            }
+        })
     }
 
     /// A sample standing for `weight_ns` of CPU time (the memory backend's measured CPU time).
@@ -447,6 +465,9 @@ impl Pipeline {
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
+        if stack != 0 {
+            tl.last_stack = stack;
+        }
         tl.pending_out = Some((t, stack, preempted));
     }
 
@@ -656,7 +677,10 @@ pub fn record_rotating(
     rotation: Option<RotationPolicy>,
 ) -> anyhow::Result<RecordSummary> {
     let discovery = if opts.vllm {
-        let d = crate::vllm::discover::discover_engines(opts.metrics_url.as_deref())?;
+        let mut d = crate::vllm::discover::discover_engines(opts.metrics_url.as_deref())?;
+        if let Some(root) = opts.vllm_root_pid {
+            restrict_to_engine(&mut d, root);
+        }
         if !opts.quiet {
             for w in &d.warnings {
                 eprintln!("enginescope: {w}");
@@ -1032,6 +1056,14 @@ fn sync_threads(
             b.remove_thread(tid as u32);
             probes.thread_gone(b, tid);
         }
+        for (tid, name) in std::mem::take(&mut t.native_changes) {
+            pipe.writer.thread(&ThreadInfo {
+                pid: t.pid,
+                tid,
+                name,
+                t_ns: now.saturating_sub(pipe.start_ns),
+            })?;
+        }
     }
     Ok(())
 }
@@ -1197,6 +1229,19 @@ fn run_bpf(
     Ok(reason)
 }
 
+/// Keep only the engine rooted at `root` (its API server or offline script).
+fn restrict_to_engine(d: &mut crate::vllm::discover::Discovery, root: i32) {
+    let keep: Option<String> = d
+        .processes
+        .iter()
+        .find(|p| p.pid == root)
+        .map(|p| p.engine.clone());
+    d.engines.retain(|e| Some(&e.id) == keep.as_ref());
+    d.processes.retain(|p| Some(&p.engine) == keep.as_ref());
+    let pids: std::collections::BTreeSet<i32> = d.processes.iter().map(|p| p.pid).collect();
+    d.roles.retain(|pid, _| pids.contains(pid));
+}
+
 /// Forget processes that exited: their last events are drained first, then their BPF state,
 /// probes and caches (code objects, ELF tables) go, so that a long recording with processes
 /// coming and going stays the same size in memory.
@@ -1290,7 +1335,11 @@ impl EngineSession {
             }
         }
         self.discovery = fresh;
-        Ok(change.new_pids)
+        let mut new = change.new_pids;
+        if let Some(root) = opts.vllm_root_pid {
+            new.retain(|(pid, _)| crate::procinfo::descends_from(*pid, root));
+        }
+        Ok(new)
     }
 }
 
@@ -1379,29 +1428,29 @@ fn drain_events(
         let r = match h.kind {
             kind::SAMPLE => {
                 let resolved = targets[ti].resolve(&frames);
-                let r = pipe
-                    .writer
+                pipe.writer
                     .intern_stack(&resolved)
-                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)));
-                if r.is_ok() && probes.wants_samples(pid) {
-                    let fns: Vec<(&str, &str)> = resolved
-                        .iter()
-                        .map(|f| (f.function.as_str(), f.file.as_str()))
-                        .collect();
-                    probes.sample(pid, tid, h.time_ns, &fns, pipe)
-                } else {
-                    r
-                }
+                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)))
+                    .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, false, pipe))
             }
             kind::PROBE_HIT => match abi::parse_probe_frame(bytes) {
                 Some(frame) => probes.hit(pid, tid, h.time_ns, h.ip, frame, pipe),
                 None => Ok(()),
             },
+            kind::SWITCH_OUT if frames.is_empty() && h.flags & abi::ev::PREEMPTED != 0 => {
+                // Still runnable (preempted, yielded): no stack walked; its latest known one.
+                let s = pipe.last_stack(pid, tid);
+                pipe.switch_out(pid, tid, h.time_ns, s, true);
+                Ok(())
+            }
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
-                pipe.writer.intern_stack(&resolved).map(|s| {
-                    pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
-                })
+                pipe.writer
+                    .intern_stack(&resolved)
+                    .map(|s| {
+                        pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
+                    })
+                    .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, true, pipe))
             }
             kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
             kind::GIL_WAIT_START => {

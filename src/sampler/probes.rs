@@ -27,8 +27,9 @@
 //! before any probe's), since both draw on the same four registers.
 //!
 //! **Sampled method** (everything else): a call is followed across consecutive samples of a
-//! thread whose stack contains the function; its duration is the run's length, so only calls
-//! longer than the sampling interval are seen, and back-to-back calls merge.
+//! thread whose stack contains the function, and across the times the thread blocks inside it
+//! (its switch-out stack contains the function); its duration is the run's length, so only
+//! calls longer than the sampling interval are seen, and back-to-back calls merge.
 
 use std::collections::{HashMap, HashSet};
 
@@ -37,7 +38,7 @@ use aya::programs::perf_event::PerfEventLinkId;
 use crate::bpf::BpfSampler;
 use crate::cpython::objects::CodeInfo;
 use crate::cpython::opcodes;
-use crate::cpython::PythonProcess;
+use crate::cpython::{Frame, PythonProcess};
 use crate::record::model::{FunctionCall, ProbeInfo};
 
 use super::Pipeline;
@@ -200,6 +201,9 @@ pub struct Probes {
     open: HashMap<(i32, u64), (usize, u64)>,
     /// (tid, probe index) → (first, last) sample time of the current sampled run.
     runs: HashMap<(i32, usize), (u64, u64)>,
+    /// Runs whose thread was switched out inside the function: the next sample continues them
+    /// whatever the gap (the thread was blocked in the call).
+    blocked: HashSet<(i32, usize)>,
     /// Cost of one breakpoint trap, subtracted from exact durations.
     pub trap_ns: u64,
     period_ns: u64,
@@ -231,6 +235,7 @@ impl Probes {
             by_addr: HashMap::new(),
             open: HashMap::new(),
             runs: HashMap::new(),
+            blocked: HashSet::new(),
             trap_ns: 0,
             period_ns: period_ns.max(1),
             quiet,
@@ -349,7 +354,7 @@ impl Probes {
                             }
                             None => {
                                 why_sampled = format!(
-                                    "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread, exact GC pauses use one, probes asked for earlier on the same thread the rest)",
+                                    "no free hardware breakpoint for its {} code units ({e:#}; x86 has 4 per thread: exact GC pauses use one, probes asked for earlier on the same thread the rest, and another enginescope, perf or a debugger on this process any it holds)",
                                     1 + p.returns.len()
                                 );
                                 break;
@@ -652,27 +657,49 @@ impl Probes {
         Ok(())
     }
 
-    /// A resolved on-CPU sample (times absolute): follows sampled probes' calls.
-    pub fn sample(
+    /// The sampled probes of `pid`, each with whether its function is in `frames`.
+    fn sampled_in(&self, pid: i32, frames: &[Frame]) -> Vec<(usize, bool)> {
+        self.active
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.plan.is_none() && !a.retired && a.info.pid == pid)
+            .map(|(i, a)| {
+                let inside = frames
+                    .iter()
+                    .any(|f| f.function == a.info.function && f.file == a.info.file);
+                (i, inside)
+            })
+            .collect()
+    }
+
+    /// A resolved stack of thread `tid` (times absolute), from an on-CPU sample or, with
+    /// `switched_out`, from a switch-out where the thread blocked: follows sampled probes'
+    /// calls. A call goes on across samples at most 2 periods apart, and across any gap after
+    /// the thread blocked inside it; a blocking switch-out inside a function starts or extends
+    /// its call.
+    pub fn stack(
         &mut self,
         pid: i32,
         tid: i32,
         t_ns: u64,
-        functions: &[(&str, &str)],
+        frames: &[Frame],
+        switched_out: bool,
         pipe: &mut Pipeline,
     ) -> anyhow::Result<()> {
-        for i in 0..self.active.len() {
-            let a = &self.active[i];
-            if a.plan.is_some() || a.retired || a.info.pid != pid {
-                continue;
-            }
-            let inside = functions
-                .iter()
-                .any(|(f, file)| *f == a.info.function && *file == a.info.file);
+        for (i, inside) in self.sampled_in(pid, frames) {
             let key = (tid, i);
             let run = self.runs.get(&key).copied();
+            let was_blocked = if switched_out {
+                self.blocked.contains(&key)
+            } else {
+                self.blocked.remove(&key)
+            };
             match (inside, run) {
-                (true, Some((first, last))) if t_ns.saturating_sub(last) <= 2 * self.period_ns => {
+                (true, Some((first, last)))
+                    if switched_out
+                        || was_blocked
+                        || t_ns.saturating_sub(last) <= 2 * self.period_ns =>
+                {
                     self.runs.insert(key, (first, t_ns));
                 }
                 (true, run) => {
@@ -683,9 +710,13 @@ impl Probes {
                 }
                 (false, Some(r)) => {
                     self.runs.remove(&key);
+                    self.blocked.remove(&key);
                     self.emit_run(i, pid, tid, r, pipe)?;
                 }
                 (false, None) => {}
+            }
+            if switched_out && inside {
+                self.blocked.insert(key);
             }
         }
         Ok(())
@@ -709,13 +740,6 @@ impl Probes {
                 .saturating_sub(pipe.start_ns),
             dur_ns: last - first + self.period_ns,
         })
-    }
-
-    /// Whether any probe uses the sampled method in `pid` (samples must be passed on).
-    pub fn wants_samples(&self, pid: i32) -> bool {
-        self.active
-            .iter()
-            .any(|a| a.plan.is_none() && !a.retired && a.info.pid == pid)
     }
 
     /// Remove every breakpoint and close sampled runs.

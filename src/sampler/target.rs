@@ -35,6 +35,11 @@ pub struct Target {
     pub new_code: Vec<(u64, Arc<CodeInfo>, i32)>,
     /// The thread whose stack `resolve` is resolving (for `new_code`).
     pub resolving_tid: i32,
+    /// Threads with no Python thread state (native: BLAS/OpenMP pools, torch, gRPC…): tid →
+    /// name, so their samples carry a name too.
+    pub native: HashMap<i32, String>,
+    /// Native threads first seen or renamed at the last `refresh_threads` (tid, name).
+    pub native_changes: Vec<(i32, String)>,
 }
 
 impl Target {
@@ -52,6 +57,8 @@ impl Target {
             collect_new_code: false,
             new_code: Vec::new(),
             resolving_tid: 0,
+            native: HashMap::new(),
+            native_changes: Vec::new(),
         }
     }
 
@@ -139,6 +146,18 @@ impl Target {
                 self.threads.insert(tid, (tstate, name));
             }
         }
+        self.native_changes.clear();
+        for t in &tasks {
+            if seen.contains_key(&t.host_tid) {
+                continue;
+            }
+            if self.native.get(&t.host_tid) != Some(&t.comm) && self.native.len() < 65_536 {
+                self.native.insert(t.host_tid, t.comm.clone());
+                self.native_changes.push((t.host_tid, t.comm.clone()));
+            }
+        }
+        let alive: std::collections::HashSet<i32> = tasks.iter().map(|t| t.host_tid).collect();
+        self.native.retain(|tid, _| alive.contains(tid));
         let gone: Vec<i32> = self
             .threads
             .keys()

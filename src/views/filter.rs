@@ -18,6 +18,35 @@ pub struct FilterArgs {
     /// during the recording matches.
     #[arg(long, value_name = "REGEX")]
     pub thread_name: Option<String>,
+    /// Only the part of the recording from this many seconds after its start (e.g. the
+    /// benchmark's window): every event, interval and metric outside is dropped or clipped.
+    #[arg(long, value_name = "SECONDS")]
+    pub from: Option<f64>,
+    /// Only the part of the recording up to this many seconds after its start.
+    #[arg(long, value_name = "SECONDS")]
+    pub to: Option<f64>,
+    /// Only the last SECONDS of the recording.
+    #[arg(long, value_name = "SECONDS", conflicts_with_all = ["from", "to"])]
+    pub last: Option<f64>,
+}
+
+impl FilterArgs {
+    /// The time range asked for, ns since the recording's start; `None` for all of it.
+    pub fn time_range(&self, duration_ns: u64) -> anyhow::Result<Option<(u64, u64)>> {
+        let ns = |s: f64| (s.max(0.0) * 1e9) as u64;
+        let (from, to) = match (self.last, self.from, self.to) {
+            (Some(l), _, _) => (duration_ns.saturating_sub(ns(l)), duration_ns),
+            (None, None, None) => return Ok(None),
+            (None, f, t) => (f.map(ns).unwrap_or(0), t.map(ns).unwrap_or(duration_ns)),
+        };
+        anyhow::ensure!(
+            from < to,
+            "empty time range: --from {:.3} s is not before --to {:.3} s",
+            from as f64 / 1e9,
+            to as f64 / 1e9
+        );
+        Ok(Some((from, to.min(duration_ns.max(from + 1)))))
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -261,6 +290,7 @@ mod tests {
             pid,
             tid,
             thread_name: name.map(String::from),
+            ..Default::default()
         })
         .select(&rec())
         .threads()

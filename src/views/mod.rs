@@ -54,12 +54,15 @@ pub enum ReportFormat {
 /// Read a recording and select its threads: the common start of every view command. Warns on
 /// stderr when the recording was cut short, and fails when the filter matches no thread.
 pub fn open(path: &Path, filter: &FilterArgs) -> anyhow::Result<(Recording, Selection)> {
-    let rec = crate::record::read_recording(path)?;
+    let mut rec = crate::record::read_recording(path)?;
     if rec.truncated {
         eprintln!(
             "warning: {} was cut short (recorder killed?); showing everything before the cut",
             path.display()
         );
+    }
+    if let Some((from, to)) = filter.time_range(rec.duration_ns())? {
+        rec.trim(from, to);
     }
     let sel = Filter::new(filter).select(&rec);
     sel.ensure_nonempty(&rec)

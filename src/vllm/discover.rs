@@ -368,15 +368,19 @@ fn metrics_url_for(
     warnings: &mut Vec<String>,
 ) -> (String, &'static str) {
     let host = argv_value(&root.argv, "--host");
-    if let Some(port) = argv_value(&root.argv, "--port") {
-        if let Ok(port) = port.parse::<u16>() {
+    let argv_port = argv_value(&root.argv, "--port");
+    match argv_port.map(|p| p.parse::<u16>()) {
+        // `--port 0`: the OS picked one; only the socket can tell.
+        Some(Ok(0)) | None => {}
+        Some(Ok(port)) => {
             let host = connect_host(host.unwrap_or(""));
             return (format!("http://{host}:{port}/metrics"), "argv");
         }
-        warnings.push(format!(
-            "pid {}: --port {port:?} is not a port number; looking at its sockets",
-            root.pid
-        ));
+        Some(Err(_)) => warnings.push(format!(
+            "pid {}: --port {:?} is not a port number; looking at its sockets",
+            root.pid,
+            argv_port.unwrap_or("")
+        )),
     }
     let listening = src.listening_tcp(root.pid);
     let pick = listening
@@ -397,6 +401,11 @@ fn metrics_url_for(
             ));
         }
         return (socket_url(a), "socket");
+    }
+    if argv_port == Some("0") {
+        // A server with an OS-chosen port that listens nowhere (yet): no guess is better
+        // than a wrong one.
+        return (String::new(), "");
     }
     let host = connect_host(host.unwrap_or(""));
     (
@@ -479,20 +488,20 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
     }
     for p in procs {
         match titles.get(&p.pid) {
-            Some(Title::Worker(_)) => {
-                let anchor = match core_above(p.pid) {
-                    Some(core) => core_group.get(&core).copied(),
-                    // In-process engine core: workers are the root's children.
-                    None => Some(root_above(p.pid).unwrap_or(p.pid)),
-                };
-                if let Some(anchor) = anchor {
-                    let g = groups.entry(anchor).or_default();
-                    if g.root.is_none() && anchor != p.pid {
-                        g.root = Some(anchor);
+            Some(Title::Worker(_)) => match core_above(p.pid) {
+                Some(core) => {
+                    if let Some(g) = core_group.get(&core).and_then(|a| groups.get_mut(a)) {
+                        g.workers.insert(p.pid);
                     }
+                }
+                // In-process engine core: workers are the root's children.
+                None => {
+                    let root = root_above(p.pid);
+                    let g = groups.entry(root.unwrap_or(p.pid)).or_default();
+                    g.root = g.root.or(root);
                     g.workers.insert(p.pid);
                 }
-            }
+            },
             Some(Title::ApiServer(_)) | Some(Title::DpCoordinator) => {
                 if let Some(root) = root_above(p.pid) {
                     if let Some(g) = groups.get_mut(&root) {
@@ -874,6 +883,18 @@ mod tests {
             ("http://[::1]:8000/metrics", "socket")
         );
         assert_eq!(w.len(), 1, "{w:?}");
+        // --port 0 (the fake engine of samples/engine): the socket tells; no socket, no URL.
+        let argv0 = "python3 samples/engine serve --port 0 --seconds 1";
+        let mut f = fake(server(argv0));
+        f.listen
+            .insert(10, vec!["127.0.0.1:40111".parse().unwrap()]);
+        let (u, how, _) = url(f);
+        assert_eq!(
+            (u.as_str(), how.as_str()),
+            ("http://127.0.0.1:40111/metrics", "socket")
+        );
+        let (u, how, _) = url(fake(server(argv0)));
+        assert_eq!((u.as_str(), how.as_str()), ("", ""));
         // Nothing known: vLLM's default port.
         let (u, how, _) = url(fake(server("/venv/bin/vllm serve m")));
         assert_eq!(
@@ -1039,8 +1060,10 @@ mod tests {
             p(20, 1, "python", "python batch.py", 9),
             titled(21, 20, "VLLM::Worker_TP0", 4),
             titled(22, 20, "VLLM::Worker_TP1", 4),
-            // An engine core whose parent died (reparented to init).
+            // An engine core whose parent died (reparented to init), with its worker: seen
+            // after SIGTERM to an offline script.
             titled(30, 1, "VLLM::EngineCore", 4),
+            titled(31, 30, "VLLM::Worker", 4),
         ];
         let d = discover_with(&fake(procs), None).unwrap();
         assert_eq!(d.engines.len(), 3, "{d:#?}");
@@ -1048,13 +1071,17 @@ mod tests {
         assert!(d.engines[0].engine_core_pids.is_empty());
         assert_eq!(d.engines[1].worker_pids, vec![21, 22]);
         assert_eq!(d.roles[&20], "offline_llm");
+        let orphan = &d.engines[2];
         assert_eq!(
             (
-                d.engines[2].api_server_pid,
-                d.engines[2].engine_core_pids.clone()
+                orphan.api_server_pid,
+                orphan.engine_core_pids.clone(),
+                orphan.worker_pids.clone()
             ),
-            (0, vec![30])
+            (0, vec![30], vec![31])
         );
+        let roles: Vec<&str> = d.processes_of("engine2").map(|p| p.role.as_str()).collect();
+        assert_eq!(roles, ["engine_core", "worker"]);
     }
 
     #[test]

@@ -1,0 +1,184 @@
+"""In-process timings that a profiler is compared with: calls of the named functions, GC pauses,
+and the truth file each process writes at exit.
+
+Every timestamp is time.monotonic_ns(): CLOCK_MONOTONIC, the clock of the profiler's own
+events (on Linux time.perf_counter_ns() reads the same clock)."""
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from array import array
+
+mono = time.monotonic_ns
+tcpu = time.thread_time_ns
+
+SCHEMA = "enginescope-sample-engine/1"
+
+
+class CallLog:
+    """Calls of one function, appended by the one thread that calls it: start (monotonic ns),
+    wall ns, thread-CPU ns. The first `cap` calls are kept; `calls_total` counts them all."""
+
+    def __init__(self, qualname, func, role_note, cap):
+        self.qualname = qualname
+        code = getattr(func, "__code__", None)
+        self.name = code.co_name if code else qualname.rsplit(".", 1)[-1]
+        self.file = code.co_filename if code else None
+        self.line = code.co_firstlineno if code else None
+        self.note = role_note
+        self.cap = cap
+        self.starts = array("q")
+        self.walls = array("q")
+        self.cpus = array("q")
+        self.calls_total = 0
+        self.thread = None  # native id of the caller (set on the first call)
+
+    def add(self, t0, t1, c0, c1):
+        self.calls_total += 1
+        if self.thread is None:
+            self.thread = threading.get_native_id()
+        if len(self.starts) < self.cap:
+            self.starts.append(t0)
+            self.walls.append(t1 - t0)
+            self.cpus.append(c1 - c0)
+
+    def doc(self, start, end, list_cap):
+        idx = [i for i, t in enumerate(self.starts) if start <= t < end]
+        walls = sorted(self.walls[i] for i in idx)
+        cpus = sorted(self.cpus[i] for i in idx)
+        rows = [[self.starts[i], self.walls[i], self.cpus[i]] for i in idx[:list_cap]]
+        return {
+            "qualname": self.qualname,
+            "name": self.name,
+            "file": self.file,
+            "firstlineno": self.line,
+            "what": self.note,
+            "thread_native_id": self.thread,
+            "calls_total": self.calls_total,
+            "calls_kept": len(self.starts),
+            "calls": len(idx),
+            "wall_ns": summary(walls),
+            "cpu_ns": summary(cpus),
+            "columns": ["start_ns", "wall_ns", "cpu_ns"],
+            "list": rows,
+            "list_truncated": len(idx) > list_cap,
+        }
+
+
+def percentile(sorted_xs, p):
+    """Nearest-rank percentile of an ascending list (p in 0..100)."""
+    if not sorted_xs:
+        return None
+    k = max(0, min(len(sorted_xs) - 1, int(-(-p * len(sorted_xs) // 100)) - 1))
+    return sorted_xs[k]
+
+
+def summary(sorted_xs):
+    if not sorted_xs:
+        return {"count": 0, "total": 0, "mean": None, "p50": None, "p90": None, "p99": None,
+                "max": None, "min": None}
+    total = sum(sorted_xs)
+    return {
+        "count": len(sorted_xs),
+        "total": total,
+        "mean": round(total / len(sorted_xs), 1),
+        "min": sorted_xs[0],
+        "p50": percentile(sorted_xs, 50),
+        "p90": percentile(sorted_xs, 90),
+        "p99": percentile(sorted_xs, 99),
+        "max": sorted_xs[-1],
+    }
+
+
+class GcMonitor:
+    """Every collection of this process through gc.callbacks: the start callback's clock read to
+    the stop callback's, the generation, and the thread that ran it (whichever allocated)."""
+
+    def __init__(self, cap=200000):
+        self.cap = cap
+        self.rows = []  # (start_ns, dur_ns, generation, native_id, collected, cpu_ns)
+        self.total_pauses = 0
+        self._t0 = 0
+        self._c0 = 0
+
+    def install(self):
+        rows = self.rows
+        cap = self.cap
+        native_id = threading.get_native_id
+
+        def on_gc(phase, info):
+            t = mono()
+            if phase == "start":
+                self._t0 = t
+                self._c0 = tcpu()
+                return
+            c = tcpu()
+            self.total_pauses += 1
+            if len(rows) < cap:
+                rows.append((self._t0, t - self._t0, info["generation"], native_id(),
+                             info.get("collected", 0), c - self._c0))
+
+        self._cb = on_gc
+        gc.callbacks.append(on_gc)
+
+    def doc(self, start, end, list_cap):
+        by_gen = {}
+        inwin = [r for r in self.rows if start <= r[0] < end]
+        for g in (0, 1, 2):
+            by_gen[str(g)] = {"count": 0, "total_ns": 0, "max_ns": 0, "cpu_ns": 0}
+        for r in inwin:
+            d = by_gen.setdefault(str(r[2]), {"count": 0, "total_ns": 0, "max_ns": 0,
+                                              "cpu_ns": 0})
+            d["count"] += 1
+            d["total_ns"] += r[1]
+            d["max_ns"] = max(d["max_ns"], r[1])
+            d["cpu_ns"] += r[5]
+        wall = max(end - start, 1)
+        for d in by_gen.values():
+            d["share_of_wall"] = round(d["total_ns"] / wall, 6)
+            d["cpu_share_of_wall"] = round(d["cpu_ns"] / wall, 6)
+        by_thread = {}
+        for r in inwin:
+            t = by_thread.setdefault(r[3], {"native_id": r[3], "count": 0, "total_ns": 0})
+            t["count"] += 1
+            t["total_ns"] += r[1]
+        return {
+            "thresholds": list(gc.get_threshold()),
+            "freeze_count": gc.get_freeze_count() if hasattr(gc, "get_freeze_count") else None,
+            "tracked_objects": len(gc.get_objects()),
+            "by_generation": by_gen,
+            "gen2_share_of_wall": by_gen["2"]["share_of_wall"],
+            "share_of_wall": round(sum(d["total_ns"] for d in by_gen.values()) / wall, 6),
+            "by_thread": list(by_thread.values()),
+            "pauses_total_lifetime": self.total_pauses,
+            "pause_columns": ["start_ns", "dur_ns", "generation", "native_id", "collected",
+                              "cpu_ns"],
+            "pauses": [list(r) for r in inwin[:list_cap]],
+            "pauses_truncated": len(inwin) > list_cap,
+        }
+
+
+def base_doc(role, config, window, clock_note=None):
+    return {
+        "schema": SCHEMA,
+        "role": role,
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "switch_interval_s": sys.getswitchinterval(),
+        "fixed": sorted(config["fix"]),
+        "config": config,
+        "window": {"start_mono_ns": window[0], "end_mono_ns": window[1]},
+    }
+
+
+def write_truth(directory, role, doc):
+    path = os.path.join(directory, "%s-%d.json" % (role, os.getpid()))
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,518 @@
+//! The dashboard's own state (which view, sort, selection, filter, pause) and what each key
+//! does to it. Keys change this state and return a [`Command`] for what the loop must do
+//! outside it (quit, save a flamegraph, move the replay clock); nothing here does I/O.
+
+use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+
+use super::model::{Group, ProcessRow, Snapshot, Stats, ThreadRow};
+use super::window::ThreadKey;
+
+/// The views Tab cycles through. A thread's detail opens over `Threads` with Enter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    Threads,
+    Metrics,
+    Latency,
+}
+
+pub const TABS: [View; 3] = [View::Threads, View::Metrics, View::Latency];
+
+impl View {
+    pub fn title(self) -> &'static str {
+        match self {
+            View::Threads => "Threads",
+            View::Metrics => "Metrics",
+            View::Latency => "Latency",
+        }
+    }
+}
+
+/// Columns the thread table sorts by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SortKey {
+    Cpu,
+    GilHeld,
+    GilWait,
+    Gc,
+    OffCpu,
+    Name,
+}
+
+impl SortKey {
+    pub const ALL: [SortKey; 6] = [
+        SortKey::Cpu,
+        SortKey::GilHeld,
+        SortKey::GilWait,
+        SortKey::Gc,
+        SortKey::OffCpu,
+        SortKey::Name,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            SortKey::Cpu => "CPU",
+            SortKey::GilHeld => "GIL held",
+            SortKey::GilWait => "GIL wait",
+            SortKey::Gc => "GC",
+            SortKey::OffCpu => "off-CPU",
+            SortKey::Name => "name",
+        }
+    }
+
+    fn step(self, by: isize) -> SortKey {
+        let n = Self::ALL.len() as isize;
+        let i = Self::ALL.iter().position(|&k| k == self).unwrap_or(0) as isize;
+        Self::ALL[(i + by).rem_euclid(n) as usize]
+    }
+
+    fn value(self, s: &Stats) -> f64 {
+        match self {
+            SortKey::Cpu => s.cpu,
+            SortKey::GilHeld => s.gil_held,
+            SortKey::GilWait => s.gil_wait,
+            SortKey::Gc => s.gc,
+            SortKey::OffCpu => s.offcpu,
+            SortKey::Name => 0.0,
+        }
+    }
+}
+
+/// A thread/process name filter: a regular expression, or (when it is not one) a substring.
+#[derive(Debug, Clone)]
+pub struct NameFilter {
+    pub text: String,
+    re: Option<regex::Regex>,
+}
+
+impl NameFilter {
+    pub fn new(text: &str) -> Self {
+        NameFilter {
+            text: text.to_string(),
+            re: regex::Regex::new(text).ok(),
+        }
+    }
+
+    pub fn matches(&self, name: &str) -> bool {
+        match &self.re {
+            Some(r) => r.is_match(name),
+            None => name.contains(&self.text),
+        }
+    }
+}
+
+/// A thread that did (almost) nothing in the window: under 0.1% of it on CPU, waiting for the
+/// GIL and collecting garbage. A vLLM worker has dozens of such threads (gloo, ZMQ, pools).
+pub fn is_idle(s: &Stats) -> bool {
+    s.cpu < 0.001 && s.gil_wait < 0.001 && s.gc < 0.001
+}
+
+/// What the loop must do after a key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Command {
+    None,
+    Quit,
+    /// Save a flamegraph of the window (of the selected thread in its detail view).
+    Flame,
+    /// Replay speed times this factor.
+    Speed(f64),
+    /// Replay clock one window forward (true) or back.
+    Jump(bool),
+}
+
+#[derive(Debug, Clone)]
+pub struct Ui {
+    pub view: View,
+    /// The selected thread's detail is open (over `Threads`).
+    pub detail: bool,
+    pub sort: SortKey,
+    pub ascending: bool,
+    pub selected: Option<ThreadKey>,
+    pub filter: Option<NameFilter>,
+    /// A filter being typed after `/`.
+    pub input: Option<String>,
+    pub help: bool,
+    pub paused: bool,
+    /// Hide threads that did (almost) nothing in the window (`i`).
+    pub hide_idle: bool,
+    /// Last message for the status line (saved flamegraph, errors).
+    pub status: String,
+}
+
+impl Default for Ui {
+    fn default() -> Self {
+        Ui {
+            view: View::Threads,
+            detail: false,
+            sort: SortKey::Cpu,
+            ascending: false,
+            selected: None,
+            filter: None,
+            input: None,
+            help: false,
+            paused: false,
+            hide_idle: false,
+            status: String::new(),
+        }
+    }
+}
+
+/// One line of the thread table.
+#[derive(Debug, Clone, Copy)]
+pub enum Row<'a> {
+    Group(&'a Group),
+    Process(&'a ProcessRow),
+    Thread(&'a ProcessRow, &'a ThreadRow),
+}
+
+impl Ui {
+    fn thread_visible(&self, p: &ProcessRow, t: &ThreadRow) -> bool {
+        (!self.hide_idle || !is_idle(&t.stats))
+            && self
+                .filter
+                .as_ref()
+                .is_none_or(|f| f.matches(&t.name) || f.matches(&p.name))
+    }
+
+    fn order(&self, a: (&Stats, &str, i32), b: (&Stats, &str, i32)) -> std::cmp::Ordering {
+        let o = match self.sort {
+            SortKey::Name => a.1.cmp(b.1).reverse(),
+            k => k.value(a.0).total_cmp(&k.value(b.0)),
+        };
+        // Descending by default (busiest first; names A→Z); ties by id.
+        let o = if self.ascending { o } else { o.reverse() };
+        o.then(a.2.cmp(&b.2))
+    }
+
+    /// The thread table's lines: groups (engines) in order, their processes and threads
+    /// sorted by the sort column, only threads the filter keeps (and their processes).
+    pub fn rows<'a>(&self, snap: &'a Snapshot) -> Vec<Row<'a>> {
+        let mut out = Vec::new();
+        for g in &snap.groups {
+            let mut procs: Vec<(&ProcessRow, Vec<&ThreadRow>)> = g
+                .processes
+                .iter()
+                .map(|p| {
+                    let mut ts: Vec<&ThreadRow> = p
+                        .threads
+                        .iter()
+                        .filter(|t| self.thread_visible(p, t))
+                        .collect();
+                    ts.sort_by(|a, b| {
+                        self.order((&a.stats, &a.name, a.tid), (&b.stats, &b.name, b.tid))
+                    });
+                    (p, ts)
+                })
+                .filter(|(p, ts)| !ts.is_empty() || (self.filter.is_none() && p.threads.is_empty()))
+                .collect();
+            if procs.is_empty() {
+                continue;
+            }
+            procs.sort_by(|a, b| {
+                self.order(
+                    (&a.0.stats, &a.0.name, a.0.pid),
+                    (&b.0.stats, &b.0.name, b.0.pid),
+                )
+            });
+            if !g.label.is_empty() {
+                out.push(Row::Group(g));
+            }
+            for (p, ts) in procs {
+                out.push(Row::Process(p));
+                out.extend(ts.into_iter().map(|t| Row::Thread(p, t)));
+            }
+        }
+        out
+    }
+
+    /// Index in `rows` of the selected thread; the first thread when none is selected or the
+    /// selected one is not shown.
+    pub fn selected_index(&self, rows: &[Row]) -> Option<usize> {
+        let is_thread = |r: &Row| matches!(r, Row::Thread(..));
+        self.selected
+            .and_then(|k| {
+                rows.iter()
+                    .position(|r| matches!(r, Row::Thread(_, t) if (t.pid, t.tid) == k))
+            })
+            .or_else(|| rows.iter().position(is_thread))
+    }
+
+    fn move_selection(&mut self, snap: &Snapshot, by: isize) {
+        let rows = self.rows(snap);
+        let threads: Vec<ThreadKey> = rows
+            .iter()
+            .filter_map(|r| match r {
+                Row::Thread(_, t) => Some((t.pid, t.tid)),
+                _ => None,
+            })
+            .collect();
+        if threads.is_empty() {
+            return;
+        }
+        // With nothing selected, the first thread is (it is highlighted).
+        let cur = self
+            .selected
+            .and_then(|k| threads.iter().position(|&t| t == k))
+            .unwrap_or(0);
+        let next = (cur as isize)
+            .saturating_add(by)
+            .clamp(0, threads.len() as isize - 1) as usize;
+        self.selected = Some(threads[next]);
+    }
+
+    /// The thread whose detail is shown: the selected one, or the first shown.
+    pub fn detail_thread<'a>(&self, snap: &'a Snapshot) -> Option<(&'a ProcessRow, &'a ThreadRow)> {
+        let rows = self.rows(snap);
+        let i = self.selected_index(&rows)?;
+        match rows.get(i) {
+            Some(Row::Thread(p, t)) => Some((p, t)),
+            _ => None,
+        }
+    }
+
+    /// Apply a key; returns what the loop must do.
+    pub fn on_key(&mut self, snap: &Snapshot, key: KeyEvent) -> Command {
+        if key.kind == KeyEventKind::Release {
+            return Command::None;
+        }
+        if key.modifiers.contains(KeyModifiers::CONTROL) && key.code == KeyCode::Char('c') {
+            return Command::Quit;
+        }
+        if let Some(text) = self.input.as_mut() {
+            match key.code {
+                KeyCode::Enter => {
+                    let t = text.trim().to_string();
+                    self.filter = (!t.is_empty()).then(|| NameFilter::new(&t));
+                    self.input = None;
+                    self.status = match &self.filter {
+                        Some(f) => format!("filter: {}", f.text),
+                        None => "filter cleared".into(),
+                    };
+                }
+                KeyCode::Esc => self.input = None,
+                KeyCode::Backspace => {
+                    text.pop();
+                }
+                KeyCode::Char(c) => text.push(c),
+                _ => {}
+            }
+            return Command::None;
+        }
+        if self.help {
+            if matches!(
+                key.code,
+                KeyCode::Esc | KeyCode::Char('?') | KeyCode::Char('q') | KeyCode::Enter
+            ) {
+                self.help = false;
+            }
+            return Command::None;
+        }
+        match key.code {
+            KeyCode::Char('q') => return Command::Quit,
+            KeyCode::Esc | KeyCode::Backspace | KeyCode::Left if self.detail => self.detail = false,
+            KeyCode::Esc => return Command::Quit,
+            KeyCode::Char('?') => self.help = true,
+            KeyCode::Tab | KeyCode::BackTab => {
+                let by = if key.code == KeyCode::Tab { 1 } else { -1 };
+                let i = TABS.iter().position(|&v| v == self.view).unwrap_or(0) as isize;
+                self.view = TABS[(i + by).rem_euclid(TABS.len() as isize) as usize];
+                self.detail = false;
+            }
+            KeyCode::Enter | KeyCode::Right
+                if self.view == View::Threads && self.detail_thread(snap).is_some() =>
+            {
+                self.selected = self.detail_thread(snap).map(|(_, t)| (t.pid, t.tid));
+                self.detail = true;
+            }
+            KeyCode::Down | KeyCode::Char('j') => self.move_selection(snap, 1),
+            KeyCode::Up | KeyCode::Char('k') => self.move_selection(snap, -1),
+            KeyCode::PageDown => self.move_selection(snap, 10),
+            KeyCode::PageUp => self.move_selection(snap, -10),
+            KeyCode::Home => self.move_selection(snap, isize::MIN / 2),
+            KeyCode::End => self.move_selection(snap, isize::MAX / 2),
+            KeyCode::Char('s') => self.sort = self.sort.step(1),
+            KeyCode::Char('S') => self.sort = self.sort.step(-1),
+            KeyCode::Char('r') => self.ascending = !self.ascending,
+            KeyCode::Char('/') => {
+                self.input = Some(
+                    self.filter
+                        .as_ref()
+                        .map(|f| f.text.clone())
+                        .unwrap_or_default(),
+                )
+            }
+            KeyCode::Char('p') | KeyCode::Char(' ') => {
+                self.paused = !self.paused;
+                self.status = if self.paused { "paused" } else { "resumed" }.into();
+            }
+            KeyCode::Char('i') => {
+                self.hide_idle = !self.hide_idle;
+                self.status = if self.hide_idle {
+                    "hiding idle threads (under 0.1% CPU, GIL wait and GC)"
+                } else {
+                    "showing every thread"
+                }
+                .into();
+            }
+            KeyCode::Char('f') => return Command::Flame,
+            KeyCode::Char('+') | KeyCode::Char('=') => return Command::Speed(2.0),
+            KeyCode::Char('-') => return Command::Speed(0.5),
+            KeyCode::Char(']') => return Command::Jump(true),
+            KeyCode::Char('[') => return Command::Jump(false),
+            _ => {}
+        }
+        Command::None
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::tui::model::{snapshot, Topology};
+    use crate::tui::testutil::*;
+    use crate::tui::window::Window;
+
+    pub fn three_threads() -> Snapshot {
+        let mut b = Rec::new()
+            .process(10, "/usr/bin/python3.12 serve.py", "")
+            .thread(10, 11, "worker-a")
+            .thread(10, 12, "worker-b")
+            .thread(10, 13, "MainThread");
+        let st = b.stack(&["work"], "w.py");
+        b.samples((10, 11), 0, 200, MS, st, GIL);
+        b.samples((10, 12), 0, 600, MS, st, 0);
+        b.samples((10, 13), 0, 100, MS, st, GIL);
+        b.gil_wait(10, 13, 0, 500 * MS, 11, st);
+        let mut w = Window::new(10 * S, 40, 10 * S);
+        w.update(&b.0, S);
+        snapshot(&w, &b.0, &Topology::default())
+    }
+
+    fn key(c: KeyCode) -> KeyEvent {
+        KeyEvent::new(c, KeyModifiers::NONE)
+    }
+
+    fn thread_names(ui: &Ui, s: &Snapshot) -> Vec<String> {
+        ui.rows(s)
+            .iter()
+            .filter_map(|r| match r {
+                Row::Thread(_, t) => Some(t.name.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn sort_keys_cycle_and_reverse() {
+        let s = three_threads();
+        let mut ui = Ui::default();
+        assert_eq!(
+            thread_names(&ui, &s),
+            ["worker-b", "worker-a", "MainThread"]
+        );
+        assert_eq!(ui.on_key(&s, key(KeyCode::Char('s'))), Command::None);
+        assert_eq!(ui.sort, SortKey::GilHeld);
+        assert_eq!(
+            thread_names(&ui, &s),
+            ["worker-a", "MainThread", "worker-b"]
+        );
+        ui.on_key(&s, key(KeyCode::Char('s')));
+        assert_eq!(ui.sort, SortKey::GilWait);
+        assert_eq!(thread_names(&ui, &s)[0], "MainThread");
+        ui.on_key(&s, key(KeyCode::Char('r')));
+        assert_eq!(thread_names(&ui, &s)[2], "MainThread");
+        for _ in 0..3 {
+            ui.on_key(&s, key(KeyCode::Char('s')));
+        }
+        assert_eq!(ui.sort, SortKey::Name);
+        ui.on_key(&s, key(KeyCode::Char('r')));
+        assert_eq!(
+            thread_names(&ui, &s),
+            ["MainThread", "worker-a", "worker-b"]
+        );
+        ui.on_key(&s, key(KeyCode::Char('S')));
+        assert_eq!(ui.sort, SortKey::OffCpu);
+    }
+
+    #[test]
+    fn filter_by_regex_or_text() {
+        let s = three_threads();
+        let mut ui = Ui::default();
+        ui.on_key(&s, key(KeyCode::Char('/')));
+        for c in "^worker-[a]".chars() {
+            ui.on_key(&s, key(KeyCode::Char(c)));
+        }
+        assert_eq!(ui.input.as_deref(), Some("^worker-[a]"));
+        // Not applied until Enter.
+        assert_eq!(thread_names(&ui, &s).len(), 3);
+        ui.on_key(&s, key(KeyCode::Enter));
+        assert_eq!(thread_names(&ui, &s), ["worker-a"]);
+        // Not a valid expression: a substring.
+        ui.filter = Some(NameFilter::new("r-b("));
+        assert_eq!(thread_names(&ui, &s), Vec::<String>::new());
+        ui.filter = Some(NameFilter::new("Main"));
+        assert_eq!(thread_names(&ui, &s), ["MainThread"]);
+        // The process name matches all its threads.
+        ui.filter = Some(NameFilter::new("python3"));
+        assert_eq!(thread_names(&ui, &s).len(), 3);
+        // `i` hides threads that did nothing; MainThread waited for the GIL, so it stays.
+        let mut quiet = three_threads();
+        quiet.groups[0].processes[0].threads[1].stats = Stats::default();
+        ui.on_key(&quiet, key(KeyCode::Char('i')));
+        assert_eq!(thread_names(&ui, &quiet), ["worker-a", "MainThread"]);
+        ui.on_key(&quiet, key(KeyCode::Char('i')));
+        assert_eq!(thread_names(&ui, &quiet).len(), 3);
+        // An empty filter clears it; Esc abandons an edit.
+        ui.on_key(&s, key(KeyCode::Char('/')));
+        ui.on_key(&s, key(KeyCode::Esc));
+        assert!(ui.filter.is_some() && ui.input.is_none());
+        ui.on_key(&s, key(KeyCode::Char('/')));
+        for _ in 0.."python3".len() {
+            ui.on_key(&s, key(KeyCode::Backspace));
+        }
+        ui.on_key(&s, key(KeyCode::Enter));
+        assert!(ui.filter.is_none());
+    }
+
+    #[test]
+    fn selection_detail_views_and_quit() {
+        let s = three_threads();
+        let mut ui = Ui::default();
+        let rows = ui.rows(&s);
+        assert!(
+            matches!(rows[ui.selected_index(&rows).unwrap()], Row::Thread(_, t) if t.name == "worker-b")
+        );
+        ui.on_key(&s, key(KeyCode::Down));
+        ui.on_key(&s, key(KeyCode::Down));
+        ui.on_key(&s, key(KeyCode::Down));
+        assert_eq!(ui.selected, Some((10, 13)));
+        ui.on_key(&s, key(KeyCode::Up));
+        assert_eq!(ui.selected, Some((10, 11)));
+        ui.on_key(&s, key(KeyCode::Enter));
+        assert!(ui.detail);
+        assert_eq!(ui.detail_thread(&s).map(|(_, t)| t.tid), Some(11));
+        // Esc leaves the detail first, then quits.
+        assert_eq!(ui.on_key(&s, key(KeyCode::Esc)), Command::None);
+        assert!(!ui.detail);
+        ui.on_key(&s, key(KeyCode::Tab));
+        assert_eq!(ui.view, View::Metrics);
+        ui.on_key(&s, key(KeyCode::Tab));
+        assert_eq!(ui.view, View::Latency);
+        ui.on_key(&s, key(KeyCode::BackTab));
+        assert_eq!(ui.view, View::Metrics);
+        ui.on_key(&s, key(KeyCode::Char('?')));
+        assert!(ui.help);
+        // Keys go to the help until it closes.
+        assert_eq!(ui.on_key(&s, key(KeyCode::Char('f'))), Command::None);
+        ui.on_key(&s, key(KeyCode::Esc));
+        assert!(!ui.help);
+        ui.on_key(&s, key(KeyCode::Char('p')));
+        assert!(ui.paused);
+        assert_eq!(ui.on_key(&s, key(KeyCode::Char('f'))), Command::Flame);
+        assert_eq!(ui.on_key(&s, key(KeyCode::Char('+'))), Command::Speed(2.0));
+        assert_eq!(ui.on_key(&s, key(KeyCode::Char('['))), Command::Jump(false));
+        assert_eq!(ui.on_key(&s, key(KeyCode::Char('q'))), Command::Quit);
+        assert_eq!(ui.on_key(&s, key(KeyCode::Esc)), Command::Quit);
+        let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
+        assert_eq!(ui.on_key(&s, ctrl_c), Command::Quit);
+    }
+}

@@ -1,0 +1,960 @@
+//! What the dashboard shows, computed from the window's running sums: a plain value
+//! ([`Snapshot`]) that the view draws and the plain-text mode prints. Computing it reads the
+//! window's totals (one entry per thread, function, holder, probe), never the recording's
+//! events, so its cost does not grow with the recording.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use super::metrics;
+use super::window::{Holder, ThreadKey, Window};
+use crate::record::{EngineInfo, Recording};
+use crate::views::gil::{GIL_FREE, RELEASING, UNKNOWN_FUNCTION};
+
+/// Functions kept per thread and list.
+pub const TOP_FUNCTIONS: usize = 20;
+/// Holders kept per waiting thread.
+pub const TOP_BLAME: usize = 10;
+
+/// Roles and engines known from outside the recording: the hook for `top --vllm`, whose
+/// discovery knows which process is the API server, an EngineCore or a worker before the
+/// recording says so. The recording's own `processes[].role` and `engines[]` win where both
+/// name something.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Topology {
+    /// pid -> role (`APIServer`, `EngineCore`, `Worker`, …).
+    pub roles: BTreeMap<i32, String>,
+    pub engines: Vec<EngineInfo>,
+}
+
+/// Shares of the window's wall time (0..1 for a thread; a process's are its threads' sums).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Stats {
+    /// On-CPU (sample weight).
+    pub cpu: f64,
+    /// On-CPU outside the interpreter core.
+    pub native: f64,
+    /// On-CPU holding the GIL (sampled).
+    pub gil_held: f64,
+    /// Waiting for the GIL (exact).
+    pub gil_wait: f64,
+    /// Forced-switch handshakes (exact).
+    pub switch_wait: f64,
+    /// Running a garbage collection (exact).
+    pub gc: f64,
+    /// Off CPU (exact intervals; written when the thread runs again, so a thread blocked for
+    /// longer than the window shows its wait only once it wakes).
+    pub offcpu: f64,
+    pub samples: u64,
+    pub gil_waits: u64,
+    pub gc_pauses: u64,
+}
+
+impl Stats {
+    fn add(&mut self, o: &Stats) {
+        self.cpu += o.cpu;
+        self.native += o.native;
+        self.gil_held += o.gil_held;
+        self.gil_wait += o.gil_wait;
+        self.switch_wait += o.switch_wait;
+        self.gc += o.gc;
+        self.offcpu += o.offcpu;
+        self.samples += o.samples;
+        self.gil_waits += o.gil_waits;
+        self.gc_pauses += o.gc_pauses;
+    }
+}
+
+/// A function's time in one thread.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FnRow {
+    pub function: String,
+    pub file: String,
+    pub self_ns: u64,
+    pub total_ns: u64,
+    /// Of the thread's on-CPU time, 0..1.
+    pub self_share: f64,
+    pub total_share: f64,
+}
+
+/// Who held the GIL while a thread waited for it, running what.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BlameRow {
+    /// 0: nobody held it.
+    pub holder_tid: i32,
+    /// Holder thread's name (`tid N` when unnamed; empty for none).
+    pub holder: String,
+    /// The holder's innermost function when the wait began, or `<gil free>`, `<releasing>`,
+    /// `<unknown>`.
+    pub function: String,
+    pub file: String,
+    pub wait_ns: u64,
+    pub waits: u64,
+    /// Of the waiter's GIL wait in the window, 0..1.
+    pub share: f64,
+}
+
+/// GC pauses of one generation in one process.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GcRow {
+    /// -1: unknown.
+    pub generation: i8,
+    pub pauses: u64,
+    pub total_ns: u64,
+    /// Longest pause that began in the window.
+    pub max_ns: u64,
+    /// Of the window's wall time.
+    pub share: f64,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThreadRow {
+    pub pid: i32,
+    pub tid: i32,
+    pub name: String,
+    pub stats: Stats,
+    /// On-CPU share per bucket, permille, oldest first.
+    pub cpu_history: Vec<u64>,
+    /// By self time, then by total time.
+    pub top_self: Vec<FnRow>,
+    pub top_total: Vec<FnRow>,
+    pub blame: Vec<BlameRow>,
+    /// No event of this thread in the window.
+    pub idle: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessRow {
+    pub pid: i32,
+    /// Role where known, else the executable.
+    pub name: String,
+    pub cmdline: String,
+    /// Sums over its threads.
+    pub stats: Stats,
+    pub threads: Vec<ThreadRow>,
+    /// By generation.
+    pub gc: Vec<GcRow>,
+}
+
+/// An engine's processes (or, with `engine` None, the processes of no engine).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    pub engine: Option<String>,
+    /// `engine0: API server 100, EngineCore 101, workers 102 103`.
+    pub label: String,
+    pub processes: Vec<ProcessRow>,
+}
+
+/// One probed function in one thread.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LatencyRow {
+    pub probe: u32,
+    pub spec: String,
+    pub function: String,
+    pub pid: i32,
+    pub tid: i32,
+    pub thread: String,
+    /// `exact` or `sampled`.
+    pub method: String,
+    pub resolution_ns: u64,
+    pub calls: u64,
+    pub calls_per_s: f64,
+    pub p50_ns: u64,
+    pub p90_ns: u64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+}
+
+/// A metric's value now and its history (one point per scrape) for a sparkline.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MetricView {
+    pub now: Option<f64>,
+    pub history: Vec<f64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineMetrics {
+    pub engine: String,
+    pub metrics_url: String,
+    /// Generated tokens per second (rate of the counter over the window).
+    pub gen_tokens_per_s: MetricView,
+    /// 0..1.
+    pub kv_cache: MetricView,
+    pub running: MetricView,
+    pub waiting: MetricView,
+    /// The latest failed scrape, if any.
+    pub scrape_error: Option<String>,
+}
+
+/// Everything one frame shows.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// ns since the recording's start.
+    pub now_ns: u64,
+    pub window_start_ns: u64,
+    pub wall_ns: u64,
+    pub groups: Vec<Group>,
+    pub latency: Vec<LatencyRow>,
+    pub engines: Vec<EngineMetrics>,
+    /// The recorder finished: its reason.
+    pub ended: Option<String>,
+    /// Failure counters of the recorder that are not zero (`bpf_ringbuf_full_lost`, …).
+    pub problems: Vec<(String, u64)>,
+}
+
+impl Snapshot {
+    pub fn threads(&self) -> impl Iterator<Item = &ThreadRow> {
+        self.groups
+            .iter()
+            .flat_map(|g| &g.processes)
+            .flat_map(|p| &p.threads)
+    }
+
+    pub fn processes(&self) -> impl Iterator<Item = &ProcessRow> {
+        self.groups.iter().flat_map(|g| &g.processes)
+    }
+
+    pub fn thread(&self, key: ThreadKey) -> Option<&ThreadRow> {
+        self.threads().find(|t| (t.pid, t.tid) == key)
+    }
+
+    pub fn process(&self, pid: i32) -> Option<&ProcessRow> {
+        self.processes().find(|p| p.pid == pid)
+    }
+}
+
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
+    }
+}
+
+/// Executable name from a command line.
+fn exe_name(cmdline: &str) -> &str {
+    let first = cmdline.split_whitespace().next().unwrap_or("");
+    first.rsplit('/').next().unwrap_or(first)
+}
+
+/// Counters whose non-zero value means something was lost or could not be read.
+const PROBLEM_COUNTERS: [&str; 4] = [
+    "bpf_ringbuf_full_lost",
+    "bpf_read_frame_errors",
+    "bpf_truncated_stacks",
+    "unresolved_frames",
+];
+
+/// Latest description of every engine: the recording's, then the topology's for ids the
+/// recording does not describe.
+fn engines(rec: &Recording, topo: &Topology) -> Vec<EngineInfo> {
+    let mut by_id: BTreeMap<String, EngineInfo> = BTreeMap::new();
+    for e in &topo.engines {
+        by_id.insert(e.id.clone(), e.clone());
+    }
+    for e in &rec.engines {
+        by_id.insert(e.id.clone(), e.clone());
+    }
+    by_id.into_values().collect()
+}
+
+fn engine_role(e: &EngineInfo, pid: i32) -> Option<&'static str> {
+    if e.api_server_pid == pid && pid != 0 {
+        Some("APIServer")
+    } else if e.engine_core_pids.contains(&pid) {
+        Some("EngineCore")
+    } else if e.worker_pids.contains(&pid) {
+        Some("Worker")
+    } else {
+        None
+    }
+}
+
+fn engine_label(e: &EngineInfo) -> String {
+    let mut parts = Vec::new();
+    if e.api_server_pid != 0 {
+        parts.push(format!("API server {}", e.api_server_pid));
+    }
+    if !e.engine_core_pids.is_empty() {
+        let p: Vec<String> = e.engine_core_pids.iter().map(|p| p.to_string()).collect();
+        parts.push(format!("EngineCore {}", p.join(" ")));
+    }
+    if !e.worker_pids.is_empty() {
+        let p: Vec<String> = e.worker_pids.iter().map(|p| p.to_string()).collect();
+        parts.push(format!("workers {}", p.join(" ")));
+    }
+    if parts.is_empty() {
+        e.id.clone()
+    } else {
+        format!("{}: {}", e.id, parts.join(", "))
+    }
+}
+
+/// Percentile by nearest rank over sorted values.
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn metric_view(points: &[(u64, f64)], counter: bool, from_ns: u64) -> MetricView {
+    if counter {
+        MetricView {
+            now: metrics::rate_since(points, from_ns),
+            history: metrics::rates(points).into_iter().map(|(_, v)| v).collect(),
+        }
+    } else {
+        MetricView {
+            now: metrics::last_value(points),
+            history: points.iter().map(|&(_, v)| v).collect(),
+        }
+    }
+}
+
+/// Compute what the dashboard shows from the window (already updated to the recording).
+pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
+    let wall = w.wall_ns();
+    let start = w.start_ns();
+    let stats_of = |key: &ThreadKey| -> Stats {
+        let Some(a) = w.totals.threads.get(key) else {
+            return Stats::default();
+        };
+        Stats {
+            cpu: share(a.cpu_ns, wall),
+            native: share(a.native_ns, wall),
+            gil_held: share(a.gil_held_ns, wall),
+            gil_wait: share(a.gil_wait_ns, wall),
+            switch_wait: share(a.switch_wait_ns, wall),
+            gc: share(a.gc_ns, wall),
+            offcpu: share(a.off_ns, wall),
+            samples: a.samples,
+            gil_waits: a.gil_waits,
+            gc_pauses: a.gc_pauses,
+        }
+    };
+
+    // Names: the latest thread record of each thread wins.
+    let mut names: HashMap<ThreadKey, &str> = HashMap::new();
+    for t in &rec.threads {
+        names.insert((t.pid, t.tid), t.name.as_str());
+    }
+    let mut threads: BTreeSet<ThreadKey> = names.keys().copied().collect();
+    threads.extend(w.totals.threads.keys().copied());
+    threads.extend(w.last_seen.keys().copied());
+    let name_of = |pid: i32, tid: i32| -> String {
+        match names.get(&(pid, tid)) {
+            Some(n) if !n.is_empty() => n.to_string(),
+            _ if tid == 0 => String::new(),
+            _ => format!("tid {tid}"),
+        }
+    };
+
+    // Per thread: functions and blame, from the totals (one pass each).
+    let mut fns: HashMap<ThreadKey, Vec<(u32, u64, u64)>> = HashMap::new();
+    for (&(key, f), a) in &w.totals.functions {
+        fns.entry(key).or_default().push((f, a.self_ns, a.total_ns));
+    }
+    let mut blame: HashMap<ThreadKey, Vec<(i32, Holder, u64, u64)>> = HashMap::new();
+    for (&(key, holder_tid, holder), tc) in &w.totals.blame {
+        blame
+            .entry(key)
+            .or_default()
+            .push((holder_tid, holder, tc.ns, tc.count));
+    }
+    let fn_row = |f: u32, self_ns: u64, total_ns: u64, cpu: u64| {
+        let (function, file) = w.fns.name(f);
+        FnRow {
+            function: function.to_string(),
+            file: file.to_string(),
+            self_ns,
+            total_ns,
+            self_share: share(self_ns, cpu),
+            total_share: share(total_ns, cpu),
+        }
+    };
+    let mut thread_rows: BTreeMap<i32, Vec<ThreadRow>> = BTreeMap::new();
+    for &(pid, tid) in &threads {
+        let key = (pid, tid);
+        let stats = stats_of(&key);
+        let acc = w.totals.threads.get(&key).copied().unwrap_or_default();
+        let mut f = fns.remove(&key).unwrap_or_default();
+        f.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0)));
+        let top_self = f
+            .iter()
+            .filter(|x| x.1 > 0)
+            .take(TOP_FUNCTIONS)
+            .map(|&(id, s, t)| fn_row(id, s, t, acc.cpu_ns))
+            .collect();
+        f.sort_by(|a, b| b.2.cmp(&a.2).then(b.1.cmp(&a.1)).then(a.0.cmp(&b.0)));
+        let top_total = f
+            .iter()
+            .take(TOP_FUNCTIONS)
+            .map(|&(id, s, t)| fn_row(id, s, t, acc.cpu_ns))
+            .collect();
+        let mut b = blame.remove(&key).unwrap_or_default();
+        b.sort_by(|x, y| y.2.cmp(&x.2).then((x.0, x.1).cmp(&(y.0, y.1))));
+        let blame_rows = b
+            .into_iter()
+            .take(TOP_BLAME)
+            .map(|(holder_tid, holder, ns, count)| {
+                let (function, file) = match holder {
+                    Holder::Free => (GIL_FREE.to_string(), String::new()),
+                    Holder::Releasing => (RELEASING.to_string(), String::new()),
+                    Holder::Unknown => (UNKNOWN_FUNCTION.to_string(), String::new()),
+                    Holder::Function(f) => {
+                        let (a, b) = w.fns.name(f);
+                        (a.to_string(), b.to_string())
+                    }
+                };
+                BlameRow {
+                    holder_tid,
+                    holder: name_of(pid, holder_tid),
+                    function,
+                    file,
+                    wait_ns: ns,
+                    waits: count,
+                    share: share(ns, acc.gil_wait_ns),
+                }
+            })
+            .collect();
+        let cpu_history = w
+            .thread_cpu_history(key)
+            .into_iter()
+            .zip(w.bucket_spans())
+            .map(|(ns, (_, span))| (share(ns, span) * 1000.0).round() as u64)
+            .collect();
+        thread_rows.entry(pid).or_default().push(ThreadRow {
+            pid,
+            tid,
+            name: name_of(pid, tid),
+            stats,
+            cpu_history,
+            top_self,
+            top_total,
+            blame: blame_rows,
+            idle: w.last_seen.get(&key).is_none_or(|&t| t < start),
+        });
+    }
+
+    // Processes, with their roles and GC pauses.
+    let engines = engines(rec, topo);
+    let mut pids: BTreeSet<i32> = rec.processes.iter().map(|p| p.pid).collect();
+    pids.extend(thread_rows.keys().copied());
+    pids.extend(topo.roles.keys().copied());
+    let gc_max = w.gc_max();
+    let mut gc_rows: BTreeMap<i32, Vec<GcRow>> = BTreeMap::new();
+    for (&(pid, generation), tc) in &w.totals.gc {
+        gc_rows.entry(pid).or_default().push(GcRow {
+            generation,
+            pauses: tc.count,
+            total_ns: tc.ns,
+            max_ns: gc_max.get(&(pid, generation)).copied().unwrap_or(0),
+            share: share(tc.ns, wall),
+        });
+    }
+    let mut processes: BTreeMap<i32, ProcessRow> = BTreeMap::new();
+    for pid in pids {
+        let info = rec.processes.iter().rev().find(|p| p.pid == pid);
+        let cmdline = info.map(|p| p.cmdline.clone()).unwrap_or_default();
+        let role = info
+            .map(|p| p.role.as_str())
+            .filter(|r| !r.is_empty())
+            .or_else(|| topo.roles.get(&pid).map(String::as_str))
+            .or_else(|| engines.iter().find_map(|e| engine_role(e, pid)));
+        let name = match role {
+            Some(r) => r.to_string(),
+            None if !exe_name(&cmdline).is_empty() => exe_name(&cmdline).to_string(),
+            None => "process".to_string(),
+        };
+        let threads = thread_rows.remove(&pid).unwrap_or_default();
+        let mut stats = Stats::default();
+        for t in &threads {
+            stats.add(&t.stats);
+        }
+        let mut gc = gc_rows.remove(&pid).unwrap_or_default();
+        gc.sort_by_key(|g| g.generation);
+        processes.insert(
+            pid,
+            ProcessRow {
+                pid,
+                name,
+                cmdline,
+                stats,
+                threads,
+                gc,
+            },
+        );
+    }
+
+    // Group by engine.
+    let mut groups = Vec::new();
+    for e in &engines {
+        let members: Vec<i32> = processes
+            .keys()
+            .copied()
+            .filter(|&pid| engine_role(e, pid).is_some())
+            .collect();
+        let procs: Vec<ProcessRow> = members
+            .iter()
+            .filter_map(|pid| processes.remove(pid))
+            .collect();
+        groups.push(Group {
+            engine: Some(e.id.clone()),
+            label: engine_label(e),
+            processes: procs,
+        });
+    }
+    if !processes.is_empty() {
+        groups.push(Group {
+            engine: None,
+            label: if engines.is_empty() {
+                String::new()
+            } else {
+                "other processes".to_string()
+            },
+            processes: processes.into_values().collect(),
+        });
+    }
+
+    // Function latency.
+    let mut latency = Vec::new();
+    let mut keys: BTreeSet<(u32, ThreadKey)> = w.totals.calls.keys().copied().collect();
+    keys.extend(w.call_durations.keys().copied());
+    for key in keys {
+        let (probe, (pid, tid)) = key;
+        let info = rec.probes.get(probe as usize);
+        let mut d: Vec<u64> = w
+            .call_durations
+            .get(&key)
+            .map(|q| q.iter().map(|&(_, d)| d).collect())
+            .unwrap_or_default();
+        d.sort_unstable();
+        let calls = w.totals.calls.get(&key).map_or(0, |c| c.count);
+        latency.push(LatencyRow {
+            probe,
+            spec: info.map(|p| p.spec.clone()).unwrap_or_default(),
+            function: info
+                .map(|p| p.function.clone())
+                .unwrap_or_else(|| format!("probe {probe}")),
+            pid,
+            tid,
+            thread: name_of(pid, tid),
+            method: info.map(|p| p.method.clone()).unwrap_or_default(),
+            resolution_ns: info.map_or(0, |p| p.resolution_ns),
+            calls,
+            calls_per_s: if wall == 0 {
+                0.0
+            } else {
+                calls as f64 / (wall as f64 / 1e9)
+            },
+            p50_ns: percentile(&d, 0.50),
+            p90_ns: percentile(&d, 0.90),
+            p99_ns: percentile(&d, 0.99),
+            max_ns: d.last().copied().unwrap_or(0),
+        });
+    }
+
+    // Engine metrics.
+    let mut engine_ids: BTreeSet<String> = engines.iter().map(|e| e.id.clone()).collect();
+    engine_ids.extend(rec.series.iter().map(|s| s.engine.clone()));
+    let family = |engine: &str, names: &[&str]| -> Vec<(u64, f64)> {
+        // The first of `names` that has points (a family renamed between versions).
+        for name in names {
+            let series: Vec<Vec<(u64, f64)>> = rec
+                .series
+                .iter()
+                .filter(|s| s.engine == engine && s.name == *name)
+                .filter_map(|s| w.metric_points.get(&s.id))
+                .map(|q| q.iter().copied().collect())
+                .collect();
+            if !series.is_empty() {
+                return metrics::sum_series(&series);
+            }
+        }
+        Vec::new()
+    };
+    let engine_metrics = engine_ids
+        .into_iter()
+        .map(|id| EngineMetrics {
+            metrics_url: engines
+                .iter()
+                .find(|e| e.id == id)
+                .map(|e| e.metrics_url.clone())
+                .unwrap_or_default(),
+            gen_tokens_per_s: metric_view(&family(&id, &[metrics::GEN_TOKENS]), true, start),
+            kv_cache: metric_view(&family(&id, &metrics::KV_CACHE), false, start),
+            running: metric_view(&family(&id, &[metrics::RUNNING]), false, start),
+            waiting: metric_view(&family(&id, &[metrics::WAITING]), false, start),
+            scrape_error: rec
+                .scrape_errors
+                .iter()
+                .rev()
+                .find(|e| e.engine == id && e.t_ns >= start)
+                .map(|e| e.error.clone()),
+            engine: id,
+        })
+        .collect();
+
+    Snapshot {
+        now_ns: w.now_ns(),
+        window_start_ns: start,
+        wall_ns: wall,
+        groups,
+        latency,
+        engines: engine_metrics,
+        ended: rec.end.as_ref().map(|e| e.reason.clone()),
+        problems: PROBLEM_COUNTERS
+            .iter()
+            .filter_map(|&k| {
+                rec.counters
+                    .get(k)
+                    .filter(|&&v| v > 0)
+                    .map(|&v| (k.to_string(), v))
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{MetricPoint, MetricSeries};
+    use crate::tui::testutil::*;
+
+    fn approx(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    fn window() -> Window {
+        Window::new(10 * S, 40, 10 * S)
+    }
+
+    fn snap_at(rec: &Recording, now: u64) -> Snapshot {
+        let mut w = window();
+        w.update(rec, now);
+        snapshot(&w, rec, &Topology::default())
+    }
+
+    #[test]
+    fn cpu_and_gil_held_are_shares_of_the_window() {
+        let mut b = Rec::new()
+            .process(100, "/usr/bin/python3.12 app.py", "")
+            .thread(100, 101, "worker")
+            .thread(100, 102, "sleeper");
+        let st = b.stack(&["hot", "main"], "/srv/app.py");
+        // 600 of the first 1000 ms on CPU, half of it holding the GIL, 100 ms of it native.
+        b.samples((100, 101), 0, 300, MS, st, GIL);
+        b.samples((100, 101), 300 * MS, 200, MS, st, 0);
+        b.samples(
+            (100, 101),
+            500 * MS,
+            100,
+            MS,
+            st,
+            crate::record::flags::NATIVE,
+        );
+        b.offcpu(100, 102, 0, 900 * MS);
+        let s = snap_at(&b.0, S);
+        assert_eq!(s.wall_ns, S);
+        let t = s.thread((100, 101)).expect("worker");
+        assert_eq!(t.name, "worker");
+        assert!(approx(t.stats.cpu, 0.6), "{}", t.stats.cpu);
+        assert!(approx(t.stats.gil_held, 0.3));
+        assert!(approx(t.stats.native, 0.1));
+        assert_eq!(t.stats.samples, 600);
+        assert!(!t.idle);
+        let sl = s.thread((100, 102)).expect("sleeper");
+        assert!(approx(sl.stats.offcpu, 0.9));
+        assert_eq!(sl.stats.cpu, 0.0);
+        let p = s.process(100).expect("process");
+        assert_eq!(p.name, "python3.12");
+        assert!(approx(p.stats.cpu, 0.6));
+        assert_eq!(s.groups.len(), 1);
+        assert_eq!(s.groups[0].label, "");
+        // Per-bucket history: 25 ms buckets... (10 s / 40 = 250 ms): 1000‰ for the first two
+        // buckets, 400‰ for the third (100 of 250 ms), 0 after.
+        assert_eq!(&t.cpu_history[..4], &[1000, 1000, 400, 0]);
+    }
+
+    #[test]
+    fn the_window_slides_and_old_buckets_leave_it() {
+        let mut b = Rec::new().thread(1, 2, "busy");
+        let st = b.stack(&["spin"], "a.py");
+        // 100% on CPU for 20 s: 2000 samples of 10 ms.
+        b.samples((1, 2), 0, 2000, 10 * MS, st, 0);
+        let mut w = window();
+        w.update(&b.0, 20 * S);
+        // 40 buckets of 250 ms, the last one holding `now`: the window is 10.25..20 s.
+        assert_eq!(w.start_ns(), 10_250 * MS);
+        assert_eq!(w.wall_ns(), 9_750 * MS);
+        let s = snapshot(&w, &b.0, &Topology::default());
+        let t = s.thread((1, 2)).unwrap();
+        assert!(approx(t.stats.cpu, 1.0), "{}", t.stats.cpu);
+        assert_eq!(t.stats.samples, 975);
+        // Nothing new for 30 s: the thread's time leaves the window and it becomes idle.
+        w.update(&b.0, 50 * S);
+        let s = snapshot(&w, &b.0, &Topology::default());
+        let t = s.thread((1, 2)).unwrap();
+        assert_eq!(t.stats.cpu, 0.0);
+        assert!(t.idle);
+        assert!(w.totals.threads.is_empty() && w.totals.functions.is_empty());
+    }
+
+    /// A recording with every kind of event over 20 s, and the order a live follower reads it
+    /// in (by the time each event is written: a sample at its time, an interval at its end).
+    fn busy_recording() -> Recording {
+        let mut b = Rec::new()
+            .process(1, "python3 x.py", "")
+            .thread(1, 2, "launcher")
+            .thread(1, 3, "aux-writer");
+        let a = b.stack(&["execute_model", "loop"], "w.py");
+        let h = b.stack(&["_evict_to_fit", "put"], "aux.py");
+        let probe = b.probe(1, "w.py:execute_model", "execute_model", "exact");
+        for i in 0..200u64 {
+            let t0 = i * 100 * MS;
+            b.samples((1, 2), t0, 30, MS, a, GIL);
+            b.samples((1, 3), t0 + 30 * MS, 60, MS, h, GIL);
+            b.gil_wait(1, 2, t0 + 30 * MS, 55 * MS, 3, h);
+            b.offcpu(1, 2, t0 + 30 * MS, 70 * MS);
+            b.call(probe, 1, 2, t0, (1 + i % 10) * MS);
+            if i % 7 == 0 {
+                b.gc(1, 3, t0 + 95 * MS, 3 * MS, (i % 3) as i8);
+            }
+        }
+        b.0
+    }
+
+    #[test]
+    fn incremental_updates_equal_one_pass() {
+        let full = busy_recording();
+        let mut w_once = window();
+        w_once.update(&full, 20 * S);
+        let once = snapshot(&w_once, &full, &Topology::default());
+
+        // The same events appended in the order they would be written, 250 ms at a time.
+        let mut live = Recording {
+            frames: full.frames.clone(),
+            stacks: full.stacks.clone(),
+            threads: full.threads.clone(),
+            processes: full.processes.clone(),
+            probes: full.probes.clone(),
+            ..Recording::default()
+        };
+        let mut w = window();
+        let mut t = 0;
+        while t < 20 * S {
+            t += 250 * MS;
+            let until = |end: u64| end > t - 250 * MS && end <= t;
+            live.samples
+                .extend(full.samples.iter().filter(|s| until(s.t_ns)));
+            live.offcpu
+                .extend(full.offcpu.iter().filter(|o| until(o.start_ns + o.dur_ns)));
+            live.gil_waits.extend(
+                full.gil_waits
+                    .iter()
+                    .filter(|g| until(g.start_ns + g.dur_ns)),
+            );
+            live.gc_pauses.extend(
+                full.gc_pauses
+                    .iter()
+                    .filter(|g| until(g.start_ns + g.dur_ns)),
+            );
+            live.calls
+                .extend(full.calls.iter().filter(|c| until(c.start_ns + c.dur_ns)));
+            w.update(&live, t);
+        }
+        let inc = snapshot(&w, &live, &Topology::default());
+        assert_eq!(inc, once);
+        // And trimming what the window has read changes nothing it shows.
+        let before = live.samples.len();
+        w.trim(&mut live, 10 * S);
+        assert!(live.samples.len() < before);
+        w.update(&live, 20 * S);
+        assert_eq!(snapshot(&w, &live, &Topology::default()), once);
+    }
+
+    #[test]
+    fn gil_waits_are_clipped_to_the_window_and_blamed_on_the_holder() {
+        let full = busy_recording();
+        let s = snap_at(&full, 20 * S);
+        let wall = s.wall_ns as f64;
+        let l = s.thread((1, 2)).unwrap();
+        // The window (10.25..20 s) holds the waits of periods 103..=199 whole (55 ms each)
+        // and the last 35 ms of period 102's (10.23..10.285 s), which began before it.
+        assert_eq!(s.wall_ns, 9_750 * MS);
+        assert_eq!(l.stats.gil_waits, 97);
+        let waited = (97 * 55 + 35) * MS;
+        assert!(
+            approx(l.stats.gil_wait, waited as f64 / wall),
+            "{}",
+            l.stats.gil_wait
+        );
+        assert_eq!(l.blame.len(), 1);
+        let b = &l.blame[0];
+        assert_eq!((b.holder_tid, b.holder.as_str()), (3, "aux-writer"));
+        assert_eq!(
+            (b.function.as_str(), b.file.as_str()),
+            ("_evict_to_fit", "aux.py")
+        );
+        assert_eq!((b.wait_ns, b.waits), (waited, 97));
+        assert!(approx(b.share, 1.0));
+        // Functions: self and total of the launcher's single stack.
+        assert_eq!(l.top_self.len(), 1);
+        assert_eq!(l.top_self[0].function, "execute_model");
+        assert!(approx(l.top_self[0].self_share, 1.0));
+        let total: Vec<&str> = l.top_total.iter().map(|f| f.function.as_str()).collect();
+        assert_eq!(total, ["execute_model", "loop"]);
+        // A wait cut by the window's start: from 10.2 s, 55 ms long, 5 ms after 10.25 s.
+        let mut b2 = Rec::new().thread(1, 2, "w");
+        b2.gil_wait(1, 2, 10_200 * MS, 55 * MS, 0, 0);
+        let s2 = snap_at(&b2.0, 20 * S);
+        let t2 = s2.thread((1, 2)).unwrap();
+        assert!(approx(
+            t2.stats.gil_wait,
+            (5 * MS) as f64 / (9_750 * MS) as f64
+        ));
+        assert_eq!(t2.stats.gil_waits, 0, "it began before the window");
+        assert_eq!(t2.blame[0].function, GIL_FREE);
+    }
+
+    #[test]
+    fn gc_pauses_by_generation() {
+        let full = busy_recording();
+        let s = snap_at(&full, 20 * S);
+        let p = s.process(1).unwrap();
+        // Pauses at periods i % 7 == 0 from 103 (10.3 s) to 196: 105 112 119 … 196 = 14.
+        let gens: Vec<(i8, u64)> = p.gc.iter().map(|g| (g.generation, g.pauses)).collect();
+        // i % 3 of 105,112,…,196: generations 0,1,2 cycle.
+        let count = |g: i8| {
+            (103..200u64)
+                .filter(|i| i % 7 == 0 && (i % 3) as i8 == g)
+                .count() as u64
+        };
+        assert_eq!(gens, vec![(0, count(0)), (1, count(1)), (2, count(2))]);
+        assert!(p
+            .gc
+            .iter()
+            .all(|g| g.max_ns == 3 * MS && g.total_ns == g.pauses * 3 * MS));
+        let aux = s.thread((1, 3)).unwrap();
+        assert_eq!(aux.stats.gc_pauses, 14);
+        assert!(approx(
+            aux.stats.gc,
+            (14 * 3 * MS) as f64 / s.wall_ns as f64
+        ));
+    }
+
+    #[test]
+    fn an_interval_counts_once_now_has_passed_its_end() {
+        let mut b = Rec::new().thread(1, 2, "t");
+        b.offcpu(1, 2, 500 * MS, S);
+        let mut w = window();
+        w.update(&b.0, S);
+        let s = snapshot(&w, &b.0, &Topology::default());
+        assert_eq!(s.thread((1, 2)).unwrap().stats.offcpu, 0.0);
+        w.update(&b.0, 2 * S);
+        let s = snapshot(&w, &b.0, &Topology::default());
+        assert!(approx(s.thread((1, 2)).unwrap().stats.offcpu, 0.5));
+    }
+
+    #[test]
+    fn function_latency_percentiles() {
+        let mut b = Rec::new().thread(1, 2, "caller");
+        let p = b.probe(1, "x.py:step", "step", "sampled");
+        // 100 calls of 1..=100 ms, all ending inside the window (0.25..10 s).
+        for i in 1..=100u64 {
+            b.call(p, 1, 2, 300 * MS + i * 50 * MS, i * MS);
+        }
+        let s = snap_at(&b.0, 10 * S);
+        assert_eq!(s.latency.len(), 1);
+        let l = &s.latency[0];
+        assert_eq!(
+            (l.function.as_str(), l.method.as_str()),
+            ("step", "sampled")
+        );
+        assert_eq!((l.thread.as_str(), l.calls), ("caller", 100));
+        assert_eq!(
+            (l.p50_ns, l.p90_ns, l.p99_ns, l.max_ns),
+            (50 * MS, 90 * MS, 99 * MS, 100 * MS)
+        );
+        assert!(approx(l.calls_per_s, 100.0 / 9.75));
+    }
+
+    #[test]
+    fn processes_group_by_engine_with_metrics() {
+        let mut b = Rec::new()
+            .process(100, "python3 -m vllm.entrypoints.openai.api_server", "")
+            .process(200, "python3", "")
+            .process(300, "python3 other.py", "")
+            .thread(100, 100, "MainThread")
+            .thread(200, 200, "MainThread")
+            .thread(300, 300, "MainThread");
+        b.0.engines.push(EngineInfo {
+            id: "engine0".into(),
+            api_server_pid: 100,
+            engine_core_pids: vec![200],
+            metrics_url: "http://127.0.0.1:8000/metrics".into(),
+            ..EngineInfo::default()
+        });
+        let series = [
+            ("vllm:generation_tokens_total", "counter"),
+            ("vllm:kv_cache_usage_perc", "gauge"),
+            ("vllm:num_requests_running", "gauge"),
+            ("vllm:num_requests_waiting", "gauge"),
+        ];
+        for (i, (name, kind)) in series.iter().enumerate() {
+            b.0.series.push(MetricSeries {
+                id: i as u32,
+                engine: "engine0".into(),
+                name: name.to_string(),
+                kind: kind.to_string(),
+                ..MetricSeries::default()
+            });
+        }
+        for k in 0..=10u64 {
+            let t = k * S;
+            for (series, value) in [
+                (0, 1000.0 + 250.0 * k as f64),
+                (1, k as f64 / 20.0),
+                (2, 3.0),
+                (3, k as f64),
+            ] {
+                b.0.metrics.push(MetricPoint {
+                    t_ns: t,
+                    series,
+                    value,
+                });
+            }
+        }
+        let s = snap_at(&b.0, 10 * S);
+        assert_eq!(s.groups.len(), 2);
+        let g = &s.groups[0];
+        assert_eq!(g.engine.as_deref(), Some("engine0"));
+        assert_eq!(g.label, "engine0: API server 100, EngineCore 200");
+        let names: Vec<(i32, &str)> = g
+            .processes
+            .iter()
+            .map(|p| (p.pid, p.name.as_str()))
+            .collect();
+        assert_eq!(names, [(100, "APIServer"), (200, "EngineCore")]);
+        assert_eq!(s.groups[1].label, "other processes");
+        assert_eq!(s.groups[1].processes[0].name, "python3");
+        let e = &s.engines[0];
+        assert_eq!(e.engine, "engine0");
+        assert_eq!(e.gen_tokens_per_s.now, Some(250.0));
+        assert_eq!(e.gen_tokens_per_s.history, vec![250.0; 10]);
+        assert_eq!(e.kv_cache.now, Some(0.5));
+        assert_eq!(e.running.now, Some(3.0));
+        assert_eq!(e.waiting.now, Some(10.0));
+        assert_eq!(e.metrics_url, "http://127.0.0.1:8000/metrics");
+        // A topology from discovery names a process the recording does not.
+        let mut w = window();
+        w.update(&b.0, 10 * S);
+        let topo = Topology {
+            roles: [(300, "Worker".to_string())].into_iter().collect(),
+            engines: vec![],
+        };
+        let s = snapshot(&w, &b.0, &topo);
+        assert_eq!(s.process(300).unwrap().name, "Worker");
+    }
+}

@@ -1,0 +1,101 @@
+//! Plain text for when stdout is not a terminal (a pipe, a log file): every 2 s, one line per
+//! process, per active thread and per engine.
+
+use super::model::{EngineMetrics, Snapshot, ThreadRow};
+use super::render::pct;
+
+/// `1 thread`, `3 threads`.
+fn threads(n: usize) -> String {
+    format!("{n} thread{}", if n == 1 { "" } else { "s" })
+}
+
+fn fmt_opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    v.map(f).unwrap_or_else(|| "-".into())
+}
+
+fn engine_line(e: &EngineMetrics) -> String {
+    let mut s = format!(
+        "engine {}: generation {} tokens/s, KV cache {}, running {}, waiting {}",
+        e.engine,
+        fmt_opt(e.gen_tokens_per_s.now, |v| format!("{v:.1}")),
+        fmt_opt(e.kv_cache.now, pct),
+        fmt_opt(e.running.now, |v| format!("{v:.0}")),
+        fmt_opt(e.waiting.now, |v| format!("{v:.0}")),
+    );
+    if let Some(err) = &e.scrape_error {
+        s.push_str(&format!(" (last scrape failed: {err})"));
+    }
+    s
+}
+
+fn thread_line(t: &ThreadRow) -> String {
+    let s = &t.stats;
+    let mut line = format!(
+        "  {} (tid {}): CPU {}, GIL held {}, GIL wait {}, GC {}, off-CPU {}",
+        t.name,
+        t.tid,
+        pct(s.cpu),
+        pct(s.gil_held),
+        pct(s.gil_wait),
+        pct(s.gc),
+        pct(s.offcpu)
+    );
+    if let Some(f) = t.top_self.first() {
+        line.push_str(&format!(
+            ", top {} ({}) {}",
+            f.function,
+            crate::views::short_file(&f.file),
+            pct(f.self_share)
+        ));
+    }
+    line
+}
+
+/// The lines for one snapshot: a time line, then per process its totals and its threads
+/// (busiest first; threads with nothing in the window are counted, not listed), then engines.
+pub fn lines(snap: &Snapshot) -> Vec<String> {
+    let mut out = vec![format!(
+        "[t {:.1} s, window {:.1} s]{}",
+        snap.now_ns as f64 / 1e9,
+        snap.wall_ns as f64 / 1e9,
+        snap.ended
+            .as_ref()
+            .map(|r| format!(" recording ended: {r}"))
+            .unwrap_or_default()
+    )];
+    for g in &snap.groups {
+        if !g.label.is_empty() {
+            out.push(g.label.clone());
+        }
+        for p in &g.processes {
+            let s = &p.stats;
+            out.push(format!(
+                "{} (pid {}): {}, CPU {}, GIL held {}, GIL wait {}, GC {}",
+                p.name,
+                p.pid,
+                threads(p.threads.len()),
+                pct(s.cpu),
+                pct(s.gil_held),
+                pct(s.gil_wait),
+                pct(s.gc)
+            ));
+            let mut ts: Vec<&ThreadRow> = p.threads.iter().collect();
+            ts.sort_by(|a, b| b.stats.cpu.total_cmp(&a.stats.cpu).then(a.tid.cmp(&b.tid)));
+            let (active, quiet): (Vec<&ThreadRow>, Vec<&ThreadRow>) = ts
+                .into_iter()
+                .partition(|t| t.stats.samples > 0 || t.stats.gil_wait > 0.0 || t.stats.gc > 0.0);
+            out.extend(active.into_iter().map(thread_line));
+            if !quiet.is_empty() {
+                out.push(format!(
+                    "  {} with no samples in the window",
+                    threads(quiet.len())
+                ));
+            }
+        }
+    }
+    out.extend(snap.engines.iter().map(engine_line));
+    for (k, v) in &snap.problems {
+        out.push(format!("recorder counter {k} = {v}"));
+    }
+    out
+}

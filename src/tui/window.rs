@@ -1,0 +1,762 @@
+//! Sliding-window aggregates over a growing recording, maintained incrementally.
+//!
+//! The recording grows by about a thousand samples a second per busy thread, so nothing here
+//! rescans it: [`Window::update`] reads only the events appended since the last call (index
+//! cursors into the recording's vectors) and adds each one into fixed-width time buckets. The
+//! window's totals are kept as running sums: a bucket is added when its events arrive and
+//! subtracted when it leaves the window, so the work per update is proportional to the new
+//! events, and reading the totals costs nothing.
+//!
+//! The window is whole buckets: the one holding `now` and the `len_buckets - 1` before it, so
+//! it spans between `window - bucket` and `window` of time. Intervals (off-CPU, GIL waits, GC
+//! pauses) are split across the buckets they overlap and clipped to the window. An event that
+//! ends after `now` (live: the recorder wrote it within the display lag) waits in `pending`
+//! until `now` passes its end, so no bucket holds time that the window's wall clock has not
+//! reached yet.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::record::{
+    flags, FunctionCall, GcPause, GilWait, MetricPoint, OffCpu, Recording, Sample,
+};
+
+/// (pid, tid).
+pub type ThreadKey = (i32, i32);
+/// Index into [`FunctionTable`]: a function is (qualified name, file), lines merged.
+pub type FnId = u32;
+
+/// What the GIL holder was running when a wait began (see `views::gil::HolderFrame`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Holder {
+    /// No thread held it (`holder_tid` 0).
+    Free,
+    /// The waiter held it itself and was releasing it.
+    Releasing,
+    /// A holder with no Python frame.
+    Unknown,
+    /// The holder's innermost Python function.
+    Function(FnId),
+}
+
+/// Running sums that can be added and taken out again.
+pub trait Acc: Default + Copy {
+    fn add(&mut self, o: &Self);
+    fn sub(&mut self, o: &Self);
+    fn is_zero(&self) -> bool;
+}
+
+/// Per-thread time sums, ns.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ThreadAcc {
+    /// On-CPU sample weight.
+    pub cpu_ns: u64,
+    /// Of which outside the interpreter core (NATIVE flag).
+    pub native_ns: u64,
+    /// Of which with the GIL held (GIL flag).
+    pub gil_held_ns: u64,
+    pub samples: u64,
+    /// Off-CPU intervals (blocked or preempted).
+    pub off_ns: u64,
+    /// Exact GIL waits (not switch waits).
+    pub gil_wait_ns: u64,
+    /// GIL waits that began in the window.
+    pub gil_waits: u64,
+    /// Forced-switch handshakes (a dropping thread waiting for the taker).
+    pub switch_wait_ns: u64,
+    /// Collections this thread ran.
+    pub gc_ns: u64,
+    pub gc_pauses: u64,
+}
+
+impl Acc for ThreadAcc {
+    fn add(&mut self, o: &Self) {
+        self.cpu_ns += o.cpu_ns;
+        self.native_ns += o.native_ns;
+        self.gil_held_ns += o.gil_held_ns;
+        self.samples += o.samples;
+        self.off_ns += o.off_ns;
+        self.gil_wait_ns += o.gil_wait_ns;
+        self.gil_waits += o.gil_waits;
+        self.switch_wait_ns += o.switch_wait_ns;
+        self.gc_ns += o.gc_ns;
+        self.gc_pauses += o.gc_pauses;
+    }
+    fn sub(&mut self, o: &Self) {
+        self.cpu_ns -= o.cpu_ns;
+        self.native_ns -= o.native_ns;
+        self.gil_held_ns -= o.gil_held_ns;
+        self.samples -= o.samples;
+        self.off_ns -= o.off_ns;
+        self.gil_wait_ns -= o.gil_wait_ns;
+        self.gil_waits -= o.gil_waits;
+        self.switch_wait_ns -= o.switch_wait_ns;
+        self.gc_ns -= o.gc_ns;
+        self.gc_pauses -= o.gc_pauses;
+    }
+    fn is_zero(&self) -> bool {
+        *self == ThreadAcc::default()
+    }
+}
+
+/// A function's on-CPU time in one thread: innermost (self) and anywhere on the stack (total,
+/// once per sample even when recursive).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct FnAcc {
+    pub self_ns: u64,
+    pub total_ns: u64,
+}
+
+impl Acc for FnAcc {
+    fn add(&mut self, o: &Self) {
+        self.self_ns += o.self_ns;
+        self.total_ns += o.total_ns;
+    }
+    fn sub(&mut self, o: &Self) {
+        self.self_ns -= o.self_ns;
+        self.total_ns -= o.total_ns;
+    }
+    fn is_zero(&self) -> bool {
+        self.self_ns == 0 && self.total_ns == 0
+    }
+}
+
+/// Time and count (GIL waits by holder, calls, GC pauses).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TimeCount {
+    pub ns: u64,
+    pub count: u64,
+}
+
+impl Acc for TimeCount {
+    fn add(&mut self, o: &Self) {
+        self.ns += o.ns;
+        self.count += o.count;
+    }
+    fn sub(&mut self, o: &Self) {
+        self.ns -= o.ns;
+        self.count -= o.count;
+    }
+    fn is_zero(&self) -> bool {
+        self.ns == 0 && self.count == 0
+    }
+}
+
+/// Everything summed per bucket, and over the window.
+#[derive(Debug, Default, Clone)]
+pub struct Sums {
+    pub threads: HashMap<ThreadKey, ThreadAcc>,
+    pub functions: HashMap<(ThreadKey, FnId), FnAcc>,
+    /// (waiter, holder tid, holder function) -> wait.
+    pub blame: HashMap<(ThreadKey, i32, Holder), TimeCount>,
+    /// (pid, generation) -> pause time and count.
+    pub gc: HashMap<(i32, i8), TimeCount>,
+    /// (probe, caller thread) -> calls that ended in the window (`ns` unused).
+    pub calls: HashMap<(u32, ThreadKey), TimeCount>,
+}
+
+fn add_into<K: Copy + Eq + std::hash::Hash, V: Acc>(
+    m: &mut HashMap<K, V>,
+    total: &mut HashMap<K, V>,
+    k: K,
+    v: V,
+) {
+    m.entry(k).or_default().add(&v);
+    total.entry(k).or_default().add(&v);
+}
+
+fn sub_from<K: Copy + Eq + std::hash::Hash, V: Acc>(total: &mut HashMap<K, V>, m: &HashMap<K, V>) {
+    for (k, v) in m {
+        if let Some(t) = total.get_mut(k) {
+            t.sub(v);
+            if t.is_zero() {
+                total.remove(k);
+            }
+        }
+    }
+}
+
+impl Sums {
+    fn sub(&mut self, o: &Sums) {
+        sub_from(&mut self.threads, &o.threads);
+        sub_from(&mut self.functions, &o.functions);
+        sub_from(&mut self.blame, &o.blame);
+        sub_from(&mut self.gc, &o.gc);
+        sub_from(&mut self.calls, &o.calls);
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct Bucket {
+    index: u64,
+    /// `functions` stays empty here: a bucket keeps its on-CPU time by (thread, stack), one
+    /// map update per sample, and the window's per-function totals follow from those.
+    sums: Sums,
+    stacks: HashMap<(ThreadKey, u32), u64>,
+    /// Longest GC pause that began here, per (pid, generation): a maximum cannot be taken
+    /// out of a running total, so the window's is taken over its buckets.
+    gc_max: HashMap<(i32, i8), u64>,
+}
+
+/// A stack's innermost function and the distinct functions on it.
+type StackFns = (Option<FnId>, Box<[FnId]>);
+
+/// Functions of the recording's frames and stacks, interned once: frames and stacks are only
+/// ever appended, so each is looked at once.
+#[derive(Debug, Default, Clone)]
+pub struct FunctionTable {
+    ids: HashMap<(String, String), FnId>,
+    /// (qualified name, file) per id.
+    pub names: Vec<(String, String)>,
+    frame_fn: Vec<FnId>,
+    /// Per stack: innermost function and the distinct functions on it (computed on first use).
+    stacks: Vec<Option<StackFns>>,
+}
+
+impl FunctionTable {
+    fn sync(&mut self, rec: &Recording) {
+        if rec.frames.len() < self.frame_fn.len() || rec.stacks.len() < self.stacks.len() {
+            // A different recording: start over.
+            *self = FunctionTable::default();
+        }
+        for f in &rec.frames[self.frame_fn.len()..] {
+            let k = (f.function.clone(), f.file.clone());
+            let next = self.names.len() as FnId;
+            let id = *self.ids.entry(k).or_insert_with_key(|k| {
+                self.names.push(k.clone());
+                next
+            });
+            self.frame_fn.push(id);
+        }
+        self.stacks.resize(rec.stacks.len(), None);
+    }
+
+    fn stack(&mut self, rec: &Recording, stack: u32) -> (Option<FnId>, &[FnId]) {
+        let Some(slot) = self.stacks.get_mut(stack as usize) else {
+            return (None, &[]);
+        };
+        let frame_fn = &self.frame_fn;
+        let entry = slot.get_or_insert_with(|| {
+            let ids: Vec<FnId> = rec
+                .stacks
+                .get(stack as usize)
+                .into_iter()
+                .flatten()
+                .filter_map(|&f| frame_fn.get(f as usize).copied())
+                .collect();
+            let mut distinct = ids.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            (ids.first().copied(), distinct.into_boxed_slice())
+        });
+        (entry.0, &entry.1)
+    }
+
+    /// Innermost function of a stack.
+    pub fn innermost(&self, rec: &Recording, stack: u32) -> Option<FnId> {
+        rec.stacks
+            .get(stack as usize)?
+            .first()
+            .and_then(|&f| self.frame_fn.get(f as usize).copied())
+    }
+
+    pub fn name(&self, f: FnId) -> (&str, &str) {
+        self.names
+            .get(f as usize)
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .unwrap_or(("", ""))
+    }
+}
+
+/// How far the window has read each of the recording's event vectors.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Cursors {
+    pub samples: usize,
+    pub offcpu: usize,
+    pub gil_waits: usize,
+    pub gc_pauses: usize,
+    pub calls: usize,
+    pub metrics: usize,
+}
+
+/// An event that ends after `now`, kept until `now` reaches its end.
+#[derive(Debug, Clone, Copy)]
+enum Pending {
+    Sample(Sample),
+    OffCpu(OffCpu),
+    Gil(GilWait),
+    Gc(GcPause),
+    Call(FunctionCall),
+    Metric(MetricPoint),
+}
+
+impl Pending {
+    fn end_ns(&self) -> u64 {
+        match self {
+            Pending::Sample(s) => s.t_ns,
+            Pending::OffCpu(o) => o.start_ns.saturating_add(o.dur_ns),
+            Pending::Gil(g) => g.start_ns.saturating_add(g.dur_ns),
+            Pending::Gc(g) => g.start_ns.saturating_add(g.dur_ns),
+            Pending::Call(c) => c.start_ns.saturating_add(c.dur_ns),
+            Pending::Metric(m) => m.t_ns,
+        }
+    }
+}
+
+/// Most recent call durations kept per (probe, thread) for percentiles: a bound on memory and
+/// on the work per snapshot when a probed function is called very often.
+pub const MAX_CALLS_KEPT: usize = 100_000;
+
+/// The sliding window and its running sums.
+#[derive(Debug, Clone)]
+pub struct Window {
+    pub bucket_ns: u64,
+    pub len_buckets: u64,
+    now_ns: u64,
+    /// Contiguous bucket indices, the oldest first; the last holds `now`.
+    buckets: VecDeque<Bucket>,
+    pub totals: Sums,
+    pub fns: FunctionTable,
+    /// Per (probe, thread): (end, duration) of the calls in the window, oldest first.
+    pub call_durations: HashMap<(u32, ThreadKey), VecDeque<(u64, u64)>>,
+    /// Per series: (time, value) over the last `metric_span_ns`.
+    pub metric_points: HashMap<u32, VecDeque<(u64, f64)>>,
+    pub metric_span_ns: u64,
+    /// Last event time per thread (any kind).
+    pub last_seen: HashMap<ThreadKey, u64>,
+    pub cursors: Cursors,
+    pending: Vec<Pending>,
+    /// On-CPU time per (thread, stack) that entered (+) or left (-) the window since the
+    /// per-function totals were last brought up to date: a stack seen a thousand times in a
+    /// tick is expanded into its functions once.
+    stack_delta: HashMap<(ThreadKey, u32), i64>,
+}
+
+impl Window {
+    /// A window of `window_ns`, in `buckets` buckets. Metric points are kept for
+    /// `metric_span_ns` (at least the window) for sparklines.
+    pub fn new(window_ns: u64, buckets: u64, metric_span_ns: u64) -> Self {
+        let buckets = buckets.max(1);
+        let bucket_ns = window_ns.div_ceil(buckets).max(1);
+        Window {
+            bucket_ns,
+            len_buckets: buckets,
+            now_ns: 0,
+            buckets: VecDeque::new(),
+            totals: Sums::default(),
+            fns: FunctionTable::default(),
+            call_durations: HashMap::new(),
+            metric_points: HashMap::new(),
+            metric_span_ns: metric_span_ns.max(bucket_ns * buckets),
+            last_seen: HashMap::new(),
+            cursors: Cursors::default(),
+            pending: Vec::new(),
+            stack_delta: HashMap::new(),
+        }
+    }
+
+    /// Everything forgotten, as for a new recording (replay seeking backwards). The function
+    /// table is kept: it depends only on the recording's frame table.
+    pub fn reset(&mut self) {
+        let fns = std::mem::take(&mut self.fns);
+        *self = Window::new(
+            self.bucket_ns * self.len_buckets,
+            self.len_buckets,
+            self.metric_span_ns,
+        );
+        self.fns = fns;
+    }
+
+    pub fn now_ns(&self) -> u64 {
+        self.now_ns
+    }
+
+    fn first_bucket(&self) -> u64 {
+        (self.now_ns / self.bucket_ns + 1).saturating_sub(self.len_buckets)
+    }
+
+    /// Start of the window, ns since the recording's start.
+    pub fn start_ns(&self) -> u64 {
+        self.first_bucket() * self.bucket_ns
+    }
+
+    /// Wall time the window covers: `now - start`.
+    pub fn wall_ns(&self) -> u64 {
+        self.now_ns - self.start_ns()
+    }
+
+    /// Bucket indices and their time in the window, oldest first, for per-bucket histories.
+    pub fn bucket_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.buckets.iter().map(move |b| {
+            let start = (b.index * self.bucket_ns).max(self.start_ns());
+            let end = ((b.index + 1) * self.bucket_ns).min(self.now_ns);
+            (b.index, end.saturating_sub(start))
+        })
+    }
+
+    /// A thread's on-CPU time per bucket, oldest first.
+    pub fn thread_cpu_history(&self, key: ThreadKey) -> Vec<u64> {
+        self.buckets
+            .iter()
+            .map(|b| b.sums.threads.get(&key).map_or(0, |t| t.cpu_ns))
+            .collect()
+    }
+
+    /// The longest GC pause per (pid, generation) that began in the window.
+    pub fn gc_max(&self) -> HashMap<(i32, i8), u64> {
+        let mut m: HashMap<(i32, i8), u64> = HashMap::new();
+        for b in &self.buckets {
+            for (&k, &v) in &b.gc_max {
+                let e = m.entry(k).or_default();
+                *e = (*e).max(v);
+            }
+        }
+        m
+    }
+
+    /// Move `now` forward (never back) and drop what left the window.
+    fn advance(&mut self, now_ns: u64) {
+        self.now_ns = self.now_ns.max(now_ns);
+        let first = self.first_bucket();
+        while self.buckets.front().is_some_and(|b| b.index < first) {
+            if let Some(b) = self.buckets.pop_front() {
+                self.totals.sub(&b.sums);
+                for (k, w) in b.stacks {
+                    *self.stack_delta.entry(k).or_default() -= w as i64;
+                }
+            }
+        }
+        let cur = self.now_ns / self.bucket_ns;
+        let mut next = self
+            .buckets
+            .back()
+            .map_or(first, |b| b.index + 1)
+            .max(first);
+        while next <= cur {
+            self.buckets.push_back(Bucket {
+                index: next,
+                ..Bucket::default()
+            });
+            next += 1;
+        }
+        let start = self.start_ns();
+        for q in self.call_durations.values_mut() {
+            while q.front().is_some_and(|&(end, _)| end < start) {
+                q.pop_front();
+            }
+        }
+        self.call_durations.retain(|_, q| !q.is_empty());
+        let mstart = self.now_ns.saturating_sub(self.metric_span_ns);
+        for q in self.metric_points.values_mut() {
+            // Keep one point before the span: a rate over the span needs its left edge.
+            while q.len() > 1 && q.get(1).is_some_and(|&(t, _)| t < mstart) {
+                q.pop_front();
+            }
+        }
+    }
+
+    /// Position in `buckets` of bucket `index`, if it is in the window.
+    fn bucket_pos(&self, index: u64) -> Option<usize> {
+        let first = self.buckets.front()?.index;
+        let i = usize::try_from(index.checked_sub(first)?).ok()?;
+        (i < self.buckets.len()).then_some(i)
+    }
+
+    fn bucket_mut(&mut self, index: u64) -> Option<&mut Bucket> {
+        let i = self.bucket_pos(index)?;
+        self.buckets.get_mut(i)
+    }
+
+    /// Split `[start, start + dur)` over the window's buckets: (bucket index, ns in it), the
+    /// first piece first. An interval that began in the window always has a first piece (of
+    /// 0 ns when it is empty), so that it is counted.
+    fn split(&self, start: u64, dur: u64) -> Vec<(u64, u64)> {
+        let lo = start.max(self.start_ns());
+        let hi = start.saturating_add(dur).min(self.now_ns);
+        let mut out = Vec::new();
+        let mut t = lo;
+        while t < hi {
+            let b = t / self.bucket_ns;
+            let end = ((b + 1) * self.bucket_ns).min(hi);
+            out.push((b, end - t));
+            t = end;
+        }
+        if out.is_empty() && start >= self.start_ns() && start <= self.now_ns {
+            out.push((start / self.bucket_ns, 0));
+        }
+        out
+    }
+
+    /// Add a value to bucket `index` and to the totals; nothing when the bucket left the window.
+    fn add<F>(&mut self, index: u64, f: F)
+    where
+        F: Fn(&mut Sums),
+    {
+        let Some(b) = self.bucket_mut(index) else {
+            return;
+        };
+        f(&mut b.sums);
+        f(&mut self.totals);
+    }
+
+    fn seen(&mut self, key: ThreadKey, t: u64) {
+        let e = self.last_seen.entry(key).or_default();
+        *e = (*e).max(t);
+    }
+
+    fn ingest_sample(&mut self, s: &Sample) {
+        let key = (s.pid, s.tid);
+        self.seen(key, s.t_ns);
+        let Some(pos) = self.bucket_pos(s.t_ns / self.bucket_ns) else {
+            return;
+        };
+        let w = u64::from(s.weight_ns);
+        let acc = ThreadAcc {
+            cpu_ns: w,
+            native_ns: if s.flags & flags::NATIVE != 0 { w } else { 0 },
+            gil_held_ns: if s.flags & flags::GIL != 0 { w } else { 0 },
+            samples: 1,
+            ..ThreadAcc::default()
+        };
+        let b = &mut self.buckets[pos];
+        add_into(&mut b.sums.threads, &mut self.totals.threads, key, acc);
+        *b.stacks.entry((key, s.stack)).or_default() += w;
+        *self.stack_delta.entry((key, s.stack)).or_default() += w as i64;
+    }
+
+    /// Bring the per-function totals up to date with the stacks that entered or left the
+    /// window.
+    fn apply_stack_deltas(&mut self, rec: &Recording) {
+        for ((key, stack), d) in std::mem::take(&mut self.stack_delta) {
+            if d == 0 {
+                continue;
+            }
+            let (inner, distinct) = self.fns.stack(rec, stack);
+            let w = d.unsigned_abs();
+            let mut apply = |f: FnId, acc: FnAcc| {
+                let e = self.totals.functions.entry((key, f)).or_default();
+                if d > 0 {
+                    e.add(&acc);
+                } else {
+                    e.sub(&acc);
+                    if e.is_zero() {
+                        self.totals.functions.remove(&(key, f));
+                    }
+                }
+            };
+            if let Some(f) = inner {
+                apply(
+                    f,
+                    FnAcc {
+                        self_ns: w,
+                        total_ns: 0,
+                    },
+                );
+            }
+            for &f in distinct {
+                apply(
+                    f,
+                    FnAcc {
+                        self_ns: 0,
+                        total_ns: w,
+                    },
+                );
+            }
+        }
+    }
+
+    fn ingest_offcpu(&mut self, o: &OffCpu) {
+        let key = (o.pid, o.tid);
+        self.seen(key, o.start_ns.saturating_add(o.dur_ns));
+        for (b, ns) in self.split(o.start_ns, o.dur_ns) {
+            let acc = ThreadAcc {
+                off_ns: ns,
+                ..ThreadAcc::default()
+            };
+            self.add(b, |s| s.threads.entry(key).or_default().add(&acc));
+        }
+    }
+
+    fn ingest_gil(&mut self, rec: &Recording, g: &GilWait) {
+        let key = (g.pid, g.tid);
+        self.seen(key, g.start_ns.saturating_add(g.dur_ns));
+        let holder = if g.holder_tid == 0 {
+            Holder::Free
+        } else if g.holder_tid == g.tid {
+            Holder::Releasing
+        } else {
+            match self.fns.innermost(rec, g.holder_stack) {
+                Some(f) => Holder::Function(f),
+                None => Holder::Unknown,
+            }
+        };
+        let first = self.start_ns() <= g.start_ns;
+        for (i, (b, ns)) in self.split(g.start_ns, g.dur_ns).into_iter().enumerate() {
+            // A wait is counted once, in its first bucket, and only when it began in the window.
+            let count = u64::from(i == 0 && first);
+            if g.switch_wait {
+                let acc = ThreadAcc {
+                    switch_wait_ns: ns,
+                    ..ThreadAcc::default()
+                };
+                self.add(b, |s| s.threads.entry(key).or_default().add(&acc));
+                continue;
+            }
+            let acc = ThreadAcc {
+                gil_wait_ns: ns,
+                gil_waits: count,
+                ..ThreadAcc::default()
+            };
+            let tc = TimeCount { ns, count };
+            self.add(b, |s| {
+                s.threads.entry(key).or_default().add(&acc);
+                s.blame
+                    .entry((key, g.holder_tid, holder))
+                    .or_default()
+                    .add(&tc);
+            });
+        }
+    }
+
+    fn ingest_gc(&mut self, g: &GcPause) {
+        let key = (g.pid, g.tid);
+        self.seen(key, g.start_ns.saturating_add(g.dur_ns));
+        let first = self.start_ns() <= g.start_ns;
+        for (i, (b, ns)) in self.split(g.start_ns, g.dur_ns).into_iter().enumerate() {
+            let count = u64::from(i == 0 && first);
+            let acc = ThreadAcc {
+                gc_ns: ns,
+                gc_pauses: count,
+                ..ThreadAcc::default()
+            };
+            let tc = TimeCount { ns, count };
+            self.add(b, |s| {
+                s.threads.entry(key).or_default().add(&acc);
+                s.gc.entry((g.pid, g.generation)).or_default().add(&tc);
+            });
+        }
+        if first {
+            if let Some(b) = self.bucket_mut(g.start_ns / self.bucket_ns) {
+                let m = b.gc_max.entry((g.pid, g.generation)).or_default();
+                *m = (*m).max(g.dur_ns);
+            }
+        }
+    }
+
+    fn ingest_call(&mut self, c: &FunctionCall) {
+        let end = c.start_ns.saturating_add(c.dur_ns);
+        if end < self.start_ns() {
+            return;
+        }
+        let key = (c.probe, (c.pid, c.tid));
+        self.add(end / self.bucket_ns, |s| {
+            s.calls.entry(key).or_default().add(&TimeCount {
+                ns: c.dur_ns,
+                count: 1,
+            })
+        });
+        let q = self.call_durations.entry(key).or_default();
+        q.push_back((end, c.dur_ns));
+        if q.len() > MAX_CALLS_KEPT {
+            q.pop_front();
+        }
+    }
+
+    fn ingest_metric(&mut self, m: &MetricPoint) {
+        if m.t_ns + self.metric_span_ns < self.now_ns {
+            return;
+        }
+        let q = self.metric_points.entry(m.series).or_default();
+        // Points of one series come in time order; one out of order is placed where it belongs.
+        let at = q.partition_point(|&(t, _)| t <= m.t_ns);
+        q.insert(at, (m.t_ns, m.value));
+    }
+
+    fn ingest(&mut self, rec: &Recording, e: Pending) {
+        match e {
+            Pending::Sample(s) => self.ingest_sample(&s),
+            Pending::OffCpu(o) => self.ingest_offcpu(&o),
+            Pending::Gil(g) => self.ingest_gil(rec, &g),
+            Pending::Gc(g) => self.ingest_gc(&g),
+            Pending::Call(c) => self.ingest_call(&c),
+            Pending::Metric(m) => self.ingest_metric(&m),
+        }
+    }
+
+    fn offer(&mut self, rec: &Recording, e: Pending) {
+        if e.end_ns() <= self.now_ns {
+            self.ingest(rec, e);
+        } else {
+            self.pending.push(e);
+        }
+    }
+
+    /// Move the window to `now_ns` and take in every event appended to `rec` since the last
+    /// call. Events that end after `now` are held back until it reaches them.
+    pub fn update(&mut self, rec: &Recording, now_ns: u64) {
+        self.advance(now_ns);
+        self.fns.sync(rec);
+        for e in std::mem::take(&mut self.pending) {
+            self.offer(rec, e);
+        }
+        let c = self.cursors;
+        for s in rec.samples.get(c.samples..).unwrap_or(&[]) {
+            self.offer(rec, Pending::Sample(*s));
+        }
+        for o in rec.offcpu.get(c.offcpu..).unwrap_or(&[]) {
+            self.offer(rec, Pending::OffCpu(*o));
+        }
+        for g in rec.gil_waits.get(c.gil_waits..).unwrap_or(&[]) {
+            self.offer(rec, Pending::Gil(*g));
+        }
+        for g in rec.gc_pauses.get(c.gc_pauses..).unwrap_or(&[]) {
+            self.offer(rec, Pending::Gc(*g));
+        }
+        for x in rec.calls.get(c.calls..).unwrap_or(&[]) {
+            self.offer(rec, Pending::Call(*x));
+        }
+        for m in rec.metrics.get(c.metrics..).unwrap_or(&[]) {
+            self.offer(rec, Pending::Metric(*m));
+        }
+        self.apply_stack_deltas(rec);
+        self.cursors = Cursors {
+            samples: rec.samples.len(),
+            offcpu: rec.offcpu.len(),
+            gil_waits: rec.gil_waits.len(),
+            gc_pauses: rec.gc_pauses.len(),
+            calls: rec.calls.len(),
+            metrics: rec.metrics.len(),
+        };
+    }
+
+    /// Drop events that ended before `now - keep_ns` from the front of the recording's event
+    /// vectors (the window has read them; views of the last seconds do not need them), so a
+    /// long live session keeps bounded memory. Only a read prefix is dropped.
+    pub fn trim(&mut self, rec: &mut Recording, keep_ns: u64) {
+        let cutoff = self.now_ns.saturating_sub(keep_ns.max(self.metric_span_ns));
+        fn drop_prefix<T>(v: &mut Vec<T>, cursor: &mut usize, old: impl Fn(&T) -> bool) {
+            let n = v[..(*cursor).min(v.len())]
+                .iter()
+                .position(|e| !old(e))
+                .unwrap_or((*cursor).min(v.len()));
+            if n > 0 {
+                v.drain(..n);
+                *cursor -= n;
+            }
+        }
+        let c = &mut self.cursors;
+        drop_prefix(&mut rec.samples, &mut c.samples, |s| s.t_ns < cutoff);
+        drop_prefix(&mut rec.offcpu, &mut c.offcpu, |o| {
+            o.start_ns.saturating_add(o.dur_ns) < cutoff
+        });
+        drop_prefix(&mut rec.gil_waits, &mut c.gil_waits, |g| {
+            g.start_ns.saturating_add(g.dur_ns) < cutoff
+        });
+        drop_prefix(&mut rec.gc_pauses, &mut c.gc_pauses, |g| {
+            g.start_ns.saturating_add(g.dur_ns) < cutoff
+        });
+        drop_prefix(&mut rec.calls, &mut c.calls, |x| {
+            x.start_ns.saturating_add(x.dur_ns) < cutoff
+        });
+        drop_prefix(&mut rec.metrics, &mut c.metrics, |m| m.t_ns < cutoff);
+    }
+}

