@@ -335,6 +335,7 @@ impl Pipeline {
             if let Some(stack) = tl.initial_stack {
                 tl.initial_stack = Some(carry.carry(&mut self.writer, stack)?);
             }
+            tl.last_stack = carry.carry(&mut self.writer, tl.last_stack)?;
         }
         for w in self.gil_waits.values_mut() {
             w.start_ns = 0;
@@ -1597,12 +1598,18 @@ mod tests {
                 ..Default::default()
             })
             .unwrap();
+        // Stacks the new segment will not carry, so that carried ids differ from the old ones.
+        for f in ["x1", "x2"] {
+            pipe.writer.intern_stack(&[frame(f)]).unwrap();
+        }
         let blocked = pipe
             .writer
             .intern_stack(&[frame("wait"), frame("main")])
             .unwrap();
         let holder = pipe.writer.intern_stack(&[frame("hold")]).unwrap();
         let ms = 1_000_000;
+        let running = pipe.writer.intern_stack(&[frame("spin")]).unwrap();
+        pipe.sample(me, tid, t0 + 50 * ms, running, 0).unwrap();
         pipe.switch_out(me, tid, t0 + 100 * ms, blocked, false);
         pipe.switch_out(dead.0, dead.1, t0 + 150 * ms, blocked, false);
         pipe.gil_wait_start(me, tid, t0 + 200 * ms, 1, holder, false);
@@ -1617,6 +1624,13 @@ mod tests {
         let second = pipe.rotation.as_ref().unwrap().path.clone();
         assert_ne!(second, first);
 
+        // The thread's last known stack (for preempted switch-outs recorded without a walk)
+        // names the same frames in the new segment.
+        pipe.switch_in(me, tid, rot + 5 * ms).unwrap();
+        let last = pipe.last_stack(me, tid);
+        pipe.switch_out(me, tid, rot + 10 * ms, last, true);
+        pipe.switch_in(me, tid, rot + 20 * ms).unwrap();
+        pipe.switch_out(me, tid, rot + 20 * ms, last, false);
         let end = rot + 50 * ms;
         let stats1 = abi::GcStats {
             collections: [1, 1, 0],
@@ -1650,13 +1664,28 @@ mod tests {
         let r2 = crate::record::read_recording(&second).unwrap();
         assert_eq!(r2.meta.start_mono_ns, rot);
         assert!((r2.meta.start_unix_s - (1_700_000_000.0 + (rot - t0) as f64 / 1e9)).abs() < 1e-6);
-        assert_eq!(r2.offcpu.len(), 1);
-        assert_eq!((r2.offcpu[0].start_ns, r2.offcpu[0].dur_ns), (0, 50 * ms));
-        let names: Vec<&str> = r2
-            .stack_frames(r2.offcpu[0].stack)
-            .map(|f| f.function.as_str())
-            .collect();
-        assert_eq!(names, ["wait", "main"], "the blocked stack carried over");
+        assert_eq!(r2.offcpu.len(), 3, "{:?}", r2.offcpu);
+        assert_eq!((r2.offcpu[0].start_ns, r2.offcpu[0].dur_ns), (0, 5 * ms));
+        let names =
+            |s: u32| -> Vec<&str> { r2.stack_frames(s).map(|f| f.function.as_str()).collect() };
+        assert_eq!(
+            names(r2.offcpu[0].stack),
+            ["wait", "main"],
+            "the blocked stack carried over"
+        );
+        assert_eq!(
+            names(r2.offcpu[1].stack),
+            ["wait", "main"],
+            "last known stack carried"
+        );
+        assert_eq!(
+            (r2.offcpu[1].start_ns, r2.offcpu[1].dur_ns),
+            (10 * ms, 10 * ms)
+        );
+        assert_eq!(
+            (r2.offcpu[2].start_ns, r2.offcpu[2].dur_ns),
+            (20 * ms, 30 * ms)
+        );
         assert_eq!(r2.gil_waits.len(), 1);
         assert_eq!(
             (r2.gil_waits[0].start_ns, r2.gil_waits[0].dur_ns),
