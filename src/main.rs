@@ -236,6 +236,9 @@ struct AgentArgs {
     /// With --vllm: do not add the default probes.
     #[arg(long)]
     no_default_probes: bool,
+    /// With --vllm: only the engine whose API server (or offline `LLM` script) is PID.
+    #[arg(long, value_name = "PID", requires = "vllm")]
+    engine_pid: Option<i32>,
     /// Address for /metrics (port 0: any free port, printed).
     #[arg(long, default_value = "127.0.0.1:9464")]
     listen: String,
@@ -331,6 +334,7 @@ impl AgentArgs {
             metrics_url: self.metrics_url,
             scrape_interval: Duration::from_secs_f64(self.scrape_interval.max(0.01)),
             default_probes: !self.no_default_probes,
+            vllm_root_pid: self.engine_pid,
             ..enginescope::sampler::RecordOptions::new(self.pid, "unused.esrec".into())
         };
         Ok(enginescope::agent::AgentOptions {

@@ -955,8 +955,12 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let dir = tmp.path().join("segs");
     let disk_cap: u64 = 1_000_000;
     let max_threads = 8usize;
+    // Only this engine: other vLLM-like processes on the machine are not ours to count.
+    let engine_pid = fleet.pid.to_string();
     let mut agent = Agent::start(&[
         "--vllm",
+        "--engine-pid",
+        &engine_pid,
         "--backend",
         "bpf",
         "--listen",
