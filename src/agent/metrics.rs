@@ -479,6 +479,7 @@ pub struct Aggregator {
     other_probes: Touched<ProbeLabels>,
     gc_sets: Touched<GcLabels>,
     sample_sets: Touched<ProcessLabels>,
+    scrape_sets: Touched<EngineLabels>,
     seg: SegmentTables,
     /// Recorder counters as last seen in this recorder run (baseline for increments).
     last_counters: BTreeMap<String, u64>,
@@ -500,6 +501,7 @@ impl Aggregator {
             other_probes: Touched::default(),
             gc_sets: Touched::default(),
             sample_sets: Touched::default(),
+            scrape_sets: Touched::default(),
             seg: SegmentTables::default(),
             last_counters: BTreeMap::new(),
             tick: 0,
@@ -697,12 +699,11 @@ impl Aggregator {
             self.m.probe_duration.get_or_create(&l).observe(secs);
         }
         for e in std::mem::take(&mut r.scrape_errors) {
-            self.m
-                .scrape_errors
-                .get_or_create(&EngineLabels {
-                    engine: label(&e.engine),
-                })
-                .inc();
+            let l = EngineLabels {
+                engine: label(&e.engine),
+            };
+            self.scrape_sets.touch(&l, self.tick);
+            self.m.scrape_errors.get_or_create(&l).inc();
         }
         // Engine metric points are in the segment for `report`; Prometheus scrapes the engine
         // itself, so they are not re-exported.
@@ -811,6 +812,9 @@ impl Aggregator {
         }
         for l in self.sample_sets.expire(self.tick, idle) {
             self.m.samples.remove(&l);
+        }
+        for l in self.scrape_sets.expire(self.tick, idle) {
+            self.m.scrape_errors.remove(&l);
         }
     }
 }

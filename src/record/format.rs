@@ -126,9 +126,16 @@ struct Carried {
     processes: std::collections::BTreeMap<i32, ProcessInfo>,
     threads: std::collections::BTreeMap<(i32, i32), ThreadInfo>,
     engines: std::collections::BTreeMap<String, EngineInfo>,
-    /// Dense ids: every series and probe ever written (points and calls name them by id).
+    /// Metric series of the engines still present, under the ids the caller gives them
+    /// (the scraper's); `series_ids` maps those to this file's dense ids, so that series of
+    /// engines gone are dropped at a rotation and engines coming and going for hours keep
+    /// the tables bounded. Points of a series not in the map are dropped.
     series: Vec<MetricSeries>,
+    series_ids: HashMap<u32, u32>,
+    /// Probes of the processes still present, likewise under the caller's ids, with
+    /// `probe_ids` mapping them to this file's.
     probes: Vec<ProbeInfo>,
+    probe_ids: HashMap<u32, u32>,
 }
 
 /// The stack table of a finished segment, to carry the stacks that open intervals still refer
@@ -194,8 +201,9 @@ impl RecordingWriter {
     /// Finish this file with `end` and go on in a new file at `path` that reads on its own:
     /// header with `meta` (its own start), then the processes and threads for which `alive`
     /// holds (`alive(pid, None)` for a process, `alive(pid, Some(tid))` for a thread), the
-    /// engines with a live process (or none at all: a remote engine), and every metric series
-    /// and probe under the same ids, all at time 0. Frames and stacks start afresh; the
+    /// engines with a live process (or none at all: a remote engine), their metric series
+    /// (numbered afresh; points keep naming them by the caller's ids) and every probe under
+    /// the same id, all at time 0. Frames and stacks start afresh; the
     /// returned [`StackCarry`] maps stack ids still held by the caller into the new file.
     /// Only for writers made with [`Self::create_rotating`].
     pub fn rotate(
@@ -259,13 +267,26 @@ impl RecordingWriter {
                     },
                 )?;
             }
-            for s in &c.series {
-                self.json(tag::SERIES, s)?;
+            c.series.retain(|s| c.engines.contains_key(&s.engine));
+            c.series_ids.clear();
+            for (local, s) in c.series.iter().enumerate() {
+                c.series_ids.insert(s.id, local as u32);
+                self.json(
+                    tag::SERIES,
+                    &MetricSeries {
+                        id: local as u32,
+                        ..s.clone()
+                    },
+                )?;
             }
-            for p in &c.probes {
+            c.probes.retain(|p| c.processes.contains_key(&p.pid));
+            c.probe_ids.clear();
+            for (local, p) in c.probes.iter().enumerate() {
+                c.probe_ids.insert(p.id, local as u32);
                 self.json(
                     tag::PROBE,
                     &ProbeInfo {
+                        id: local as u32,
                         t_ns: 0,
                         ..p.clone()
                     },
@@ -423,15 +444,32 @@ impl RecordingWriter {
 
     pub fn series(&mut self, m: &MetricSeries) -> anyhow::Result<()> {
         if let Some(c) = &mut self.carried {
+            let local = c.series.len() as u32;
             c.series.push(m.clone());
+            c.series_ids.insert(m.id, local);
+            return self.json(
+                tag::SERIES,
+                &MetricSeries {
+                    id: local,
+                    ..m.clone()
+                },
+            );
         }
         self.json(tag::SERIES, m)
     }
 
     pub fn metric(&mut self, m: &MetricPoint) -> anyhow::Result<()> {
+        let series = match &self.carried {
+            Some(c) => match c.series_ids.get(&m.series) {
+                Some(&local) => local,
+                // A series of an engine gone (dropped at a rotation).
+                None => return Ok(()),
+            },
+            None => m.series,
+        };
         self.buf.clear();
         put_varint(&mut self.buf, m.t_ns);
-        put_varint(&mut self.buf, m.series as u64);
+        put_varint(&mut self.buf, series as u64);
         self.buf.extend_from_slice(&m.value.to_le_bytes());
         self.record(tag::METRIC)
     }
@@ -442,18 +480,35 @@ impl RecordingWriter {
 
     pub fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()> {
         if let Some(c) = &mut self.carried {
+            let local = c.probes.len() as u32;
             c.probes.push(p.clone());
+            c.probe_ids.insert(p.id, local);
+            return self.json(
+                tag::PROBE,
+                &ProbeInfo {
+                    id: local,
+                    ..p.clone()
+                },
+            );
         }
         self.json(tag::PROBE, p)
     }
 
     pub fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
+        let probe = match &self.carried {
+            Some(k) => match k.probe_ids.get(&c.probe) {
+                Some(&local) => local,
+                // A probe of a process gone (dropped at a rotation).
+                None => return Ok(()),
+            },
+            None => c.probe,
+        };
         self.buf.clear();
         put_varint(&mut self.buf, c.start_ns);
         put_varint(&mut self.buf, c.dur_ns);
         put_varint(&mut self.buf, zigzag(c.pid as i64));
         put_varint(&mut self.buf, zigzag(c.tid as i64));
-        put_varint(&mut self.buf, c.probe as u64);
+        put_varint(&mut self.buf, probe as u64);
         self.record(tag::CALL)
     }
 
@@ -971,21 +1026,32 @@ mod tests {
             })
             .unwrap();
         }
-        w.series(&MetricSeries {
-            id: 0,
-            engine: "e0".into(),
-            name: "vllm:x".into(),
+        // Series under the scraper's ids: engine e1 (process 8) will be gone at the rotation.
+        let ser = |id: u32, engine: &str, name: &str| MetricSeries {
+            id,
+            engine: engine.into(),
+            name: name.into(),
             ..Default::default()
-        })
-        .unwrap();
-        w.probe(&ProbeInfo {
-            id: 0,
-            pid: 7,
-            function: "f".into(),
-            t_ns: 3,
-            ..Default::default()
-        })
-        .unwrap();
+        };
+        w.series(&ser(0, "e1", "vllm:gone")).unwrap();
+        w.series(&ser(1, "e0", "vllm:x")).unwrap();
+        let point = |series: u32, value: f64| MetricPoint {
+            t_ns: 5,
+            series,
+            value,
+        };
+        w.metric(&point(1, 1.0)).unwrap();
+        // Probes under the sampler's ids; process 8's will be gone at the rotation.
+        for (id, pid) in [(0, 8), (1, 7)] {
+            w.probe(&ProbeInfo {
+                id,
+                pid,
+                function: format!("f{pid}"),
+                t_ns: 3,
+                ..Default::default()
+            })
+            .unwrap();
+        }
         let deep = w
             .intern_stack(&[frame("leaf", 1), frame("mid", 2), frame("main", 3)])
             .unwrap();
@@ -1031,14 +1097,21 @@ mod tests {
             weight_ns: 10,
         })
         .unwrap();
-        w.call(&FunctionCall {
-            probe: 0,
-            pid: 7,
-            tid: 70,
-            start_ns: 0,
-            dur_ns: 5,
-        })
-        .unwrap();
+        for probe in [1, 0] {
+            // Probe 0 (process 8's) is gone with its process: its call is dropped.
+            w.call(&FunctionCall {
+                probe,
+                pid: 7,
+                tid: 70,
+                start_ns: 0,
+                dur_ns: 5,
+            })
+            .unwrap();
+        }
+        w.metric(&point(1, 2.0)).unwrap();
+        w.metric(&point(0, 9.0)).unwrap(); // e1's: dropped with its engine
+        w.series(&ser(2, "e0", "vllm:y")).unwrap();
+        w.metric(&point(2, 3.0)).unwrap();
         w.finish(&EndInfo {
             duration_ns: 20,
             reason: "done".into(),
@@ -1058,9 +1131,29 @@ mod tests {
         assert_eq!(r2.threads[0].t_ns, 0);
         let ids: Vec<&str> = r2.engines.iter().map(|e| e.id.as_str()).collect();
         assert_eq!(ids, ["e0", "remote"]);
-        assert_eq!(r2.series.len(), 1);
+        // The first segment had both series under dense ids; the second only e0's,
+        // numbered afresh, with the points translated.
+        let names = |r: &Recording| -> Vec<(u32, String)> {
+            r.series.iter().map(|s| (s.id, s.name.clone())).collect()
+        };
+        assert_eq!(
+            names(&r1),
+            [(0, "vllm:gone".to_string()), (1, "vllm:x".to_string())]
+        );
+        assert_eq!(r1.metrics, vec![point(1, 1.0)]);
+        assert_eq!(
+            names(&r2),
+            [(0, "vllm:x".to_string()), (1, "vllm:y".to_string())]
+        );
+        assert_eq!(r2.metrics, vec![point(0, 2.0), point(1, 3.0)]);
+        assert_eq!(r1.probes.len(), 2);
         assert_eq!(r2.probes.len(), 1);
+        assert_eq!((r2.probes[0].id, r2.probes[0].function.as_str()), (0, "f7"));
         assert_eq!(r2.calls.len(), 1);
+        assert_eq!(
+            r2.calls[0].probe, 0,
+            "call translated to the segment's probe id"
+        );
         // Only the stack carried is in the new table, under a new id, with the same frames.
         assert_eq!(r2.stacks.len(), 2);
         let names: Vec<&str> = r2

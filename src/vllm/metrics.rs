@@ -173,6 +173,15 @@ struct SeriesTable {
 }
 
 impl SeriesTable {
+    /// Forget the series of engines no longer scraped (engines come and go for hours). Their
+    /// ids are not given out again, so an id still names one series.
+    fn retain_engines(&mut self, engines: &[EngineInfo]) {
+        let keep: std::collections::HashSet<&str> = engines.iter().map(|e| e.id.as_str()).collect();
+        self.ids.retain(|(e, _, _), _| keep.contains(e.as_str()));
+        self.per_engine.retain(|e, _| keep.contains(e.as_str()));
+        self.limit_reported.retain(|e| keep.contains(e.as_str()));
+    }
+
     /// Points (and new series) for one engine's scrape.
     fn ingest(&mut self, engine: &str, url: &str, exp: Exposition, t_ns: u64) -> Vec<ScrapeEvent> {
         let mut events = Vec::new();
@@ -332,6 +341,7 @@ fn scrape_loop(
             match ctl.try_recv() {
                 Ok(Control::Stop) | Err(mpsc::TryRecvError::Disconnected) => return,
                 Ok(Control::SetEngines(new)) => {
+                    table.retain_engines(&new);
                     engines = new;
                     break;
                 }
@@ -379,7 +389,10 @@ fn scrape_loop(
             }
             match ctl.recv_timeout(left) {
                 Ok(Control::Stop) | Err(RecvTimeoutError::Disconnected) => return,
-                Ok(Control::SetEngines(new)) => engines = new,
+                Ok(Control::SetEngines(new)) => {
+                    table.retain_engines(&new);
+                    engines = new;
+                }
                 Err(RecvTimeoutError::Timeout) => break,
             }
         }
@@ -504,6 +517,24 @@ mod tests {
         ));
         let ev = t.ingest("engine2", "u", prom_text::parse(&many, is_kept), 50);
         assert_eq!(ev.len(), 1, "the limit is reported once");
+
+        // Engines gone are forgotten (memory stays bounded as engines come and go); ids are
+        // not given out twice.
+        let keep = EngineInfo {
+            id: "engine1".into(),
+            ..Default::default()
+        };
+        t.retain_engines(std::slice::from_ref(&keep));
+        assert_eq!(t.ids.len(), 2);
+        assert_eq!(t.per_engine.len(), 1);
+        assert!(t.limit_reported.is_empty());
+        let ev = t.ingest("engine0", "u", exp(1.0), 60);
+        let first_new = 4 + MAX_SERIES_PER_ENGINE as u32;
+        assert!(
+            matches!(&ev[0], ScrapeEvent::Series(s) if s.id == first_new),
+            "{:?}",
+            ev[0]
+        );
     }
 
     #[test]
