@@ -6,10 +6,21 @@
 //! is a stall: every request waits. A stall is a run of the main thread's samples
 //! - in Python code that is not the loop's poll (a stack with a Python frame whose innermost
 //!   frame is not in `selectors.py`),
-//! - each within two sampling periods of the previous one, not counting time the thread was
-//!   preempted (runnable but switched out: the loop still is not serving),
-//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between them (a loop that
-//!   slept in epoll went idle),
+//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between two of them, other
+//!   than a GIL wait (a loop that slept in epoll went idle; one that waits for the GIL is
+//!   still inside a callback while another thread runs Python),
+//! - each close enough to the previous one, not counting time the thread was preempted
+//!   (runnable but switched out: the loop still is not serving) or waiting for the GIL: within
+//!   two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU intervals
+//!   for the thread (memory backend, `--no-offcpu`), where a gap is the only sign of a wait;
+//!   within [`EXACT_MAX_GAP_NS`] with them (BPF backend), where time between two samples that
+//!   the thread did not spend off CPU it spent on CPU, in the callback, so the limit only
+//!   guards against lost events. (On CPU without a sample is common: a thread that runs in
+//!   short slices between preemptions is sampled at random points of its CPU time, so the CPU
+//!   time between two samples is about exponential with a mean of one period and exceeds two
+//!   periods in ~13% of gaps; and a virtual CPU that the host deschedules takes no samples,
+//!   seen here for up to 25 ms. A limit of two periods split every long stall of a contended
+//!   API server into pieces shorter than the threshold.)
 //!
 //! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
 //! sample's time to the last sample's time plus its period.
@@ -22,10 +33,17 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use super::{frame_label, secs, Selection};
-use crate::record::{Frame, Recording, Sample};
+use crate::record::{Frame, OffCpu, Recording, Sample};
 
 /// A blocked off-CPU interval longer than this between two samples ends a run.
 pub const MAX_BLOCK_NS: u64 = 2_000_000;
+/// Without exact off-CPU intervals: the most sampling periods between two samples of a run
+/// (less time preempted or waiting for the GIL).
+pub const GAP_PERIODS: u64 = 2;
+/// With exact off-CPU intervals (BPF backend): the most time between two samples of a run
+/// (less time preempted or waiting for the GIL; at least [`GAP_PERIODS`] periods), a guard
+/// against lost events only.
+pub const EXACT_MAX_GAP_NS: u64 = 100_000_000;
 /// Frames kept of a stall's dominant stack.
 pub const STACK_FRAMES: usize = 20;
 /// Serializing functions listed per API server.
@@ -139,8 +157,12 @@ pub struct Stall {
     pub start_s: f64,
     pub duration_ms: f64,
     pub samples: u64,
-    /// Sample weights, ms (the stall minus time preempted).
+    /// Sample weights, ms (the stall minus time preempted or waiting for the GIL).
     pub cpu_ms: f64,
+    /// Time the loop's thread waited for the GIL inside the stall (other threads ran Python
+    /// while the callback could not), ms.
+    #[serde(default)]
+    pub gil_wait_ms: f64,
     /// Share of the stall's samples with a serialization frame, 0..1.
     pub serialization_share: f64,
     /// The most frequent stack in the stall, innermost frame first (`function (file:line)`),
@@ -169,13 +191,68 @@ fn is_idle(rec: &Recording, s: &Sample) -> bool {
     }
 }
 
+/// Why the loop's thread was off CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Off {
+    /// Blocked (sleeping, waiting: in the loop's poll, or in a blocking call).
+    Blocked,
+    /// Runnable but switched out.
+    Preempted,
+    /// Blocked waiting for the GIL.
+    Gil,
+}
+
+/// One thread's off-CPU intervals as `(start, dur, why)`, sorted: [`Off::Gil`] when at least
+/// half of a blocked interval lies in the thread's GIL waits (`gil`: `(start, dur)`, any order,
+/// may overlap). Neither a preempted thread nor one waiting for the GIL went idle: the callback
+/// that was running still is.
+fn classify_offcpu(off: &[&OffCpu], gil: &[(u64, u64)]) -> Vec<(u64, u64, Off)> {
+    // The GIL waits' union, sorted.
+    let mut g: Vec<(u64, u64)> = gil.iter().map(|&(s, d)| (s, s.saturating_add(d))).collect();
+    g.sort_unstable();
+    let mut union: Vec<(u64, u64)> = Vec::with_capacity(g.len());
+    for (s, e) in g {
+        match union.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => union.push((s, e)),
+        }
+    }
+    let mut out: Vec<(u64, u64, Off)> = off
+        .iter()
+        .map(|o| {
+            if o.preempted {
+                return (o.start_ns, o.dur_ns, Off::Preempted);
+            }
+            let (a, b) = (o.start_ns, o.start_ns.saturating_add(o.dur_ns));
+            let first = union.partition_point(|u| u.1 <= a);
+            let in_gil: u64 = union[first..]
+                .iter()
+                .take_while(|u| u.0 < b)
+                .map(|u| u.1.min(b).saturating_sub(u.0.max(a)))
+                .sum();
+            let why = if o.dur_ns > 0 && 2 * in_gil >= o.dur_ns {
+                Off::Gil
+            } else {
+                Off::Blocked
+            };
+            (o.start_ns, o.dur_ns, why)
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
 /// Runs of busy samples (indices into `samples`, sorted by time) joined as the module
-/// describes.
+/// describes. `off`: the thread's off-CPU intervals sorted by start ([`classify_offcpu`]);
+/// time preempted or waiting for the GIL is taken off the gaps and never ends a run; a gap of
+/// more than `max_gap_ns` (or [`GAP_PERIODS`] of the previous sample's period, if longer)
+/// does.
 fn runs(
     samples: &[&Sample],
-    off: &[(u64, u64, bool)],
+    off: &[(u64, u64, Off)],
     idle: &[bool],
     period_ns: u64,
+    max_gap_ns: u64,
 ) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
@@ -194,12 +271,12 @@ fn runs(
                 k += 1;
             }
             let (mut preempted, mut blocked_long) = (0u64, false);
-            for &(start, dur, pre) in off[k..].iter().take_while(|o| o.0 < b) {
+            for &(start, dur, why) in off[k..].iter().take_while(|o| o.0 < b) {
                 let ov = start
                     .saturating_add(dur)
                     .min(b)
                     .saturating_sub(start.max(a));
-                if pre {
+                if why != Off::Blocked {
                     preempted += ov;
                 } else if dur > MAX_BLOCK_NS && ov > 0 {
                     blocked_long = true;
@@ -211,7 +288,7 @@ fn runs(
                 period_ns
             };
             let gap = b.saturating_sub(a).saturating_sub(preempted);
-            if blocked_long || gap > 2 * period {
+            if blocked_long || gap > max_gap_ns.max(GAP_PERIODS.saturating_mul(period)) {
                 out.push(std::mem::take(&mut cur));
             }
         }
@@ -286,14 +363,24 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
 
         if sel.contains(pid, pid) {
             main.sort_by_key(|s| s.t_ns);
-            let mut off: Vec<(u64, u64, bool)> = sel
+            let off_raw: Vec<&OffCpu> = sel
                 .offcpu(rec)
                 .filter(|o| o.pid == pid && o.tid == pid)
-                .map(|o| (o.start_ns, o.dur_ns, o.preempted))
                 .collect();
-            off.sort_unstable();
+            let gil: Vec<(u64, u64)> = sel
+                .gil_waits(rec)
+                .filter(|g| g.pid == pid && g.tid == pid)
+                .map(|g| (g.start_ns, g.dur_ns))
+                .collect();
+            let off = classify_offcpu(&off_raw, &gil);
             let idle: Vec<bool> = main.iter().map(|s| is_idle(rec, s)).collect();
-            for run in runs(&main, &off, &idle, period_ns) {
+            // Exact off-CPU intervals: the BPF backend traced this thread's switches.
+            let max_gap_ns = if rec.meta.backend == "bpf" && !off.is_empty() {
+                EXACT_MAX_GAP_NS
+            } else {
+                0
+            };
+            for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
                 let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
                     continue;
                 };
@@ -319,6 +406,15 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
                     .map_or((0, 0), |(&k, &n)| (k, n));
                 let n = run.len() as u64;
+                let gil_wait: u64 = off
+                    .iter()
+                    .filter(|o| o.2 == Off::Gil && o.0 < end)
+                    .map(|o| {
+                        o.0.saturating_add(o.1)
+                            .min(end)
+                            .saturating_sub(o.0.max(a.t_ns))
+                    })
+                    .sum();
                 out.stalls.push(Stall {
                     pid,
                     tid: pid,
@@ -326,6 +422,7 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
                     cpu_ms: w as f64 / 1e6,
+                    gil_wait_ms: gil_wait as f64 / 1e6,
                     serialization_share: ser_n as f64 / n as f64,
                     dominant_stack: rec
                         .stack_frames(dom)
@@ -430,10 +527,26 @@ mod tests {
         let times = [0, 1, 2, 3, 4, 8, 9, 20, 21, 22, 27];
         let s: Vec<Sample> = times.iter().map(|&t| mk(t)).collect();
         let refs: Vec<&Sample> = s.iter().collect();
-        let off = [(9 * ms + ms / 2, 10 * ms, true)];
+        let off = [(9 * ms + ms / 2, 10 * ms, Off::Preempted)];
         let idle = vec![false; refs.len()];
-        let r = runs(&refs, &off, &idle, ms);
+        let r = runs(&refs, &off, &idle, ms, 0);
         assert_eq!(r, vec![vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9], vec![10]]);
+        // Waiting for the GIL counts like preemption.
+        let gil = [(9 * ms + ms / 2, 10 * ms, Off::Gil)];
+        assert_eq!(runs(&refs, &gil, &idle, ms, 0), r);
+        // Blocked otherwise (3 ms > MAX_BLOCK_NS): a split there too.
+        let blocked = [(9 * ms + ms / 2, 3 * ms, Off::Blocked)];
+        let r = runs(&refs, &blocked, &idle, ms, 0);
+        assert_eq!(
+            r,
+            vec![vec![0, 1, 2, 3, 4], vec![5, 6], vec![7, 8, 9], vec![10]]
+        );
+        // With exact off-CPU intervals (a 100 ms gap limit) the 4 and 5 ms gaps on CPU do not
+        // end a run; the blocked interval still does, and a gap over the limit does.
+        let r = runs(&refs, &blocked, &idle, ms, 100 * ms);
+        assert_eq!(r, vec![vec![0, 1, 2, 3, 4, 5, 6], vec![7, 8, 9, 10]]);
+        let r = runs(&refs, &off, &idle, ms, 4 * ms);
+        assert_eq!(r, vec![vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9], vec![10]]);
         // At 4 ms periods, 8 ms apart is one run unless the thread blocked > 2 ms between.
         let slow: Vec<Sample> = [0, 8, 16]
             .iter()
@@ -443,16 +556,168 @@ mod tests {
             })
             .collect();
         let refs4: Vec<&Sample> = slow.iter().collect();
-        let blocked = [(9 * ms, 3 * ms, false)];
-        let r = runs(&refs4, &blocked, &[false; 3], 4 * ms);
+        let blocked = [(9 * ms, 3 * ms, Off::Blocked)];
+        let r = runs(&refs4, &blocked, &[false; 3], 4 * ms, 0);
         assert_eq!(r, vec![vec![0, 1], vec![2]]);
-        let short_block = [(9 * ms, ms, false)];
-        let r = runs(&refs4, &short_block, &[false; 3], 4 * ms);
+        let short_block = [(9 * ms, ms, Off::Blocked)];
+        let r = runs(&refs4, &short_block, &[false; 3], 4 * ms, 0);
         assert_eq!(r, vec![vec![0, 1, 2]]);
-        // An idle sample ends a run and belongs to none.
+        // An idle sample ends a run and belongs to none, whatever the gap limit.
         let mut idle = vec![false; refs.len()];
         idle[2] = true;
-        let r = runs(&refs[..5], &[], &idle[..5], ms);
+        let r = runs(&refs[..5], &[], &idle[..5], ms, 0);
         assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
+        let r = runs(&refs[..5], &[], &idle[..5], ms, 100 * ms);
+        assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
+    }
+
+    #[test]
+    fn offcpu_in_gil_waits() {
+        let o = |start: u64, dur: u64, preempted: bool| OffCpu {
+            pid: 1,
+            tid: 1,
+            start_ns: start,
+            dur_ns: dur,
+            stack: 0,
+            preempted,
+        };
+        let off = [
+            o(100, 10, false), // half in GIL waits: Gil
+            o(0, 10, true),    // preempted, whatever the GIL
+            o(200, 10, false), // 4 of 10 in GIL waits: Blocked
+            o(300, 10, false), // 3 + 3 of the same 3 ns (overlapping records): Blocked
+            o(400, 10, false), // 2 + 3 in two separate waits: Gil
+            o(500, 0, false),  // empty
+        ];
+        let refs: Vec<&OffCpu> = off.iter().collect();
+        let gil = [
+            (95, 10),
+            (206, 10),
+            (300, 3),
+            (301, 2),
+            (400, 2),
+            (407, 3),
+            (495, 10),
+        ];
+        let c = classify_offcpu(&refs, &gil);
+        assert_eq!(
+            c,
+            vec![
+                (0, 10, Off::Preempted),
+                (100, 10, Off::Gil),
+                (200, 10, Off::Blocked),
+                (300, 10, Off::Blocked),
+                (400, 10, Off::Gil),
+                (500, 0, Off::Blocked),
+            ]
+        );
+        assert!(classify_offcpu(&refs[2..3], &[])
+            .iter()
+            .all(|x| x.2 == Off::Blocked));
+    }
+
+    /// An API server's main thread in one 300 ms JSON callback, contended: preempted for
+    /// 20 ms, waiting 5 ms for the GIL, and on CPU 12 ms without a sample (a descheduled
+    /// virtual CPU); then idle in epoll.
+    fn contended_stall(backend: &str) -> Recording {
+        use crate::record::{GilWait, ProcessInfo};
+        let ms = 1_000_000u64;
+        let mut rec = Recording::default();
+        rec.meta.backend = backend.into();
+        rec.meta.rate_hz = 1000;
+        rec.processes.push(ProcessInfo {
+            pid: 7,
+            role: "api_server".into(),
+            ..Default::default()
+        });
+        rec.frames = vec![
+            f(
+                "JSONEncoder.iterencode",
+                "/usr/lib/python3.12/json/encoder.py",
+            ),
+            f("JSONResponse.render", "/srv/frontend.py"),
+            f("EpollSelector.select", "/usr/lib/python3.12/selectors.py"),
+            f(
+                "BaseEventLoop._run_once",
+                "/usr/lib/python3.12/asyncio/base_events.py",
+            ),
+        ];
+        rec.stacks = vec![vec![], vec![0, 1, 3], vec![2, 3]];
+        let mut t = 1000 * ms;
+        let end = t + 300 * ms;
+        let mut off = |start: u64, dur: u64, preempted: bool, stack: u32| {
+            rec.offcpu.push(OffCpu {
+                pid: 7,
+                tid: 7,
+                start_ns: start,
+                dur_ns: dur,
+                stack,
+                preempted,
+            })
+        };
+        off(t - 50 * ms, 50 * ms, false, 2); // idle before
+        off(t + 100 * ms, 20 * ms, true, 1); // preempted
+        off(t + 150 * ms, 5 * ms, false, 1); // the GIL wait
+        off(end, 50 * ms, false, 2); // idle after
+        rec.gil_waits.push(GilWait {
+            pid: 7,
+            tid: 7,
+            start_ns: t + 150 * ms,
+            dur_ns: 5 * ms,
+            holder_tid: 8,
+            holder_stack: 0,
+            waiter_stack: 1,
+            switch_wait: false,
+        });
+        while t < end {
+            let r = t - (end - 300 * ms);
+            let quiet = (100 * ms..120 * ms).contains(&r)
+                || (150 * ms..155 * ms).contains(&r)
+                || (200 * ms..212 * ms).contains(&r);
+            if !quiet {
+                rec.samples.push(Sample {
+                    t_ns: t,
+                    pid: 7,
+                    tid: 7,
+                    stack: 1,
+                    flags: 0,
+                    weight_ns: ms as u32,
+                });
+            }
+            t += ms;
+        }
+        rec
+    }
+
+    #[test]
+    fn contended_stall_is_one_with_exact_offcpu() {
+        let rec = contended_stall("bpf");
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        assert_eq!(st.stalls.len(), 1, "{st:?}");
+        let s = &st.stalls[0];
+        assert_eq!((s.start_s, s.duration_ms), (1.0, 300.0));
+        assert_eq!((s.samples, s.gil_wait_ms), (300 - 20 - 5 - 12, 5.0));
+        assert_eq!(s.serialization_share, 1.0);
+        assert_eq!(
+            s.dominant_stack,
+            [
+                "JSONEncoder.iterencode (encoder.py)",
+                "JSONResponse.render (frontend.py)",
+                "BaseEventLoop._run_once (base_events.py)"
+            ]
+        );
+        // Without exact off-CPU intervals (memory backend) the 12 ms gap is taken for a wait:
+        // 200 and 88 ms.
+        let rec = contended_stall("memory");
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 50_000_000);
+        let d: Vec<f64> = st.stalls.iter().map(|s| s.duration_ms).collect();
+        assert_eq!(d, [200.0, 88.0]);
+        // Without the GIL wait record, the 5 ms blocked interval ends the run even with exact
+        // off-CPU intervals: 150 and 145 ms.
+        let mut rec = contended_stall("bpf");
+        rec.gil_waits.clear();
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        let d: Vec<f64> = st.stalls.iter().map(|s| s.duration_ms).collect();
+        assert_eq!(d, [150.0, 145.0]);
     }
 }
