@@ -2,18 +2,23 @@
 //!
 //! In a vLLM API server (a process with role `api_server`, or an engine's `api_server_pid`)
 //! the asyncio event loop runs on the main thread (tid = pid). While the loop runs one
-//! callback it serves nothing else, so a long stretch of the main thread on CPU in Python code
-//! is a stall: every request waits. A stall is a run of the main thread's samples
-//! - in Python code that is not the loop's poll (a stack with a Python frame whose innermost
-//!   frame is not in `selectors.py`),
-//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between two of them, other
-//!   than a GIL wait (a loop that slept in epoll went idle; one that waits for the GIL is
-//!   still inside a callback while another thread runs Python),
+//! callback it serves nothing else, so a long stretch of the main thread in Python code is a
+//! stall: every request waits. A stall is a run of the main thread's samples
+//! - in Python code that is not the loop's own (a stack with a Python frame whose innermost
+//!   frame is not in [`LOOP_FILES`]: asyncio's poll in `selectors.py`, or where a uvloop loop
+//!   was started, since its poll has no frame of its own),
+//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between two of them in
+//!   which the thread waited in the loop's own code or outside Python (it went idle). A thread
+//!   that waits for the GIL (at least half of the interval in its GIL waits), or blocks in
+//!   other Python code for at most [`MAX_CALLBACK_BLOCK_NS`] (a page fault, a lock), is still
+//!   inside a callback. (Longer blocks in other Python code are taken for idle: a main thread
+//!   that runs no loop, or one started from a frame not in [`LOOP_FILES`], waits there. A
+//!   blocking call of more than 100 ms in a callback ends the stall there.)
 //! - each close enough to the previous one, not counting time the thread was preempted
-//!   (runnable but switched out: the loop still is not serving) or waiting for the GIL: within
-//!   two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU intervals
-//!   for the thread (memory backend, `--no-offcpu`), where a gap is the only sign of a wait;
-//!   within [`EXACT_MAX_GAP_NS`] with them (BPF backend), where time between two samples that
+//!   (runnable but switched out: the loop still is not serving) or blocked inside a callback:
+//!   within two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU
+//!   intervals for the thread (memory backend, `--no-offcpu`), where a gap is the only sign of
+//!   a wait; within [`EXACT_MAX_GAP_NS`] with them (BPF backend), where time between two samples that
 //!   the thread did not spend off CPU it spent on CPU, in the callback, so the limit only
 //!   guards against lost events. (On CPU without a sample is common: a thread that runs in
 //!   short slices between preemptions is sampled at random points of its CPU time, so the CPU
@@ -37,6 +42,8 @@ use crate::record::{Frame, OffCpu, Recording, Sample};
 
 /// A blocked off-CPU interval longer than this between two samples ends a run.
 pub const MAX_BLOCK_NS: u64 = 2_000_000;
+/// Blocked in Python code that is not the loop's for at most this long: still in the callback.
+pub const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
 /// Without exact off-CPU intervals: the most sampling periods between two samples of a run
 /// (less time preempted or waiting for the GIL).
 pub const GAP_PERIODS: u64 = 2;
@@ -163,6 +170,10 @@ pub struct Stall {
     /// while the callback could not), ms.
     #[serde(default)]
     pub gil_wait_ms: f64,
+    /// Time it was blocked inside the stall otherwise, in Python code that is not the loop's
+    /// (a lock, a page fault, a blocking call in the callback), ms.
+    #[serde(default)]
+    pub blocked_ms: f64,
     /// Share of the stall's samples with a serialization frame, 0..1.
     pub serialization_share: f64,
     /// The most frequent stack in the stall, innermost frame first (`function (file:line)`),
@@ -182,31 +193,50 @@ pub struct ApiServerStalls {
     pub stalls: Vec<Stall>,
 }
 
-/// Whether a sample is the event loop idling or outside Python: no Python frame, or the
-/// innermost frame in `selectors.py` (the loop's poll).
-fn is_idle(rec: &Recording, s: &Sample) -> bool {
-    match rec.stack_frames(s.stack).next() {
+/// Files of the event loop itself, where its thread waits between callbacks: asyncio's poll
+/// (`selectors.py`), and where a loop was started (`asyncio/runners.py`: `asyncio.run`,
+/// `asyncio.Runner`; `uvloop/__init__.py`: `uvloop.run`, as `vllm serve` does), the
+/// innermost Python frame of a uvloop loop, whose poll and dispatch are compiled code.
+const LOOP_FILES: &[&str] = &["selectors.py", "asyncio/runners.py", "uvloop/__init__.py"];
+
+/// Whether a stack is the event loop idling or outside Python: no Python frame, or the
+/// innermost frame in one of [`LOOP_FILES`].
+fn is_idle_stack(rec: &Recording, stack: u32) -> bool {
+    match rec.stack_frames(stack).next() {
         None => true,
-        Some(f) => f.file.ends_with("selectors.py"),
+        Some(f) => {
+            let file = f.file.replace('\\', "/");
+            LOOP_FILES.iter().any(|s| file.ends_with(s))
+        }
     }
 }
 
 /// Why the loop's thread was off CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Off {
-    /// Blocked (sleeping, waiting: in the loop's poll, or in a blocking call).
+    /// Blocked in the loop's poll, or without a Python frame: idle.
     Blocked,
     /// Runnable but switched out.
     Preempted,
     /// Blocked waiting for the GIL.
     Gil,
+    /// Blocked elsewhere in Python code (a page fault, a lock, a blocking call in a
+    /// callback): the callback is still running.
+    InCallback,
 }
 
 /// One thread's off-CPU intervals as `(start, dur, why)`, sorted: [`Off::Gil`] when at least
 /// half of a blocked interval lies in the thread's GIL waits (`gil`: `(start, dur)`, any order,
-/// may overlap). Neither a preempted thread nor one waiting for the GIL went idle: the callback
-/// that was running still is.
-fn classify_offcpu(off: &[&OffCpu], gil: &[(u64, u64)]) -> Vec<(u64, u64, Off)> {
+/// may overlap), [`Off::InCallback`] when it blocked for at most [`MAX_CALLBACK_BLOCK_NS`] in
+/// Python code that is not the loop's (`idle_stack` false for its stack), [`Off::Blocked`]
+/// otherwise. Only the last is the loop
+/// going idle: a preempted thread, one waiting for the GIL and one blocked inside a callback
+/// are all still in the callback.
+fn classify_offcpu(
+    off: &[&OffCpu],
+    gil: &[(u64, u64)],
+    idle_stack: &mut dyn FnMut(u32) -> bool,
+) -> Vec<(u64, u64, Off)> {
     // The GIL waits' union, sorted.
     let mut g: Vec<(u64, u64)> = gil.iter().map(|&(s, d)| (s, s.saturating_add(d))).collect();
     g.sort_unstable();
@@ -232,8 +262,10 @@ fn classify_offcpu(off: &[&OffCpu], gil: &[(u64, u64)]) -> Vec<(u64, u64, Off)> 
                 .sum();
             let why = if o.dur_ns > 0 && 2 * in_gil >= o.dur_ns {
                 Off::Gil
-            } else {
+            } else if o.dur_ns > MAX_CALLBACK_BLOCK_NS || idle_stack(o.stack) {
                 Off::Blocked
+            } else {
+                Off::InCallback
             };
             (o.start_ns, o.dur_ns, why)
         })
@@ -244,7 +276,8 @@ fn classify_offcpu(off: &[&OffCpu], gil: &[(u64, u64)]) -> Vec<(u64, u64, Off)> 
 
 /// Runs of busy samples (indices into `samples`, sorted by time) joined as the module
 /// describes. `off`: the thread's off-CPU intervals sorted by start ([`classify_offcpu`]);
-/// time preempted or waiting for the GIL is taken off the gaps and never ends a run; a gap of
+/// time preempted, waiting for the GIL or blocked inside a callback is taken off the gaps and
+/// never ends a run; a gap of
 /// more than `max_gap_ns` (or [`GAP_PERIODS`] of the previous sample's period, if longer)
 /// does.
 fn runs(
@@ -372,8 +405,14 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                 .filter(|g| g.pid == pid && g.tid == pid)
                 .map(|g| (g.start_ns, g.dur_ns))
                 .collect();
-            let off = classify_offcpu(&off_raw, &gil);
-            let idle: Vec<bool> = main.iter().map(|s| is_idle(rec, s)).collect();
+            let mut idle_of: HashMap<u32, bool> = HashMap::new();
+            let mut idle_stack = |stack: u32| {
+                *idle_of
+                    .entry(stack)
+                    .or_insert_with(|| is_idle_stack(rec, stack))
+            };
+            let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
+            let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
             // Exact off-CPU intervals: the BPF backend traced this thread's switches.
             let max_gap_ns = if rec.meta.backend == "bpf" && !off.is_empty() {
                 EXACT_MAX_GAP_NS
@@ -406,15 +445,16 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
                     .map_or((0, 0), |(&k, &n)| (k, n));
                 let n = run.len() as u64;
-                let gil_wait: u64 = off
-                    .iter()
-                    .filter(|o| o.2 == Off::Gil && o.0 < end)
-                    .map(|o| {
-                        o.0.saturating_add(o.1)
-                            .min(end)
-                            .saturating_sub(o.0.max(a.t_ns))
-                    })
-                    .sum();
+                let inside = |why: Off| -> u64 {
+                    off.iter()
+                        .filter(|o| o.2 == why && o.0 < end)
+                        .map(|o| {
+                            o.0.saturating_add(o.1)
+                                .min(end)
+                                .saturating_sub(o.0.max(a.t_ns))
+                        })
+                        .sum()
+                };
                 out.stalls.push(Stall {
                     pid,
                     tid: pid,
@@ -422,7 +462,8 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
                     cpu_ms: w as f64 / 1e6,
-                    gil_wait_ms: gil_wait as f64 / 1e6,
+                    gil_wait_ms: inside(Off::Gil) as f64 / 1e6,
+                    blocked_ms: inside(Off::InCallback) as f64 / 1e6,
                     serialization_share: ser_n as f64 / n as f64,
                     dominant_stack: rec
                         .stack_frames(dom)
@@ -590,6 +631,7 @@ mod tests {
             o(500, 0, false),  // empty
         ];
         let refs: Vec<&OffCpu> = off.iter().collect();
+        let mut all_idle = |_: u32| true;
         let gil = [
             (95, 10),
             (206, 10),
@@ -599,7 +641,7 @@ mod tests {
             (407, 3),
             (495, 10),
         ];
-        let c = classify_offcpu(&refs, &gil);
+        let c = classify_offcpu(&refs, &gil, &mut all_idle);
         assert_eq!(
             c,
             vec![
@@ -611,9 +653,56 @@ mod tests {
                 (500, 0, Off::Blocked),
             ]
         );
-        assert!(classify_offcpu(&refs[2..3], &[])
+        assert!(classify_offcpu(&refs[2..3], &[], &mut all_idle)
             .iter()
             .all(|x| x.2 == Off::Blocked));
+        // Blocked in a callback's code (stack 1), not in the loop's (stack 0).
+        let in_cb = [OffCpu {
+            stack: 1,
+            ..o(200, 10, false)
+        }];
+        let refs: Vec<&OffCpu> = in_cb.iter().chain(&off[2..3]).collect();
+        let c = classify_offcpu(&refs, &[], &mut |stack| stack == 0);
+        assert_eq!(c, vec![(200, 10, Off::Blocked), (200, 10, Off::InCallback)]);
+        // Longer than MAX_CALLBACK_BLOCK_NS: idle, wherever (a thread waiting in
+        // `threading.Event.wait`, not in a loop).
+        let long = [OffCpu {
+            dur_ns: MAX_CALLBACK_BLOCK_NS + 1,
+            ..in_cb[0]
+        }];
+        let refs: Vec<&OffCpu> = long.iter().collect();
+        let c = classify_offcpu(&refs, &[], &mut |stack| stack == 0);
+        assert_eq!(c[0].2, Off::Blocked);
+    }
+
+    #[test]
+    fn loop_frames_are_idle() {
+        let rec = Recording {
+            frames: vec![
+                f("EpollSelector.select", "/usr/lib/python3.12/selectors.py"),
+                f("Runner.run", "/usr/lib/python3.11/asyncio/runners.py"),
+                f(
+                    "run",
+                    "/venv/lib/python3.10/site-packages/uvloop/__init__.py",
+                ),
+                f(
+                    "JSONEncoder.iterencode",
+                    "/usr/lib/python3.12/json/encoder.py",
+                ),
+                f("main", "/srv/serve.py"),
+            ],
+            stacks: vec![
+                vec![],
+                vec![0, 4],
+                vec![1, 4],
+                vec![2, 4],
+                vec![3, 1, 4],
+                vec![4],
+            ],
+            ..Default::default()
+        };
+        let idle: Vec<bool> = (0..6).map(|s| is_idle_stack(&rec, s)).collect();
+        assert_eq!(idle, [true, true, true, true, false, false]);
     }
 
     /// An API server's main thread in one 300 ms JSON callback, contended: preempted for
@@ -642,6 +731,7 @@ mod tests {
                 "/usr/lib/python3.12/asyncio/base_events.py",
             ),
         ];
+        // 0: empty, 1: in the callback, 2: in the poll.
         rec.stacks = vec![vec![], vec![0, 1, 3], vec![2, 3]];
         let mut t = 1000 * ms;
         let end = t + 300 * ms;
@@ -696,7 +786,10 @@ mod tests {
         assert_eq!(st.stalls.len(), 1, "{st:?}");
         let s = &st.stalls[0];
         assert_eq!((s.start_s, s.duration_ms), (1.0, 300.0));
-        assert_eq!((s.samples, s.gil_wait_ms), (300 - 20 - 5 - 12, 5.0));
+        assert_eq!(
+            (s.samples, s.gil_wait_ms, s.blocked_ms),
+            (300 - 20 - 5 - 12, 5.0, 0.0)
+        );
         assert_eq!(s.serialization_share, 1.0);
         assert_eq!(
             s.dominant_stack,
@@ -712,10 +805,21 @@ mod tests {
         let st = api_server_stalls(&rec, &Selection::all(&rec), 50_000_000);
         let d: Vec<f64> = st.stalls.iter().map(|s| s.duration_ms).collect();
         assert_eq!(d, [200.0, 88.0]);
-        // Without the GIL wait record, the 5 ms blocked interval ends the run even with exact
-        // off-CPU intervals: 150 and 145 ms.
+        // Without the GIL wait record, the 5 ms blocked interval is in the callback's code
+        // (say a lock or a page fault): still one stall, the time blocked.
         let mut rec = contended_stall("bpf");
         rec.gil_waits.clear();
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        assert_eq!(st.stalls.len(), 1, "{st:?}");
+        let s = &st.stalls[0];
+        assert_eq!(
+            (s.duration_ms, s.gil_wait_ms, s.blocked_ms),
+            (300.0, 0.0, 5.0)
+        );
+        // Blocked in the loop's poll for 5 ms: idle, two stalls of 150 and 145 ms.
+        if let Some(o) = rec.offcpu.iter_mut().find(|o| o.dur_ns == 5_000_000) {
+            o.stack = 2;
+        }
         let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
         let d: Vec<f64> = st.stalls.iter().map(|s| s.duration_ms).collect();
         assert_eq!(d, [150.0, 145.0]);
