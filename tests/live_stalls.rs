@@ -7,9 +7,10 @@
 //! `enginescope record --vllm --engine-pid PID --rate 999` attaches between READY and GO, and
 //! `report --from/--to` over the engine's window must give, in `api_server_stalls`:
 //!
-//! * every true stall longer than 150 ms (at least 4 in the 12 s window), matched by time
-//!   overlap to exactly one reported stall, its start and duration within ±10% of the stall
-//!   or ±2 sampling periods, its dominant stack in the JSON encoder under
+//! * every true stall longer than 150 ms in which a callback ran (at least 4 in the 12 s
+//!   window; the loop kept from running by another thread's GIL is not a callback stall),
+//!   matched by time overlap to exactly one reported stall, its start and duration within
+//!   ±10% of the stall or ±2 sampling periods, its dominant stack in the JSON encoder under
 //!   `JSONResponse.render` in the handler, its serialization share within 0.15 of the truth's
 //!   (render time over the stall's);
 //! * no reported stall (longer than the 100 ms threshold) where the loop was not busy: every
@@ -19,8 +20,8 @@
 //!   the API server's CPU; the report also counts the pickling of requests sent to the
 //!   EngineCore, whose CPU the truth gives as an upper bound, allowed on top).
 //!
-//! The truth's own consistency is checked too: each long stall's heartbeat lag is its length
-//! less at most 15 ms. Engines run one at a time. Cost: ~20 s per interpreter (engine start
+//! The truth's own consistency is checked too: each long stall's heartbeat lag is at least its
+//! length less 15 ms. Engines run one at a time. Cost: ~20 s per interpreter (engine start
 //! and calibration ~5 s, a 12 s window, report; debug build). `ES_KEEP_STALLS=1` keeps each
 //! run's directory (recording `run.esrec`, truth files) and prints where.
 
@@ -346,19 +347,25 @@ fn check(label: &str) {
         api_cpu / 1e9
     );
 
-    // The workload did what the test needs.
+    // The workload did what the test needs. Only stretches in which a callback ran (a render
+    // started): a stretch without one is the loop kept from running by another thread that
+    // held the GIL (a generation-2 collection on another thread, seen once in ~15 runs),
+    // which is not a callback's stall and shows in the report's GIL blame instead.
     let long: Vec<&TrueStall> = truth
         .iter()
-        .filter(|t| t.dur >= MUST_REPORT_NS && t.start >= w0 && t.start + t.dur <= w1)
+        .filter(|t| {
+            t.dur >= MUST_REPORT_NS && t.responses > 0 && t.start >= w0 && t.start + t.dur <= w1
+        })
         .collect();
     assert!(
         long.len() >= 4,
         "{label}: at least 4 true stalls over 150 ms in the window: {truth:?}"
     );
     for t in &long {
-        // The truth agrees with itself: the heartbeat was late by about the stall.
+        // The truth agrees with itself: the heartbeat was late by at least the stall less its
+        // 10 ms period (more when the loop, woken, waited for the GIL inside its poll first).
         assert!(
-            t.heartbeat_lag + 15_000_000 >= t.dur && t.heartbeat_lag <= t.dur + 2_000_000,
+            t.heartbeat_lag + 15_000_000 >= t.dur,
             "{label}: heartbeat lag {} vs stall {}",
             t.heartbeat_lag,
             t.dur
