@@ -28,7 +28,11 @@
 //!   API server into pieces shorter than the threshold.)
 //!
 //! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
-//! sample's time to the last sample's time plus its period.
+//! sample's time to the last sample's time plus its period; with exact off-CPU intervals, from
+//! the thread's wake-up after the idle wait before the first sample to its switch into the
+//! idle wait after the last one, each where it lies within [`EXACT_MAX_GAP_NS`] of that sample
+//! (less time off CPU without going idle): the CPU time at a stall's ends goes unsampled as
+//! well (seen for 90 ms).
 //!
 //! Serialization: samples with a frame in JSON/pickle/msgpack/pydantic encoding or decoding
 //! anywhere on the stack ([`is_serialization_frame`]), as a share of the API server's CPU.
@@ -274,6 +278,57 @@ fn classify_offcpu(
     out
 }
 
+/// Time in `[from, to)` off CPU without going idle (preempted, waiting for the GIL, blocked in
+/// a callback).
+fn forgiven(off: &[(u64, u64, Off)], from: u64, to: u64) -> u64 {
+    // One thread's intervals do not overlap: only the one that starts last before `from` can
+    // reach into the range from before it.
+    let i = off.partition_point(|o| o.0 < from).saturating_sub(1);
+    off[i..]
+        .iter()
+        .take_while(|o| o.0 < to)
+        .filter(|o| o.2 != Off::Blocked)
+        .map(|o| {
+            o.0.saturating_add(o.1)
+                .min(to)
+                .saturating_sub(o.0.max(from))
+        })
+        .sum()
+}
+
+/// With exact off-CPU intervals: a run of samples from `first` to `last` (`prev` and `next`
+/// the thread's samples around it) began when the thread woke from the last idle wait
+/// ([`Off::Blocked`]) that ended in `(prev, first]`, and ended when it went into the first
+/// one that began in `[last, next)`, each if the time between it and the sample, less time
+/// off CPU without going idle, is at most `max_gap_ns`. `None` where there is no such wait.
+fn extent(
+    off: &[(u64, u64, Off)],
+    prev: u64,
+    first: u64,
+    last: u64,
+    next: u64,
+    max_gap_ns: u64,
+) -> (Option<u64>, Option<u64>) {
+    // `off` is sorted by start, and one thread's intervals do not overlap: ends are sorted too.
+    let before = off.partition_point(|o| o.0 < first);
+    let woke = off[..before]
+        .iter()
+        .rev()
+        .map(|o| (o.0.saturating_add(o.1), o.2))
+        .take_while(|&(e, _)| e > prev)
+        .find(|&(e, why)| why == Off::Blocked && e <= first)
+        .map(|(e, _)| e)
+        .filter(|&e| first - e - forgiven(off, e, first).min(first - e) <= max_gap_ns);
+    let after = off.partition_point(|o| o.0 < last);
+    let slept = off[after..]
+        .iter()
+        .take_while(|o| o.0 < next)
+        .find(|o| o.2 == Off::Blocked)
+        .map(|o| o.0)
+        .filter(|&s| s - last - forgiven(off, last, s).min(s - last) <= max_gap_ns);
+    (woke, slept)
+}
+
 /// Runs of busy samples (indices into `samples`, sorted by time) joined as the module
 /// describes. `off`: the thread's off-CPU intervals sorted by start ([`classify_offcpu`]);
 /// time preempted, waiting for the GIL or blocked inside a callback is taken off the gaps and
@@ -424,8 +479,18 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     continue;
                 };
                 let (a, z) = (main[first], main[last]);
-                let end = z.t_ns + u64::from(z.weight_ns).max(1);
-                let dur = end.saturating_sub(a.t_ns);
+                let (mut begin, mut end) = (a.t_ns, z.t_ns + u64::from(z.weight_ns).max(1));
+                if max_gap_ns > 0 {
+                    // Exact switches: from the wake-up after the idle wait before it to the
+                    // switch into the idle wait after it, if near enough (time on CPU there
+                    // went unsampled: a descheduled virtual CPU, seen for 90 ms).
+                    let prev = first.checked_sub(1).map_or(0, |i| main[i].t_ns);
+                    let next = main.get(last + 1).map_or(u64::MAX, |s| s.t_ns);
+                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, max_gap_ns);
+                    begin = b.unwrap_or(begin);
+                    end = e.unwrap_or(end);
+                }
+                let dur = end.saturating_sub(begin);
                 if dur <= threshold_ns {
                     continue;
                 }
@@ -451,14 +516,14 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                         .map(|o| {
                             o.0.saturating_add(o.1)
                                 .min(end)
-                                .saturating_sub(o.0.max(a.t_ns))
+                                .saturating_sub(o.0.max(begin))
                         })
                         .sum()
                 };
                 out.stalls.push(Stall {
                     pid,
                     tid: pid,
-                    start_s: secs(a.t_ns),
+                    start_s: secs(begin),
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
                     cpu_ms: w as f64 / 1e6,
@@ -777,6 +842,49 @@ mod tests {
             t += ms;
         }
         rec
+    }
+
+    #[test]
+    fn stall_extent_from_switches() {
+        // No samples in the first 10 and the last 30 ms of the callback (a descheduled
+        // virtual CPU takes none): with exact switches the stall still runs from the wake-up
+        // to the switch into the poll.
+        let ms = 1_000_000u64;
+        let quiet = |rec: &mut Recording| {
+            rec.samples
+                .retain(|s| s.t_ns >= 1010 * ms && s.t_ns < 1270 * ms);
+        };
+        let mut rec = contended_stall("bpf");
+        quiet(&mut rec);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 300.0)]);
+        // Samples alone: 1.010 to the last sample's end.
+        let mut rec = contended_stall("memory");
+        quiet(&mut rec);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 60_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.01, 190.0)]);
+        // Samples from 1.120 to 1.189: the wake-up at 1.000 is 100 ms away once the 20 ms
+        // preempted are taken off (theirs), the switch at 1.300 111 ms (not theirs).
+        let mut rec = contended_stall("bpf");
+        rec.samples
+            .retain(|s| s.t_ns >= 1110 * ms && s.t_ns < 1190 * ms);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 10_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 190.0)]);
     }
 
     #[test]
