@@ -417,6 +417,8 @@ def serve(args, cfg):
                 while not stop.wait(3600):
                     pass
         end = mono()
+        if frontend is not None:
+            frontend.monitor.close_open(end, time.thread_time_ns())
         procutil.read_thread_clocks("end")
         client.snapshot("end")
         if start is None:

@@ -68,11 +68,13 @@ class TimedSelector(selectors.EpollSelector):
         self._on_wait = on_wait
 
     def select(self, timeout=None):
+        c0 = tcpu()
         t0 = mono()
         try:
             return super().select(timeout)
         finally:
-            self._on_wait(t0, mono(), timeout)
+            t1 = mono()
+            self._on_wait(t0, t1, timeout, c0, tcpu())
 
 
 class LoopMonitor:
@@ -80,9 +82,12 @@ class LoopMonitor:
 
     def __init__(self, cap):
         self.cap = cap
+        self.stopped = False  # the loop has stopped: waits no longer count
         self.last_wait_end = None
+        self.last_wait_cpu = 0  # the thread's CPU clock then
         self.cur_start = None
-        self.stretches = []  # [start_ns, end_ns] of stretches >= RECORD_NS
+        self.cur_cpu = 0
+        self.stretches = []  # [start_ns, end_ns, cpu_ns] of stretches >= RECORD_NS
         self.stretches_total = 0
         self.busy_starts = array("q")  # every busy stretch (the first `cap` * 8)
         self.busy_ends = array("q")
@@ -91,33 +96,41 @@ class LoopMonitor:
         self.lag_all = []  # every lag (ns), for the summary
         self.beats = 0
 
-    def on_wait(self, t0, t1, timeout):
-        """A wait of the selector from t0 to t1. The loop went idle if it had nothing ready
-        (it polls with timeout 0 when callbacks are ready: that is no idle time, however long
-        the poll took because the thread was preempted) and waited at least MERGE_IDLE_NS."""
+    def on_wait(self, t0, t1, timeout, c0, c1):
+        """A wait of the selector from t0 to t1 (the thread's CPU clock c0 and c1 then). The
+        loop went idle if it had nothing ready (it polls with timeout 0 when callbacks are
+        ready: that is no idle time, however long the poll took because the thread was
+        preempted) and waited at least MERGE_IDLE_NS."""
+        if self.stopped:
+            return
         self.waits += 1
         if self.last_wait_end is not None:
             if self.cur_start is None:
                 self.cur_start = self.last_wait_end
+                self.cur_cpu = self.last_wait_cpu
             if (timeout is None or timeout > 0) and t1 - t0 >= MERGE_IDLE_NS:
-                self._close(self.cur_start, t0)
+                self._close(self.cur_start, t0, c0 - self.cur_cpu)
                 self.cur_start = None
         self.last_wait_end = t1
+        self.last_wait_cpu = c1
 
-    def close_open(self, now):
+    def close_open(self, now, cpu_now):
+        """The main thread's last stretch ends at `now` (the window's end: the loop's last
+        iteration and its shutdown count as busy, as the thread is)."""
         if self.last_wait_end is not None:
-            self._close(self.cur_start if self.cur_start is not None else self.last_wait_end,
-                        now)
+            if self.cur_start is None:
+                self.cur_start, self.cur_cpu = self.last_wait_end, self.last_wait_cpu
+            self._close(self.cur_start, now, cpu_now - self.cur_cpu)
             self.cur_start = None
             self.last_wait_end = None
 
-    def _close(self, start, end):
+    def _close(self, start, end, cpu):
         self.stretches_total += 1
         if len(self.busy_starts) < 8 * self.cap:
             self.busy_starts.append(start)
             self.busy_ends.append(end)
         if end - start >= RECORD_NS and len(self.stretches) < self.cap:
-            self.stretches.append([start, end])
+            self.stretches.append([start, end, cpu])
 
     def beat(self, due, now):
         self.beats += 1
@@ -330,8 +343,9 @@ class Frontend:
             return loop.run_until_complete(
                 self.main(announce_and_wait_go, begin_window, deadline_s))
         finally:
-            # The stretch the loop is in when it stops ends now.
-            self.monitor.close_open(mono())
+            # The stretch the loop is in when it stops ends with the window (close_open); the
+            # shutdown's own polls do not count.
+            self.monitor.stopped = True
             self.loop = None
             tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
             for t in tasks:
@@ -347,14 +361,15 @@ class Frontend:
         mon = self.monitor
         renders = [r for r in self.renders if start <= r[0] < end]
         stalls = []
-        for a, b in mon.stretches:
-            if not start <= a < end:
+        for a, b, cpu in mon.stretches:
+            if b <= start or a >= end:  # stalls that overlap the window
                 continue
             inside = [r for r in self.renders if a <= r[0] < b]
             lags = [lag for t, lag in mon.lags if a <= t <= b]
             stalls.append({
                 "start_mono_ns": a,
                 "dur_ns": b - a,
+                "cpu_ns": cpu,
                 "serialize_ns": sum(r[1] for r in inside),
                 "serialize_cpu_ns": sum(r[2] for r in inside),
                 "responses": len(inside),
