@@ -29,6 +29,7 @@ const ENGINE_FILES: &[(&str, &str)] = &[
         "engine_core.py",
         include_str!("../samples/engine/engine_core.py"),
     ),
+    ("frontend.py", include_str!("../samples/engine/frontend.py")),
     (
         "groundtruth.py",
         include_str!("../samples/engine/groundtruth.py"),

@@ -11,7 +11,11 @@ runs the load itself instead of serving HTTP completions:
       latency, end-to-end latency (from the request's submission), token counts.
   `metrics-http` thread: serves vLLM's Prometheus metrics at http://HOST:PORT/metrics (also
       /health and /v1/models), unless --no-metrics.
-  main thread: readiness, the measurement window, shutdown, the truth file."""
+  main thread: readiness, the measurement window, shutdown, the truth file.
+
+With --serialize-stalls the main thread runs an asyncio event loop for the load and the window
+instead (frontend.py): requests that return their routed experts are answered on it, and
+serializing those responses to JSON stalls the loop."""
 import http.server
 import json
 import multiprocessing
@@ -37,9 +41,9 @@ class Interrupted(Exception):
 
 class TrackedRequest:
     __slots__ = ("req_id", "arrival_ns", "first_ns", "last_ns", "tokens", "prompt_len",
-                 "max_tokens")
+                 "max_tokens", "routed")
 
-    def __init__(self, req_id, arrival_ns, prompt_len, max_tokens):
+    def __init__(self, req_id, arrival_ns, prompt_len, max_tokens, routed=False):
         self.req_id = req_id
         self.arrival_ns = arrival_ns
         self.first_ns = None
@@ -47,6 +51,7 @@ class TrackedRequest:
         self.tokens = 0
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
+        self.routed = routed
 
 
 class EngineClient:
@@ -65,6 +70,7 @@ class EngineClient:
         self.requests = {}
         self.next_id = 0
         self.rng = random.Random("%s/load" % cfg["seed"])
+        self.rng_routed = random.Random("%s/routed-prompts" % cfg["seed"])
         prng = random.Random("%s/prefixes" % cfg["seed"])
         self.prefixes = [[prng.randrange(VOCAB) for _ in range(256)] for _ in range(4)]
         self.finished = 0
@@ -78,10 +84,37 @@ class EngineClient:
         self.e2e = []
         self.window = None
         self.gen_at = {}
+        # --serialize-stalls: the frontend answers routed requests; sends are timed.
+        self.frontend = None
+        self.sends = None  # (start_ns, cpu_ns) of every send, when timed
 
     def send(self, msg):
+        if self.sends is None:
+            with self.send_lock:
+                self.in_conn.send(msg)
+            return
         with self.send_lock:
+            t0 = mono()
+            c0 = time.thread_time_ns()
             self.in_conn.send(msg)
+            c = time.thread_time_ns() - c0
+            if len(self.sends) < self.cfg["list_cap"]:
+                self.sends.append((t0, c))
+
+    def send_cpu_in(self, start, end):
+        """CPU time of the sends (pickling, then the pipe write) that started in [start, end)."""
+        return sum(c for t, c in self.sends or () if start <= t < end)
+
+    def submit_routed(self, rids, prompt_len, max_tokens):
+        """The frontend's requests that return routed experts: same prompt length and
+        max_tokens, sent together (the scheduler admits them in one step)."""
+        rng = self.rng_routed
+        batch = [(rid, [rng.randrange(VOCAB) for _ in range(prompt_len)]) for rid in rids]
+        now = mono()
+        with self.metrics.lock:
+            for rid, prompt in batch:
+                self.requests[rid] = TrackedRequest(rid, now, prompt_len, max_tokens, True)
+        self.send(("add", [(rid, p, max_tokens, now) for rid, p in batch]))
 
     def _new_request(self):
         rng = self.rng
@@ -155,6 +188,7 @@ class EngineClient:
         now = mono()
         m = self.metrics
         done = 0
+        routed = []
         with m.lock:
             reqs = self.requests
             for rid, tok, fin in outputs:
@@ -176,12 +210,17 @@ class EngineClient:
                     self.e2e.append((now, v))
                     m.success["length"] += 1
                     del reqs[rid]
-                    done += 1
+                    if r.routed:
+                        routed.append(r)
+                    else:
+                        done += 1
             self.gen_tokens += len(outputs)
             m.generation_tokens = self.gen_tokens
             (m.running, m.waiting, m.kv_usage, m.prefix_queries, m.prefix_hits,
              m.prompt_tokens, iteration_tokens) = stats
             m.iteration_tokens.observe(iteration_tokens)
+        if routed and self.frontend is not None:
+            self.frontend.finished(routed)
         if done:
             self.finished += done
             with self.cond:
@@ -306,6 +345,19 @@ def serve(args, cfg):
     exit_code = 0
     ready_info = None
     start = end = None
+    frontend = None
+
+    def begin_window():
+        t = mono()
+        procutil.read_thread_clocks("start")
+        client.snapshot("start")
+        client.window = t
+        try:
+            client.send(("window", t))
+        except (OSError, ValueError):
+            stop.set()
+        return t
+
     while not stop.is_set():
         if out_r.poll(0.5):
             msg = out_r.recv()
@@ -320,30 +372,40 @@ def serve(args, cfg):
     if ready_info is not None:
         log(cfg, "EngineCore pid=%d, workers %s; metrics on port %d" % (
             ready_info["pid"], ready_info["workers"], port))
+        if cfg["serialize_stalls"]:
+            import frontend as frontend_mod
+            frontend = frontend_mod.Frontend(cfg, client, stop)
+            client.frontend = frontend
+            client.sends = []
+            log(cfg, "asyncio frontend: routed-experts responses of %d positions (%.0f ms of "
+                "JSON each), groups of 1-%d, %.2f s apart" % (
+                    frontend.positions, cfg["serialize_ms"], cfg["serialize_group_max"],
+                    cfg["serialize_gap"]))
         oh = threading.Thread(target=client.output_loop, name="output-handler", daemon=True)
         lg = threading.Thread(target=client.load_loop, name="load-generator", daemon=True)
         oh.start()
         lg.start()
-        while not stop.is_set() and not client.warm.wait(0.5):
-            pass
-        try:
-            if not stop.is_set():
-                # Both may block (a FIFO's open waits for the other end): a signal ends them.
-                state["interruptible"] = True
+        if frontend is not None:
+            def announce_and_wait_go():
                 _announce("READY %d %d" % (os.getpid(), port), args)
                 _wait_go(args)
-        except Interrupted:
-            pass
-        state["interruptible"] = False
-        if not stop.is_set():
-            start = mono()
-            procutil.read_thread_clocks("start")
-            client.snapshot("start")
-            client.window = start
+
+            start = frontend.run(announce_and_wait_go, begin_window, args.seconds)
+        else:
+            while not stop.is_set() and not client.warm.wait(0.5):
+                pass
             try:
-                client.send(("window", start))
-            except (OSError, ValueError):
-                stop.set()
+                if not stop.is_set():
+                    # Both may block (a FIFO's open waits for the other end): a signal ends
+                    # them.
+                    state["interruptible"] = True
+                    _announce("READY %d %d" % (os.getpid(), port), args)
+                    _wait_go(args)
+            except Interrupted:
+                pass
+            state["interruptible"] = False
+        if frontend is None and not stop.is_set():
+            start = begin_window()
             if args.seconds is not None:
                 deadline = start + int(args.seconds * 1e9)
                 while not stop.is_set():
@@ -355,6 +417,8 @@ def serve(args, cfg):
                 while not stop.wait(3600):
                     pass
         end = mono()
+        if frontend is not None:
+            frontend.monitor.close_open(end, time.thread_time_ns())
         procutil.read_thread_clocks("end")
         client.snapshot("end")
         if start is None:
@@ -390,13 +454,14 @@ def serve(args, cfg):
         processes.append({"role": "engine_core", "pid": ec.pid, "truth": bye.get("truth"),
                           "exitcode": ec.exitcode})
         processes.extend(bye.get("workers", []))
+        threads = procutil.threads_doc()
         doc.update({
             "comm": procutil.read_comm(),
             "cmdline": procutil.read_cmdline(),
             "metrics_port": port,
             "ended": "engine_failed: %s" % client.engine_failed if client.engine_failed
             else "shutdown",
-            "threads": procutil.threads_doc(),
+            "threads": threads,
             "functions": {},
             "gc": gcmon.doc(start, end, lc),
             "processes": processes,
@@ -410,6 +475,8 @@ def serve(args, cfg):
                          "e2e_ns": _pairs_doc(client.e2e, start, end)},
             "metrics_final": metrics.render(),
         })
+        if frontend is not None:
+            doc["event_loop"] = frontend.doc(start, end, threads, lc)
         gt.write_truth(cfg["truth"], "api_server", doc)
     print("DONE", flush=True)
     return exit_code

@@ -42,20 +42,34 @@ def build_parser():
     p.add_argument("--fix", default="",
                    help="comma-separated subset of the fixes: evict,queue,gc")
     load = p.add_argument_group("load")
-    load.add_argument("--requests", type=int, default=64, help="requests in flight")
+    load.add_argument("--requests", type=int,
+                      help="requests in flight (default 64; 24 with --serialize-stalls)")
     load.add_argument("--max-tokens", type=int, default=128,
                       help="each request's max_tokens is drawn in [N/2, N]")
     load.add_argument("--warmup-requests", type=int,
                       help="requests that must finish before READY (default: --requests)")
     load.add_argument("--seed", default="1")
+    fe = p.add_argument_group("frontend stalls")
+    fe.add_argument("--serialize-stalls", action="store_true",
+                    help="the API server's main thread runs an asyncio event loop that answers "
+                         "requests returning their routed experts; serializing those "
+                         "responses to JSON stalls the loop, which times itself")
+    fe.add_argument("--serialize-ms", type=float, default=60.0,
+                    help="CPU time of serializing one routed-experts response (sized at start)")
+    fe.add_argument("--serialize-gap", type=float, default=0.3,
+                    help="seconds between a group's last response and the next group")
+    fe.add_argument("--serialize-group-max", type=int, default=5,
+                    help="groups of 1..N requests (each size in turn, in a seeded order), all "
+                         "finishing in one step")
     eng = p.add_argument_group("engine")
     eng.add_argument("--workers", type=int, default=1, help="tensor-parallel size")
     eng.add_argument("--max-num-seqs", type=int, default=48)
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048)
     eng.add_argument("--num-blocks", type=int, default=2048, help="KV-cache blocks")
     eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    eng.add_argument("--steps-per-s", type=float, default=0,
-                     help="pace the EngineCore's steps (default 0: as fast as it goes)")
+    eng.add_argument("--steps-per-s", type=float,
+                     help="pace the EngineCore's steps (default 0: as fast as it goes; 100 with "
+                          "--serialize-stalls)")
     eng.add_argument("--exec-ms", type=float, default=2.45,
                      help="CPU time of the calibrated part of one Worker.execute_model "
                           "(the per-token bookkeeping adds ~0.25 ms at the default load)")
@@ -93,6 +107,15 @@ def make_config(args):
             raise SystemExit("--fix: unknown fix %r (choose from %s)" % (f, ",".join(FIXES)))
         fix.add(f)
     truth = os.path.abspath(args.truth) if args.truth else None
+    requests = args.requests
+    if requests is None:
+        # Fewer than --max-num-seqs minus a group, so that nothing waits and a group of routed
+        # requests is admitted in one step.
+        requests = 24 if args.serialize_stalls else 64
+    steps_per_s = args.steps_per_s
+    if steps_per_s is None:
+        # A paced engine leaves the API server's loop a core on a small machine.
+        steps_per_s = 100.0 if args.serialize_stalls else 0
     if truth:
         os.makedirs(truth, exist_ok=True)
     return {
@@ -100,17 +123,21 @@ def make_config(args):
         "served_model_name": args.served_model_name or args.model,
         "truth": truth,
         "fix": sorted(fix),
-        "requests": args.requests,
+        "requests": requests,
         "max_tokens": args.max_tokens,
-        "warmup_requests": args.requests if args.warmup_requests is None
+        "warmup_requests": requests if args.warmup_requests is None
         else args.warmup_requests,
+        "serialize_stalls": args.serialize_stalls,
+        "serialize_ms": args.serialize_ms,
+        "serialize_gap": args.serialize_gap,
+        "serialize_group_max": args.serialize_group_max,
         "seed": args.seed,
         "workers": args.workers,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_blocks": args.num_blocks,
         "block_size": args.block_size,
-        "steps_per_s": args.steps_per_s,
+        "steps_per_s": steps_per_s,
         "exec_ms": args.exec_ms,
         "python_share": args.python_share,
         "layers": args.layers,

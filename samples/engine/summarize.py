@@ -36,6 +36,16 @@ def numbers(d):
         out["TTFT p50 ms"] = ms(api["requests"]["ttft_ns"]["p50"])
         out["ITL p50 ms"] = ms(api["requests"]["itl_ns"]["p50"])
         out["ITL p90 ms"] = ms(api["requests"]["itl_ns"]["p90"])
+        loop = api.get("event_loop")
+        if loop:
+            stalls = loop["stalls"]
+            out["loop stalls >= 20 ms"] = len(stalls)
+            out["loop stalls > 100 ms"] = sum(1 for x in stalls if x["dur_ns"] > 100_000_000)
+            out["longest stall ms"] = ms(max((x["dur_ns"] for x in stalls), default=None))
+            out["loop busy share"] = round(loop["busy_ns_window"]
+                                           / max(win["end_mono_ns"] - win["start_mono_ns"], 1),
+                                           3)
+            out["JSON share of API CPU"] = loop["serialization"]["json_share_of_cpu"]
     if ec:
         f = ec["functions"]
         out["steps/s"] = round(f["EngineCore.step"]["calls"] / max(out.get("window s", 1), 1e-9),

@@ -348,8 +348,9 @@ impl Report {
         let _ = writeln!(s, "\n## API-server stalls\n");
         let _ = writeln!(
             s,
-            "The event loop (main thread) on CPU in Python code for more than {} ms without \
-             going idle.\n",
+            "The event loop (main thread) in Python code for more than {} ms without going \
+             idle: on CPU, preempted, waiting for the GIL, or blocked in a callback (GIL wait \
+             ms, blocked ms).\n",
             st.threshold_ms
         );
         let _ = writeln!(
@@ -390,8 +391,8 @@ impl Report {
         if st.stalls.is_empty() {
             return;
         }
-        let _ = writeln!(s, "\n| pid | start s | duration ms | samples | serialization | dominant stack (innermost first) | share |");
-        let _ = writeln!(s, "|---:|---:|---:|---:|---:|---|---:|");
+        let _ = writeln!(s, "\n| pid | start s | duration ms | samples | GIL wait ms | blocked ms | serialization | dominant stack (innermost first) | share |");
+        let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|---|---:|");
         for x in st.stalls.iter().take(MD_STALLS) {
             let mut frames: Vec<&str> = x
                 .dominant_stack
@@ -404,11 +405,13 @@ impl Report {
             }
             let _ = writeln!(
                 s,
-                "| {} | {:.3} | {:.1} | {} | {:.1}% | {} | {:.1}% |",
+                "| {} | {:.3} | {:.1} | {} | {:.1} | {:.1} | {:.1}% | {} | {:.1}% |",
                 x.pid,
                 x.start_s,
                 x.duration_ms,
                 x.samples,
+                x.gil_wait_ms,
+                x.blocked_ms,
                 x.serialization_share * 100.0,
                 md(&frames.join(" ← ")),
                 x.dominant_share * 100.0

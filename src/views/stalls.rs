@@ -2,17 +2,37 @@
 //!
 //! In a vLLM API server (a process with role `api_server`, or an engine's `api_server_pid`)
 //! the asyncio event loop runs on the main thread (tid = pid). While the loop runs one
-//! callback it serves nothing else, so a long stretch of the main thread on CPU in Python code
-//! is a stall: every request waits. A stall is a run of the main thread's samples
-//! - in Python code that is not the loop's poll (a stack with a Python frame whose innermost
-//!   frame is not in `selectors.py`),
-//! - each within two sampling periods of the previous one, not counting time the thread was
-//!   preempted (runnable but switched out: the loop still is not serving),
-//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between them (a loop that
-//!   slept in epoll went idle),
+//! callback it serves nothing else, so a long stretch of the main thread in Python code is a
+//! stall: every request waits. A stall is a run of the main thread's samples
+//! - in Python code that is not the loop's own (a stack with a Python frame whose innermost
+//!   frame is not in [`LOOP_FILES`]: asyncio's poll in `selectors.py`, or where a uvloop loop
+//!   was started, since its poll has no frame of its own),
+//! - with no blocked off-CPU interval longer than [`MAX_BLOCK_NS`] between two of them in
+//!   which the thread waited in the loop's own code or outside Python (it went idle). A thread
+//!   that waits for the GIL (at least half of the interval in its GIL waits), or blocks in
+//!   other Python code for at most [`MAX_CALLBACK_BLOCK_NS`] (a page fault, a lock), is still
+//!   inside a callback. (Longer blocks in other Python code are taken for idle: a main thread
+//!   that runs no loop, or one started from a frame not in [`LOOP_FILES`], waits there. A
+//!   blocking call of more than 100 ms in a callback ends the stall there.)
+//! - each close enough to the previous one, not counting time the thread was preempted
+//!   (runnable but switched out: the loop still is not serving) or blocked inside a callback:
+//!   within two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU
+//!   intervals for the thread (memory backend, `--no-offcpu`), where a gap is the only sign of
+//!   a wait; within [`EXACT_MAX_GAP_NS`] with them (BPF backend), where time between two samples that
+//!   the thread did not spend off CPU it spent on CPU, in the callback, so the limit only
+//!   guards against lost events. (On CPU without a sample is common: a thread that runs in
+//!   short slices between preemptions is sampled at random points of its CPU time, so the CPU
+//!   time between two samples is about exponential with a mean of one period and exceeds two
+//!   periods in ~13% of gaps; and a virtual CPU that the host deschedules takes no samples,
+//!   seen here for up to 25 ms. A limit of two periods split every long stall of a contended
+//!   API server into pieces shorter than the threshold.)
 //!
 //! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
-//! sample's time to the last sample's time plus its period.
+//! sample's time to the last sample's time plus its period; with exact off-CPU intervals, from
+//! the thread's wake-up after the idle wait before the first sample to its switch into the
+//! idle wait after the last one, each where it lies within [`EXACT_MAX_GAP_NS`] of that sample
+//! (less time off CPU without going idle): the CPU time at a stall's ends goes unsampled as
+//! well (seen for 90 ms).
 //!
 //! Serialization: samples with a frame in JSON/pickle/msgpack/pydantic encoding or decoding
 //! anywhere on the stack ([`is_serialization_frame`]), as a share of the API server's CPU.
@@ -22,10 +42,19 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use super::{frame_label, secs, Selection};
-use crate::record::{Frame, Recording, Sample};
+use crate::record::{Frame, OffCpu, Recording, Sample};
 
 /// A blocked off-CPU interval longer than this between two samples ends a run.
 pub const MAX_BLOCK_NS: u64 = 2_000_000;
+/// Blocked in Python code that is not the loop's for at most this long: still in the callback.
+pub const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
+/// Without exact off-CPU intervals: the most sampling periods between two samples of a run
+/// (less time preempted or waiting for the GIL).
+pub const GAP_PERIODS: u64 = 2;
+/// With exact off-CPU intervals (BPF backend): the most time between two samples of a run
+/// (less time preempted or waiting for the GIL; at least [`GAP_PERIODS`] periods), a guard
+/// against lost events only.
+pub const EXACT_MAX_GAP_NS: u64 = 100_000_000;
 /// Frames kept of a stall's dominant stack.
 pub const STACK_FRAMES: usize = 20;
 /// Serializing functions listed per API server.
@@ -139,8 +168,16 @@ pub struct Stall {
     pub start_s: f64,
     pub duration_ms: f64,
     pub samples: u64,
-    /// Sample weights, ms (the stall minus time preempted).
+    /// Sample weights, ms (the stall minus time preempted or waiting for the GIL).
     pub cpu_ms: f64,
+    /// Time the loop's thread waited for the GIL inside the stall (other threads ran Python
+    /// while the callback could not), ms.
+    #[serde(default)]
+    pub gil_wait_ms: f64,
+    /// Time it was blocked inside the stall otherwise, in Python code that is not the loop's
+    /// (a lock, a page fault, a blocking call in the callback), ms.
+    #[serde(default)]
+    pub blocked_ms: f64,
     /// Share of the stall's samples with a serialization frame, 0..1.
     pub serialization_share: f64,
     /// The most frequent stack in the stall, innermost frame first (`function (file:line)`),
@@ -160,22 +197,150 @@ pub struct ApiServerStalls {
     pub stalls: Vec<Stall>,
 }
 
-/// Whether a sample is the event loop idling or outside Python: no Python frame, or the
-/// innermost frame in `selectors.py` (the loop's poll).
-fn is_idle(rec: &Recording, s: &Sample) -> bool {
-    match rec.stack_frames(s.stack).next() {
+/// Files of the event loop itself, where its thread waits between callbacks: asyncio's poll
+/// (`selectors.py`), and where a loop was started (`asyncio/runners.py`: `asyncio.run`,
+/// `asyncio.Runner`; `uvloop/__init__.py`: `uvloop.run`, as `vllm serve` does), the
+/// innermost Python frame of a uvloop loop, whose poll and dispatch are compiled code.
+const LOOP_FILES: &[&str] = &["selectors.py", "asyncio/runners.py", "uvloop/__init__.py"];
+
+/// Whether a stack is the event loop idling or outside Python: no Python frame, or the
+/// innermost frame in one of [`LOOP_FILES`].
+fn is_idle_stack(rec: &Recording, stack: u32) -> bool {
+    match rec.stack_frames(stack).next() {
         None => true,
-        Some(f) => f.file.ends_with("selectors.py"),
+        Some(f) => {
+            let file = f.file.replace('\\', "/");
+            LOOP_FILES.iter().any(|s| file.ends_with(s))
+        }
     }
 }
 
+/// Why the loop's thread was off CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Off {
+    /// Blocked in the loop's poll, or without a Python frame: idle.
+    Blocked,
+    /// Runnable but switched out.
+    Preempted,
+    /// Blocked waiting for the GIL.
+    Gil,
+    /// Blocked elsewhere in Python code (a page fault, a lock, a blocking call in a
+    /// callback): the callback is still running.
+    InCallback,
+}
+
+/// One thread's off-CPU intervals as `(start, dur, why)`, sorted: [`Off::Gil`] when at least
+/// half of a blocked interval lies in the thread's GIL waits (`gil`: `(start, dur)`, any order,
+/// may overlap), [`Off::InCallback`] when it blocked for at most [`MAX_CALLBACK_BLOCK_NS`] in
+/// Python code that is not the loop's (`idle_stack` false for its stack), [`Off::Blocked`]
+/// otherwise. Only the last is the loop
+/// going idle: a preempted thread, one waiting for the GIL and one blocked inside a callback
+/// are all still in the callback.
+fn classify_offcpu(
+    off: &[&OffCpu],
+    gil: &[(u64, u64)],
+    idle_stack: &mut dyn FnMut(u32) -> bool,
+) -> Vec<(u64, u64, Off)> {
+    // The GIL waits' union, sorted.
+    let mut g: Vec<(u64, u64)> = gil.iter().map(|&(s, d)| (s, s.saturating_add(d))).collect();
+    g.sort_unstable();
+    let mut union: Vec<(u64, u64)> = Vec::with_capacity(g.len());
+    for (s, e) in g {
+        match union.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => union.push((s, e)),
+        }
+    }
+    let mut out: Vec<(u64, u64, Off)> = off
+        .iter()
+        .map(|o| {
+            if o.preempted {
+                return (o.start_ns, o.dur_ns, Off::Preempted);
+            }
+            let (a, b) = (o.start_ns, o.start_ns.saturating_add(o.dur_ns));
+            let first = union.partition_point(|u| u.1 <= a);
+            let in_gil: u64 = union[first..]
+                .iter()
+                .take_while(|u| u.0 < b)
+                .map(|u| u.1.min(b).saturating_sub(u.0.max(a)))
+                .sum();
+            let why = if o.dur_ns > 0 && 2 * in_gil >= o.dur_ns {
+                Off::Gil
+            } else if o.dur_ns > MAX_CALLBACK_BLOCK_NS || idle_stack(o.stack) {
+                Off::Blocked
+            } else {
+                Off::InCallback
+            };
+            (o.start_ns, o.dur_ns, why)
+        })
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// Time in `[from, to)` off CPU without going idle (preempted, waiting for the GIL, blocked in
+/// a callback).
+fn forgiven(off: &[(u64, u64, Off)], from: u64, to: u64) -> u64 {
+    // One thread's intervals do not overlap: only the one that starts last before `from` can
+    // reach into the range from before it.
+    let i = off.partition_point(|o| o.0 < from).saturating_sub(1);
+    off[i..]
+        .iter()
+        .take_while(|o| o.0 < to)
+        .filter(|o| o.2 != Off::Blocked)
+        .map(|o| {
+            o.0.saturating_add(o.1)
+                .min(to)
+                .saturating_sub(o.0.max(from))
+        })
+        .sum()
+}
+
+/// With exact off-CPU intervals: a run of samples from `first` to `last` (`prev` and `next`
+/// the thread's samples around it) began when the thread woke from the last idle wait
+/// ([`Off::Blocked`]) that ended in `(prev, first]`, and ended when it went into the first
+/// one that began in `[last, next)`, each if the time between it and the sample, less time
+/// off CPU without going idle, is at most `max_gap_ns`. `None` where there is no such wait.
+fn extent(
+    off: &[(u64, u64, Off)],
+    prev: u64,
+    first: u64,
+    last: u64,
+    next: u64,
+    max_gap_ns: u64,
+) -> (Option<u64>, Option<u64>) {
+    // `off` is sorted by start, and one thread's intervals do not overlap: ends are sorted too.
+    let before = off.partition_point(|o| o.0 < first);
+    let woke = off[..before]
+        .iter()
+        .rev()
+        .map(|o| (o.0.saturating_add(o.1), o.2))
+        .take_while(|&(e, _)| e > prev)
+        .find(|&(e, why)| why == Off::Blocked && e <= first)
+        .map(|(e, _)| e)
+        .filter(|&e| first - e - forgiven(off, e, first).min(first - e) <= max_gap_ns);
+    let after = off.partition_point(|o| o.0 < last);
+    let slept = off[after..]
+        .iter()
+        .take_while(|o| o.0 < next)
+        .find(|o| o.2 == Off::Blocked)
+        .map(|o| o.0)
+        .filter(|&s| s - last - forgiven(off, last, s).min(s - last) <= max_gap_ns);
+    (woke, slept)
+}
+
 /// Runs of busy samples (indices into `samples`, sorted by time) joined as the module
-/// describes.
+/// describes. `off`: the thread's off-CPU intervals sorted by start ([`classify_offcpu`]);
+/// time preempted, waiting for the GIL or blocked inside a callback is taken off the gaps and
+/// never ends a run; a gap of
+/// more than `max_gap_ns` (or [`GAP_PERIODS`] of the previous sample's period, if longer)
+/// does.
 fn runs(
     samples: &[&Sample],
-    off: &[(u64, u64, bool)],
+    off: &[(u64, u64, Off)],
     idle: &[bool],
     period_ns: u64,
+    max_gap_ns: u64,
 ) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
@@ -194,12 +359,12 @@ fn runs(
                 k += 1;
             }
             let (mut preempted, mut blocked_long) = (0u64, false);
-            for &(start, dur, pre) in off[k..].iter().take_while(|o| o.0 < b) {
+            for &(start, dur, why) in off[k..].iter().take_while(|o| o.0 < b) {
                 let ov = start
                     .saturating_add(dur)
                     .min(b)
                     .saturating_sub(start.max(a));
-                if pre {
+                if why != Off::Blocked {
                     preempted += ov;
                 } else if dur > MAX_BLOCK_NS && ov > 0 {
                     blocked_long = true;
@@ -211,7 +376,7 @@ fn runs(
                 period_ns
             };
             let gap = b.saturating_sub(a).saturating_sub(preempted);
-            if blocked_long || gap > 2 * period {
+            if blocked_long || gap > max_gap_ns.max(GAP_PERIODS.saturating_mul(period)) {
                 out.push(std::mem::take(&mut cur));
             }
         }
@@ -286,20 +451,46 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
 
         if sel.contains(pid, pid) {
             main.sort_by_key(|s| s.t_ns);
-            let mut off: Vec<(u64, u64, bool)> = sel
+            let off_raw: Vec<&OffCpu> = sel
                 .offcpu(rec)
                 .filter(|o| o.pid == pid && o.tid == pid)
-                .map(|o| (o.start_ns, o.dur_ns, o.preempted))
                 .collect();
-            off.sort_unstable();
-            let idle: Vec<bool> = main.iter().map(|s| is_idle(rec, s)).collect();
-            for run in runs(&main, &off, &idle, period_ns) {
+            let gil: Vec<(u64, u64)> = sel
+                .gil_waits(rec)
+                .filter(|g| g.pid == pid && g.tid == pid)
+                .map(|g| (g.start_ns, g.dur_ns))
+                .collect();
+            let mut idle_of: HashMap<u32, bool> = HashMap::new();
+            let mut idle_stack = |stack: u32| {
+                *idle_of
+                    .entry(stack)
+                    .or_insert_with(|| is_idle_stack(rec, stack))
+            };
+            let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
+            let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
+            // Exact off-CPU intervals: the BPF backend traced this thread's switches.
+            let max_gap_ns = if rec.meta.backend == "bpf" && !off.is_empty() {
+                EXACT_MAX_GAP_NS
+            } else {
+                0
+            };
+            for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
                 let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
                     continue;
                 };
                 let (a, z) = (main[first], main[last]);
-                let end = z.t_ns + u64::from(z.weight_ns).max(1);
-                let dur = end.saturating_sub(a.t_ns);
+                let (mut begin, mut end) = (a.t_ns, z.t_ns + u64::from(z.weight_ns).max(1));
+                if max_gap_ns > 0 {
+                    // Exact switches: from the wake-up after the idle wait before it to the
+                    // switch into the idle wait after it, if near enough (time on CPU there
+                    // went unsampled: a descheduled virtual CPU, seen for 90 ms).
+                    let prev = first.checked_sub(1).map_or(0, |i| main[i].t_ns);
+                    let next = main.get(last + 1).map_or(u64::MAX, |s| s.t_ns);
+                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, max_gap_ns);
+                    begin = b.unwrap_or(begin);
+                    end = e.unwrap_or(end);
+                }
+                let dur = end.saturating_sub(begin);
                 if dur <= threshold_ns {
                     continue;
                 }
@@ -319,13 +510,25 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
                     .map_or((0, 0), |(&k, &n)| (k, n));
                 let n = run.len() as u64;
+                let inside = |why: Off| -> u64 {
+                    off.iter()
+                        .filter(|o| o.2 == why && o.0 < end)
+                        .map(|o| {
+                            o.0.saturating_add(o.1)
+                                .min(end)
+                                .saturating_sub(o.0.max(begin))
+                        })
+                        .sum()
+                };
                 out.stalls.push(Stall {
                     pid,
                     tid: pid,
-                    start_s: secs(a.t_ns),
+                    start_s: secs(begin),
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
                     cpu_ms: w as f64 / 1e6,
+                    gil_wait_ms: inside(Off::Gil) as f64 / 1e6,
+                    blocked_ms: inside(Off::InCallback) as f64 / 1e6,
                     serialization_share: ser_n as f64 / n as f64,
                     dominant_stack: rec
                         .stack_frames(dom)
@@ -430,10 +633,26 @@ mod tests {
         let times = [0, 1, 2, 3, 4, 8, 9, 20, 21, 22, 27];
         let s: Vec<Sample> = times.iter().map(|&t| mk(t)).collect();
         let refs: Vec<&Sample> = s.iter().collect();
-        let off = [(9 * ms + ms / 2, 10 * ms, true)];
+        let off = [(9 * ms + ms / 2, 10 * ms, Off::Preempted)];
         let idle = vec![false; refs.len()];
-        let r = runs(&refs, &off, &idle, ms);
+        let r = runs(&refs, &off, &idle, ms, 0);
         assert_eq!(r, vec![vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9], vec![10]]);
+        // Waiting for the GIL counts like preemption.
+        let gil = [(9 * ms + ms / 2, 10 * ms, Off::Gil)];
+        assert_eq!(runs(&refs, &gil, &idle, ms, 0), r);
+        // Blocked otherwise (3 ms > MAX_BLOCK_NS): a split there too.
+        let blocked = [(9 * ms + ms / 2, 3 * ms, Off::Blocked)];
+        let r = runs(&refs, &blocked, &idle, ms, 0);
+        assert_eq!(
+            r,
+            vec![vec![0, 1, 2, 3, 4], vec![5, 6], vec![7, 8, 9], vec![10]]
+        );
+        // With exact off-CPU intervals (a 100 ms gap limit) the 4 and 5 ms gaps on CPU do not
+        // end a run; the blocked interval still does, and a gap over the limit does.
+        let r = runs(&refs, &blocked, &idle, ms, 100 * ms);
+        assert_eq!(r, vec![vec![0, 1, 2, 3, 4, 5, 6], vec![7, 8, 9, 10]]);
+        let r = runs(&refs, &off, &idle, ms, 4 * ms);
+        assert_eq!(r, vec![vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9], vec![10]]);
         // At 4 ms periods, 8 ms apart is one run unless the thread blocked > 2 ms between.
         let slow: Vec<Sample> = [0, 8, 16]
             .iter()
@@ -443,16 +662,274 @@ mod tests {
             })
             .collect();
         let refs4: Vec<&Sample> = slow.iter().collect();
-        let blocked = [(9 * ms, 3 * ms, false)];
-        let r = runs(&refs4, &blocked, &[false; 3], 4 * ms);
+        let blocked = [(9 * ms, 3 * ms, Off::Blocked)];
+        let r = runs(&refs4, &blocked, &[false; 3], 4 * ms, 0);
         assert_eq!(r, vec![vec![0, 1], vec![2]]);
-        let short_block = [(9 * ms, ms, false)];
-        let r = runs(&refs4, &short_block, &[false; 3], 4 * ms);
+        let short_block = [(9 * ms, ms, Off::Blocked)];
+        let r = runs(&refs4, &short_block, &[false; 3], 4 * ms, 0);
         assert_eq!(r, vec![vec![0, 1, 2]]);
-        // An idle sample ends a run and belongs to none.
+        // An idle sample ends a run and belongs to none, whatever the gap limit.
         let mut idle = vec![false; refs.len()];
         idle[2] = true;
-        let r = runs(&refs[..5], &[], &idle[..5], ms);
+        let r = runs(&refs[..5], &[], &idle[..5], ms, 0);
         assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
+        let r = runs(&refs[..5], &[], &idle[..5], ms, 100 * ms);
+        assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
+    }
+
+    #[test]
+    fn offcpu_in_gil_waits() {
+        let o = |start: u64, dur: u64, preempted: bool| OffCpu {
+            pid: 1,
+            tid: 1,
+            start_ns: start,
+            dur_ns: dur,
+            stack: 0,
+            preempted,
+        };
+        let off = [
+            o(100, 10, false), // half in GIL waits: Gil
+            o(0, 10, true),    // preempted, whatever the GIL
+            o(200, 10, false), // 4 of 10 in GIL waits: Blocked
+            o(300, 10, false), // 3 + 3 of the same 3 ns (overlapping records): Blocked
+            o(400, 10, false), // 2 + 3 in two separate waits: Gil
+            o(500, 0, false),  // empty
+        ];
+        let refs: Vec<&OffCpu> = off.iter().collect();
+        let mut all_idle = |_: u32| true;
+        let gil = [
+            (95, 10),
+            (206, 10),
+            (300, 3),
+            (301, 2),
+            (400, 2),
+            (407, 3),
+            (495, 10),
+        ];
+        let c = classify_offcpu(&refs, &gil, &mut all_idle);
+        assert_eq!(
+            c,
+            vec![
+                (0, 10, Off::Preempted),
+                (100, 10, Off::Gil),
+                (200, 10, Off::Blocked),
+                (300, 10, Off::Blocked),
+                (400, 10, Off::Gil),
+                (500, 0, Off::Blocked),
+            ]
+        );
+        assert!(classify_offcpu(&refs[2..3], &[], &mut all_idle)
+            .iter()
+            .all(|x| x.2 == Off::Blocked));
+        // Blocked in a callback's code (stack 1), not in the loop's (stack 0).
+        let in_cb = [OffCpu {
+            stack: 1,
+            ..o(200, 10, false)
+        }];
+        let refs: Vec<&OffCpu> = in_cb.iter().chain(&off[2..3]).collect();
+        let c = classify_offcpu(&refs, &[], &mut |stack| stack == 0);
+        assert_eq!(c, vec![(200, 10, Off::Blocked), (200, 10, Off::InCallback)]);
+        // Longer than MAX_CALLBACK_BLOCK_NS: idle, wherever (a thread waiting in
+        // `threading.Event.wait`, not in a loop).
+        let long = [OffCpu {
+            dur_ns: MAX_CALLBACK_BLOCK_NS + 1,
+            ..in_cb[0]
+        }];
+        let refs: Vec<&OffCpu> = long.iter().collect();
+        let c = classify_offcpu(&refs, &[], &mut |stack| stack == 0);
+        assert_eq!(c[0].2, Off::Blocked);
+    }
+
+    #[test]
+    fn loop_frames_are_idle() {
+        let rec = Recording {
+            frames: vec![
+                f("EpollSelector.select", "/usr/lib/python3.12/selectors.py"),
+                f("Runner.run", "/usr/lib/python3.11/asyncio/runners.py"),
+                f(
+                    "run",
+                    "/venv/lib/python3.10/site-packages/uvloop/__init__.py",
+                ),
+                f(
+                    "JSONEncoder.iterencode",
+                    "/usr/lib/python3.12/json/encoder.py",
+                ),
+                f("main", "/srv/serve.py"),
+            ],
+            stacks: vec![
+                vec![],
+                vec![0, 4],
+                vec![1, 4],
+                vec![2, 4],
+                vec![3, 1, 4],
+                vec![4],
+            ],
+            ..Default::default()
+        };
+        let idle: Vec<bool> = (0..6).map(|s| is_idle_stack(&rec, s)).collect();
+        assert_eq!(idle, [true, true, true, true, false, false]);
+    }
+
+    /// An API server's main thread in one 300 ms JSON callback, contended: preempted for
+    /// 20 ms, waiting 5 ms for the GIL, and on CPU 12 ms without a sample (a descheduled
+    /// virtual CPU); then idle in epoll.
+    fn contended_stall(backend: &str) -> Recording {
+        use crate::record::{GilWait, ProcessInfo};
+        let ms = 1_000_000u64;
+        let mut rec = Recording::default();
+        rec.meta.backend = backend.into();
+        rec.meta.rate_hz = 1000;
+        rec.processes.push(ProcessInfo {
+            pid: 7,
+            role: "api_server".into(),
+            ..Default::default()
+        });
+        rec.frames = vec![
+            f(
+                "JSONEncoder.iterencode",
+                "/usr/lib/python3.12/json/encoder.py",
+            ),
+            f("JSONResponse.render", "/srv/frontend.py"),
+            f("EpollSelector.select", "/usr/lib/python3.12/selectors.py"),
+            f(
+                "BaseEventLoop._run_once",
+                "/usr/lib/python3.12/asyncio/base_events.py",
+            ),
+        ];
+        // 0: empty, 1: in the callback, 2: in the poll.
+        rec.stacks = vec![vec![], vec![0, 1, 3], vec![2, 3]];
+        let mut t = 1000 * ms;
+        let end = t + 300 * ms;
+        let mut off = |start: u64, dur: u64, preempted: bool, stack: u32| {
+            rec.offcpu.push(OffCpu {
+                pid: 7,
+                tid: 7,
+                start_ns: start,
+                dur_ns: dur,
+                stack,
+                preempted,
+            })
+        };
+        off(t - 50 * ms, 50 * ms, false, 2); // idle before
+        off(t + 100 * ms, 20 * ms, true, 1); // preempted
+        off(t + 150 * ms, 5 * ms, false, 1); // the GIL wait
+        off(end, 50 * ms, false, 2); // idle after
+        rec.gil_waits.push(GilWait {
+            pid: 7,
+            tid: 7,
+            start_ns: t + 150 * ms,
+            dur_ns: 5 * ms,
+            holder_tid: 8,
+            holder_stack: 0,
+            waiter_stack: 1,
+            switch_wait: false,
+        });
+        while t < end {
+            let r = t - (end - 300 * ms);
+            let quiet = (100 * ms..120 * ms).contains(&r)
+                || (150 * ms..155 * ms).contains(&r)
+                || (200 * ms..212 * ms).contains(&r);
+            if !quiet {
+                rec.samples.push(Sample {
+                    t_ns: t,
+                    pid: 7,
+                    tid: 7,
+                    stack: 1,
+                    flags: 0,
+                    weight_ns: ms as u32,
+                });
+            }
+            t += ms;
+        }
+        rec
+    }
+
+    #[test]
+    fn stall_extent_from_switches() {
+        // No samples in the first 10 and the last 30 ms of the callback (a descheduled
+        // virtual CPU takes none): with exact switches the stall still runs from the wake-up
+        // to the switch into the poll.
+        let ms = 1_000_000u64;
+        let quiet = |rec: &mut Recording| {
+            rec.samples
+                .retain(|s| s.t_ns >= 1010 * ms && s.t_ns < 1270 * ms);
+        };
+        let mut rec = contended_stall("bpf");
+        quiet(&mut rec);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 300.0)]);
+        // Samples alone: 1.010 to the last sample's end.
+        let mut rec = contended_stall("memory");
+        quiet(&mut rec);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 60_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.01, 190.0)]);
+        // Samples from 1.120 to 1.189: the wake-up at 1.000 is 100 ms away once the 20 ms
+        // preempted are taken off (theirs), the switch at 1.300 111 ms (not theirs).
+        let mut rec = contended_stall("bpf");
+        rec.samples
+            .retain(|s| s.t_ns >= 1110 * ms && s.t_ns < 1190 * ms);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 10_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 190.0)]);
+    }
+
+    #[test]
+    fn contended_stall_is_one_with_exact_offcpu() {
+        let rec = contended_stall("bpf");
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        assert_eq!(st.stalls.len(), 1, "{st:?}");
+        let s = &st.stalls[0];
+        assert_eq!((s.start_s, s.duration_ms), (1.0, 300.0));
+        assert_eq!(
+            (s.samples, s.gil_wait_ms, s.blocked_ms),
+            (300 - 20 - 5 - 12, 5.0, 0.0)
+        );
+        assert_eq!(s.serialization_share, 1.0);
+        assert_eq!(
+            s.dominant_stack,
+            [
+                "JSONEncoder.iterencode (encoder.py)",
+                "JSONResponse.render (frontend.py)",
+                "BaseEventLoop._run_once (base_events.py)"
+            ]
+        );
+        // Without exact off-CPU intervals (memory backend) the 12 ms gap is taken for a wait:
+        // 200 and 88 ms.
+        let rec = contended_stall("memory");
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 50_000_000);
+        let d: Vec<f64> = st.stalls.iter().map(|s| s.duration_ms).collect();
+        assert_eq!(d, [200.0, 88.0]);
+        // Without the GIL wait record, the 5 ms blocked interval is in the callback's code
+        // (say a lock or a page fault): still one stall, the time blocked.
+        let mut rec = contended_stall("bpf");
+        rec.gil_waits.clear();
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        assert_eq!(st.stalls.len(), 1, "{st:?}");
+        let s = &st.stalls[0];
+        assert_eq!(
+            (s.duration_ms, s.gil_wait_ms, s.blocked_ms),
+            (300.0, 0.0, 5.0)
+        );
+        // Blocked in the loop's poll for 5 ms: idle, two stalls of 150 and 145 ms.
+        if let Some(o) = rec.offcpu.iter_mut().find(|o| o.dur_ns == 5_000_000) {
+            o.stack = 2;
+        }
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        let d: Vec<f64> = st.stalls.iter().map(|s| s.duration_ms).collect();
+        assert_eq!(d, [150.0, 145.0]);
     }
 }

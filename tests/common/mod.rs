@@ -156,7 +156,7 @@ pub fn children_of(pid: i32) -> Vec<i32> {
 }
 
 /// The descendant of `pid` (or `pid` itself) whose executable is a Python interpreter.
-fn find_python(pid: i32) -> Option<i32> {
+pub fn find_python(pid: i32) -> Option<i32> {
     let mut stack = vec![pid];
     while let Some(p) = stack.pop() {
         let exe = std::fs::read_link(format!("/proc/{p}/exe")).ok()?;
