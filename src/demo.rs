@@ -569,3 +569,20 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
     }
     Ok(s)
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_engine_file_is_built_in() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("samples/engine");
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.ends_with(".py") {
+                assert!(
+                    super::ENGINE_FILES.iter().any(|(n, _)| *n == name),
+                    "samples/engine/{name} is missing from demo::ENGINE_FILES"
+                );
+            }
+        }
+    }
+}
