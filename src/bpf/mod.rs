@@ -162,7 +162,7 @@ impl BpfSampler {
             PerfBreakpointType::ReadWrite,
             PerfBreakpointLength::Len1,
         )
-        .map_err(|e| anyhow!("breakpoint at {addr:#x} on thread {tid}: {e}"))
+        .map_err(|e| anyhow!("breakpoint at {addr:#x} on thread {tid}: {}", os_error(&e)))
     }
 
     /// Remove a breakpoint set by [`watch_code_unit`](Self::watch_code_unit).
@@ -190,7 +190,12 @@ impl BpfSampler {
             PerfBreakpointType::Write,
             PerfBreakpointLength::Len4,
         )
-        .map_err(|e| anyhow!("GC watchpoint at {addr:#x} on thread {tid}: {e}"))
+        .map_err(|e| {
+            anyhow!(
+                "GC watchpoint at {addr:#x} on thread {tid}: {}",
+                os_error(&e)
+            )
+        })
     }
 
     /// Remove a watchpoint set by [`watch_gc_thread`](Self::watch_gc_thread).
@@ -229,8 +234,11 @@ impl BpfSampler {
                     address: addr as u64,
                     length: PerfBreakpointLength::Len4,
                 }),
+                // This thread (the one that writes below), not the process's main thread:
+                // `record` may run on a thread of its own (top, demo, agent).
                 PerfEventScope::OneProcess {
-                    pid: std::process::id(),
+                    // SAFETY: gettid has no preconditions.
+                    pid: unsafe { libc::gettid() } as u32,
                     cpu: None,
                 },
                 SamplePolicy::Period(1),
@@ -318,4 +326,14 @@ fn thread_breakpoint(
         SamplePolicy::Period(1),
         false,
     )
+}
+
+/// A program error with the OS error behind it (aya's `SyscallError` shows only the call).
+fn os_error(e: &aya::programs::ProgramError) -> String {
+    match e {
+        aya::programs::ProgramError::SyscallError(s) => {
+            format!("{} failed: {}", s.call, s.io_error)
+        }
+        other => other.to_string(),
+    }
 }

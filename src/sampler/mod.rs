@@ -1295,12 +1295,17 @@ impl EngineSession {
         pipe: &mut Pipeline,
         opts: &RecordOptions,
     ) -> anyhow::Result<Vec<(i32, String)>> {
-        let (fresh, change) =
-            match crate::vllm::discover::rediscover(&self.discovery, opts.metrics_url.as_deref()) {
-                Ok(x) => x,
-                // /proc raced with exiting processes: try again next time.
-                Err(_) => return Ok(Vec::new()),
-            };
+        let fresh = match crate::vllm::discover::discover_engines(opts.metrics_url.as_deref()) {
+            Ok(mut d) => {
+                if let Some(root) = opts.vllm_root_pid {
+                    restrict_to_engine(&mut d, root);
+                }
+                d
+            }
+            // /proc raced with exiting processes: try again next time.
+            Err(_) => return Ok(Vec::new()),
+        };
+        let (fresh, change) = crate::vllm::discover::reconcile(&self.discovery, fresh);
         if change.is_empty() {
             return Ok(Vec::new());
         }
@@ -1456,6 +1461,9 @@ fn drain_events(
             kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
             kind::GIL_WAIT_START => {
                 let holder_tid = targets[ti].tid_of_tstate(h.ip).unwrap_or(0);
+                // The frames are the holder's stack: code objects first met here belong to
+                // the holder's thread (0: unknown, no probe is set from them).
+                targets[ti].resolving_tid = holder_tid;
                 let resolved = targets[ti].resolve(&frames);
                 pipe.writer.intern_stack(&resolved).map(|s| {
                     pipe.gil_wait_start(

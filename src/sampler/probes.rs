@@ -294,7 +294,8 @@ impl Probes {
         now_rel_ns: u64,
         pipe: &mut Pipeline,
     ) -> anyhow::Result<()> {
-        if self.specs.is_empty() || !self.seen.insert((proc.pid, code)) {
+        // A code object met in a stack of an unknown thread is left for a later sighting.
+        if self.specs.is_empty() || tid == 0 || !self.seen.insert((proc.pid, code)) {
             return Ok(());
         }
         let Some((prio, spec)) = self

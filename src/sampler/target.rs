@@ -33,8 +33,11 @@ pub struct Target {
     /// When set, code objects read for the first time are queued in `new_code` (for probes).
     pub collect_new_code: bool,
     pub new_code: Vec<(u64, Arc<CodeInfo>, i32)>,
-    /// The thread whose stack `resolve` is resolving (for `new_code`).
+    /// The thread whose stack `resolve` is resolving (for `new_code`); 0 when unknown.
     pub resolving_tid: i32,
+    /// Code objects first met in a stack of an unknown thread: queued in `new_code` at their
+    /// next sighting in a known thread's stack.
+    unattributed: std::collections::HashSet<u64>,
     /// Threads with no Python thread state (native: BLAS/OpenMP pools, torch, gRPC…): tid →
     /// name, so their samples carry a name too.
     pub native: HashMap<i32, String>,
@@ -57,6 +60,7 @@ impl Target {
             collect_new_code: false,
             new_code: Vec::new(),
             resolving_tid: 0,
+            unattributed: std::collections::HashSet::new(),
             native: HashMap::new(),
             native_changes: Vec::new(),
         }
@@ -188,6 +192,12 @@ impl Target {
         for f in frames {
             let key = (f.code, f.instr_offset);
             let fresh = self.code.get(&f.code).is_some_and(|c| c.id == f.code_id);
+            if fresh && self.resolving_tid != 0 && self.unattributed.remove(&f.code) {
+                if let Some(c) = self.code.get(&f.code) {
+                    self.new_code
+                        .push((f.code, c.info.clone(), self.resolving_tid));
+                }
+            }
             if fresh {
                 if let Some(fr) = self.lines.get(&key) {
                     out.push(fr.clone());
@@ -209,8 +219,12 @@ impl Target {
                     {
                         let info = Arc::new(info);
                         if self.collect_new_code && self.new_code.len() < 100_000 {
-                            self.new_code
-                                .push((f.code, info.clone(), self.resolving_tid));
+                            if self.resolving_tid != 0 {
+                                self.new_code
+                                    .push((f.code, info.clone(), self.resolving_tid));
+                            } else if self.unattributed.len() < 100_000 {
+                                self.unattributed.insert(f.code);
+                            }
                         }
                         self.code.insert(
                             f.code,
