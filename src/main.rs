@@ -69,18 +69,8 @@ enum Cmd {
         /// Output file.
         #[arg(long, short, default_value = "enginescope.esrec")]
         output: std::path::PathBuf,
-        /// bpf (kernel-side stack walks), memory (user-space polling), or auto.
-        #[arg(long, value_enum, default_value = "auto")]
-        backend: enginescope::sampler::Backend,
-        /// Do not trace off-CPU intervals (sched_switch).
-        #[arg(long)]
-        no_offcpu: bool,
-        /// Do not time GIL waits (futex tracing).
-        #[arg(long)]
-        no_gil: bool,
-        /// Do not time GC pauses (hardware write watchpoint on the GC state).
-        #[arg(long)]
-        no_gc: bool,
+        #[command(flatten)]
+        trace: TraceArgs,
         /// Time every call of a function: `[FILE:]QUALNAME`, e.g. `MessageQueue.enqueue` or
         /// `shm_broadcast.py:MessageQueue.dequeue` (repeat for several). Exact (hardware
         /// breakpoints on the function's first and return instructions) where possible,
@@ -279,6 +269,20 @@ struct AgentArgs {
     /// Seconds between updates of the metrics from the recording.
     #[arg(long, default_value_t = 1.0)]
     poll: f64,
+    #[command(flatten)]
+    trace: TraceArgs,
+    /// Time every call of a function: `[FILE:]QUALNAME` (repeat for several).
+    #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
+    probes: Vec<String>,
+    /// An exactly probed function called more often than this (per second) switches to
+    /// the sampled method. 0 = never.
+    #[arg(long, default_value_t = 500)]
+    probe_max_rate: u64,
+}
+
+/// What `record` and `agent` trace besides on-CPU samples, and with which backend.
+#[derive(clap::Args)]
+struct TraceArgs {
     /// bpf (kernel-side stack walks), memory (user-space polling), or auto.
     #[arg(long, value_enum, default_value = "auto")]
     backend: enginescope::sampler::Backend,
@@ -291,13 +295,16 @@ struct AgentArgs {
     /// Do not time GC pauses (hardware write watchpoint on the GC state).
     #[arg(long)]
     no_gc: bool,
-    /// Time every call of a function: `[FILE:]QUALNAME` (repeat for several).
-    #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
-    probes: Vec<String>,
-    /// An exactly probed function called more often than this (per second) switches to
-    /// the sampled method. 0 = never.
-    #[arg(long, default_value_t = 500)]
-    probe_max_rate: u64,
+}
+
+impl TraceArgs {
+    /// Set these choices in `opts`.
+    fn apply(&self, opts: &mut enginescope::sampler::RecordOptions) {
+        opts.backend = self.backend;
+        opts.offcpu = !self.no_offcpu;
+        opts.gil = !self.no_gil;
+        opts.gc = !self.no_gc;
+    }
 }
 
 impl AgentArgs {
@@ -322,12 +329,8 @@ impl AgentArgs {
             Duration::from_secs_f64(pos(self.segment_seconds, "--segment-seconds")?);
         rotation.max_total_bytes = (pos(self.disk_mb, "--disk-mb")? * 1e6) as u64;
         rotation.max_segments = self.max_segments.max(2);
-        let record = enginescope::sampler::RecordOptions {
+        let mut record = enginescope::sampler::RecordOptions {
             rate_hz: self.rate,
-            backend: self.backend,
-            offcpu: !self.no_offcpu,
-            gil: !self.no_gil,
-            gc: !self.no_gc,
             probes: self.probes,
             probe_max_rate: self.probe_max_rate,
             vllm: self.vllm,
@@ -337,6 +340,7 @@ impl AgentArgs {
             vllm_root_pid: self.engine_pid,
             ..enginescope::sampler::RecordOptions::new(self.pid, "unused.esrec".into())
         };
+        self.trace.apply(&mut record);
         Ok(enginescope::agent::AgentOptions {
             record,
             listen: self.listen,
@@ -425,10 +429,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             duration,
             rate,
             output,
-            backend,
-            no_offcpu,
-            no_gil,
-            no_gc,
+            trace,
             probes,
             probe_max_rate,
             vllm,
@@ -438,16 +439,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             engine_pid,
             json,
         } => {
-            let opts = enginescope::sampler::RecordOptions {
-                pids: pid,
+            let mut opts = enginescope::sampler::RecordOptions {
                 duration: duration.map(std::time::Duration::from_secs_f64),
                 rate_hz: rate,
-                output: output.clone(),
-                backend,
-                offcpu: !no_offcpu,
-                gil: !no_gil,
-                gc: !no_gc,
-                quiet: false,
                 probes,
                 probe_max_rate,
                 vllm,
@@ -455,7 +449,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 scrape_interval: std::time::Duration::from_secs_f64(scrape_interval.max(0.01)),
                 default_probes: !no_default_probes,
                 vllm_root_pid: engine_pid,
+                ..enginescope::sampler::RecordOptions::new(pid, output.clone())
             };
+            trace.apply(&mut opts);
             let s = enginescope::sampler::record(&opts)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);

@@ -268,26 +268,7 @@ impl Pipeline {
         self.gil_waits
             .retain(|&(pid, tid), _| thread_alive(pid, tid));
         self.gc.retain(|&pid, _| crate::procinfo::is_running(pid));
-        let mut split = Vec::new();
-        for (&(pid, tid), tl) in self.timelines.iter() {
-            if let Some((start, stack, preempted)) = tl.pending_out {
-                split.push((pid, tid, start, stack, preempted));
-            } else if let (Some(stack), false) = (tl.initial_stack, tl.seen_event) {
-                split.push((pid, tid, 0, stack, false));
-            }
-        }
-        split.sort_by_key(|x| (x.0, x.1));
-        for (pid, tid, start, stack, preempted) in split {
-            self.offcpu += 1;
-            self.writer.offcpu(&OffCpu {
-                pid,
-                tid,
-                start_ns: start,
-                dur_ns: end.saturating_sub(start),
-                stack,
-                preempted,
-            })?;
-        }
+        self.write_open_offcpu(end, false)?;
         let mut waits: Vec<(i32, i32)> = self.gil_waits.keys().copied().collect();
         waits.sort();
         for (pid, tid) in waits {
@@ -608,19 +589,20 @@ impl Pipeline {
         })
     }
 
-    /// Close intervals still open at the end.
-    pub fn close(&mut self, end_ns: u64) -> anyhow::Result<()> {
-        let end = self.rel(end_ns);
-        let mut waits: Vec<_> = self.gil_waits.drain().collect();
-        waits.sort_by_key(|(k, _)| *k);
-        for ((pid, tid), w) in waits {
-            self.write_gil_wait(pid, tid, w, end)?;
-        }
+    /// Write every thread's off-CPU interval still open (switched out, or blocked since before
+    /// the recording) up to `end`, in (pid, tid) order. `close`: they end here; otherwise
+    /// (a segment rotation) they stay open and the next segment goes on with them.
+    fn write_open_offcpu(&mut self, end: u64, close: bool) -> anyhow::Result<()> {
         let mut open = Vec::new();
         for (&(pid, tid), tl) in self.timelines.iter_mut() {
-            if let Some((start, stack, preempted)) = tl.pending_out.take() {
+            let (pending, initial) = if close {
+                (tl.pending_out.take(), tl.initial_stack.take())
+            } else {
+                (tl.pending_out, tl.initial_stack)
+            };
+            if let Some((start, stack, preempted)) = pending {
                 open.push((pid, tid, start, stack, preempted));
-            } else if let (Some(stack), false) = (tl.initial_stack.take(), tl.seen_event) {
+            } else if let (Some(stack), false) = (initial, tl.seen_event) {
                 open.push((pid, tid, 0, stack, false));
             }
         }
@@ -636,6 +618,18 @@ impl Pipeline {
                 preempted,
             })?;
         }
+        Ok(())
+    }
+
+    /// Close intervals still open at the end.
+    pub fn close(&mut self, end_ns: u64) -> anyhow::Result<()> {
+        let end = self.rel(end_ns);
+        let mut waits: Vec<_> = self.gil_waits.drain().collect();
+        waits.sort_by_key(|(k, _)| *k);
+        for ((pid, tid), w) in waits {
+            self.write_gil_wait(pid, tid, w, end)?;
+        }
+        self.write_open_offcpu(end, true)?;
         Ok(())
     }
 }
