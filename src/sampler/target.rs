@@ -192,7 +192,11 @@ impl Target {
         for f in frames {
             let key = (f.code, f.instr_offset);
             let fresh = self.code.get(&f.code).is_some_and(|c| c.id == f.code_id);
-            if fresh && self.resolving_tid != 0 && self.unattributed.remove(&f.code) {
+            if fresh
+                && self.resolving_tid != 0
+                && !self.unattributed.is_empty()
+                && self.unattributed.remove(&f.code)
+            {
                 if let Some(c) = self.code.get(&f.code) {
                     self.new_code
                         .push((f.code, c.info.clone(), self.resolving_tid));
