@@ -429,9 +429,9 @@ int on_gc_write(struct bpf_perf_event_data *ctx)
     return 0;
 }
 
-/* Hardware read/write breakpoint on one code unit of a probed code object, set per thread of
- * the target: fires right after the interpreter reads the instruction, in that thread. The
- * current frame is the probed call's own frame, which pairs an entry with its return. */
+/* Hardware write watchpoint on a probed code object's ob_refcnt, set per thread of the target:
+ * fires right after the write (a frame of that code pushed: +1, popped: -1), in that thread.
+ * The new value tells user space which of the two it was. */
 SEC("perf_event")
 int on_probe_hit(struct bpf_perf_event_data *ctx)
 {
@@ -448,6 +448,8 @@ int on_probe_hit(struct bpf_perf_event_data *ctx)
     ev.h.cpu = bpf_get_smp_processor_id();
     ev.h.time_ns = bpf_ktime_get_ns();
     ev.h.ip = ctx->addr;
+    if (bpf_probe_read_user(&ev.value, sizeof(ev.value), (void *)ctx->addr))
+        count(ES_C_PROBE_NO_FRAME);
     struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
     __u64 f = 0;
     if (!th || th->tgid != tgid ||

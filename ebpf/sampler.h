@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 4
+#define ES_ABI_VERSION 5
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -66,8 +66,9 @@ enum es_event_kind {
                                * in the GIL struct, frames = the holder's Python stack */
     ES_EV_GIL_WAIT_END = 5,   /* that futex wait returned */
     ES_EV_GC_EDGE = 6,        /* gcstate->collecting written: ip = new value; struct es_gc_edge */
-    ES_EV_PROBE_HIT = 7,      /* a probed function's entry or return code unit was executed:
-                               * ip = the breakpoint address; struct es_probe_hit */
+    ES_EV_PROBE_HIT = 7,      /* a probed function's code object's reference count was
+                               * written (a frame of it pushed or popped): ip = the watched
+                               * address; struct es_probe_hit */
 };
 
 #define ES_EV_SWITCH_WAIT 128 /* on GIL_WAIT_START: the wait is the forced-switch handshake */
@@ -105,15 +106,16 @@ struct es_gc_edge {
     __u64 collected[3];
 };
 
-/* A hit of a hardware breakpoint set by `record --probe` on one code unit of a probed code
- * object (its first instruction, or a return instruction), in the executing thread. */
+/* A hit of a hardware write watchpoint set by `record --probe` on a probed code object's
+ * reference count (ob_refcnt), in the executing thread: every Python call of the code object
+ * increments it when its frame is pushed and decrements it when the frame is popped. */
 struct es_probe_hit {
     struct es_event_header h;
-    __u64 frame;    /* the thread's current _PyInterpreterFrame: at a return, the probed call's
-                     * own frame; at the entry, the call's frame or (3.14, which reads the first
-                     * instruction before publishing the new frame) still its caller's */
+    __u64 frame;    /* the thread's current _PyInterpreterFrame (the caller's at a push and,
+                     * 3.11.7+, at a pop; the callee frame is not yet / no longer published) */
     __u64 previous; /* frame->previous */
     __u64 code;     /* frame's code object (tag bits cleared) */
+    __u64 value;    /* the 8 watched bytes after the write (the new ob_refcnt) */
 };
 
 /* Counters (per-CPU array, summed by user space). Every failure path has one. */

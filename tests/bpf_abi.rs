@@ -26,7 +26,7 @@ int main(void) {
   F(es_target, gil_addr); F(es_target, gil_cond_off); F(es_target, gil_switch_off);
   F(es_target, gil_size); F(es_target, gc_stats_stride); F(es_target, gc_stats_addr);
   S(es_gc_edge); F(es_gc_edge, collections); F(es_gc_edge, collected);
-  S(es_probe_hit); F(es_probe_hit, frame); F(es_probe_hit, previous); F(es_probe_hit, code);
+  S(es_probe_hit); F(es_probe_hit, frame); F(es_probe_hit, previous); F(es_probe_hit, code); F(es_probe_hit, value);
   S(es_thread); F(es_thread, tgid);
   S(es_frame); F(es_frame, instr_offset); F(es_frame, code_id);
   S(es_event_header); F(es_event_header, flags); F(es_event_header, nframes);
@@ -118,10 +118,11 @@ int main(void) {
         ("es_gc_edge", size_of::<EsEventHeader>() + 48),
         ("es_gc_edge.collections", size_of::<EsEventHeader>()),
         ("es_gc_edge.collected", size_of::<EsEventHeader>() + 24),
-        ("es_probe_hit", size_of::<EsEventHeader>() + 24),
+        ("es_probe_hit", size_of::<EsEventHeader>() + 32),
         ("es_probe_hit.frame", size_of::<EsEventHeader>()),
         ("es_probe_hit.previous", size_of::<EsEventHeader>() + 8),
         ("es_probe_hit.code", size_of::<EsEventHeader>() + 16),
+        ("es_probe_hit.value", size_of::<EsEventHeader>() + 24),
         ("es_thread", size_of::<EsThread>()),
         ("es_thread.tgid", offset_of!(EsThread, tgid)),
         ("es_frame", size_of::<EsFrame>()),

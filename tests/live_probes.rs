@@ -110,6 +110,13 @@ fn check(label: &str) {
     let (ok, _, err) = rec.wait();
     assert!(ok, "{label}: record failed: {err}");
     let r = enginescope::record::read_recording(&out).unwrap();
+    eprintln!(
+        "{label}: trap cost {:?} ns; unfinished {:?}, unmatched pops {:?}, ambiguous {:?}",
+        r.counters.get("probe_trap_cost_ns"),
+        r.counters.get("probe_calls_unfinished"),
+        r.counters.get("probe_unmatched_returns"),
+        r.counters.get("probe_ambiguous_edges"),
+    );
     let producer = read_json(&w.dir.join("truth.json"));
     let cons = read_json(&w.dir.join("truth.json.consumer.json"));
     for (truth, function) in [
@@ -128,6 +135,31 @@ fn check(label: &str) {
         let (rc, method) = recorded_calls(&r, function);
         let mut m: Vec<u64> = rc.iter().filter(inside).map(|c| c.1).collect();
         assert_eq!(method, "exact");
+        {
+            // Per-call difference (recorded - truth) of calls matched by start time.
+            let ti: Vec<&(u64, u64)> = tc.iter().filter(inside).collect();
+            let mut diffs: Vec<i64> = rc
+                .iter()
+                .filter(inside)
+                .filter_map(|c| {
+                    let j = ti.partition_point(|t| t.0 < c.0.saturating_sub(1_000_000));
+                    ti.get(j)
+                        .filter(|t| t.0.abs_diff(c.0) < 1_000_000)
+                        .map(|t| c.1 as i64 - t.1 as i64)
+                })
+                .collect();
+            diffs.sort_unstable();
+            if !diffs.is_empty() {
+                let q = |x: f64| diffs[((diffs.len() - 1) as f64 * x) as usize];
+                eprintln!(
+                    "{label} {function}: per-call recorded-truth us: p10 {} p50 {} p90 {} ({} matched)",
+                    q(0.1) / 1000,
+                    q(0.5) / 1000,
+                    q(0.9) / 1000,
+                    diffs.len()
+                );
+            }
+        }
         let (t50, t90, m50, m90) = (
             pct(&mut t, 0.5),
             pct(&mut t, 0.9),

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 pub const MAX_FRAMES: usize = 128;
 
 /// `struct es_target`.
@@ -173,17 +173,20 @@ pub struct ProbeFrame {
     pub frame: u64,
     pub previous: u64,
     pub code: u64,
+    /// The watched 8 bytes after the write: the probed code object's new `ob_refcnt`.
+    pub value: u64,
 }
 
 /// The frame facts of a PROBE_HIT record.
 pub fn parse_probe_frame(bytes: &[u8]) -> Option<ProbeFrame> {
     let h = std::mem::size_of::<EsEventHeader>();
-    let b = bytes.get(h..h + 24)?;
+    let b = bytes.get(h..h + 32)?;
     let at = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
     Some(ProbeFrame {
         frame: at(0),
         previous: at(1),
         code: at(2),
+        value: at(3),
     })
 }
 

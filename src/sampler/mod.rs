@@ -1001,6 +1001,7 @@ pub(crate) fn collect_counters(
         counters.insert("probe_calls".into(), probes.calls);
         counters.insert("probe_calls_unfinished".into(), probes.unfinished);
         counters.insert("probe_unmatched_returns".into(), probes.unmatched_returns);
+        counters.insert("probe_ambiguous_edges".into(), probes.ambiguous_edges);
         counters.insert("probe_attach_failures".into(), probes.attach_failures);
         counters.insert("probe_thread_attaches".into(), probes.thread_attaches);
         counters.insert("probes_switched_to_sampling".into(), probes.demoted);
@@ -1482,7 +1483,9 @@ fn drain_events(
         }
     });
     for (pid, tid, codes) in attach {
-        probes.observe(b, pid, tid, &codes);
+        if let Some(&ti) = index.get(&pid) {
+            probes.observe(b, &targets[ti].proc, tid, &codes);
+        }
     }
     err.map_or(Ok(()), Err)
 }
