@@ -482,11 +482,22 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
         s,
         "2. per-call latency (p50), enginescope vs the engine's own perf_counter timers:"
     )?;
+    // One line per function and process, whatever its method over time; only exact
+    // figures stand beside the engine's own.
+    let mut seen = std::collections::BTreeSet::new();
     for p in &rec.probes {
+        if !seen.insert((p.pid, p.function.clone())) {
+            continue;
+        }
+        let group: Vec<_> = rec
+            .probes
+            .iter()
+            .filter(|q| q.pid == p.pid && q.function == p.function)
+            .collect();
         let mut d: Vec<u64> = rec
             .calls
             .iter()
-            .filter(|c| c.probe == p.id && in_window(c.start_ns))
+            .filter(|c| group.iter().any(|q| q.id == c.probe) && in_window(c.start_ns))
             .map(|c| c.dur_ns)
             .collect();
         if d.is_empty() {
@@ -500,6 +511,19 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             .find(|x| x.pid == p.pid)
             .map(|x| x.role.clone())
             .unwrap_or_default();
+        let exact = group.iter().all(|q| q.method == "exact");
+        if !exact {
+            let res = group.iter().map(|q| q.resolution_ns).max().unwrap_or(0);
+            writeln!(
+                s,
+                "   {:<30} {:<12} >= {} calls, sampled ({:.0} ms resolution): a lower bound, not comparable with the engine's timers",
+                p.function,
+                role,
+                d.len(),
+                res as f64 / 1e6
+            )?;
+            continue;
+        }
         let truth = [&worker_t, &core_t]
             .into_iter()
             .flatten()
@@ -507,12 +531,11 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             .and_then(|t| t["functions"][&p.function]["wall_ns"]["p50"].as_f64());
         writeln!(
             s,
-            "   {:<30} {:<12} {:>5} calls  p50 {:>7.3} ms ({})   engine's own: {}",
+            "   {:<30} {:<12} {:>5} calls  p50 {:>7.3} ms (exact)   engine's own: {}",
             p.function,
             role,
             d.len(),
             d[d.len() / 2] as f64 / 1e6,
-            p.method,
             truth.map_or("-".to_string(), |t| format!("{:.3} ms", t / 1e6))
         )?;
     }

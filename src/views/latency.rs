@@ -108,17 +108,56 @@ pub fn function_latency(
     windows: &Windows,
 ) -> Vec<FunctionLatencyRow> {
     let probes = probes_by_id(rec);
+    // One row per function and thread whatever the method over time: a probe switched to
+    // sampling mid-run is a second probe record on the same function, whose calls join the
+    // first's row (keyed by the first probe of that function in that process).
+    let mut first_of: BTreeMap<(i32, &str, &str), u32> = BTreeMap::new();
+    for p in &rec.probes {
+        first_of
+            .entry((p.pid, p.function.as_str(), p.file.as_str()))
+            .or_insert(p.id);
+    }
+    let row_of = |probe: u32| {
+        probes
+            .get(&probe)
+            .and_then(|p| first_of.get(&(p.pid, p.function.as_str(), p.file.as_str())))
+            .copied()
+            .unwrap_or(probe)
+    };
     let mut by_key: BTreeMap<(u32, i32, i32), Vec<(u64, u64)>> = BTreeMap::new();
+    let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
+        let key = (row_of(c.probe), c.pid, c.tid);
         by_key
-            .entry((c.probe, c.pid, c.tid))
+            .entry(key)
             .or_default()
             .push((c.start_ns.saturating_add(c.dur_ns), c.dur_ns));
+        let m = methods.entry(key).or_default();
+        if !m.contains(&c.probe) {
+            m.push(c.probe);
+        }
     }
     let mut rows: Vec<FunctionLatencyRow> = by_key
         .into_iter()
         .filter_map(|((probe, pid, tid), calls)| {
             let p = probes.get(&probe).copied();
+            // The methods that produced the row's calls, in probe order: `exact`, `sampled`,
+            // or `exact, then sampled` (a rate cap or a lost register switched it).
+            let mut used: Vec<&ProbeInfo> = methods
+                .get(&(probe, pid, tid))
+                .into_iter()
+                .flatten()
+                .filter_map(|id| probes.get(id).copied())
+                .collect();
+            used.sort_by_key(|p| p.id);
+            let mut method: Vec<&str> = Vec::new();
+            for u in &used {
+                if !method.contains(&u.method.as_str()) {
+                    method.push(u.method.as_str());
+                }
+            }
+            let method = method.join(", then ");
+            let resolution_ns = used.iter().map(|p| p.resolution_ns).max().unwrap_or(0);
             let mut durs: Vec<u64> = calls.iter().map(|&(_, d)| d).collect();
             let latency_ms = LatencyMs::of(&mut durs)?;
             let attached = p.map_or(0, |p| p.t_ns);
@@ -144,8 +183,8 @@ pub fn function_latency(
                 },
                 total_s: secs(durs.iter().sum()),
                 latency_ms,
-                method: p.map(|p| p.method.clone()).unwrap_or_default(),
-                resolution_ms: p.map_or(0.0, |p| ms(p.resolution_ns)),
+                method,
+                resolution_ms: ms(resolution_ns),
                 latency_series: per_window
                     .iter_mut()
                     .enumerate()

@@ -314,12 +314,14 @@ impl Report {
             let l = &f.latency_ms;
             let _ = writeln!(
                 s,
-                "| {} ({}) | {} (tid {}, pid {}) | {} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
+                "| {} ({}) | {} (tid {}, pid {}) | {}{} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
                 md(&f.function),
                 md(short_file(&f.file)),
                 md(if f.thread.is_empty() { "thread" } else { &f.thread }),
                 f.tid,
                 f.pid,
+                // Not every call seen: the count is a lower bound.
+                if f.method == "exact" { "" } else { "≥ " },
                 f.calls,
                 f.calls_per_s,
                 l.p50,
@@ -331,11 +333,13 @@ impl Report {
                 f.resolution_ms
             );
         }
-        if self.function_latency.iter().any(|f| f.method == "sampled") {
+        if self.function_latency.iter().any(|f| f.method != "exact") {
             let _ = writeln!(
                 s,
-                "\n`sampled` probes see only calls longer than their resolution, so their counts \
-                 are low and their percentiles high."
+                "\nRows not `exact` are not comparable with per-call timers: `sampled` probes \
+                 see only calls longer than their resolution and merge back-to-back calls, so \
+                 their counts are lower bounds (≥) and their percentiles are in sampling \
+                 periods; `exact, then sampled` rows switched method during the recording."
             );
         }
     }
