@@ -332,22 +332,9 @@ impl Source for BpfSource {
             self.probes.gc_attach_failures,
         );
         if !self.probes.is_empty() {
-            probe_counters(Some(&self.probes), out);
+            super::probes::counters(Some(&self.probes), out);
         }
     }
-}
-
-/// The probe counters, when probes were asked for (`None`: a source that cannot set them, all
-/// zero).
-pub(crate) fn probe_counters(p: Option<&Probes>, out: &mut BTreeMap<String, u64>) {
-    let v = |f: fn(&Probes) -> u64| p.map_or(0, f);
-    out.insert("probe_trap_cost_ns".into(), v(|p| p.trap_ns));
-    out.insert("probe_calls".into(), v(|p| p.calls));
-    out.insert("probe_calls_unfinished".into(), v(|p| p.unfinished));
-    out.insert("probe_unmatched_returns".into(), v(|p| p.unmatched_returns));
-    out.insert("probe_attach_failures".into(), v(|p| p.attach_failures));
-    out.insert("probe_thread_attaches".into(), v(|p| p.thread_attaches));
-    out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
 }
 
 /// A short BPF check for `doctor`: load and attach the programs, sample `pid` for `duration`,

@@ -137,7 +137,7 @@ impl Source for MemorySource {
         out.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
         out.insert("gc_watch_attach_failures".into(), 0);
         if self.probes_asked {
-            super::bpf_source::probe_counters(None, out);
+            super::probes::counters(None, out);
         }
     }
 }
