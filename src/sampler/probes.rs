@@ -168,7 +168,7 @@ pub fn plan_exact(proc: &PythonProcess, code: u64) -> Result<ExactPlan, String> 
         Ok(_) | Err(opcodes::WalkError::Instrumented { .. }) => {}
         Err(e) => return Err(e.to_string()),
     }
-    if code % 8 != 0 {
+    if !code.is_multiple_of(8) {
         return Err(format!("code object at {code:#x} is not 8-byte aligned"));
     }
     Ok(ExactPlan { refcnt: code })
@@ -885,7 +885,7 @@ mod tests {
     fn one_probe(exact: bool) -> Probes {
         let mut p = Probes::new(vec![ProbeSpec::parse("f").unwrap()], 10 * MS, true);
         p.trap_ns = 1000;
-        let plan = exact.then(|| ExactPlan { refcnt: 0xC0DE });
+        let plan = exact.then_some(ExactPlan { refcnt: 0xC0DE });
         if exact {
             p.by_addr.insert((1, 0xC0DE), 0);
         }
