@@ -23,7 +23,8 @@ phase() { # $1 = probed|unprobed, $2 = round
     -o "$OUT/$1-$2.esrec" 2> "$OUT/$1-$2.log" &
   local rec=$!
   # The recorder is sampling (and, probed, its probes attached) before the load's window.
-  tail -n +1 -f "$OUT/$1-$2.log" | grep -q -m1 'sampling started'
+  # (grep ends the pipe at the first match: tail's SIGPIPE is expected.)
+  timeout 120 tail -n +1 -f "$OUT/$1-$2.log" | grep -q -m1 'sampling started' || true
   if [ "$1" = probed ]; then
     timeout 30 tail -n +1 -f "$OUT/$1-$2.log" | grep -q -m1 'EngineCore.step' || true
   fi

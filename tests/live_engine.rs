@@ -289,6 +289,33 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
     let out = demo(&python, &slow, &[]);
     eprintln!("{out}");
     let rec = enginescope::record::read_recording(&slow.join("demo.esrec")).unwrap();
+    // Issue 11: every latency finding the demo prints beside the engine's own is exact (one
+    // debug register per probed function leaves room for all of them next to GC), and every
+    // probe of the vLLM default set that timed calls on the engine's threads did so exactly.
+    let section: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("2. per-call latency"))
+        .skip(1)
+        .take_while(|l| l.starts_with("   "))
+        .collect();
+    assert!(section.len() >= 4, "demo's latency findings:\n{out}");
+    for l in &section {
+        assert!(
+            l.contains("(exact)") && l.contains("engine's own"),
+            "not exact: {l}"
+        );
+    }
+    for p in &rec.probes {
+        let timed = rec.calls.iter().any(|c| c.probe == p.id);
+        assert!(
+            !timed || p.method == "exact",
+            "{} in {} timed by {}: {:?}",
+            p.function,
+            p.pid,
+            p.method,
+            rec.probes
+        );
+    }
     check_slow(&rec, &slow.join("truth"));
     for f in [
         "report.md",
