@@ -72,9 +72,10 @@ enum Cmd {
         #[command(flatten)]
         trace: TraceArgs,
         /// Time every call of a function: `[FILE:]QUALNAME`, e.g. `MessageQueue.enqueue` or
-        /// `shm_broadcast.py:MessageQueue.dequeue` (repeat for several). Exact (hardware
-        /// breakpoints on the function's first and return instructions) where possible,
-        /// sampled otherwise; the recording says which.
+        /// `shm_broadcast.py:MessageQueue.dequeue` (repeat for several). Exact (a hardware
+        /// watchpoint on the function's code object's reference count, which every call's
+        /// frame push and pop write) where possible, sampled otherwise; the recording says
+        /// which.
         #[arg(long = "probe", value_name = "[FILE:]QUALNAME")]
         probes: Vec<String>,
         /// An exactly probed function called more often than this (per second) switches to

@@ -279,7 +279,7 @@ impl Metrics {
         );
         reg.register(
             "enginescope_probe_errors",
-            "Probe failures: attach_failed (no free debug register on a thread), unfinished (call left without a return), unmatched_return",
+            "Probe failures: attach_failed (no free debug register on a thread), unfinished (call left without a return), unmatched_return, ambiguous_edge (direction of a reference-count write inferred)",
             c.probe_errors,
         );
         reg.register(
@@ -410,6 +410,7 @@ fn counter_target(name: &str) -> Option<(&'static str, String)> {
         "probe_attach_failures" => ("probe", "attach_failed".into()),
         "probe_calls_unfinished" => ("probe", "unfinished".into()),
         "probe_unmatched_returns" => ("probe", "unmatched_return".into()),
+        "probe_ambiguous_edges" => ("probe", "ambiguous_edge".into()),
         "probes_switched_to_sampling" => ("demoted", String::new()),
         "segments_rotated" => ("rotations", String::new()),
         _ => return None,

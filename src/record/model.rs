@@ -202,7 +202,7 @@ pub struct ProbeInfo {
     pub function: String,
     pub file: String,
     pub firstlineno: i32,
-    /// "exact" (every call, from hardware breakpoints) or "sampled" (calls followed across
+    /// "exact" (every call, from a hardware watchpoint) or "sampled" (calls followed across
     /// samples; only calls longer than the sampling interval are seen).
     pub method: String,
     /// Smallest duration this method resolves, ns (exact: the trap cost; sampled: the
