@@ -111,6 +111,9 @@ pub struct RecordingWriter {
     out: BufWriter<std::fs::File>,
     frames: HashMap<Frame, u32>,
     stacks: HashMap<Vec<u32>, u32>,
+    /// Native and kernel frames: written with their description when first interned (kept
+    /// across rotations, so a carried stack keeps its kinds).
+    native: HashMap<Frame, NativeFrameInfo>,
     buf: Vec<u8>,
     bytes: u64,
     samples: u64,
@@ -167,6 +170,7 @@ impl RecordingWriter {
         let mut w = RecordingWriter {
             out: BufWriter::with_capacity(1 << 16, f),
             frames: HashMap::new(),
+            native: HashMap::new(),
             stacks: HashMap::new(),
             buf: Vec::with_capacity(256),
             bytes: 0,
@@ -356,9 +360,33 @@ impl RecordingWriter {
         );
         put_str(&mut self.buf, &f.function);
         put_str(&mut self.buf, &f.file);
+        if let Some(n) = self.native.get(f) {
+            // Trailing fields: readers before them stop after `file`.
+            self.buf.push(n.kind);
+            put_varint(&mut self.buf, n.addr);
+            put_str(&mut self.buf, &n.module);
+            put_str(&mut self.buf, &n.build_id);
+        }
         self.record(tag::FRAME)?;
         self.frames.insert(f.clone(), id);
         Ok(id)
+    }
+
+    /// The id of a stack of Python, native and kernel frames (innermost first).
+    pub fn intern_mixed(
+        &mut self,
+        frames: &[(Frame, Option<NativeFrameInfo>)],
+    ) -> anyhow::Result<u32> {
+        for (f, n) in frames {
+            if let Some(n) = n {
+                if !self.native.contains_key(f) {
+                    // Bounded: one entry per distinct native symbol.
+                    self.native.insert(f.clone(), n.clone());
+                }
+            }
+        }
+        let plain: Vec<Frame> = frames.iter().map(|(f, _)| f.clone()).collect();
+        self.intern_stack(&plain)
     }
 
     /// The id of a stack (innermost frame first), writing its definition the first time.
@@ -646,6 +674,21 @@ impl RecordingReader {
                 let file = c.str()?;
                 if id != r.frames.len() {
                     bail!("frame id {id} out of order");
+                }
+                if c.i < p.len() {
+                    let kind = c.u8()?;
+                    let addr = c.varint()?;
+                    let module = c.str()?;
+                    let build_id = c.str()?;
+                    r.frame_native.insert(
+                        id as u32,
+                        NativeFrameInfo {
+                            kind,
+                            addr,
+                            module,
+                            build_id,
+                        },
+                    );
                 }
                 r.frames.push(Frame {
                     function,

@@ -60,6 +60,8 @@ pub struct RecordOptions {
     pub default_probes: bool,
     /// With `vllm`: only the engine whose API server (or offline script) has this pid.
     pub vllm_root_pid: Option<i32>,
+    /// Native and kernel frames (bpf backend).
+    pub native: crate::native::NativeOptions,
 }
 
 impl RecordOptions {
@@ -82,6 +84,7 @@ impl RecordOptions {
             scrape_interval: Duration::from_secs(1),
             default_probes: true,
             vllm_root_pid: None,
+            native: crate::native::NativeOptions::default(),
         }
     }
 }
@@ -186,6 +189,8 @@ pub struct Pipeline {
     /// Counters of targets that exited and were dropped, so that totals never go back.
     pub exited_unresolved_frames: u64,
     pub exited_code_rereads: u64,
+    /// Native and kernel frames (`record --native` / `--kernel-stacks`, bpf backend).
+    pub native: Option<crate::native::NativeState>,
 }
 
 /// How often a rotating recording writes its counters (for a live reader's lost-sample and
@@ -885,6 +890,10 @@ pub fn record_rotating(
         rotation: rotator,
         exited_unresolved_frames: 0,
         exited_code_rereads: 0,
+        native: opts
+            .native
+            .any()
+            .then(|| crate::native::NativeState::new(opts.native)),
     };
     for t in &targets {
         pipe.writer.process(&ProcessInfo {
@@ -1004,6 +1013,9 @@ pub(crate) fn collect_counters(
         counters.insert("probe_attach_failures".into(), probes.attach_failures);
         counters.insert("probe_thread_attaches".into(), probes.thread_attaches);
         counters.insert("probes_switched_to_sampling".into(), probes.demoted);
+    }
+    if let Some(n) = &pipe.native {
+        n.counters(&mut counters);
     }
     if let Some(r) = &pipe.rotation {
         counters.insert("segments_rotated".into(), r.rotations);
@@ -1357,6 +1369,12 @@ fn configure_target(
     if opts.gil {
         fl |= abi::TARGET_GIL;
     }
+    if opts.native.kernel {
+        fl |= abi::TARGET_KSTACK;
+    }
+    if opts.native.user {
+        fl |= abi::TARGET_USTACK;
+    }
     let mut cfg = t.bpf_config(fl)?;
     if opts.gc {
         let tids: Vec<i32> = t.threads.keys().copied().collect();
@@ -1412,12 +1430,19 @@ fn drain_events(
         if err.is_some() {
             return;
         }
-        let Some((h, frames)) = abi::parse_event(bytes) else {
+        let Some((h, mut frames)) = abi::parse_event(bytes) else {
             return;
         };
         let pid = h.tgid as i32;
         let tid = h.tid as i32;
         let Some(&ti) = index.get(&pid) else { return };
+        if h.kind == kind::NATIVE_STACK {
+            if let Some(n) = pipe.native.as_mut() {
+                n.stash(bytes);
+            }
+            return;
+        }
+        let entry = crate::native::entry_marks(&mut frames, targets[ti].proc.version.minor);
         targets[ti].resolving_tid = tid;
         if matches!(h.kind, kind::SAMPLE | kind::SWITCH_OUT) && probes.wants_stacks(pid) {
             let codes: Vec<u64> = frames.iter().map(|f| f.code).collect();
@@ -1428,8 +1453,7 @@ fn drain_events(
         let r = match h.kind {
             kind::SAMPLE => {
                 let resolved = targets[ti].resolve(&frames);
-                pipe.writer
-                    .intern_stack(&resolved)
+                native_stack(pipe, pid, tid, h.time_ns, &resolved, &entry)
                     .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)))
                     .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, false, pipe))
             }
@@ -1445,8 +1469,7 @@ fn drain_events(
             }
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
-                pipe.writer
-                    .intern_stack(&resolved)
+                native_stack(pipe, pid, tid, h.time_ns, &resolved, &entry)
                     .map(|s| {
                         pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
                     })
@@ -1485,6 +1508,26 @@ fn drain_events(
         probes.observe(b, pid, tid, &codes);
     }
     err.map_or(Ok(()), Err)
+}
+
+/// The stack id of an event: Python frames merged with the native record sent with it, when
+/// native stacks are recorded (else the Python frames alone).
+fn native_stack(
+    pipe: &mut Pipeline,
+    pid: i32,
+    tid: i32,
+    time_ns: u64,
+    python: &[crate::cpython::Frame],
+    entry: &[bool],
+) -> anyhow::Result<u32> {
+    match pipe
+        .native
+        .as_mut()
+        .and_then(|n| n.mixed(pid, tid, time_ns, python, entry))
+    {
+        Some(m) => pipe.writer.intern_mixed(&m),
+        None => pipe.writer.intern_stack(python),
+    }
 }
 
 /// A short BPF check for `doctor`: load and attach the programs, sample `pid` for `duration`,
