@@ -308,6 +308,7 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
                 output: Some(out.join("diff.md")),
                 flame: Some(out.join("diff-flame.svg")),
                 top: 20,
+                no_native: false,
             };
             crate::views::diff::run(&args)?;
             println!(

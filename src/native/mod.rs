@@ -122,6 +122,9 @@ impl KernelSymbols {
     }
 }
 
+/// The function name of code with no symbol (a stripped library's local functions).
+pub const NO_SYMBOL: &str = "<no symbol>";
+
 /// The module name kernel frames carry.
 pub const KERNEL_MODULE: &str = "[kernel.kallsyms]";
 
@@ -543,7 +546,7 @@ impl ProcessNative {
                 // module, so that it adds up in a flamegraph; the address stays in the info.
                 let (start, function) = match module.symbol(svma) {
                     Some((s, n)) => (s, n.to_string()),
-                    None => (svma, format!("[{}]", module.short_name())),
+                    None => (svma, NO_SYMBOL.to_string()),
                 };
                 (
                     Frame {

@@ -61,6 +61,9 @@ pub mod flags {
     pub const KERNEL: u8 = 8;
     /// The Python stack could not be read completely (the frames present are right).
     pub const PARTIAL: u8 = 16;
+    /// The stack holds the sample's native and kernel frames (`record --native`): views do not
+    /// add the synthetic `[native]` / `[kernel]` leaves, the frames say it.
+    pub const NATIVE_FRAMES: u8 = 32;
 }
 
 /// One on-CPU sample of one thread.

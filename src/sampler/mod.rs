@@ -1454,7 +1454,10 @@ fn drain_events(
             kind::SAMPLE => {
                 let resolved = targets[ti].resolve(&frames);
                 native_stack(pipe, pid, tid, h.time_ns, &resolved, &entry)
-                    .and_then(|s| pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags)))
+                    .and_then(|(s, nf)| {
+                        let fl = sample_flags(h.flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
+                        pipe.sample(pid, tid, h.time_ns, s, fl)
+                    })
                     .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, false, pipe))
             }
             kind::PROBE_HIT => match abi::parse_probe_frame(bytes) {
@@ -1470,7 +1473,7 @@ fn drain_events(
             kind::SWITCH_OUT => {
                 let resolved = targets[ti].resolve(&frames);
                 native_stack(pipe, pid, tid, h.time_ns, &resolved, &entry)
-                    .map(|s| {
+                    .map(|(s, _)| {
                         pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0)
                     })
                     .and_then(|()| probes.stack(pid, tid, h.time_ns, &resolved, true, pipe))
@@ -1511,7 +1514,7 @@ fn drain_events(
 }
 
 /// The stack id of an event: Python frames merged with the native record sent with it, when
-/// native stacks are recorded (else the Python frames alone).
+/// native stacks are recorded (else the Python frames alone); and whether it was merged.
 fn native_stack(
     pipe: &mut Pipeline,
     pid: i32,
@@ -1519,14 +1522,14 @@ fn native_stack(
     time_ns: u64,
     python: &[crate::cpython::Frame],
     entry: &[bool],
-) -> anyhow::Result<u32> {
+) -> anyhow::Result<(u32, bool)> {
     match pipe
         .native
         .as_mut()
         .and_then(|n| n.mixed(pid, tid, time_ns, python, entry))
     {
-        Some(m) => pipe.writer.intern_mixed(&m),
-        None => pipe.writer.intern_stack(python),
+        Some(m) => Ok((pipe.writer.intern_mixed(&m)?, true)),
+        None => Ok((pipe.writer.intern_stack(python)?, false)),
     }
 }
 
