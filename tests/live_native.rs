@@ -7,7 +7,7 @@
 //! On Debian's static, stripped interpreters (sid) the C code built into the executable
 //! (`_pickle`, `_json`, `zlib`) has no symbol to name it by; there only the symbols that exist
 //! (the test's C function, OpenSSL's exported SHA-256 entry points) are checked, and the rest
-//! is printed.
+//! is printed (libz's exported `deflate*` name most, not all, of zlib.compress there).
 
 mod common;
 
@@ -22,7 +22,9 @@ fn symbols(hot: &str) -> &'static [&'static str] {
     match hot {
         "pickle" => &["_pickle_dumps"],
         "json" => &["encoder_call"],
-        "zlib" => &["zlib_compress"],
+        // deflate, deflateInit2_, deflateEnd: libz's exported entry points (what a stripped
+        // interpreter's built-in zlib module calls).
+        "zlib" => &["zlib_compress", "deflate"],
         "hashlib" => &[
             "_hashlib_openssl_sha256",
             "EVP_DigestUpdate",
@@ -79,7 +81,7 @@ fn check(label: &str, stripped: bool) {
             "--truth",
             "{dir}/truth.json",
             "--duration",
-            "6",
+            "8",
             "--go-fifo",
             "{dir}/go",
             "--cext",
@@ -173,6 +175,8 @@ fn check(label: &str, stripped: bool) {
         let got = hit as f64 / on_ns.max(1) as f64;
         let want = ft["cpu_s"].as_f64().unwrap() / cpu_s;
         // Stripped static interpreters: C code built into the executable has no symbol.
+        // (zlib's deflate* in libz are named there, but the module's own C code around them,
+        // a few points of the time, is not: printed, not checked.)
         let assertable = !stripped || matches!(hot.as_str(), "cext" | "hashlib");
         report.push(format!(
             "  {hot} {names:?}: {:.1}% of on-CPU (truth {:.1}%){}",
@@ -190,6 +194,18 @@ fn check(label: &str, stripped: bool) {
                 failures.push(format!("{hot}: {got:.3} vs truth {want:.3}"));
             }
         }
+    }
+    // Native and Python frames were merged at the evaluation loop's frames (found by symbol,
+    // or on stripped builds as the binary's largest function), not stacked leaf-only.
+    let c = |k: &str| r.counters.get(k).copied().unwrap_or(0);
+    let exact =
+        c("native_merged") as f64 / (c("native_merged") + c("native_merge_fallback")).max(1) as f64;
+    report.push(format!("exact merges: {:.1}%", exact * 100.0));
+    if exact < 0.9 {
+        failures.push(format!(
+            "only {:.1}% of stacks merged exactly",
+            exact * 100.0
+        ));
     }
     report.push(format!("counters: {:?}", r.counters));
     eprintln!("{}", report.join("\n"));
