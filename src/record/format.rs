@@ -844,6 +844,56 @@ mod tests {
     }
 
     #[test]
+    fn native_frames_roundtrip_and_older_frame_records_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n.esrec");
+        let mut w = RecordingWriter::create(&path, &Meta::default()).unwrap();
+        let native = Frame {
+            function: "save_list".into(),
+            file: "/x/_pickle.so".into(),
+            line: None,
+        };
+        let info = NativeFrameInfo {
+            kind: FRAME_NATIVE,
+            addr: 0x1234,
+            module: "/x/_pickle.so".into(),
+            build_id: "abcd".into(),
+        };
+        let s = w
+            .intern_mixed(&[
+                (native.clone(), Some(info.clone())),
+                (frame("main", 3), None),
+            ])
+            .unwrap();
+        w.finish(&EndInfo::default()).unwrap();
+        let r = read_recording(&path).unwrap();
+        let ids = &r.stacks[s as usize];
+        assert_eq!(r.frames[ids[0] as usize], native);
+        assert_eq!(r.frame_native.get(&ids[0]), Some(&info));
+        assert_eq!(r.frame_kind(ids[1]), 0);
+        // A frame record as the first writers wrote it (no trailing fields) is a Python frame.
+        let mut rd = RecordingReader::default();
+        let mut file = Vec::new();
+        file.extend_from_slice(MAGIC);
+        file.extend_from_slice(&VERSION.to_le_bytes());
+        let mut meta = serde_json::to_vec(&Meta::default()).unwrap();
+        file.push(tag::META);
+        put_varint(&mut file, meta.len() as u64);
+        file.append(&mut meta);
+        let mut p = Vec::new();
+        put_varint(&mut p, 0);
+        put_varint(&mut p, 0);
+        put_str(&mut p, "f");
+        put_str(&mut p, "a.py");
+        file.push(tag::FRAME);
+        put_varint(&mut file, p.len() as u64);
+        file.extend_from_slice(&p);
+        rd.feed(&file).unwrap();
+        assert_eq!(rd.recording.frames.len(), 1);
+        assert!(rd.recording.frame_native.is_empty());
+    }
+
+    #[test]
     fn roundtrip_and_truncation() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a.esrec");

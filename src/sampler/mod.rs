@@ -1639,6 +1639,7 @@ mod tests {
             }),
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
+            native: None,
         };
         pipe.writer
             .process(&ProcessInfo {
