@@ -112,6 +112,9 @@ enum Cmd {
         /// enginescope-demo/demo.esrec).
         #[arg(long, value_name = "ESREC")]
         baseline: Option<std::path::PathBuf>,
+        /// Record without native and kernel frames (the demo records them by default).
+        #[arg(long)]
+        no_native: bool,
     },
     /// Draw a recording as a flamegraph SVG (docs/views.md).
     Flame {
@@ -495,7 +498,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_tui,
             rate,
             baseline,
+            no_native,
         } => enginescope::demo::run(&enginescope::demo::DemoOptions {
+            native: !no_native,
             baseline,
             python,
             out,
