@@ -330,6 +330,77 @@ mod tests {
         assert_eq!(exe_name(""), "");
     }
 
+    /// A recording with one Python frame calling a native one, sampled in native code.
+    fn native_recording() -> Recording {
+        use crate::record::{NativeFrameInfo, Sample, ThreadInfo, FRAME_NATIVE};
+        let mut r = Recording::default();
+        r.threads.push(ThreadInfo {
+            pid: 1,
+            tid: 2,
+            name: "main".into(),
+            t_ns: 0,
+        });
+        r.frames = vec![
+            Frame {
+                function: "enqueue".into(),
+                file: "/x/mq.py".into(),
+                line: Some(3),
+            },
+            Frame {
+                function: "save_list".into(),
+                file: "/x/_pickle.cpython-312-x86_64-linux-gnu.so".into(),
+                line: None,
+            },
+        ];
+        r.frame_native.insert(
+            1,
+            NativeFrameInfo {
+                kind: FRAME_NATIVE,
+                addr: 0x4242,
+                module: "/x/_pickle.cpython-312-x86_64-linux-gnu.so".into(),
+                build_id: "ab".into(),
+            },
+        );
+        r.stacks = vec![vec![], vec![1, 0]];
+        r.samples.push(Sample {
+            t_ns: 1,
+            pid: 1,
+            tid: 2,
+            stack: 1,
+            flags: flags::NATIVE | flags::NATIVE_FRAMES,
+            weight_ns: 1_000_000,
+        });
+        r
+    }
+
+    #[test]
+    fn native_frames_labelled_and_hidden() {
+        let mut r = native_recording();
+        prepare_native(&mut r, false);
+        let sel = Filter::new(&FilterArgs::default()).select(&r);
+        let folded = folded::render(&r, &sel);
+        assert!(
+            folded.contains("enqueue (mq.py:3);[_pickle] save_list 1"),
+            "{folded}"
+        );
+        assert!(!folded.contains("[native]"), "{folded}");
+        let p = pprof::profile(&r, &sel);
+        assert_eq!(p.mapping.len(), 1);
+        let name = &p.string_table[p.mapping[0].filename as usize];
+        assert_eq!(name, "/x/_pickle.cpython-312-x86_64-linux-gnu.so");
+        assert!(p
+            .location
+            .iter()
+            .any(|l| l.address == 0x4242 && l.mapping_id == 1));
+
+        let mut r = native_recording();
+        prepare_native(&mut r, true);
+        let sel = Filter::new(&FilterArgs::default()).select(&r);
+        let folded = folded::render(&r, &sel);
+        assert!(folded.contains("enqueue (mq.py:3);[native] 1"), "{folded}");
+        assert!(!folded.contains("save_list"), "{folded}");
+    }
+
     #[test]
     fn flag_leaf_order() {
         let all: Vec<_> =
