@@ -238,7 +238,8 @@ static __always_inline void submit(struct es_event *ev)
  * when the caller has them (a sample taken in user mode), else NULL: they are then read from
  * the task's saved user registers (the kernel entry frame). */
 static __always_inline void record_native(void *ctx, __u32 slot, const struct es_target *t, __u32 tgid,
-                                          __u32 tid, __u64 time_ns, const struct pt_regs *uregs)
+                                          __u32 tid, __u64 time_ns, const struct pt_regs *uregs,
+                                          int blocked)
 {
     struct es_native *n = bpf_map_lookup_elem(&native_scratch, &slot);
     if (!n)
@@ -282,8 +283,12 @@ static __always_inline void record_native(void *ctx, __u32 slot, const struct es
         __u32 len = 0;
         if (sp) {
             /* The stack's top is not known: try a full window, then smaller ones, then up
-             * to the end of sp's page (stacks end on a page boundary). */
-            if (bpf_probe_read_user(n->ustack, ES_USTACK_MAX, (void *)sp) == 0)
+             * to the end of sp's page (stacks end on a page boundary). A thread blocking in
+             * a system call is a few native frames below its evaluation loop: 4 KiB (a deeper
+             * one gets its innermost frames, and the Python frames above them). */
+            if (blocked && bpf_probe_read_user(n->ustack, 4096, (void *)sp) == 0)
+                len = 4096;
+            else if (!blocked && bpf_probe_read_user(n->ustack, ES_USTACK_MAX, (void *)sp) == 0)
                 len = ES_USTACK_MAX;
             else if (bpf_probe_read_user(n->ustack, 12288, (void *)sp) == 0)
                 len = 12288;
@@ -317,7 +322,7 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
         return;
     __u64 now = bpf_ktime_get_ns();
     if (t->flags & (ES_TARGET_KSTACK | ES_TARGET_USTACK))
-        record_native(ctx, slot, t, tgid, tid, now, uregs);
+        record_native(ctx, slot, t, tgid, tid, now, uregs, kind == ES_EV_SWITCH_OUT);
     ev->h.kind = kind;
     ev->h.tgid = tgid;
     ev->h.tid = tid;

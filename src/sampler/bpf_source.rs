@@ -40,7 +40,10 @@ pub struct BpfSource {
 impl BpfSource {
     /// Load and attach the BPF programs.
     pub fn start(rate_hz: u32, tracing: BpfTracing, probes: Probes) -> anyhow::Result<Self> {
-        let b = BpfSampler::start_with(rate_hz, tracing.offcpu, tracing.gil)?;
+        // Native stacks send up to ~17 KiB per sample and switch-out: a 32 MiB ring buffer
+        // holds ~2,000 of them, 1-2 s at 1 kHz on 2 CPUs, for a drain held up by a busy host.
+        let ring = tracing.native.user.then_some(32 << 20);
+        let b = BpfSampler::start_sized(rate_hz, tracing.offcpu, tracing.gil, ring)?;
         let native = tracing
             .native
             .any()
