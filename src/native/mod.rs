@@ -207,7 +207,8 @@ fn read_symbols(file: &object::File<'_>, dynamic: bool) -> Vec<(u64, u64, Arc<st
             if name.is_empty() {
                 return None;
             }
-            Some((s.address(), s.size(), Arc::from(demangle(name).as_str())))
+            // Raw names: demangled when first looked up (libtorch_cpu has ~10^5 symbols).
+            Some((s.address(), s.size(), Arc::from(name)))
         })
         .collect()
 }
@@ -294,7 +295,7 @@ impl ElfModule {
         };
         let mut eval_ranges: Vec<Range<u64>> = symbols
             .iter()
-            .filter(|s| &*s.2 == "_PyEval_EvalFrameDefault")
+            .filter(|s| clean_c_name(&s.2) == "_PyEval_EvalFrameDefault")
             .map(|s| s.0..s.0 + s.1.max(1))
             .collect();
         if !eval_ranges.is_empty() && source == "dynsym" {
@@ -594,7 +595,7 @@ impl ProcessNative {
                 // Code with no symbol (a stripped library's local functions): one frame per
                 // module, so that it adds up in a flamegraph; the address stays in the info.
                 let (start, function) = match module.symbol(svma) {
-                    Some((s, n)) => (s, n.to_string()),
+                    Some((s, n)) => (s, demangle(n)),
                     None => (svma, NO_SYMBOL.to_string()),
                 };
                 (
