@@ -449,7 +449,7 @@ impl PythonProcess {
             .map(|t| {
                 sym.resolving_tid = t.tid.unwrap_or(0);
                 ThreadSnapshot {
-                    frames: sym.resolve(self, &t.frames),
+                    frames: sym.resolve(self.mem.as_ref(), &self.offsets, &t.frames),
                     tid: t.tid,
                     ns_tid: t.ns_tid,
                     name: t.name,

@@ -10,8 +10,9 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use super::memory::MemorySource;
 use super::objects::{self, CodeInfo};
-use super::reader::PythonProcess;
+use super::offsets::Offsets;
 use crate::record::Frame;
 
 /// One frame as read from the target, before symbolization (`struct es_frame` in the BPF
@@ -64,13 +65,15 @@ impl Symbolizer {
         Self::default()
     }
 
-    /// Resolve raw frames (innermost first) to names and lines.
+    /// Resolve raw frames (innermost first) of the process whose memory is `mem` (offsets
+    /// `o`) to names and lines.
     pub fn resolve<F: Copy + Into<RawFrame>>(
         &mut self,
-        proc: &PythonProcess,
+        mem: &dyn MemorySource,
+        o: &Offsets,
         frames: &[F],
     ) -> Vec<Frame> {
-        let kind = proc.offsets.frame_kind;
+        let kind = o.frame_kind;
         let mut out = Vec::with_capacity(frames.len());
         for &f in frames {
             let f: RawFrame = f.into();
@@ -91,7 +94,7 @@ impl Symbolizer {
                     out.push(fr.clone());
                     continue;
                 }
-            } else if !self.read_code(proc, f) {
+            } else if !self.read_code(mem, o, f) {
                 self.unresolved_frames += 1;
                 out.push(Frame {
                     function: "<unknown>".into(),
@@ -119,13 +122,11 @@ impl Symbolizer {
 
     /// Read the code object of `f` into the cache; false if it cannot be read or is not the
     /// one the frame saw.
-    fn read_code(&mut self, proc: &PythonProcess, f: RawFrame) -> bool {
+    fn read_code(&mut self, mem: &dyn MemorySource, o: &Offsets, f: RawFrame) -> bool {
         if self.code.remove(&f.code).is_some() {
             self.code_rereads += 1;
             self.lines.retain(|(c, _), _| *c != f.code);
         }
-        let mem = proc.mem.as_ref();
-        let o = &proc.offsets;
         let read = objects::read_code(mem, o, f.code)
             .ok()
             .zip(mem.read_u64(f.code.wrapping_add(o.code_name)).ok());

@@ -168,7 +168,8 @@ impl Target {
     /// for the first time to thread `tid` (0: unknown).
     pub fn resolve<F: Copy + Into<RawFrame>>(&mut self, tid: i32, frames: &[F]) -> Vec<Frame> {
         self.sym.resolving_tid = tid;
-        self.sym.resolve(&self.proc, frames)
+        self.sym
+            .resolve(self.proc.mem.as_ref(), &self.proc.offsets, frames)
     }
 }
 
