@@ -33,7 +33,8 @@ run again. Peers missing from --peers are installed there (python3 -m venv; pip 
 py-spy==0.4.3 'austin-dist<4').
 
 Commands run (RATE in Hz, D = --duration, whole seconds):
-  enginescope record --pid PID --duration D --rate RATE -o OUT
+  enginescope record --pid PID --duration D --rate RATE -o OUT [--native]
+  py-spy record --native --pid PID --rate RATE --duration D --format raw -o OUT
   py-spy record --pid PID --rate RATE --duration D --format raw -o OUT
   py-spy record --nonblocking --pid PID --rate RATE --duration D --format raw -o OUT
   austin -i <1e6/RATE> -p PID -x D -o OUT          (interval in microseconds)
@@ -88,6 +89,12 @@ def build_configs(args):
             Config("enginescope @%d" % rate, "enginescope", rate,
                    lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
                                                 "--rate", str(r), "-o", out]),
+            Config("enginescope --native @%d" % rate, "enginescope --native", rate,
+                   lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
+                                                "--rate", str(r), "-o", out, "--native"]),
+            Config("py-spy --native @%d" % rate, "py-spy --native", rate,
+                   lambda pid, d, out, r=rate: [pyspy, "record", "--native", "--pid", str(pid), "--rate", str(r),
+                                                "--duration", str(d), "--format", "raw", "-o", out]),
             Config("py-spy @%d" % rate, "py-spy", rate,
                    lambda pid, d, out, r=rate: [pyspy, "record", "--pid", str(pid), "--rate", str(r),
                                                 "--duration", str(d), "--format", "raw", "-o", out]),
@@ -176,7 +183,7 @@ def throughput(progress, t0, t1):
 def profiler_report(config, stderr_text, out_path):
     """(samples, errors) as the profiler reports them; None where it does not say."""
     samples = errors = None
-    if config.tool == "enginescope":
+    if config.tool.startswith("enginescope"):
         m = re.search(r"\((\d+) samples, .*?(\d+) lost\)", stderr_text)
         if m:
             samples, errors = int(m.group(1)), int(m.group(2))
@@ -464,10 +471,10 @@ def main():
     ensure_peers(args.peers)
     workdir = tempfile.mkdtemp(prefix="es-bench-overhead-")
     es_info = None
-    if any(c.tool == "enginescope" for c in configs):
+    if any(c.tool.startswith("enginescope") for c in configs):
         es_info = freeze_enginescope(args, workdir)
         for c in configs:
-            if c.tool == "enginescope":
+            if c.tool.startswith("enginescope"):
                 check_enginescope(c, args.enginescope)
 
     machine = describe_machine(args)

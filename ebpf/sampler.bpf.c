@@ -61,6 +61,14 @@ struct {
     __type(value, struct es_event);
 } scratch SEC(".maps");
 
+/* Per-CPU native-stack records (sample, switch), ~17 KiB each. */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 2);
+    __type(key, __u32);
+    __type(value, struct es_native);
+} native_scratch SEC(".maps");
+
 /* Threads inside a futex wait on the GIL: tid -> start time. */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
@@ -105,9 +113,13 @@ static long walk_one(__u64 index, void *data)
             count(ES_C_READ_FRAME_ERR);
             return 1;
         }
-        /* FRAME_OWNED_BY_CSTACK (3.12/3.13) / _INTERPRETER (3.14+): shim frames. */
+        /* FRAME_OWNED_BY_CSTACK (3.12/3.13) / _INTERPRETER (3.14+): shim frames. One is
+         * pushed by each evaluation-loop call, so the frame before it was entered from C. */
         if (owner >= 3) {
             count(ES_C_SKIPPED_SHIM);
+            __u32 last = w->n;
+            if ((t->flags & ES_TARGET_USTACK) && last > 0 && last <= ES_MAX_FRAMES)
+                w->ev->frames[last - 1].instr_offset |= ES_FRAME_ENTRY;
             return 0;
         }
     }
@@ -137,6 +149,11 @@ static long walk_one(__u64 index, void *data)
         __u64 instr = 0;
         if (bpf_probe_read_user(&instr, sizeof(instr), (void *)(frame + t->frame_instr)) == 0)
             offset = (__s32)(instr - (code + t->code_adaptive));
+    }
+    if ((t->flags & ES_TARGET_USTACK) && t->frame_is_entry >= 0 && offset >= 0) {
+        __u8 entry = 0;
+        if (bpf_probe_read_user(&entry, 1, (void *)(frame + t->frame_is_entry)) == 0 && entry)
+            offset |= ES_FRAME_ENTRY;
     }
     __u32 n = w->n;
     if (n >= ES_MAX_FRAMES) {
@@ -216,17 +233,101 @@ static __always_inline void submit(struct es_event *ev)
 }
 
 
-static __always_inline void record_current(__u32 slot, __u8 kind, const struct es_target *t, __u32 tgid,
-                                           __u32 tid, __u64 ip, __u8 extra_flags)
+/* Kernel stack and the user stack window of the current thread, as a record sent right before
+ * the sample / switch-out that carries the same tid and time. `uregs` are the user registers
+ * when the caller has them (a sample taken in user mode), else NULL: they are then read from
+ * the task's saved user registers (the kernel entry frame). */
+static __always_inline void record_native(void *ctx, __u32 slot, const struct es_target *t, __u32 tgid,
+                                          __u32 tid, __u64 time_ns, const struct pt_regs *uregs,
+                                          int blocked)
+{
+    struct es_native *n = bpf_map_lookup_elem(&native_scratch, &slot);
+    if (!n)
+        return;
+    n->h.kind = ES_EV_NATIVE_STACK;
+    n->h.flags = 0;
+    n->h.nframes = 0;
+    n->h.tgid = tgid;
+    n->h.tid = tid;
+    n->h.cpu = bpf_get_smp_processor_id();
+    n->h.time_ns = time_ns;
+    n->h.ip = 0;
+    n->sp = 0;
+    n->bp = 0;
+    n->ustack_len = 0;
+    n->nkernel = 0;
+    n->pad = 0;
+    if (t->flags & ES_TARGET_KSTACK) {
+        long got = bpf_get_stack(ctx, n->kstack, sizeof(n->kstack), 0);
+        if (got < 0)
+            count(ES_C_KSTACK_ERR);
+        else
+            n->nkernel = (__u16)((__u64)got / 8);
+    }
+    if (t->flags & ES_TARGET_USTACK) {
+        struct pt_regs r = {};
+        if (uregs) {
+            r.rip = uregs->rip;
+            r.rsp = uregs->rsp;
+            r.rbp = uregs->rbp;
+        } else {
+            struct task_struct *task = bpf_get_current_task_btf();
+            struct pt_regs *tr = (struct pt_regs *)bpf_task_pt_regs(task);
+            if (!tr || bpf_probe_read_kernel(&r, sizeof(r), tr))
+                r.rsp = 0;
+        }
+        n->h.ip = r.rip;
+        n->sp = r.rsp;
+        n->bp = r.rbp;
+        __u64 sp = r.rsp;
+        __u32 len = 0;
+        if (sp) {
+            /* The stack's top is not known: try a full window, then smaller ones, then up
+             * to the end of sp's page (stacks end on a page boundary). A thread blocking in
+             * a system call is a few native frames below its evaluation loop: 4 KiB (a deeper
+             * one gets its innermost frames, and the Python frames above them). */
+            if (blocked && bpf_probe_read_user(n->ustack, 4096, (void *)sp) == 0)
+                len = 4096;
+            else if (!blocked && bpf_probe_read_user(n->ustack, ES_USTACK_MAX, (void *)sp) == 0)
+                len = ES_USTACK_MAX;
+            else if (bpf_probe_read_user(n->ustack, 12288, (void *)sp) == 0)
+                len = 12288;
+            else if (bpf_probe_read_user(n->ustack, 8192, (void *)sp) == 0)
+                len = 8192;
+            else if (bpf_probe_read_user(n->ustack, 4096, (void *)sp) == 0)
+                len = 4096;
+            else {
+                __u32 rest = 4096 - (__u32)(sp & 4095);
+                if (rest > 0 && rest <= 4096 && bpf_probe_read_user(n->ustack, rest, (void *)sp) == 0)
+                    len = rest;
+            }
+        }
+        if (!len)
+            count(ES_C_USTACK_READ_ERR);
+        n->ustack_len = len;
+    }
+    __u64 size = __builtin_offsetof(struct es_native, ustack) + (__u64)(n->ustack_len & (ES_USTACK_MAX * 2 - 1));
+    if (size > sizeof(struct es_native))
+        size = sizeof(struct es_native);
+    count(ES_C_NATIVE_STACKS);
+    if (bpf_ringbuf_output(&events, n, size, BPF_RB_NO_WAKEUP))
+        count(ES_C_RINGBUF_FULL);
+}
+
+static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, const struct es_target *t, __u32 tgid,
+                                           __u32 tid, __u64 ip, __u8 extra_flags, const struct pt_regs *uregs)
 {
     struct es_event *ev = bpf_map_lookup_elem(&scratch, &slot);
     if (!ev)
         return;
+    __u64 now = bpf_ktime_get_ns();
+    if (t->flags & (ES_TARGET_KSTACK | ES_TARGET_USTACK))
+        record_native(ctx, slot, t, tgid, tid, now, uregs, kind == ES_EV_SWITCH_OUT);
     ev->h.kind = kind;
     ev->h.tgid = tgid;
     ev->h.tid = tid;
     ev->h.cpu = bpf_get_smp_processor_id();
-    ev->h.time_ns = bpf_ktime_get_ns();
+    ev->h.time_ns = now;
     ev->h.ip = ip;
     ev->h.nframes = 0;
     __u8 flags = extra_flags;
@@ -260,7 +361,8 @@ int on_sample(struct bpf_perf_event_data *ctx)
     } else if (ip < t->text_lo || ip >= t->text_hi) {
         flags |= ES_EV_NATIVE;
     }
-    record_current(ES_SLOT_SAMPLE, ES_EV_SAMPLE, t, tgid, tid, ip, flags);
+    record_current(ctx, ES_SLOT_SAMPLE, ES_EV_SAMPLE, t, tgid, tid, ip, flags,
+                   (cs & 3) ? (const struct pt_regs *)&ctx->regs : 0);
     return 0;
 }
 
@@ -303,7 +405,7 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
             submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
         } else {
             count(ES_C_SWITCH_OUT);
-            record_current(ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0);
+            record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0, 0);
         }
     }
     __u32 next_tgid = BPF_CORE_READ(next, tgid);

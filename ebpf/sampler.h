@@ -4,10 +4,12 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 5
+#define ES_ABI_VERSION 6
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
+#define ES_MAX_KFRAMES 64      /* kernel return addresses per native-stack record */
+#define ES_USTACK_MAX 16384    /* bytes of user stack copied from sp (power of two) */
 
 /* Per-process facts pushed by user space: where to find things in this interpreter. All
  * offsets in bytes; absolute addresses are in the target's address space. */
@@ -29,7 +31,7 @@ struct es_target {
     __u32 code_adaptive;        /* offsetof(PyCodeObject, co_code_adaptive), 3.11+ */
     __u32 flags;                /* ES_TARGET_* */
     __u32 code_name;            /* offsetof(PyCodeObject, co_name) */
-    __u32 pad;
+    __s32 frame_is_entry;       /* 3.11: offsetof(_PyInterpreterFrame, is_entry); -1 = none */
     /* GIL waits: futex waits of target threads on an address inside the GIL's struct. */
     __u64 gil_addr;             /* _gil_runtime_state of the main interpreter; 0 = no GIL tracing */
     __u32 gil_cond_off;         /* offsetof(cond): [cond, switch_cond) = waiting to take the GIL */
@@ -42,6 +44,8 @@ struct es_target {
 #define ES_TARGET_OFFCPU 1      /* trace sched_switch for this process */
 #define ES_TARGET_GIL 2         /* trace futex waits on the GIL */
 #define ES_TARGET_GC 4          /* a write watchpoint on gcstate->collecting is set */
+#define ES_TARGET_KSTACK 8      /* a kernel stack with each sample and blocking switch-out */
+#define ES_TARGET_USTACK 16     /* user registers + a window of the user stack, likewise */
 
 /* One thread: its PyThreadState, found by user space walking interp->threads. */
 struct es_thread {
@@ -53,10 +57,16 @@ struct es_thread {
 /* One Python frame as the kernel saw it: raw facts, resolved by user space. */
 struct es_frame {
     __u64 code;          /* code object address */
-    __s32 instr_offset;  /* byte offset into the bytecode of the current instruction */
+    __s32 instr_offset;  /* byte offset into the bytecode of the current instruction; with
+                          * ES_FRAME_ENTRY or'ed in when the frame was entered from C (the
+                          * outermost frame of one evaluation-loop call) */
     __u32 code_id;       /* co_firstlineno ^ (co_name >> 4): tells user space whether a cached
                           * code object at this address is still the same one */
 };
+
+/* Bit in es_frame.instr_offset: this frame is the first one an evaluation-loop call ran (a
+ * C-stack shim frame follows it (3.12+), or is_entry is set (3.11)). Bytecode is < 1 GiB. */
+#define ES_FRAME_ENTRY 0x40000000
 
 enum es_event_kind {
     ES_EV_SAMPLE = 1,     /* cpu-clock sample of a target thread */
@@ -69,6 +79,10 @@ enum es_event_kind {
     ES_EV_PROBE_HIT = 7,      /* a probed function's code object's reference count was
                                * written (a frame of it pushed or popped): ip = the watched
                                * address; struct es_probe_hit */
+    ES_EV_NATIVE_STACK = 8,   /* struct es_native: kernel stack, user registers and stack
+                               * bytes; sent right before the SAMPLE / SWITCH_OUT record of the
+                               * same thread with the same time_ns (targets with
+                               * ES_TARGET_KSTACK / ES_TARGET_USTACK only) */
 };
 
 #define ES_EV_SWITCH_WAIT 128 /* on GIL_WAIT_START: the wait is the forced-switch handshake */
@@ -118,6 +132,18 @@ struct es_probe_hit {
     __u64 value;    /* the 8 watched bytes after the write (the new ob_refcnt) */
 };
 
+/* Native context of one sample or switch-out. Sent with only as many ustack bytes as were
+ * copied (size = offsetof(ustack) + ustack_len). */
+struct es_native {
+    struct es_event_header h; /* ip = user ip (0 = unknown) */
+    __u64 sp, bp;             /* user stack and frame pointer registers */
+    __u32 ustack_len;         /* bytes of the user stack copied from sp */
+    __u16 nkernel;            /* kernel return addresses in kstack, innermost first */
+    __u16 pad;
+    __u64 kstack[ES_MAX_KFRAMES];
+    __u8 ustack[ES_USTACK_MAX];
+};
+
 /* Counters (per-CPU array, summed by user space). Every failure path has one. */
 enum es_counter {
     ES_C_SAMPLES = 0,        /* perf_event program runs in a target */
@@ -138,6 +164,9 @@ enum es_counter {
     ES_C_PROBE_HITS,         /* probe breakpoint hits in a target */
     ES_C_PROBE_NO_FRAME,     /* probe hit whose frame could not be read */
     ES_C_SWITCH_NATIVE,      /* switches of threads with no Python thread state: not recorded */
+    ES_C_NATIVE_STACKS,      /* native-stack records sent */
+    ES_C_USTACK_READ_ERR,    /* user stack window unreadable (no native frames beyond the leaf) */
+    ES_C_KSTACK_ERR,         /* bpf_get_stack (kernel) failed */
     ES_C_COUNT,
 };
 

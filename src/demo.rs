@@ -76,6 +76,8 @@ pub struct DemoOptions {
     /// With `fixed`: the slow run's recording to diff against; default
     /// `enginescope-demo/demo.esrec` next to the output directory.
     pub baseline: Option<PathBuf>,
+    /// Native and kernel frames (`record --native`).
+    pub native: bool,
 }
 
 /// Kills the engine (its whole process group) when dropped, so nothing outlives the demo.
@@ -259,6 +261,10 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         probes: DEMO_PROBES.iter().map(|s| s.to_string()).collect(),
         scrape_interval: Duration::from_millis(500),
         quiet: live,
+        native: crate::native::NativeOptions {
+            kernel: opts.native,
+            user: opts.native,
+        },
         stop: opts.stop.clone(),
         ..RecordOptions::new(Vec::new(), rec_path.clone())
     };
@@ -312,6 +318,7 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
                 output: Some(out.join("diff.md")),
                 flame: Some(out.join("diff-flame.svg")),
                 top: 20,
+                no_native: false,
             };
             crate::views::diff::run(&args)?;
             println!(

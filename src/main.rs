@@ -113,6 +113,9 @@ enum Cmd {
         /// enginescope-demo/demo.esrec).
         #[arg(long, value_name = "ESREC")]
         baseline: Option<std::path::PathBuf>,
+        /// Record without native and kernel frames (the demo records them by default).
+        #[arg(long)]
+        no_native: bool,
     },
     /// Draw a recording as a flamegraph SVG (docs/views.md).
     Flame {
@@ -296,6 +299,14 @@ struct TraceArgs {
     /// Do not time GC pauses (hardware write watchpoint on the GC state).
     #[arg(long)]
     no_gc: bool,
+    /// Native (C/C++) frames merged with the Python frames, and kernel frames (bpf backend):
+    /// the kernel copies the user registers and up to 16 KiB of stack with each sample and
+    /// blocking switch-out, unwound here from the libraries' .eh_frame.
+    #[arg(long)]
+    native: bool,
+    /// Kernel frames only (on samples and blocking switch-outs), without the user stack copy.
+    #[arg(long)]
+    kernel_stacks: bool,
 }
 
 impl TraceArgs {
@@ -305,6 +316,10 @@ impl TraceArgs {
         opts.offcpu = !self.no_offcpu;
         opts.gil = !self.no_gil;
         opts.gc = !self.no_gc;
+        opts.native = enginescope::native::NativeOptions {
+            kernel: self.native || self.kernel_stacks,
+            user: self.native,
+        };
     }
 }
 
@@ -485,7 +500,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_tui,
             rate,
             baseline,
+            no_native,
         } => enginescope::demo::run(&enginescope::demo::DemoOptions {
+            native: !no_native,
             baseline,
             python,
             out,

@@ -32,6 +32,10 @@ int main(void) {
   S(es_event_header); F(es_event_header, flags); F(es_event_header, nframes);
   F(es_event_header, tgid); F(es_event_header, tid); F(es_event_header, cpu);
   F(es_event_header, time_ns); F(es_event_header, ip);
+  F(es_target, frame_is_entry);
+  F(es_native, sp); F(es_native, bp); F(es_native, ustack_len); F(es_native, nkernel);
+  F(es_native, kstack); F(es_native, ustack); S(es_native);
+  printf("ES_MAX_KFRAMES=%d\nES_USTACK_MAX=%d\nES_FRAME_ENTRY=%d\n", ES_MAX_KFRAMES, ES_USTACK_MAX, ES_FRAME_ENTRY);
   printf("ES_MAX_FRAMES=%d\nES_C_COUNT=%d\nES_ABI_VERSION=%d\n", ES_MAX_FRAMES, ES_C_COUNT, ES_ABI_VERSION);
   return 0;
 }
@@ -143,6 +147,20 @@ int main(void) {
         ),
         ("es_event_header.ip", offset_of!(EsEventHeader, ip)),
         ("ES_MAX_FRAMES", MAX_FRAMES),
+        ("ES_MAX_KFRAMES", MAX_KFRAMES),
+        ("ES_USTACK_MAX", USTACK_MAX),
+        ("ES_FRAME_ENTRY", FRAME_ENTRY as usize),
+        (
+            "es_target.frame_is_entry",
+            offset_of!(EsTarget, frame_is_entry),
+        ),
+        ("es_native.sp", NATIVE_SP),
+        ("es_native.bp", NATIVE_BP),
+        ("es_native.ustack_len", NATIVE_USTACK_LEN),
+        ("es_native.nkernel", NATIVE_NKERNEL),
+        ("es_native.kstack", NATIVE_KSTACK),
+        ("es_native.ustack", NATIVE_USTACK),
+        ("es_native", NATIVE_USTACK + USTACK_MAX),
         ("ES_C_COUNT", COUNTER_NAMES.len()),
         ("ES_ABI_VERSION", ABI_VERSION as usize),
     ];

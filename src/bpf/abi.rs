@@ -4,8 +4,12 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 5;
+pub const ABI_VERSION: u32 = 6;
 pub const MAX_FRAMES: usize = 128;
+pub const MAX_KFRAMES: usize = 64;
+pub const USTACK_MAX: usize = 16384;
+/// Bit or'ed into `EsFrame::instr_offset`: the frame was entered from C (`ES_FRAME_ENTRY`).
+pub const FRAME_ENTRY: i32 = 0x4000_0000;
 
 /// `struct es_target`.
 #[repr(C)]
@@ -29,7 +33,8 @@ pub struct EsTarget {
     pub code_adaptive: u32,
     pub flags: u32,
     pub code_name: u32,
-    pub pad: u32,
+    /// 3.11: offset of `_PyInterpreterFrame.is_entry`; -1 = none.
+    pub frame_is_entry: i32,
     pub gil_addr: u64,
     pub gil_cond_off: u32,
     pub gil_switch_off: u32,
@@ -41,6 +46,8 @@ pub struct EsTarget {
 pub const TARGET_OFFCPU: u32 = 1;
 pub const TARGET_GIL: u32 = 2;
 pub const TARGET_GC: u32 = 4;
+pub const TARGET_KSTACK: u32 = 8;
+pub const TARGET_USTACK: u32 = 16;
 
 /// `struct es_thread`.
 #[repr(C)]
@@ -96,6 +103,7 @@ pub mod kind {
     pub const GIL_WAIT_END: u8 = 5;
     pub const GC_EDGE: u8 = 6;
     pub const PROBE_HIT: u8 = 7;
+    pub const NATIVE_STACK: u8 = 8;
 }
 
 pub mod ev {
@@ -131,7 +139,67 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_probe_hits",
     "bpf_probe_no_frame",
     "bpf_switch_native_skipped",
+    "bpf_native_stacks",
+    "bpf_ustack_read_errors",
+    "bpf_kstack_errors",
 ];
+
+/// `struct es_native` after its header (offsets of its fields in the record).
+pub const NATIVE_SP: usize = 32;
+pub const NATIVE_BP: usize = 40;
+pub const NATIVE_USTACK_LEN: usize = 48;
+pub const NATIVE_NKERNEL: usize = 52;
+pub const NATIVE_KSTACK: usize = 56;
+pub const NATIVE_USTACK: usize = NATIVE_KSTACK + 8 * MAX_KFRAMES;
+
+/// A NATIVE_STACK record: kernel return addresses, user registers and stack bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NativeStack {
+    pub tid: u32,
+    pub time_ns: u64,
+    /// User registers at the sample (0 = unknown).
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// Kernel return addresses, innermost first.
+    pub kernel: Vec<u64>,
+    /// User stack bytes from `sp` upwards.
+    pub stack: Vec<u8>,
+}
+
+/// Parse a NATIVE_STACK record; `None` when malformed.
+pub fn parse_native(bytes: &[u8]) -> Option<NativeStack> {
+    let u64_at = |o: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(bytes.get(o..o + 8)?.try_into().ok()?))
+    };
+    let u32_at = |o: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(bytes.get(o..o + 4)?.try_into().ok()?))
+    };
+    if bytes.first() != Some(&kind::NATIVE_STACK) {
+        return None;
+    }
+    let nk = (u16::from_le_bytes(
+        bytes
+            .get(NATIVE_NKERNEL..NATIVE_NKERNEL + 2)?
+            .try_into()
+            .ok()?,
+    ) as usize)
+        .min(MAX_KFRAMES);
+    let ulen = (u32_at(NATIVE_USTACK_LEN)? as usize).min(USTACK_MAX);
+    let kernel = (0..nk)
+        .map(|i| u64_at(NATIVE_KSTACK + 8 * i))
+        .collect::<Option<Vec<u64>>>()?;
+    let stack = bytes.get(NATIVE_USTACK..NATIVE_USTACK + ulen)?.to_vec();
+    Some(NativeStack {
+        tid: u32_at(8)?,
+        time_ns: u64_at(16)?,
+        ip: u64_at(24)?,
+        sp: u64_at(NATIVE_SP)?,
+        bp: u64_at(NATIVE_BP)?,
+        kernel,
+        stack,
+    })
+}
 
 // SAFETY: plain-old-data #[repr(C)] structs without padding holes that matter to the kernel
 // (every field is written), valid for any bit pattern.
@@ -155,6 +223,7 @@ const _: () = {
     assert!(offset_of!(EsEventHeader, tid) == 8);
     assert!(offset_of!(EsEventHeader, time_ns) == 16);
     assert!(offset_of!(EsEventHeader, ip) == 24);
+    assert!(offset_of!(EsTarget, frame_is_entry) == 100);
 };
 
 /// `struct es_gc_edge` after its header: per-generation (collections, collected).
@@ -217,7 +286,7 @@ pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
         time_ns: u64_at(16),
         ip: u64_at(24),
     };
-    if h.kind == kind::GC_EDGE || h.kind == kind::PROBE_HIT {
+    if h.kind == kind::GC_EDGE || h.kind == kind::PROBE_HIT || h.kind == kind::NATIVE_STACK {
         return Some((h, Vec::new()));
     }
     let n = (h.nframes as usize).min(MAX_FRAMES);

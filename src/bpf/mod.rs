@@ -51,11 +51,26 @@ impl BpfSampler {
     /// As [`start`](Self::start); with `gil`, also trace futex waits (sys_enter/sys_exit) so
     /// that waits on targets' GILs are timed exactly.
     pub fn start_with(rate_hz: u32, offcpu: bool, gil: bool) -> anyhow::Result<Self> {
+        Self::start_sized(rate_hz, offcpu, gil, None)
+    }
+
+    /// As [`start_with`](Self::start_with), with a ring buffer of `ring_bytes` (a power of two)
+    /// instead of the object's 8 MiB: native stacks send ~17 KiB per event.
+    pub fn start_sized(
+        rate_hz: u32,
+        offcpu: bool,
+        gil: bool,
+        ring_bytes: Option<u32>,
+    ) -> anyhow::Result<Self> {
         // Parse the kernel's BTF once: CO-RE relocation and every tp_btf program use it, and
         // each parse costs tens of MB of peak memory.
         let btf = Btf::from_sys_fs().context("reading kernel BTF (/sys/kernel/btf/vmlinux)")?;
-        let mut bpf = EbpfLoader::new()
-            .btf(Some(&btf))
+        let mut loader = EbpfLoader::new();
+        loader.btf(Some(&btf));
+        if let Some(n) = ring_bytes {
+            loader.map_max_entries("events", n);
+        }
+        let mut bpf = loader
             .load(OBJECT)
             .map_err(|e| anyhow!("loading the BPF object failed: {e:#}"))?;
         let period_ns = 1_000_000_000u64 / rate_hz.max(1) as u64;

@@ -111,6 +111,9 @@ pub struct RecordingWriter {
     out: BufWriter<std::fs::File>,
     frames: HashMap<Frame, u32>,
     stacks: HashMap<Vec<u32>, u32>,
+    /// Native and kernel frames: written with their description when first interned (kept
+    /// across rotations, so a carried stack keeps its kinds).
+    native: HashMap<Frame, NativeFrameInfo>,
     buf: Vec<u8>,
     bytes: u64,
     samples: u64,
@@ -167,6 +170,7 @@ impl RecordingWriter {
         let mut w = RecordingWriter {
             out: BufWriter::with_capacity(1 << 16, f),
             frames: HashMap::new(),
+            native: HashMap::new(),
             stacks: HashMap::new(),
             buf: Vec::with_capacity(256),
             bytes: 0,
@@ -356,9 +360,33 @@ impl RecordingWriter {
         );
         put_str(&mut self.buf, &f.function);
         put_str(&mut self.buf, &f.file);
+        if let Some(n) = self.native.get(f) {
+            // Trailing fields: readers before them stop after `file`.
+            self.buf.push(n.kind);
+            put_varint(&mut self.buf, n.addr);
+            put_str(&mut self.buf, &n.module);
+            put_str(&mut self.buf, &n.build_id);
+        }
         self.record(tag::FRAME)?;
         self.frames.insert(f.clone(), id);
         Ok(id)
+    }
+
+    /// The id of a stack of Python, native and kernel frames (innermost first).
+    pub fn intern_mixed(
+        &mut self,
+        frames: &[(Frame, Option<NativeFrameInfo>)],
+    ) -> anyhow::Result<u32> {
+        for (f, n) in frames {
+            if let Some(n) = n {
+                if !self.native.contains_key(f) {
+                    // Bounded: one entry per distinct native symbol.
+                    self.native.insert(f.clone(), n.clone());
+                }
+            }
+        }
+        let plain: Vec<Frame> = frames.iter().map(|(f, _)| f.clone()).collect();
+        self.intern_stack(&plain)
     }
 
     /// The id of a stack (innermost frame first), writing its definition the first time.
@@ -647,6 +675,21 @@ impl RecordingReader {
                 if id != r.frames.len() {
                     bail!("frame id {id} out of order");
                 }
+                if c.i < p.len() {
+                    let kind = c.u8()?;
+                    let addr = c.varint()?;
+                    let module = c.str()?;
+                    let build_id = c.str()?;
+                    r.frame_native.insert(
+                        id as u32,
+                        NativeFrameInfo {
+                            kind,
+                            addr,
+                            module,
+                            build_id,
+                        },
+                    );
+                }
                 r.frames.push(Frame {
                     function,
                     file,
@@ -798,6 +841,56 @@ mod tests {
             file: "x.py".into(),
             line: Some(line),
         }
+    }
+
+    #[test]
+    fn native_frames_roundtrip_and_older_frame_records_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("n.esrec");
+        let mut w = RecordingWriter::create(&path, &Meta::default()).unwrap();
+        let native = Frame {
+            function: "save_list".into(),
+            file: "/x/_pickle.so".into(),
+            line: None,
+        };
+        let info = NativeFrameInfo {
+            kind: FRAME_NATIVE,
+            addr: 0x1234,
+            module: "/x/_pickle.so".into(),
+            build_id: "abcd".into(),
+        };
+        let s = w
+            .intern_mixed(&[
+                (native.clone(), Some(info.clone())),
+                (frame("main", 3), None),
+            ])
+            .unwrap();
+        w.finish(&EndInfo::default()).unwrap();
+        let r = read_recording(&path).unwrap();
+        let ids = &r.stacks[s as usize];
+        assert_eq!(r.frames[ids[0] as usize], native);
+        assert_eq!(r.frame_native.get(&ids[0]), Some(&info));
+        assert_eq!(r.frame_kind(ids[1]), 0);
+        // A frame record as the first writers wrote it (no trailing fields) is a Python frame.
+        let mut rd = RecordingReader::default();
+        let mut file = Vec::new();
+        file.extend_from_slice(MAGIC);
+        file.extend_from_slice(&VERSION.to_le_bytes());
+        let mut meta = serde_json::to_vec(&Meta::default()).unwrap();
+        file.push(tag::META);
+        put_varint(&mut file, meta.len() as u64);
+        file.append(&mut meta);
+        let mut p = Vec::new();
+        put_varint(&mut p, 0);
+        put_varint(&mut p, 0);
+        put_str(&mut p, "f");
+        put_str(&mut p, "a.py");
+        file.push(tag::FRAME);
+        put_varint(&mut file, p.len() as u64);
+        file.extend_from_slice(&p);
+        rd.feed(&file).unwrap();
+        assert_eq!(rd.recording.frames.len(), 1);
+        assert!(rd.recording.frame_native.is_empty());
     }
 
     #[test]

@@ -69,6 +69,9 @@ pub mod flags {
     pub const KERNEL: u8 = 8;
     /// The Python stack could not be read completely (the frames present are right).
     pub const PARTIAL: u8 = 16;
+    /// The stack holds the sample's native and kernel frames (`record --native`): views do not
+    /// add the synthetic `[native]` / `[kernel]` leaves, the frames say it.
+    pub const NATIVE_FRAMES: u8 = 32;
 }
 
 /// One on-CPU sample of one thread.
@@ -223,6 +226,25 @@ pub struct FunctionCall {
     pub dur_ns: u64,
 }
 
+/// Frame kinds ([`NativeFrameInfo::kind`]); a frame without a description is a Python frame.
+pub const FRAME_NATIVE: u8 = 1;
+pub const FRAME_KERNEL: u8 = 2;
+
+/// What makes a frame native or kernel: written after the frame record's fields (older
+/// readers skip them), docs/recording-format.md.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct NativeFrameInfo {
+    /// [`FRAME_NATIVE`] or [`FRAME_KERNEL`].
+    pub kind: u8,
+    /// The function's start: offset in the module's file address space (ELF vaddr) for user
+    /// code, the kernel address for kernel code.
+    pub addr: u64,
+    /// The module's path as the target maps it (`[kernel.kallsyms]` for the kernel).
+    pub module: String,
+    /// GNU build-id, hex; empty when unknown.
+    pub build_id: String,
+}
+
 /// A recording, fully read.
 #[derive(Debug, Clone, Default)]
 pub struct Recording {
@@ -233,6 +255,8 @@ pub struct Recording {
     pub frames: Vec<Frame>,
     /// Stack table: frame indices, innermost first. Stack 0 is the empty stack.
     pub stacks: Vec<Vec<u32>>,
+    /// Native and kernel frames by frame id (absent: a Python frame).
+    pub frame_native: std::collections::HashMap<u32, NativeFrameInfo>,
     pub samples: Vec<Sample>,
     pub offcpu: Vec<OffCpu>,
     pub gil_waits: Vec<GilWait>,
@@ -261,6 +285,11 @@ pub struct EndInfo {
 }
 
 impl Recording {
+    /// The kind of frame `id`: 0 Python, [`FRAME_NATIVE`], [`FRAME_KERNEL`].
+    pub fn frame_kind(&self, id: u32) -> u8 {
+        self.frame_native.get(&id).map_or(0, |n| n.kind)
+    }
+
     /// Frames of a stack, innermost first.
     pub fn stack_frames(&self, stack: u32) -> impl Iterator<Item = &Frame> {
         self.stacks

@@ -25,19 +25,35 @@ pub struct BpfTracing {
     /// Calls per second above which an exact probe switches to sampling (0: never).
     pub probe_max_rate: u64,
     pub quiet: bool,
+    /// Native and kernel frames (`record --native` / `--kernel-stacks`).
+    pub native: crate::native::NativeOptions,
 }
 
 pub struct BpfSource {
     b: BpfSampler,
     probes: Probes,
     tracing: BpfTracing,
+    /// Symbolization and pairing of native-stack records, when asked for.
+    native: Option<crate::native::NativeState>,
 }
 
 impl BpfSource {
     /// Load and attach the BPF programs.
     pub fn start(rate_hz: u32, tracing: BpfTracing, probes: Probes) -> anyhow::Result<Self> {
-        let b = BpfSampler::start_with(rate_hz, tracing.offcpu, tracing.gil)?;
-        Ok(BpfSource { b, probes, tracing })
+        // Native stacks send up to ~17 KiB per sample and switch-out: a 32 MiB ring buffer
+        // holds ~2,000 of them, 1-2 s at 1 kHz on 2 CPUs, for a drain held up by a busy host.
+        let ring = tracing.native.user.then_some(32 << 20);
+        let b = BpfSampler::start_sized(rate_hz, tracing.offcpu, tracing.gil, ring)?;
+        let native = tracing
+            .native
+            .any()
+            .then(|| crate::native::NativeState::new(tracing.native));
+        Ok(BpfSource {
+            b,
+            probes,
+            tracing,
+            native,
+        })
     }
 
     /// Push one target's configuration to BPF, with its GC watchpoints.
@@ -48,6 +64,12 @@ impl BpfSource {
         }
         if self.tracing.gil {
             fl |= abi::TARGET_GIL;
+        }
+        if self.tracing.native.kernel {
+            fl |= abi::TARGET_KSTACK;
+        }
+        if self.tracing.native.user {
+            fl |= abi::TARGET_USTACK;
         }
         let mut cfg = t.bpf_config(fl)?;
         if self.tracing.gc {
@@ -98,11 +120,12 @@ impl BpfSource {
         let mut err = None;
         let mut attach = Vec::new();
         let probes = &mut self.probes;
+        let native = &mut self.native;
         self.b.drain(usize::MAX, |bytes| {
             if err.is_some() {
                 return;
             }
-            let Some((h, frames)) = abi::parse_event(bytes) else {
+            let Some((h, mut frames)) = abi::parse_event(bytes) else {
                 return;
             };
             let pid = h.tgid as i32;
@@ -110,13 +133,26 @@ impl BpfSource {
             let Some(t) = targets.get_mut(pid) else {
                 return;
             };
+            if h.kind == kind::NATIVE_STACK {
+                if let Some(n) = native.as_mut() {
+                    n.stash(bytes);
+                }
+                return;
+            }
+            let entry = crate::native::entry_marks(&mut frames, t.proc.version.minor);
             if matches!(h.kind, kind::SAMPLE | kind::SWITCH_OUT) && probes.wants_stacks(pid) {
                 let codes: Vec<u64> = frames.iter().map(|f| f.code).collect();
                 if probes.needs_attach(pid, tid, &codes) && attach.len() < 1024 {
                     attach.push((pid, tid, codes));
                 }
             }
-            if let Err(e) = record_event(t, probes, pipe, &h, &frames, bytes) {
+            let ev = Event {
+                h: &h,
+                frames: &frames,
+                entry: &entry,
+                bytes,
+            };
+            if let Err(e) = record_event(t, probes, native.as_mut(), pipe, &ev) {
                 err = Some(e);
             }
         });
@@ -129,21 +165,46 @@ impl BpfSource {
     }
 }
 
+/// One ring-buffer event as parsed: header, Python frames with their entry marks, raw bytes.
+struct Event<'a> {
+    h: &'a abi::EsEventHeader,
+    frames: &'a [abi::EsFrame],
+    entry: &'a [bool],
+    bytes: &'a [u8],
+}
+
+/// The stack id of an event: its Python frames merged with the native record sent with it
+/// when native stacks are recorded (else the Python frames alone); and whether it was merged.
+fn event_stack(
+    native: Option<&mut crate::native::NativeState>,
+    pipe: &mut Pipeline,
+    pid: i32,
+    ev: &Event<'_>,
+    python: &[crate::cpython::Frame],
+) -> anyhow::Result<(u32, bool)> {
+    let tid = ev.h.tid as i32;
+    match native.and_then(|n| n.mixed(pid, tid, ev.h.time_ns, python, ev.entry)) {
+        Some(m) => Ok((pipe.writer.intern_mixed(&m)?, true)),
+        None => Ok((pipe.writer.intern_stack(python)?, false)),
+    }
+}
+
 /// One ring-buffer event of target `t`, resolved and written.
 fn record_event(
     t: &mut Target,
     probes: &mut Probes,
+    native: Option<&mut crate::native::NativeState>,
     pipe: &mut Pipeline,
-    h: &abi::EsEventHeader,
-    frames: &[abi::EsFrame],
-    bytes: &[u8],
+    ev: &Event<'_>,
 ) -> anyhow::Result<()> {
+    let (h, frames, bytes) = (ev.h, ev.frames, ev.bytes);
     let (pid, tid) = (h.tgid as i32, h.tid as i32);
     match h.kind {
         kind::SAMPLE => {
             let resolved = t.resolve(tid, frames);
-            let s = pipe.writer.intern_stack(&resolved)?;
-            pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags))?;
+            let (s, nf) = event_stack(native, pipe, pid, ev, &resolved)?;
+            let fl = sample_flags(h.flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
+            pipe.sample(pid, tid, h.time_ns, s, fl)?;
             probes.stack(pid, tid, h.time_ns, &resolved, false, pipe)
         }
         kind::PROBE_HIT => match abi::parse_probe_frame(bytes) {
@@ -158,7 +219,7 @@ fn record_event(
         }
         kind::SWITCH_OUT => {
             let resolved = t.resolve(tid, frames);
-            let s = pipe.writer.intern_stack(&resolved)?;
+            let (s, _) = event_stack(native, pipe, pid, ev, &resolved)?;
             pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0);
             probes.stack(pid, tid, h.time_ns, &resolved, true, pipe)
         }
@@ -331,6 +392,9 @@ impl Source for BpfSource {
         );
         if !self.probes.is_empty() {
             super::probes::counters(Some(&self.probes), out);
+        }
+        if let Some(n) = &self.native {
+            n.counters(out);
         }
     }
 }

@@ -72,6 +72,8 @@ pub struct RecordOptions {
     /// and call `stop()` from another thread, or let `main` stop it on SIGINT/SIGTERM. A new
     /// one per run (`RecordOptions::new` makes one).
     pub stop: StopToken,
+    /// Native and kernel frames (bpf backend).
+    pub native: crate::native::NativeOptions,
 }
 
 impl RecordOptions {
@@ -95,6 +97,7 @@ impl RecordOptions {
             default_probes: true,
             vllm_root_pid: None,
             stop: StopToken::new(),
+            native: crate::native::NativeOptions::default(),
         }
     }
 }
@@ -267,6 +270,7 @@ fn choose_source(opts: &RecordOptions) -> anyhow::Result<(Box<dyn Source>, Strin
         gc: opts.gc,
         probe_max_rate: opts.probe_max_rate,
         quiet: opts.quiet,
+        native: opts.native,
     };
     let bpf = || {
         let period = 1_000_000_000 / opts.rate_hz as u64;

@@ -74,7 +74,13 @@ impl Target {
             code_adaptive: o.code_code_adaptive.unwrap_or(0) as u32,
             flags,
             code_name: o.code_name as u32,
-            pad: 0,
+            // 3.11 marks frames entered from C with `is_entry` (pycore_frame.h, offset 68);
+            // 3.12+ pushes a shim frame instead (frame_owner).
+            frame_is_entry: if p.version.minor_tuple() == (3, 11) {
+                68
+            } else {
+                -1
+            },
             // struct _gil_runtime_state (pycore_gil.h, unchanged 3.10–3.15 in GIL builds):
             // interval, last_holder, locked, switch_number, then cond (48 bytes, glibc),
             // mutex (40), switch_cond (48), switch_mutex (40): 208 bytes. Used only when the

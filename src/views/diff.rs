@@ -53,6 +53,9 @@ pub struct DiffArgs {
     /// Functions listed, largest change first.
     #[arg(long, default_value_t = 20)]
     pub top: usize,
+    /// Hide native (C/C++) and kernel frames (recordings made with `--native`).
+    #[arg(long)]
+    pub no_native: bool,
 }
 
 /// One figure in A and B: whole-recording values, the change, and each run's own variation.
@@ -771,8 +774,12 @@ pub fn render_flame(a: &Recording, b: &Recording, title: &str) -> anyhow::Result
 
 /// `enginescope diff`: read both recordings, write the diff (and the flamegraph).
 pub fn run(args: &DiffArgs) -> anyhow::Result<()> {
-    let a = super::open(&args.a, &super::FilterArgs::default())?.0;
-    let b = super::open(&args.b, &super::FilterArgs::default())?.0;
+    let filter = super::FilterArgs {
+        no_native: args.no_native,
+        ..Default::default()
+    };
+    let a = super::open(&args.a, &filter)?.0;
+    let b = super::open(&args.b, &filter)?.0;
     let d = Diff::build(&args.a, &a, &args.b, &b, args.top);
     let bytes = match args.format {
         ReportFormat::Json => {

@@ -28,6 +28,10 @@ pub struct FilterArgs {
     /// Only the last SECONDS of the recording.
     #[arg(long, value_name = "SECONDS", conflicts_with_all = ["from", "to"])]
     pub last: Option<f64>,
+    /// Hide native (C/C++) and kernel frames of recordings made with `--native` or
+    /// `--kernel-stacks`: Python frames only, native time as `[native]` leaves.
+    #[arg(long)]
+    pub no_native: bool,
 }
 
 impl FilterArgs {

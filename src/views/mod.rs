@@ -64,10 +64,51 @@ pub fn open(path: &Path, filter: &FilterArgs) -> anyhow::Result<(Recording, Sele
     if let Some((from, to)) = filter.time_range(rec.duration_ns())? {
         rec.trim(from, to);
     }
+    prepare_native(&mut rec, filter.no_native);
     let sel = Filter::new(filter).select(&rec);
     sel.ensure_nonempty(&rec)
         .with_context(|| format!("selecting threads in {}", path.display()))?;
     Ok((rec, sel))
+}
+
+/// Native and kernel frames as every view shows them: labelled `[module] function`
+/// (`[_pickle] save_list`, `[kernel] futex_wait`), or with `hide` removed from every stack so
+/// that views show Python frames only, with the synthetic `[native]` / `[kernel]` leaves as for
+/// a recording made without native frames. The frames' descriptions (module, address,
+/// build-id) stay in `rec.frame_native` for pprof's mappings.
+pub fn prepare_native(rec: &mut Recording, hide: bool) {
+    if rec.frame_native.is_empty() {
+        return;
+    }
+    if hide {
+        let native = &rec.frame_native;
+        for st in rec.stacks.iter_mut() {
+            st.retain(|f| !native.contains_key(f));
+        }
+        for s in rec.samples.iter_mut() {
+            s.flags &= !flags::NATIVE_FRAMES;
+        }
+        return;
+    }
+    for (&id, info) in &rec.frame_native {
+        let Some(f) = rec.frames.get_mut(id as usize) else {
+            continue;
+        };
+        let module = if info.kind == crate::record::FRAME_KERNEL {
+            "kernel".to_string()
+        } else {
+            crate::native::short_module_name(&info.module)
+        };
+        f.function = format!("[{module}] {}", f.function);
+        f.file = String::new();
+        f.line = None;
+    }
+}
+
+/// Whether a frame label is a native or kernel frame's (`[module] function`) rather than a
+/// Python frame's or a synthetic leaf's (`[native]`).
+pub fn is_native_label(label: &str) -> bool {
+    label.starts_with('[') && label.find("] ").is_some()
 }
 
 /// Render one export format.
@@ -174,11 +215,18 @@ pub const PARTIAL_FRAME: &str = "[partial stack]";
 pub const PREEMPTED_FRAME: &str = "[preempted]";
 
 /// Sample flags that change a stack's shape in every view.
-pub const SHAPE_FLAGS: u8 = flags::GC | flags::NATIVE | flags::KERNEL | flags::PARTIAL;
+pub const SHAPE_FLAGS: u8 =
+    flags::GC | flags::NATIVE | flags::KERNEL | flags::PARTIAL | flags::NATIVE_FRAMES;
 
 /// Synthetic leaf frames for a sample's flags, outermost first: `[gc]` (a collection was
 /// running), `[native]` (CPU outside the interpreter core), `[kernel]` (CPU in kernel mode).
 pub fn flag_leaves(f: u8) -> impl Iterator<Item = &'static str> {
+    // With the sample's own native and kernel frames in the stack, no synthetic leaf for them.
+    let f = if f & flags::NATIVE_FRAMES != 0 {
+        f & !(flags::NATIVE | flags::KERNEL)
+    } else {
+        f
+    };
     [
         (flags::GC, "[gc]"),
         (flags::NATIVE, "[native]"),
@@ -280,6 +328,77 @@ mod tests {
         assert_eq!(frame_label(&f), "Model.forward (model.py)");
         assert_eq!(exe_name("/usr/bin/python3.12 -m vllm"), "python3.12");
         assert_eq!(exe_name(""), "");
+    }
+
+    /// A recording with one Python frame calling a native one, sampled in native code.
+    fn native_recording() -> Recording {
+        use crate::record::{NativeFrameInfo, Sample, ThreadInfo, FRAME_NATIVE};
+        let mut r = Recording::default();
+        r.threads.push(ThreadInfo {
+            pid: 1,
+            tid: 2,
+            name: "main".into(),
+            t_ns: 0,
+        });
+        r.frames = vec![
+            Frame {
+                function: "enqueue".into(),
+                file: "/x/mq.py".into(),
+                line: Some(3),
+            },
+            Frame {
+                function: "save_list".into(),
+                file: "/x/_pickle.cpython-312-x86_64-linux-gnu.so".into(),
+                line: None,
+            },
+        ];
+        r.frame_native.insert(
+            1,
+            NativeFrameInfo {
+                kind: FRAME_NATIVE,
+                addr: 0x4242,
+                module: "/x/_pickle.cpython-312-x86_64-linux-gnu.so".into(),
+                build_id: "ab".into(),
+            },
+        );
+        r.stacks = vec![vec![], vec![1, 0]];
+        r.samples.push(Sample {
+            t_ns: 1,
+            pid: 1,
+            tid: 2,
+            stack: 1,
+            flags: flags::NATIVE | flags::NATIVE_FRAMES,
+            weight_ns: 1_000_000,
+        });
+        r
+    }
+
+    #[test]
+    fn native_frames_labelled_and_hidden() {
+        let mut r = native_recording();
+        prepare_native(&mut r, false);
+        let sel = Filter::new(&FilterArgs::default()).select(&r);
+        let folded = folded::render(&r, &sel);
+        assert!(
+            folded.contains("enqueue (mq.py:3);[_pickle] save_list 1"),
+            "{folded}"
+        );
+        assert!(!folded.contains("[native]"), "{folded}");
+        let p = pprof::profile(&r, &sel);
+        assert_eq!(p.mapping.len(), 1);
+        let name = &p.string_table[p.mapping[0].filename as usize];
+        assert_eq!(name, "/x/_pickle.cpython-312-x86_64-linux-gnu.so");
+        assert!(p
+            .location
+            .iter()
+            .any(|l| l.address == 0x4242 && l.mapping_id == 1));
+
+        let mut r = native_recording();
+        prepare_native(&mut r, true);
+        let sel = Filter::new(&FilterArgs::default()).select(&r);
+        let folded = folded::render(&r, &sel);
+        assert!(folded.contains("enqueue (mq.py:3);[native] 1"), "{folded}");
+        assert!(!folded.contains("save_list"), "{folded}");
     }
 
     #[test]

@@ -182,6 +182,18 @@ struct Symbols {
 
 impl Symbols {
     fn location(&mut self, strings: &mut Strings, name: &str, file: &str, line: i64) -> u64 {
+        self.location_at(strings, name, file, line, None)
+    }
+
+    /// A location; native and kernel frames carry their mapping and address.
+    fn location_at(
+        &mut self,
+        strings: &mut Strings,
+        name: &str,
+        file: &str,
+        line: i64,
+        at: Option<(u64, u64)>,
+    ) -> u64 {
         let key = (strings.get(name), strings.get(file));
         let next = self.functions.len() as u64 + 1;
         let fid = *self.function_ids.entry(key).or_insert(next);
@@ -197,8 +209,11 @@ impl Symbols {
         let next = self.locations.len() as u64 + 1;
         let lid = *self.location_ids.entry((fid, line)).or_insert(next);
         if lid == next {
+            let (mapping_id, address) = at.unwrap_or((0, 0));
             self.locations.push(proto::Location {
                 id: lid,
+                mapping_id,
+                address,
                 line: vec![proto::Line {
                     function_id: fid,
                     line,
@@ -243,6 +258,10 @@ pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
     ];
     let (k_pid, k_tid, k_name) = (st.get("pid"), st.get("tid"), st.get("thread_name"));
     let mut frame_locs: HashMap<u32, u64> = HashMap::new();
+    // Native and kernel frames: one mapping per module (addresses are the module's own, ELF
+    // vaddr, so one mapping serves every process that maps it; the kernel's are absolute).
+    let mut mappings: Vec<proto::Mapping> = Vec::new();
+    let mut mapping_ids: HashMap<String, usize> = HashMap::new();
     let mut samples = Vec::with_capacity(keys.len());
     for ((pid, tid, stack, bits), (count, ns)) in keys {
         let mut locs = Vec::new();
@@ -259,11 +278,30 @@ pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
                 continue;
             };
             let loc = *frame_locs.entry(fid).or_insert_with(|| {
-                sym.location(
+                let at = rec.frame_native.get(&fid).map(|n| {
+                    let i = *mapping_ids.entry(n.module.clone()).or_insert_with(|| {
+                        mappings.push(proto::Mapping {
+                            id: mappings.len() as u64 + 1,
+                            memory_start: u64::MAX,
+                            memory_limit: 0,
+                            filename: st.get(&n.module),
+                            build_id: st.get(&n.build_id),
+                            has_functions: true,
+                            ..Default::default()
+                        });
+                        mappings.len() - 1
+                    });
+                    let m = &mut mappings[i];
+                    m.memory_start = m.memory_start.min(n.addr);
+                    m.memory_limit = m.memory_limit.max(n.addr.saturating_add(1));
+                    (m.id, n.addr)
+                });
+                sym.location_at(
                     &mut st,
                     &f.function,
                     &f.file,
                     i64::from(f.line.unwrap_or(0)),
+                    at,
                 )
             });
             locs.push(loc);
@@ -313,6 +351,7 @@ pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
     proto::Profile {
         sample_type,
         sample: samples,
+        mapping: mappings,
         location: sym.locations,
         function: sym.functions,
         time_nanos: (rec.meta.start_unix_s * 1e9) as i64,

@@ -1,0 +1,861 @@
+//! Native (C/C++) and kernel frames for BPF samples (`record --native`, `--kernel-stacks`).
+//!
+//! The kernel side sends, with each sample and blocking switch-out of a target thread, a
+//! `NATIVE_STACK` record: the kernel stack (return addresses from `bpf_get_stack`, unwound by
+//! the kernel's ORC unwinder), the user registers (ip, sp, bp) and a window of up to 16 KiB of
+//! the user stack from sp. Here, without touching the target:
+//!
+//! * kernel addresses are named from `/proc/kallsyms` ([`KernelSymbols`]);
+//! * the user stack is unwound with `framehop` from each module's `.eh_frame` (libpython and
+//!   most distribution libraries have no frame pointers), over the copied bytes only;
+//! * each user address is named from the module's `.symtab`, else `.dynsym`, else a separate
+//!   debug file found by build-id (`/usr/lib/debug/.build-id/xx/rest.debug`, in the target's
+//!   root too), and C++ names are demangled;
+//! * the native frames are merged with the Python frames the kernel walked ([`merge`]): each
+//!   evaluation-loop frame (`_PyEval_EvalFrameDefault`) stands for the run of Python frames
+//!   one C-level call of the loop executes (the kernel marks where those runs start).
+//!
+//! Module files are opened through `/proc/PID/map_files/` (the target's own file whatever its
+//! mount namespace or chroot) and memory-mapped; only the symbol tables and unwind sections are
+//! read. Everything read from the target or its files is untrusted: lookups are bounded and
+//! failures give fewer frames, never an error that stops recording.
+
+pub mod merge;
+
+use std::collections::HashMap;
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
+use framehop::x86_64::{CacheX86_64, UnwindRegsX86_64, UnwinderX86_64};
+use framehop::{ExplicitModuleSectionInfo, FrameAddress, Module, Unwinder};
+use object::{Object, ObjectSection, ObjectSymbol, SymbolKind};
+
+use crate::cpython::Frame;
+use crate::record::{NativeFrameInfo, FRAME_KERNEL, FRAME_NATIVE};
+
+/// What `record` asks the kernel for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NativeOptions {
+    /// Kernel stacks on samples and blocking switch-outs.
+    pub kernel: bool,
+    /// User registers and stack window: native frames unwound in user space.
+    pub user: bool,
+}
+
+impl NativeOptions {
+    pub fn any(&self) -> bool {
+        self.kernel || self.user
+    }
+}
+
+/// `/proc/kallsyms`, sorted, text symbols only.
+pub struct KernelSymbols {
+    syms: Vec<(u64, String)>,
+}
+
+impl KernelSymbols {
+    /// Read `/proc/kallsyms`; empty (every kernel frame `[kernel]`) when unreadable or when
+    /// addresses are hidden (kptr_restrict).
+    pub fn load() -> Self {
+        let text = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        Self::parse(&text)
+    }
+
+    pub fn parse(text: &str) -> Self {
+        let mut syms: Vec<(u64, String)> = text
+            .lines()
+            .filter_map(|l| {
+                let mut it = l.split_whitespace();
+                let addr = u64::from_str_radix(it.next()?, 16).ok()?;
+                let kind = it.next()?;
+                let name = it.next()?;
+                if addr == 0 || !matches!(kind, "t" | "T" | "w" | "W") {
+                    return None;
+                }
+                Some((addr, name.to_string()))
+            })
+            .collect();
+        syms.sort_unstable_by_key(|s| s.0);
+        syms.dedup_by_key(|s| s.0);
+        KernelSymbols { syms }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.syms.is_empty()
+    }
+
+    /// The symbol containing `addr` and its start address.
+    pub fn lookup(&self, addr: u64) -> Option<(u64, &str)> {
+        let i = self.syms.partition_point(|s| s.0 <= addr);
+        let (start, name) = self.syms.get(i.checked_sub(1)?)?;
+        // Past the last text symbol is not kernel text we can name.
+        if i == self.syms.len() && addr - start > 1 << 20 {
+            return None;
+        }
+        Some((*start, name.as_str()))
+    }
+
+    /// A kernel frame for a return address (the call is the byte before it) or the IP.
+    pub fn frame(&self, addr: u64, is_return: bool) -> (Frame, NativeFrameInfo) {
+        let look = if is_return {
+            addr.saturating_sub(1)
+        } else {
+            addr
+        };
+        let (start, name) = match self.lookup(look) {
+            Some((s, n)) => (s, n.to_string()),
+            None => (0, format!("0x{addr:x}")),
+        };
+        (
+            Frame {
+                function: name,
+                file: KERNEL_MODULE.to_string(),
+                line: None,
+            },
+            NativeFrameInfo {
+                kind: FRAME_KERNEL,
+                addr: start,
+                module: KERNEL_MODULE.to_string(),
+                build_id: String::new(),
+            },
+        )
+    }
+}
+
+/// The function name of code with no symbol (a stripped library's local functions).
+pub const NO_SYMBOL: &str = "<no symbol>";
+
+/// The module name kernel frames carry.
+pub const KERNEL_MODULE: &str = "[kernel.kallsyms]";
+
+/// Bytes of a mapped module section.
+#[derive(Clone)]
+pub struct Section {
+    map: Arc<memmap2::Mmap>,
+    range: Range<usize>,
+}
+
+impl Deref for Section {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.map.get(self.range.clone()).unwrap_or(&[])
+    }
+}
+
+/// One ELF file's symbols and unwind sections.
+pub struct ElfModule {
+    /// Path as the target maps it.
+    pub path: String,
+    pub build_id: String,
+    map: Arc<memmap2::Mmap>,
+    /// Function symbols sorted by address: (start svma, size, name).
+    symbols: Vec<(u64, u64, Arc<str>)>,
+    /// Where the symbols came from: `symtab`, `dynsym`, `debug file`, or `none`.
+    pub symbol_source: &'static str,
+    /// Address ranges (svma) of the evaluation loop (its hot and `.cold` parts), when this is
+    /// the interpreter core.
+    pub eval_ranges: Vec<Range<u64>>,
+    sections: HashMap<&'static str, (Range<u64>, Range<usize>)>,
+    /// Executable PT_LOAD segments: (file offset, vaddr, filesz).
+    loads: Vec<(u64, u64, u64)>,
+}
+
+const UNWIND_SECTIONS: [&str; 5] = [
+    ".text",
+    ".eh_frame",
+    ".eh_frame_hdr",
+    ".debug_frame",
+    ".got",
+];
+
+/// Strip GCC's clone suffixes (`save.lto_priv.0`, `foo.cold`, `bar.isra.0`) from C names.
+fn clean_c_name(name: &str) -> &str {
+    match name.find('.') {
+        Some(i) if i > 0 => &name[..i],
+        _ => name,
+    }
+}
+
+fn demangle(name: &str) -> String {
+    // Rust (legacy `_ZN…17h<hash>E` and v0 `_R…`), e.g. tokenizers; `{:#}` drops the hash.
+    if let Ok(d) = rustc_demangle::try_demangle(name) {
+        return format!("{d:#}");
+    }
+    if name.starts_with("_Z") {
+        if let Ok(sym) = cpp_demangle::Symbol::new(name) {
+            let opts = cpp_demangle::DemangleOptions::new()
+                .no_params()
+                .no_return_type();
+            if let Ok(s) = sym.demangle_with_options(&opts) {
+                return s;
+            }
+        }
+        return name.to_string();
+    }
+    clean_c_name(name).to_string()
+}
+
+fn read_symbols(file: &object::File<'_>, dynamic: bool) -> Vec<(u64, u64, Arc<str>)> {
+    let iter: Box<dyn Iterator<Item = object::Symbol<'_, '_>>> = if dynamic {
+        Box::new(file.dynamic_symbols())
+    } else {
+        Box::new(file.symbols())
+    };
+    iter.filter(|s| s.kind() == SymbolKind::Text && s.address() != 0 && s.is_definition())
+        .filter_map(|s| {
+            let name = s.name().ok()?;
+            if name.is_empty() {
+                return None;
+            }
+            // Raw names: demangled when first looked up (libtorch_cpu has ~10^5 symbols).
+            Some((s.address(), s.size(), Arc::from(name)))
+        })
+        .collect()
+}
+
+impl ElfModule {
+    /// Map and index `file` (opened by the caller), mapped in the target as `path`. `root` is
+    /// the target's root directory (`/proc/PID/root`) for debug files.
+    pub fn open(file: &std::fs::File, path: &str, root: &str) -> anyhow::Result<ElfModule> {
+        // SAFETY: the file is opened read-only and mapped privately; a library replaced on
+        // disk while mapped would change bytes under us, which the parsers treat as untrusted
+        // input (bounds-checked), so the worst outcome is a wrong name, not memory unsafety
+        // beyond what `memmap2` documents for files truncated concurrently (SIGBUS), which
+        // does not happen to loaded shared objects (the loader holds them).
+        let map = Arc::new(unsafe { memmap2::Mmap::map(file)? });
+        let obj = object::File::parse(&map[..])?;
+        let build_id = obj
+            .build_id()
+            .ok()
+            .flatten()
+            .map(|b| b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+            .unwrap_or_default();
+        let mut symbols = read_symbols(&obj, false);
+        let mut source = "symtab";
+        if symbols.is_empty() && build_id.len() > 2 {
+            // A separate debug file by build-id, in the target's root first.
+            for base in [
+                format!("{root}/usr/lib/debug"),
+                "/usr/lib/debug".to_string(),
+            ] {
+                let p = format!(
+                    "{base}/.build-id/{}/{}.debug",
+                    &build_id[..2],
+                    &build_id[2..]
+                );
+                if let Ok(f) = std::fs::File::open(&p) {
+                    // SAFETY: as above.
+                    if let Ok(m) = unsafe { memmap2::Mmap::map(&f) } {
+                        if let Ok(dbg) = object::File::parse(&m[..]) {
+                            symbols = read_symbols(&dbg, false);
+                            if !symbols.is_empty() {
+                                source = "debug file";
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if symbols.is_empty() {
+            symbols = read_symbols(&obj, true);
+            source = "dynsym";
+        }
+        if symbols.is_empty() {
+            source = "none";
+        }
+        symbols.sort_unstable_by_key(|s| s.0);
+        let mut sections = HashMap::new();
+        for name in UNWIND_SECTIONS {
+            if let Some(s) = obj.section_by_name(name) {
+                if let Some((off, size)) = s.file_range() {
+                    let (Ok(off), Ok(size)) = (usize::try_from(off), usize::try_from(size)) else {
+                        continue;
+                    };
+                    if off.checked_add(size).is_some_and(|e| e <= map.len()) {
+                        sections
+                            .insert(name, (s.address()..s.address() + s.size(), off..off + size));
+                    }
+                }
+            }
+        }
+        let loads = match &obj {
+            object::File::Elf64(elf) => {
+                use object::read::elf::ProgramHeader;
+                let e = elf.endian();
+                elf.elf_program_headers()
+                    .iter()
+                    .filter(|p| {
+                        p.p_type(e) == object::elf::PT_LOAD && p.p_flags(e) & object::elf::PF_X != 0
+                    })
+                    .map(|p| (p.p_offset(e), p.p_vaddr(e), p.p_filesz(e)))
+                    .collect()
+            }
+            _ => Vec::new(),
+        };
+        let mut eval_ranges: Vec<Range<u64>> = symbols
+            .iter()
+            .filter(|s| clean_c_name(&s.2) == "_PyEval_EvalFrameDefault")
+            .map(|s| s.0..s.0 + s.1.max(1))
+            .collect();
+        if !eval_ranges.is_empty() && source == "dynsym" {
+            // A stripped interpreter (Debian's static python3.X): the exported symbol is a
+            // small entry part; a PGO/LTO build moves the loop's body to a separate, unnamed
+            // code range. It is the largest function in the binary by far (75-85 KiB against
+            // < 40 KiB for any other in 3.13-3.15), so take the largest .eh_frame_hdr entry.
+            if let Some((svma, range)) = sections.get(".eh_frame_hdr") {
+                if let Some(r) = map
+                    .get(range.clone())
+                    .and_then(|b| largest_fde(b, svma.start))
+                {
+                    eval_ranges.push(r);
+                }
+            }
+        }
+        Ok(ElfModule {
+            path: path.to_string(),
+            build_id,
+            map,
+            symbols,
+            symbol_source: source,
+            eval_ranges,
+            sections,
+            loads,
+        })
+    }
+
+    /// The function containing `svma`: (start, name).
+    pub fn symbol(&self, svma: u64) -> Option<(u64, &Arc<str>)> {
+        let i = self.symbols.partition_point(|s| s.0 <= svma);
+        let (start, size, name) = self.symbols.get(i.checked_sub(1)?)?;
+        // Sized symbols must contain the address; unsized ones reach to the next symbol.
+        if *size > 0 && svma >= start + size {
+            return None;
+        }
+        Some((*start, name))
+    }
+
+    /// The load bias for a mapping of this file at `map_start` with file offset `offset`.
+    fn bias(&self, map_start: u64, offset: u64) -> u64 {
+        // The mapping starts at the page holding the segment's first byte: compare with the
+        // segment's page-aligned offset, and work from its vaddr at that alignment.
+        for &(off, vaddr, filesz) in &self.loads {
+            let page_off = off & !0xfff;
+            if offset >= page_off && offset < off + filesz.max(1) {
+                let page_vaddr = vaddr.wrapping_sub(off - page_off);
+                return map_start.wrapping_sub(page_vaddr + (offset - page_off));
+            }
+        }
+        map_start.wrapping_sub(offset)
+    }
+
+    fn section(&self, name: &str) -> Option<(Range<u64>, Section)> {
+        let (svma, range) = self.sections.get(name)?.clone();
+        Some((
+            svma,
+            Section {
+                map: self.map.clone(),
+                range,
+            },
+        ))
+    }
+
+    fn unwind_info(&self) -> ExplicitModuleSectionInfo<Section> {
+        let text = self.section(".text");
+        let eh = self.section(".eh_frame");
+        let hdr = self.section(".eh_frame_hdr");
+        ExplicitModuleSectionInfo {
+            base_svma: 0,
+            text_svma: text.as_ref().map(|t| t.0.clone()),
+            text: text.map(|t| t.1),
+            got_svma: self.section(".got").map(|g| g.0),
+            eh_frame_svma: eh.as_ref().map(|t| t.0.clone()),
+            eh_frame: eh.map(|t| t.1),
+            eh_frame_hdr_svma: hdr.as_ref().map(|t| t.0.clone()),
+            eh_frame_hdr: hdr.map(|t| t.1),
+            debug_frame: self.section(".debug_frame").map(|t| t.1),
+            stubs_svma: None,
+            stub_helper_svma: None,
+            unwind_info: None,
+            text_segment_svma: None,
+            text_segment: None,
+        }
+    }
+
+    /// Short display name: `_pickle` for `_pickle.cpython-311-x86_64-linux-gnu.so`,
+    /// `libtorch_cpu` for `libtorch_cpu.so`, `python3.13` for the executable.
+    pub fn short_name(&self) -> String {
+        short_module_name(&self.path)
+    }
+}
+
+/// The largest function (address range, svma) listed in an `.eh_frame_hdr` search table,
+/// measured as the distance to the next entry. Only the encodings every x86-64 toolchain
+/// writes are read (pcrel sdata4 pointer, udata4 count, datarel sdata4 table); else `None`.
+pub fn largest_fde(hdr: &[u8], hdr_svma: u64) -> Option<Range<u64>> {
+    let (&version, &ptr_enc, &count_enc, &table_enc) =
+        (hdr.first()?, hdr.get(1)?, hdr.get(2)?, hdr.get(3)?);
+    if version != 1 || ptr_enc != 0x1b || count_enc != 0x03 || table_enc != 0x3b {
+        return None;
+    }
+    let count = u32::from_le_bytes(hdr.get(8..12)?.try_into().ok()?) as usize;
+    let table = hdr.get(12..12 + count.checked_mul(8)?)?;
+    let mut starts: Vec<u64> = table
+        .chunks_exact(8)
+        .map(|e| {
+            let rel = i32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+            hdr_svma.wrapping_add_signed(rel as i64)
+        })
+        .collect();
+    starts.sort_unstable();
+    starts
+        .windows(2)
+        .map(|w| w[0]..w[1])
+        .max_by_key(|r| r.end - r.start)
+}
+
+/// `_pickle.cpython-311-x86_64-linux-gnu.so` → `_pickle`; `libc.so.6` → `libc`.
+pub fn short_module_name(path: &str) -> String {
+    let base = path.rsplit('/').next().unwrap_or(path);
+    let base = base.split(".cpython-").next().unwrap_or(base);
+    let base = base.split(".so").next().unwrap_or(base);
+    let base = base.split(".abi3").next().unwrap_or(base);
+    base.to_string()
+}
+
+/// A module mapped in one process.
+struct Mapped {
+    range: Range<u64>,
+    bias: u64,
+    module: Arc<ElfModule>,
+}
+
+/// One process's modules, unwinder and symbol cache.
+pub struct ProcessNative {
+    pid: i32,
+    maps_text: String,
+    mapped: Vec<Mapped>,
+    unwinder: UnwinderX86_64<Section>,
+    cache: CacheX86_64,
+    /// avma → frame (per process: addresses are the process's own).
+    symbols: HashMap<u64, (Frame, NativeFrameInfo, bool)>,
+    last_refresh: std::time::Instant,
+    /// Modules that could not be opened (path → why), reported once in counters.
+    pub unreadable: HashMap<String, String>,
+}
+
+/// ELF modules shared between processes, by (device, inode).
+#[derive(Default)]
+pub struct ModuleCache {
+    modules: HashMap<(u64, u64), Arc<ElfModule>>,
+}
+
+impl ProcessNative {
+    pub fn new(pid: i32, cache: &mut ModuleCache) -> Self {
+        let mut p = ProcessNative {
+            pid,
+            maps_text: String::new(),
+            mapped: Vec::new(),
+            unwinder: UnwinderX86_64::new(),
+            cache: CacheX86_64::new(),
+            symbols: HashMap::new(),
+            last_refresh: std::time::Instant::now(),
+            unreadable: HashMap::new(),
+        };
+        p.refresh(cache);
+        p
+    }
+
+    /// Re-read `/proc/PID/maps` and add new executable mappings (dlopen'ed extensions).
+    pub fn refresh(&mut self, cache: &mut ModuleCache) {
+        self.last_refresh = std::time::Instant::now();
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) else {
+            return;
+        };
+        if text == self.maps_text {
+            return;
+        }
+        let root = format!("/proc/{}/root", self.pid);
+        let mut mapped = Vec::new();
+        for m in crate::cpython::binary::parse_maps(&text) {
+            if !m.perms.contains('x') || !m.path.starts_with('/') {
+                continue;
+            }
+            let mf = format!("/proc/{}/map_files/{:x}-{:x}", self.pid, m.start, m.end);
+            let file = match std::fs::File::open(&mf) {
+                Ok(f) => f,
+                Err(e) => {
+                    self.unreadable.insert(m.path.clone(), e.to_string());
+                    continue;
+                }
+            };
+            let key = {
+                use std::os::unix::fs::MetadataExt;
+                match file.metadata() {
+                    Ok(md) => (md.dev(), md.ino()),
+                    Err(_) => continue,
+                }
+            };
+            let module = match cache.modules.get(&key) {
+                Some(m) => m.clone(),
+                None => match ElfModule::open(&file, &m.path, &root) {
+                    Ok(em) => {
+                        let em = Arc::new(em);
+                        cache.modules.insert(key, em.clone());
+                        em
+                    }
+                    Err(e) => {
+                        self.unreadable.insert(m.path.clone(), e.to_string());
+                        continue;
+                    }
+                },
+            };
+            let bias = module.bias(m.start, m.offset);
+            mapped.push(Mapped {
+                range: m.start..m.end,
+                bias,
+                module,
+            });
+        }
+        mapped.sort_by_key(|m| m.range.start);
+        let mut unwinder = UnwinderX86_64::new();
+        for m in &mapped {
+            unwinder.add_module(Module::new(
+                m.module.path.clone(),
+                m.range.clone(),
+                m.bias,
+                m.module.unwind_info(),
+            ));
+        }
+        self.unwinder = unwinder;
+        self.mapped = mapped;
+        self.maps_text = text;
+        self.symbols.clear();
+    }
+
+    fn mapping(&self, avma: u64) -> Option<&Mapped> {
+        let i = self.mapped.partition_point(|m| m.range.start <= avma);
+        let m = self.mapped.get(i.checked_sub(1)?)?;
+        (avma < m.range.end).then_some(m)
+    }
+
+    /// Unwind the user stack: addresses innermost first (the IP, then return addresses), and
+    /// whether the unwind reached the stack's root.
+    pub fn unwind(
+        &mut self,
+        cache: &mut ModuleCache,
+        ip: u64,
+        sp: u64,
+        bp: u64,
+        stack: &[u8],
+    ) -> (Vec<FrameAddress>, bool) {
+        if ip != 0 && self.mapping(ip).is_none() && self.last_refresh.elapsed().as_millis() > 200 {
+            // An address in no known module: a library loaded since the last look.
+            self.refresh(cache);
+        }
+        let mut out = Vec::new();
+        if ip == 0 {
+            return (out, false);
+        }
+        let mut read = |addr: u64| -> Result<u64, ()> {
+            let off = addr.checked_sub(sp).ok_or(())? as usize;
+            let b = stack.get(off..off.checked_add(8).ok_or(())?).ok_or(())?;
+            Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
+        };
+        let regs = UnwindRegsX86_64::new(ip, sp, bp);
+        let mut it = self
+            .unwinder
+            .iter_frames(ip, regs, &mut self.cache, &mut read);
+        let mut complete = false;
+        // Bounded: a 16 KiB window holds at most 2048 return addresses.
+        for _ in 0..512 {
+            match it.next() {
+                Ok(Some(f)) => out.push(f),
+                Ok(None) => {
+                    complete = true;
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        (out, complete)
+    }
+
+    /// Name one user address: (frame, info, whether it is the evaluation loop).
+    pub fn frame(&mut self, addr: FrameAddress) -> (Frame, NativeFrameInfo, bool) {
+        let look = addr.address_for_lookup();
+        if let Some(hit) = self.symbols.get(&look) {
+            return hit.clone();
+        }
+        let r = match self.mapping(look) {
+            Some(m) => {
+                let svma = look.wrapping_sub(m.bias);
+                let module = &m.module;
+                let is_eval = module.eval_ranges.iter().any(|r| r.contains(&svma));
+                // Code with no symbol (a stripped library's local functions): one frame per
+                // module, so that it adds up in a flamegraph; the address stays in the info.
+                let (start, function) = match module.symbol(svma) {
+                    Some((s, n)) => (s, demangle(n)),
+                    None => (svma, NO_SYMBOL.to_string()),
+                };
+                (
+                    Frame {
+                        function,
+                        file: module.path.clone(),
+                        line: None,
+                    },
+                    NativeFrameInfo {
+                        kind: FRAME_NATIVE,
+                        addr: start,
+                        module: module.path.clone(),
+                        build_id: module.build_id.clone(),
+                    },
+                    is_eval,
+                )
+            }
+            None => (
+                Frame {
+                    function: format!("0x{look:x}"),
+                    file: "[unknown]".to_string(),
+                    line: None,
+                },
+                NativeFrameInfo {
+                    kind: FRAME_NATIVE,
+                    addr: look,
+                    module: "[unknown]".to_string(),
+                    build_id: String::new(),
+                },
+                false,
+            ),
+        };
+        if self.symbols.len() > 1 << 18 {
+            self.symbols.clear();
+        }
+        self.symbols.insert(look, r.clone());
+        r
+    }
+
+    /// Whether any module has a known evaluation loop (mixed stacks can be merged).
+    pub fn has_eval_loop(&self) -> bool {
+        self.mapped.iter().any(|m| !m.module.eval_ranges.is_empty())
+    }
+}
+
+/// One native stack, resolved: frames innermost first, each with whether it is an
+/// evaluation-loop frame.
+#[derive(Debug, Clone, Default)]
+pub struct NativeFrames {
+    pub kernel: Vec<(Frame, NativeFrameInfo)>,
+    pub user: Vec<(Frame, NativeFrameInfo, bool)>,
+    /// The user unwind reached the root (else it stopped at the window's end or an error).
+    pub complete: bool,
+}
+
+/// Kernel and user space symbolization state for a recording.
+pub struct Native {
+    pub opts: NativeOptions,
+    pub kernel: KernelSymbols,
+    pub modules: ModuleCache,
+    pub procs: HashMap<i32, ProcessNative>,
+    /// Health counters (`native_*`).
+    pub unwound: u64,
+    pub unwind_incomplete: u64,
+    pub merged: u64,
+    pub merge_fallback: u64,
+}
+
+impl Native {
+    pub fn new(opts: NativeOptions) -> Self {
+        Native {
+            opts,
+            kernel: if opts.kernel {
+                KernelSymbols::load()
+            } else {
+                KernelSymbols { syms: Vec::new() }
+            },
+            modules: ModuleCache::default(),
+            procs: HashMap::new(),
+            unwound: 0,
+            unwind_incomplete: 0,
+            merged: 0,
+            merge_fallback: 0,
+        }
+    }
+
+    /// Resolve one NATIVE_STACK record of process `pid`.
+    pub fn resolve(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack) -> NativeFrames {
+        let mut out = NativeFrames::default();
+        for (i, &a) in rec.kernel.iter().enumerate() {
+            out.kernel.push(self.kernel.frame(a, i > 0));
+        }
+        if self.opts.user && rec.ip != 0 {
+            let modules = &mut self.modules;
+            let p = self
+                .procs
+                .entry(pid)
+                .or_insert_with(|| ProcessNative::new(pid, modules));
+            let (addrs, complete) = p.unwind(modules, rec.ip, rec.sp, rec.bp, &rec.stack);
+            out.complete = complete;
+            self.unwound += 1;
+            if !complete {
+                self.unwind_incomplete += 1;
+            }
+            for a in addrs {
+                out.user.push(p.frame(a));
+            }
+        }
+        out
+    }
+
+    pub fn forget(&mut self, pid: i32) {
+        self.procs.remove(&pid);
+    }
+
+    pub fn counters(&self, c: &mut std::collections::BTreeMap<String, u64>) {
+        c.insert("native_unwound".into(), self.unwound);
+        c.insert("native_unwind_incomplete".into(), self.unwind_incomplete);
+        c.insert("native_merged".into(), self.merged);
+        c.insert("native_merge_fallback".into(), self.merge_fallback);
+        let unreadable: usize = self.procs.values().map(|p| p.unreadable.len()).sum();
+        c.insert("native_unreadable_modules".into(), unreadable as u64);
+    }
+}
+
+/// Split the entry marks off raw frames (clearing the bit so offsets are offsets again). On
+/// 3.10 (`minor`) every frame is its own evaluation-loop call.
+pub fn entry_marks(frames: &mut [crate::bpf::abi::EsFrame], minor: u8) -> Vec<bool> {
+    if minor <= 10 {
+        return vec![true; frames.len()];
+    }
+    frames
+        .iter_mut()
+        .map(|f| {
+            let e = f.instr_offset >= 0 && f.instr_offset & crate::bpf::abi::FRAME_ENTRY != 0;
+            if e {
+                f.instr_offset &= !crate::bpf::abi::FRAME_ENTRY;
+            }
+            e
+        })
+        .collect()
+}
+
+/// The recorder's native state: symbolization plus the NATIVE_STACK records waiting for the
+/// sample or switch-out they belong to (the next record of the same thread, same time).
+pub struct NativeState {
+    pub native: Native,
+    pending: HashMap<i32, crate::bpf::abi::NativeStack>,
+    pub unpaired: u64,
+}
+
+impl NativeState {
+    pub fn new(opts: NativeOptions) -> Self {
+        NativeState {
+            native: Native::new(opts),
+            pending: HashMap::new(),
+            unpaired: 0,
+        }
+    }
+
+    /// Keep a NATIVE_STACK record until its event arrives.
+    pub fn stash(&mut self, bytes: &[u8]) {
+        if let Some(n) = crate::bpf::abi::parse_native(bytes) {
+            if self.pending.insert(n.tid as i32, n).is_some() {
+                self.unpaired += 1;
+            }
+        }
+    }
+
+    /// The merged stack for an event of `tid` at `time_ns` (None: no native record for it).
+    /// `python` and `entry` are its resolved Python frames and their entry marks.
+    pub fn mixed(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        time_ns: u64,
+        python: &[Frame],
+        entry: &[bool],
+    ) -> Option<merge::Mixed> {
+        let n = self.pending.remove(&tid)?;
+        if n.time_ns != time_ns {
+            self.unpaired += 1;
+            return None;
+        }
+        let frames = self.native.resolve(pid, &n);
+        let (m, kind) = merge::merge(python, entry, &frames);
+        match kind {
+            merge::MergeKind::Exact => self.native.merged += 1,
+            merge::MergeKind::Partial | merge::MergeKind::LeafOnly => {
+                self.native.merge_fallback += 1
+            }
+            merge::MergeKind::NativeOnly => {}
+        }
+        Some(m)
+    }
+
+    pub fn counters(&self, c: &mut std::collections::BTreeMap<String, u64>) {
+        self.native.counters(c);
+        c.insert("native_unpaired".into(), self.unpaired);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kallsyms_lookup() {
+        let k = KernelSymbols::parse(
+            "ffffffff81000000 T _stext\nffffffff81001000 t futex_wait\n0000000000000000 T hidden\nffffffff81002000 D data\nffffffff81003000 T do_epoll_wait\n",
+        );
+        assert_eq!(k.lookup(0xffffffff81001010).unwrap().1, "futex_wait");
+        assert_eq!(k.lookup(0xffffffff81002010).unwrap().1, "futex_wait");
+        assert_eq!(k.lookup(0xffffffff81003000).unwrap().1, "do_epoll_wait");
+        assert!(k.lookup(0x1000).is_none());
+        let (f, i) = k.frame(0xffffffff81001001, true);
+        assert_eq!(f.function, "futex_wait");
+        assert_eq!(i.kind, FRAME_KERNEL);
+        let (f, _) = k.frame(0xffffffff81001000, true);
+        assert_eq!(
+            f.function, "_stext",
+            "a return address names the call before it"
+        );
+    }
+
+    #[test]
+    fn module_names() {
+        assert_eq!(
+            short_module_name("/x/_pickle.cpython-311-x86_64-linux-gnu.so"),
+            "_pickle"
+        );
+        assert_eq!(short_module_name("/lib/x86_64-linux-gnu/libc.so.6"), "libc");
+        assert_eq!(short_module_name("/usr/bin/python3.13"), "python3.13");
+        assert_eq!(
+            short_module_name("/x/libpython3.11.so.1.0"),
+            "libpython3.11"
+        );
+        assert_eq!(clean_c_name("save.lto_priv.0"), "save");
+        assert_eq!(demangle("_ZN2at6native3addEv"), "at::native::add");
+        assert_eq!(
+            demangle("_RNvNtNtNtNtNtCsjrHSEGnQ3l9_3std3sys3pal4unix14stack_overflow11thread_info16set_current_info"),
+            "std::sys::pal::unix::stack_overflow::thread_info::set_current_info"
+        );
+    }
+
+    /// Name a function of this test binary from its address, through the same module table
+    /// (maps, map_files, load bias, .symtab) the recorder uses for a target.
+    #[test]
+    fn names_own_function() {
+        #[inline(never)]
+        fn es_marker_function(x: u64) -> u64 {
+            std::hint::black_box(x.wrapping_mul(31))
+        }
+        let addr = es_marker_function as *const () as u64;
+        std::hint::black_box(es_marker_function(1));
+        let mut cache = ModuleCache::default();
+        let mut p = ProcessNative::new(std::process::id() as i32, &mut cache);
+        let (f, info, eval) = p.frame(FrameAddress::from_instruction_pointer(addr + 1));
+        assert!(f.function.contains("es_marker_function"), "{f:?} {info:?}");
+        assert_eq!(info.kind, FRAME_NATIVE);
+        assert!(!eval);
+    }
+}
