@@ -9,6 +9,7 @@ pub mod cpython;
 pub mod demo;
 pub mod doctor;
 pub mod dump;
+pub mod metrics;
 pub mod procinfo;
 pub mod record;
 pub mod sampler;

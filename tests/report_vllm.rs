@@ -1087,3 +1087,87 @@ fn diff_folded_lines_scale_by_duration() {
         "{folded}"
     );
 }
+
+/// An older vLLM's spellings (tests/fixtures/metrics-vllm-0.8.txt: `gpu_cache_usage_perc`,
+/// `gpu_prefix_cache_{queries,hits}_total`, `time_per_output_token_seconds`): the report shows
+/// KV usage, inter-token latency and the prefix-cache hit rate. Two scrapes, 10 s apart: the
+/// first with every counter and histogram at zero (a fresh server), the second the page, so
+/// the window's increases are the page's values.
+#[test]
+fn older_vllm_metric_names_in_the_report() {
+    let page = include_str!("fixtures/metrics-vllm-0.8.txt");
+    let exp = enginescope::vllm::prom_text::parse(page, enginescope::vllm::metrics::is_kept);
+    assert_eq!(exp.bad_lines, 0, "{:?}", exp.errors);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.esrec");
+    let mut w = RecordingWriter::create(&path, &meta()).unwrap();
+    w.engine(&EngineInfo {
+        id: "engine0".into(),
+        api_server_pid: 10,
+        metrics_url: "http://127.0.0.1:8000/metrics".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    for (id, s) in exp.samples.iter().enumerate() {
+        w.series(&MetricSeries {
+            id: id as u32,
+            engine: "engine0".into(),
+            name: s.name.clone(),
+            labels: s.labels.clone(),
+            kind: s.kind.as_str().into(),
+        })
+        .unwrap();
+    }
+    for (t_ns, fresh) in [(0, true), (10 * S, false)] {
+        for (id, s) in exp.samples.iter().enumerate() {
+            let counts = s.kind.as_str() != "gauge";
+            w.metric(&MetricPoint {
+                t_ns,
+                series: id as u32,
+                value: if fresh && counts { 0.0 } else { s.value },
+            })
+            .unwrap();
+        }
+    }
+    w.finish(&EndInfo {
+        duration_ns: 10 * S,
+        reason: "duration".into(),
+    })
+    .unwrap();
+    let rec = read_recording(&path).unwrap();
+    let v = report_json(&rec, &opts(10));
+    let e = &v["engines"][0];
+    assert_eq!(e["id"], "engine0");
+    // KV usage: 0.4375 in both scrapes.
+    assert_close(&e["kv_usage"]["mean"], 0.4375);
+    assert_close(&e["kv_usage"]["max"], 0.4375);
+    // Prefix cache: 120 hits of 480 queried tokens.
+    assert_close(&e["prefix_cache_hit_rate"], 0.25);
+    // ITL from time_per_output_token_seconds: 30 observations, 29 <= 10 ms, 30 <= 25 ms.
+    assert_close(&e["itl_ms"]["count"], 30.0);
+    assert_close(&e["itl_ms"]["p50"], 10.0 * 15.0 / 29.0);
+    assert_close(&e["itl_ms"]["p90"], 10.0 * 27.0 / 29.0);
+    assert_close(&e["itl_ms"]["p99"], 10.0 + 15.0 * 0.7);
+    // The names that did not change: 32 generated tokens in 10 s; TTFT 2 observations,
+    // one <= 20 ms, one <= 40 ms.
+    assert_close(&e["gen_tok_s"]["mean"], 3.2);
+    assert_close(&e["ttft_ms"]["p50"], 20.0);
+    let md = String::from_utf8(
+        views::report_with(&rec, &Selection::all(&rec), ReportFormat::Md, &opts(10)).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<&str> = md
+        .lines()
+        .filter(|l| l.starts_with("| engine0 |"))
+        .collect();
+    // The figures table (KV mean and max, hit rate) and the latency table (ITL p50 5.2 ms).
+    assert!(
+        rows.iter()
+            .any(|r| r.matches("43.8%").count() == 2 && r.ends_with("| 25.0% |")),
+        "{rows:?}"
+    );
+    assert!(
+        rows.iter().any(|r| r.contains("| 5.2 | 9.3 | 20.5 |")),
+        "{rows:?}"
+    );
+}

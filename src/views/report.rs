@@ -11,12 +11,14 @@ use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 
-use super::engines::{self, EngineImbalance, EngineRow, MetricIndex};
+use super::engines::{self, EngineImbalance, EngineRow};
 use super::gil::{generation_key, thread_name_or_tid, HolderFrame};
 use super::latency::{function_latency, FunctionLatencyRow};
 use super::stalls::{api_server_stalls, ApiServerStalls};
-use super::timeline::{self, Correlation, ThroughputDrop, WindowRow, Windows};
+use super::timeline::{self, Correlation, ThroughputDrop, WindowRow};
+use super::windows::{extent_ns, Windows};
 use super::{format_utc, process_name, secs, short_file, Selection};
+use crate::metrics::MetricIndex;
 use crate::record::{flags, Recording};
 
 /// Schema identifier. Additive changes (new fields) keep `/1`; renaming, removing or changing
@@ -680,12 +682,12 @@ impl Report {
         totals.gil_switch_wait_s = secs(gil_switch);
         totals.gc_s = secs(gc_ns);
 
-        let end_ns = timeline::extent_ns(rec);
+        let end_ns = extent_ns(rec);
         let windows = Windows::new(opts.window_ns, end_ns);
         let ix = MetricIndex::new(rec);
         let engine_ids = engines::engine_ids(rec, &ix);
         let tl = timeline::build(rec, sel, &ix, &engine_ids, &windows, opts.drop_pct);
-        let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &tl.windows, end_ns);
+        let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &windows, end_ns);
 
         let m = &rec.meta;
         let function_latency = function_latency(rec, sel, &windows);

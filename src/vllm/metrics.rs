@@ -25,7 +25,7 @@
 //! `Recording::series` when this scraper is the only writer of series.
 //!
 //! Every point of one scrape carries the same `t_ns` (when its response arrived), which
-//! [`super::summary`] relies on to group a scrape's points.
+//! [`crate::metrics`] relies on to group a scrape's points.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -100,24 +100,11 @@ pub struct LiveCheck {
     pub vllm_series: usize,
     /// Distinct `vllm:` sample names.
     pub vllm_names: usize,
-    /// Of the names enginescope's summaries use, those absent.
+    /// Of the families enginescope's summaries use, those absent under every spelling
+    /// (`metrics::names::RELIED_ON`), by current name.
     pub missing: Vec<String>,
     pub error: String,
 }
-
-/// Sample names the summaries read.
-pub const RELIED_ON: [&str; 10] = [
-    "vllm:generation_tokens_total",
-    "vllm:prompt_tokens_total",
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:time_to_first_token_seconds_bucket",
-    "vllm:inter_token_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_bucket",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-];
 
 /// Check that `url` answers with `vllm:` metrics.
 pub fn check(url: &str, timeout: Duration) -> LiveCheck {
@@ -136,11 +123,7 @@ pub fn check(url: &str, timeout: Duration) -> LiveCheck {
             let names: std::collections::BTreeSet<&str> =
                 exp.samples.iter().map(|s| s.name.as_str()).collect();
             c.vllm_names = names.len();
-            c.missing = RELIED_ON
-                .iter()
-                .filter(|n| !names.contains(*n))
-                .map(|n| n.to_string())
-                .collect();
+            c.missing = crate::metrics::names::missing(&names);
             c.ok = c.vllm_series > 0;
             if !c.ok {
                 c.error = format!(
