@@ -650,7 +650,8 @@ fn engine_imbalance_across_engines() {
     assert_eq!(
         im["gen_tok_s"],
         serde_json::json!({"max": 100.0, "max_engine": "engine0", "min": 50.0,
-                           "min_engine": "engine1", "max_over_min": 2.0})
+                           "min_engine": "engine1", "max_over_min": 2.0, "spread": 50.0,
+                           "near_zero": 1.0})
     );
     assert_close(&im["kv_usage"]["max_over_min"], 4.0);
     assert_eq!(im["kv_usage"]["max_engine"], "engine1");

@@ -64,7 +64,25 @@ pub struct EngineRow {
     pub scrape_errors: u64,
     /// The last failure's message (empty when none).
     pub last_scrape_error: String,
+    /// Scrapes that got no page (errors at times without points; notes such as the series
+    /// limit, written next to a good scrape, do not count).
+    #[serde(default)]
+    pub scrape_failures: u64,
+    /// Successful scrapes over attempts (`scrapes / (scrapes + scrape_failures)`); null
+    /// without attempts. Rates and quantiles span the gaps (counter and bucket increases
+    /// between the scrapes that succeeded), but a low coverage leaves short windows empty.
+    #[serde(default)]
+    pub scrape_coverage: Option<f64>,
+    /// Longest time between consecutive successful scrapes, s; null with fewer than two.
+    #[serde(default)]
+    pub max_scrape_gap_s: Option<f64>,
+    /// Preemptions during the recording (`vllm:num_preemptions_total` increase).
+    #[serde(default)]
+    pub preemptions: Option<f64>,
 }
+
+/// Below this scrape coverage the report warns.
+pub const LOW_COVERAGE: f64 = 0.95;
 
 /// The highest and lowest engine by one figure.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -73,8 +91,15 @@ pub struct Spread {
     pub max_engine: String,
     pub min: f64,
     pub min_engine: String,
-    /// `max / min`; null when `min` is 0.
+    /// `max / min`; null when `min` is below the figure's near-zero floor (`near_zero`),
+    /// where a ratio means nothing (0.001 vs 0.0001 KV usage is not "10x").
     pub max_over_min: Option<f64>,
+    /// `max - min`, in the figure's unit: what to read when `max_over_min` is null.
+    #[serde(default)]
+    pub spread: f64,
+    /// Values at or below this count as zero for the ratio.
+    #[serde(default)]
+    pub near_zero: f64,
 }
 
 /// How unevenly engines are loaded; only with two or more engines.
@@ -88,9 +113,30 @@ pub struct EngineImbalance {
     pub kv_usage: Option<Spread>,
     /// Of `running.mean`.
     pub running: Option<Spread>,
+    /// Of `waiting.mean`.
+    #[serde(default)]
+    pub waiting: Option<Spread>,
+    /// Of `ttft_ms.p90`.
+    #[serde(default)]
+    pub ttft_p90_ms: Option<Spread>,
 }
 
-fn spread<'a>(v: impl IntoIterator<Item = (&'a str, Option<f64>)>) -> Option<Spread> {
+/// Near-zero floors of the imbalance figures: below them a ratio is noise.
+pub mod floors {
+    /// Generated tokens per s.
+    pub const GEN_TOK_S: f64 = 1.0;
+    /// KV usage, a fraction (1%).
+    pub const KV_USAGE: f64 = 0.01;
+    /// Requests (mean over scrapes).
+    pub const REQUESTS: f64 = 0.5;
+    /// TTFT, ms.
+    pub const TTFT_MS: f64 = 1.0;
+}
+
+fn spread<'a>(
+    v: impl IntoIterator<Item = (&'a str, Option<f64>)>,
+    near_zero: f64,
+) -> Option<Spread> {
     let v: Vec<(&str, f64)> = v.into_iter().filter_map(|(k, x)| Some((k, x?))).collect();
     if v.len() < 2 {
         return None;
@@ -111,7 +157,9 @@ fn spread<'a>(v: impl IntoIterator<Item = (&'a str, Option<f64>)>) -> Option<Spr
         max_engine: hi.0.to_string(),
         min: lo.1,
         min_engine: lo.0.to_string(),
-        max_over_min: (lo.1 > 0.0).then(|| hi.1 / lo.1),
+        max_over_min: (lo.1 > near_zero).then(|| hi.1 / lo.1),
+        spread: hi.1 - lo.1,
+        near_zero,
     })
 }
 
@@ -151,6 +199,14 @@ pub fn engine_rows(
                     .map(|h| h.quantiles_ms())
                     .unwrap_or_default()
             };
+            let times = ix.scrape_times(id);
+            let failures = rec
+                .scrape_errors
+                .iter()
+                .filter(|e| &e.engine == id && times.binary_search(&e.t_ns).is_err())
+                .count() as u64;
+            let attempts = times.len() as u64 + failures;
+            let max_gap = times.windows(2).map(|w| w[1] - w[0]).max();
             let errors: Vec<&crate::record::ScrapeError> = rec
                 .scrape_errors
                 .iter()
@@ -180,6 +236,12 @@ pub fn engine_rows(
                 prefix_cache_hit_rate: ix.prefix_cache_hit_rate(id, 0, end_ns.max(1)),
                 scrape_errors: errors.len() as u64,
                 last_scrape_error: errors.last().map(|e| e.error.clone()).unwrap_or_default(),
+                scrape_failures: failures,
+                scrape_coverage: (attempts > 0).then(|| times.len() as f64 / attempts as f64),
+                max_scrape_gap_s: max_gap.map(|g| g as f64 / 1e9),
+                preemptions: ix
+                    .increase(id, &names::PREEMPTIONS, 0, end_ns.max(1))
+                    .map(|i| i.value),
             }
         })
         .collect()
@@ -193,8 +255,80 @@ pub fn imbalance(rows: &[EngineRow]) -> Option<EngineImbalance> {
     }
     Some(EngineImbalance {
         engines: rows.len(),
-        gen_tok_s: spread(rows.iter().map(|r| (r.id.as_str(), r.gen_tok_s.mean))),
-        kv_usage: spread(rows.iter().map(|r| (r.id.as_str(), r.kv_usage.mean))),
-        running: spread(rows.iter().map(|r| (r.id.as_str(), r.running.mean))),
+        gen_tok_s: spread(
+            rows.iter().map(|r| (r.id.as_str(), r.gen_tok_s.mean)),
+            floors::GEN_TOK_S,
+        ),
+        kv_usage: spread(
+            rows.iter().map(|r| (r.id.as_str(), r.kv_usage.mean)),
+            floors::KV_USAGE,
+        ),
+        running: spread(
+            rows.iter().map(|r| (r.id.as_str(), r.running.mean)),
+            floors::REQUESTS,
+        ),
+        waiting: spread(
+            rows.iter().map(|r| (r.id.as_str(), r.waiting.mean)),
+            floors::REQUESTS,
+        ),
+        ttft_p90_ms: spread(
+            rows.iter().map(|r| (r.id.as_str(), r.ttft_ms.p90)),
+            floors::TTFT_MS,
+        ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: &str, gen: f64, kv: f64, running: f64, waiting: f64, ttft_p90: f64) -> EngineRow {
+        let g = |v: f64| GaugeStats {
+            mean: Some(v),
+            max: Some(v),
+        };
+        EngineRow {
+            id: id.into(),
+            gen_tok_s: RateStats {
+                mean: Some(gen),
+                ..Default::default()
+            },
+            kv_usage: g(kv),
+            running: g(running),
+            waiting: g(waiting),
+            ttft_ms: LatencyQuantiles {
+                p90: Some(ttft_p90),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// The case: KV usage 0.001 vs 0.0001 and running 0.1 vs 0 are not "10x"; the
+    /// TTFT difference (320.7 vs 38.8 ms) is in it.
+    #[test]
+    fn near_zero_values_give_differences_not_ratios() {
+        let rows = [
+            row("engine0", 230.0, 0.001, 0.1, 0.0, 320.7),
+            row("engine1", 30.0, 0.0001, 0.0, 0.0, 38.8),
+        ];
+        let im = imbalance(&rows).unwrap();
+        let g = im.gen_tok_s.unwrap();
+        assert_eq!(
+            (g.max_over_min.map(|r| (r * 100.0).round()), g.spread),
+            (Some(767.0), 200.0)
+        );
+        let kv = im.kv_usage.unwrap();
+        assert_eq!(kv.max_over_min, None);
+        assert!((kv.spread - 0.0009).abs() < 1e-12);
+        assert_eq!(im.running.unwrap().max_over_min, None);
+        assert_eq!(im.waiting.unwrap().spread, 0.0);
+        let t = im.ttft_p90_ms.unwrap();
+        assert_eq!(
+            (t.max_engine.as_str(), t.min_engine.as_str()),
+            ("engine0", "engine1")
+        );
+        assert!((t.max_over_min.unwrap() - 320.7 / 38.8).abs() < 1e-9);
+        assert!(imbalance(&rows[..1]).is_none());
+    }
 }

@@ -11,6 +11,7 @@ pub mod diff;
 pub mod engines;
 pub mod filter;
 pub mod flame;
+pub mod fleet;
 pub mod folded;
 pub mod gil;
 pub mod latency;

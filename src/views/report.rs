@@ -135,6 +135,11 @@ pub struct Report {
     /// Spread across engines; null with fewer than two.
     #[serde(default)]
     pub engine_imbalance: Option<EngineImbalance>,
+    /// Situations of one engine among several (`views::fleet`): KV memory wall, a queue
+    /// while the others idle, TTFT outliers; each names the engine and its EngineCore's CPU,
+    /// GIL wait and GC then. Absent when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fleet_findings: Vec<super::fleet::FleetFinding>,
     /// Calls of probed functions per probe and thread, most calls first.
     #[serde(default)]
     pub function_latency: Vec<FunctionLatencyRow>,
@@ -735,6 +740,7 @@ impl Report {
             gc,
             counters: rec.counters.clone(),
             engine_imbalance: engines::imbalance(&engine_rows),
+            fleet_findings: super::fleet::findings(rec, &engine_rows, &tl.windows, &windows),
             engines: engine_rows,
             function_latency,
             window_s: tl.window_s,
