@@ -65,7 +65,8 @@ pub struct EngineRow {
     /// The last failure's message (empty when none).
     pub last_scrape_error: String,
     /// Scrapes that got no page (errors at times without points; notes such as the series
-    /// limit, written next to a good scrape, do not count).
+    /// limit, written next to a good scrape, do not count, nor failures after the last good
+    /// scrape that end in a refused connection: the engine had gone).
     #[serde(default)]
     pub scrape_failures: u64,
     /// Successful scrapes over attempts (`scrapes / (scrapes + scrape_failures)`); null
@@ -200,10 +201,21 @@ pub fn engine_rows(
                     .unwrap_or_default()
             };
             let times = ix.scrape_times(id);
-            let failures = rec
+            let last_good = times.last().copied().unwrap_or(0);
+            let failed: Vec<&crate::record::ScrapeError> = rec
                 .scrape_errors
                 .iter()
                 .filter(|e| &e.engine == id && times.binary_search(&e.t_ns).is_err())
+                .collect();
+            // Failures after the last good scrape that end in a refused connection are the
+            // engine going away (its server resets the requests in flight, then nobody
+            // listens), not scrapes its API server failed to answer.
+            let gone = failed
+                .last()
+                .is_some_and(|e| e.t_ns > last_good && e.error.contains("connection refused"));
+            let failures = failed
+                .iter()
+                .filter(|e| !(gone && e.t_ns > last_good))
                 .count() as u64;
             let attempts = times.len() as u64 + failures;
             let max_gap = times.windows(2).map(|w| w[1] - w[0]).max();
@@ -330,5 +342,54 @@ mod tests {
         );
         assert!((t.max_over_min.unwrap() - 320.7 / 38.8).abs() < 1e-9);
         assert!(imbalance(&rows[..1]).is_none());
+    }
+
+    /// Coverage: failed scrapes in the middle count; those after the last good scrape that
+    /// end in a refused connection (the engine went away) do not.
+    #[test]
+    fn scrape_coverage_counts_failures_while_the_engine_lived() {
+        use crate::record::{MetricPoint, MetricSeries, ScrapeError};
+        const S: u64 = 1_000_000_000;
+        let mut rec = Recording::default();
+        rec.series.push(MetricSeries {
+            id: 0,
+            engine: "e".into(),
+            name: names::GENERATION_TOKENS.name.into(),
+            ..Default::default()
+        });
+        let err = |t: u64, m: &str| ScrapeError {
+            t_ns: t,
+            engine: "e".into(),
+            url: "u".into(),
+            error: m.into(),
+        };
+        // Good scrapes at 0..=9 s except 3 and 6 (timed out), then a reset and a refusal.
+        for t in (0..=9u64).filter(|t| *t != 3 && *t != 6) {
+            rec.metrics.push(MetricPoint {
+                t_ns: t * S,
+                series: 0,
+                value: t as f64 * 10.0,
+            });
+        }
+        rec.scrape_errors = vec![
+            err(3 * S, "GET u: timed out"),
+            err(6 * S, "GET u: timed out"),
+            err(10 * S, "GET u: io: Connection reset by peer"),
+            err(11 * S, "GET u: connection refused; is the engine running"),
+        ];
+        let ix = MetricIndex::new(&rec);
+        let w = Windows::new(5 * S, 12 * S);
+        let rows = engine_rows(&rec, &ix, &["e".to_string()], &w, 12 * S);
+        let r = &rows[0];
+        assert_eq!((r.scrapes, r.scrape_failures, r.scrape_errors), (8, 2, 4));
+        assert_eq!(r.scrape_coverage, Some(0.8));
+        assert_eq!(r.max_scrape_gap_s, Some(2.0));
+        // The counter's rate spans the gaps: 10/s.
+        assert_eq!(r.gen_tok_s.mean, Some(10.0));
+        // Still failing at the end, but not refused: those count (a stuck API server).
+        rec.scrape_errors.pop();
+        let ix = MetricIndex::new(&rec);
+        let r = &engine_rows(&rec, &ix, &["e".to_string()], &w, 12 * S)[0];
+        assert_eq!(r.scrape_failures, 3);
     }
 }
