@@ -56,15 +56,9 @@ fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
     }
 }
 
-/// One frame of a Python stack.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct Frame {
-    /// Qualified name (`Class.method`, `outer.<locals>.inner`); `co_name` on 3.10.
-    pub function: String,
-    pub file: String,
-    /// `null` where the instruction has no line (rare: artificial instructions).
-    pub line: Option<i32>,
-}
+/// One frame of a Python stack: the recording's frame (`record::Frame`), which the reader
+/// produces; the file format does not depend on the reader.
+pub use crate::record::Frame;
 
 /// One thread as read at one moment.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -198,7 +192,7 @@ impl PythonProcess {
         let mut interp = self.read(self.binary.runtime_addr + o.runtime_interpreters_head)?;
         while interp != 0 && out.len() < MAX_INTERPRETERS && seen.insert(interp) {
             out.push(interp);
-            interp = self.read(interp + o.interp_next)?;
+            interp = self.read(interp.wrapping_add(o.interp_next))?;
         }
         Ok(out)
     }
@@ -208,10 +202,10 @@ impl PythonProcess {
         let o = &self.offsets;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
-        let mut t = self.read(interp + o.interp_threads_head)?;
+        let mut t = self.read(interp.wrapping_add(o.interp_threads_head))?;
         while t != 0 && out.len() < MAX_THREADS && seen.insert(t) {
             out.push(t);
-            t = self.read(t + o.tstate_next)?;
+            t = self.read(t.wrapping_add(o.tstate_next))?;
         }
         Ok(out)
     }
@@ -221,7 +215,7 @@ impl PythonProcess {
         let o = &self.offsets;
         match (o.runtime_gil, o.interp_ceval_gil_ptr) {
             (Some(off), _) => Ok(self.binary.runtime_addr + off),
-            (None, Some(ptr)) => self.read(interp + ptr),
+            (None, Some(ptr)) => self.read(interp.wrapping_add(ptr)),
             (None, None) => Ok(0),
         }
     }
@@ -233,11 +227,11 @@ impl PythonProcess {
         if gil == 0 {
             return Ok(0);
         }
-        let locked = self.mem.read_i32(gil + o.gil_locked)?;
+        let locked = self.mem.read_i32(gil.wrapping_add(o.gil_locked))?;
         if locked == 0 {
             return Ok(0);
         }
-        self.read(gil + o.gil_last_holder)
+        self.read(gil.wrapping_add(o.gil_last_holder))
     }
 
     /// Address of the main interpreter's `gcstate->collecting`.
@@ -283,13 +277,13 @@ impl PythonProcess {
     pub fn ns_tid(&self, tstate: u64, tasks: &[TaskInfo]) -> Option<i32> {
         let o = &self.offsets;
         if let Some(off) = o.tstate_native_thread_id {
-            let v = self.read(tstate + off).ok()?;
+            let v = self.read(tstate.wrapping_add(off)).ok()?;
             return i32::try_from(v).ok().filter(|&t| t > 0);
         }
         // 3.10 keeps only the pthread_t, which on glibc/x86-64 is the address of the thread's
         // `struct pthread`; its `tid` field sits at a libc-specific offset, found once and
         // validated against the process's real thread ids.
-        let pthread = self.read(tstate + o.tstate_thread_id).ok()?;
+        let pthread = self.read(tstate.wrapping_add(o.tstate_thread_id)).ok()?;
         let off = match self.pthread_tid_offset.get() {
             Some(off) => off,
             None => {
@@ -298,7 +292,7 @@ impl PythonProcess {
                 off
             }
         };
-        let tid = self.mem.read_i32(pthread + off).ok()?;
+        let tid = self.mem.read_i32(pthread.wrapping_add(off)).ok()?;
         tasks.iter().any(|t| t.ns_tid == tid).then_some(tid)
     }
 
@@ -308,7 +302,7 @@ impl PythonProcess {
         let mut pthreads = Vec::new();
         for interp in self.interpreters().ok()? {
             for t in self.thread_states(interp).ok()? {
-                if let Ok(p) = self.read(t + o.tstate_thread_id) {
+                if let Ok(p) = self.read(t.wrapping_add(o.tstate_thread_id)) {
                     pthreads.push(p);
                 }
             }
@@ -322,7 +316,7 @@ impl PythonProcess {
             let mut vals = HashSet::new();
             let ok = pthreads.iter().all(|&p| {
                 self.mem
-                    .read_i32(p + off)
+                    .read_i32(p.wrapping_add(off))
                     .is_ok_and(|v| ns.contains(&v) && vals.insert(v))
             });
             if ok {
@@ -337,9 +331,9 @@ impl PythonProcess {
         let o = &self.offsets;
         let mut frames = Vec::new();
         let first = (|| -> Result<u64, ReadError> {
-            let f = self.read(tstate + o.tstate_frame)?;
+            let f = self.read(tstate.wrapping_add(o.tstate_frame))?;
             match o.cframe_current_frame {
-                Some(cf) if f != 0 => self.read(f + cf),
+                Some(cf) if f != 0 => self.read(f.wrapping_add(cf)),
                 _ => Ok(f),
             }
         })();
@@ -384,15 +378,15 @@ impl PythonProcess {
         cache: &mut CodeCache,
     ) -> Result<(Option<Frame>, u64), ObjectError> {
         let o = &self.offsets;
-        let prev = self.read(frame + o.frame_previous)?;
+        let prev = self.read(frame.wrapping_add(o.frame_previous))?;
         if let Some(owner_off) = o.frame_owner {
             // FRAME_OWNED_BY_CSTACK (3.12/3.13) and FRAME_OWNED_BY_INTERPRETER (3.14+) mark
             // shim/entry frames that are not Python code: owner >= 3 in every epoch.
-            if self.mem.read_u8(frame + owner_off)? >= 3 {
+            if self.mem.read_u8(frame.wrapping_add(owner_off))? >= 3 {
                 return Ok((None, prev));
             }
         }
-        let code = self.read(frame + o.frame_code)? & !o.frame_code_tag_mask;
+        let code = self.read(frame.wrapping_add(o.frame_code))? & !o.frame_code_tag_mask;
         if code == 0 {
             return Ok((None, prev));
         }
@@ -413,8 +407,8 @@ impl PythonProcess {
                 }
             }
             FrameKind::Interpreter => {
-                let instr = self.read(frame + o.frame_instr)?;
-                let base = code + o.code_code_adaptive.unwrap_or(0);
+                let instr = self.read(frame.wrapping_add(o.frame_instr))?;
+                let base = code.wrapping_add(o.code_code_adaptive.unwrap_or(0));
                 (instr as i64).wrapping_sub(base as i64)
             }
         };

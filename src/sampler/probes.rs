@@ -768,6 +768,19 @@ impl Probes {
     }
 }
 
+/// The probe counters, when probes were asked for (`None`: a source that cannot set them, all
+/// zero).
+pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String, u64>) {
+    let v = |f: fn(&Probes) -> u64| p.map_or(0, f);
+    out.insert("probe_trap_cost_ns".into(), v(|p| p.trap_ns));
+    out.insert("probe_calls".into(), v(|p| p.calls));
+    out.insert("probe_calls_unfinished".into(), v(|p| p.unfinished));
+    out.insert("probe_unmatched_returns".into(), v(|p| p.unmatched_returns));
+    out.insert("probe_attach_failures".into(), v(|p| p.attach_failures));
+    out.insert("probe_thread_attaches".into(), v(|p| p.thread_attaches));
+    out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
+}
+
 /// Set the entry and return breakpoints of `p` on thread `tid`: all of them or none.
 fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec<PerfEventLinkId>> {
     let mut ls = Vec::new();

@@ -267,6 +267,92 @@ impl Target {
     }
 }
 
+/// One thread's Python stack at one tick (the memory source).
+pub struct ThreadStack {
+    pub tid: i32,
+    pub frames: Vec<Frame>,
+    pub holds_gil: bool,
+    pub gc_collecting: bool,
+    /// The walk stopped early (the frames read are still right).
+    pub partial: bool,
+}
+
+impl Target {
+    /// Every thread's Python stack now (threads not matched to a host tid are left out).
+    pub fn stacks(&mut self) -> Result<Vec<ThreadStack>, crate::cpython::AttachError> {
+        let snap = self.proc.snapshot()?;
+        Ok(snap
+            .threads
+            .into_iter()
+            .filter_map(|th| {
+                Some(ThreadStack {
+                    tid: th.tid?,
+                    partial: th.error.is_some(),
+                    frames: th.frames,
+                    holds_gil: th.holds_gil,
+                    gc_collecting: th.gc_collecting,
+                })
+            })
+            .collect())
+    }
+}
+
+/// The targets being recorded, by pid.
+#[derive(Default)]
+pub struct Targets {
+    list: Vec<Target>,
+    index: HashMap<i32, usize>,
+}
+
+impl Targets {
+    pub fn push(&mut self, t: Target) -> &mut Target {
+        self.index.insert(t.pid, self.list.len());
+        self.list.push(t);
+        let last = self.list.len() - 1;
+        &mut self.list[last]
+    }
+
+    pub fn get_mut(&mut self, pid: i32) -> Option<&mut Target> {
+        let &i = self.index.get(&pid)?;
+        self.list.get_mut(i)
+    }
+
+    pub fn contains(&self, pid: i32) -> bool {
+        self.index.contains_key(&pid)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Target> {
+        self.list.iter()
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Target> {
+        self.list.iter_mut()
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Remove these processes; returns them.
+    pub fn remove(&mut self, pids: &[i32]) -> Vec<Target> {
+        let (gone, kept): (Vec<Target>, Vec<Target>) = std::mem::take(&mut self.list)
+            .into_iter()
+            .partition(|t| pids.contains(&t.pid));
+        self.list = kept;
+        self.index = self
+            .list
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.pid, i))
+            .collect();
+        gone
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,7 +66,7 @@ pub struct EngineRow {
     pub last_scrape_error: String,
     /// Scrapes that got no page (errors at times without points; notes such as the series
     /// limit, written next to a good scrape, do not count, nor failures after the last good
-    /// scrape that end in a refused connection: the engine had gone).
+    /// scrape that end in a refused or reset connection: the engine had gone).
     #[serde(default)]
     pub scrape_failures: u64,
     /// Successful scrapes over attempts (`scrapes / (scrapes + scrape_failures)`); null
@@ -207,12 +207,14 @@ pub fn engine_rows(
                 .iter()
                 .filter(|e| &e.engine == id && times.binary_search(&e.t_ns).is_err())
                 .collect();
-            // Failures after the last good scrape that end in a refused connection are the
-            // engine going away (its server resets the requests in flight, then nobody
-            // listens), not scrapes its API server failed to answer.
-            let gone = failed
-                .last()
-                .is_some_and(|e| e.t_ns > last_good && e.error.contains("connection refused"));
+            // Failures after the last good scrape that end in a refused or reset connection
+            // are the engine going away (its server resets the requests in flight, then
+            // nobody listens), not scrapes its API server failed to answer.
+            let gone = failed.last().is_some_and(|e| {
+                e.t_ns > last_good
+                    && (e.error.contains("connection refused")
+                        || e.error.contains("Connection reset"))
+            });
             let failures = failed
                 .iter()
                 .filter(|e| !(gone && e.t_ns > last_good))
@@ -345,7 +347,7 @@ mod tests {
     }
 
     /// Coverage: failed scrapes in the middle count; those after the last good scrape that
-    /// end in a refused connection (the engine went away) do not.
+    /// end in a refused or reset connection (the engine went away) do not.
     #[test]
     fn scrape_coverage_counts_failures_while_the_engine_lived() {
         use crate::record::{MetricPoint, MetricSeries, ScrapeError};
@@ -386,8 +388,9 @@ mod tests {
         assert_eq!(r.max_scrape_gap_s, Some(2.0));
         // The counter's rate spans the gaps: 10/s.
         assert_eq!(r.gen_tok_s.mean, Some(10.0));
-        // Still failing at the end, but not refused: those count (a stuck API server).
-        rec.scrape_errors.pop();
+        // Still failing at the end, but timing out: those count (a stuck API server).
+        rec.scrape_errors.truncate(2);
+        rec.scrape_errors.push(err(10 * S, "GET u: timed out"));
         let ix = MetricIndex::new(&rec);
         let r = &engine_rows(&rec, &ix, &["e".to_string()], &w, 12 * S)[0];
         assert_eq!(r.scrape_failures, 3);

@@ -4,7 +4,7 @@
 //! # fn main() -> anyhow::Result<()> {
 //! use enginescope::vllm::{discover::discover_engines, metrics::{Scraper, ScrapeEvent}};
 //! let d = discover_engines(None)?;
-//! let start = enginescope::sampler::monotonic_ns(); // the recording's Meta::start_mono_ns
+//! let start = enginescope::sys::monotonic_ns(); // the recording's Meta::start_mono_ns
 //! let (scraper, events) = Scraper::spawn(d.engines.clone(), std::time::Duration::from_secs(1), start)?;
 //! for ev in events.try_iter() {
 //!     match ev {
@@ -28,7 +28,7 @@
 //! [`crate::metrics`] relies on to group a scrape's points.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -244,9 +244,15 @@ enum Msg {
     },
 }
 
+/// Events the scraper may have sent and the recorder not yet written: the channel is bounded
+/// so that a recorder that falls behind holds the scraper back (engines skip ticks) instead of
+/// growing without limit. The recorder drains it every tick (20 ms or a sampling period).
+pub const SCRAPE_QUEUE: usize = 4096;
+
 /// Scrapes engines' `/metrics`, each engine on a thread of its own: a slow API server (a busy
 /// engine answers late) delays only its own scrapes, never another engine's. A coordinator
-/// thread numbers series and sends events in order. Dropping it stops it too.
+/// thread numbers series and sends events in order. Dropping it stops it too (drop the
+/// events receiver first).
 pub struct Scraper {
     ctl: Sender<Msg>,
     thread: Option<JoinHandle<()>>,
@@ -263,7 +269,7 @@ pub fn request_timeout(interval: Duration) -> Duration {
 
 impl Scraper {
     /// Start scraping `engines` (those with a `metrics_url`) every `interval`; times are ns
-    /// since `start_mono_ns` (`CLOCK_MONOTONIC`, as `sampler::monotonic_ns`). The first scrape
+    /// since `start_mono_ns` (`CLOCK_MONOTONIC`, as `sys::monotonic_ns`). The first scrape
     /// of each engine happens at once.
     pub fn spawn(
         engines: Vec<EngineInfo>,
@@ -274,7 +280,7 @@ impl Scraper {
             interval >= Duration::from_millis(10),
             "scrape interval {interval:?} is too short (at least 10 ms)"
         );
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(SCRAPE_QUEUE);
         let (ctl, ctl_rx) = mpsc::channel();
         let to_self = ctl.clone();
         let thread = std::thread::Builder::new()
@@ -296,8 +302,16 @@ impl Scraper {
         let _ = self.ctl.send(Msg::SetEngines(engines));
     }
 
-    /// Stop: returns at once (the coordinator never waits on HTTP); an engine thread in the
-    /// middle of a request ends when it returns, sending nothing more.
+    /// Ask the coordinator to stop; the events channel closes when it has. A reader drains
+    /// the channel until then (the coordinator may be waiting for room in it), then calls
+    /// [`Self::stop`]. An engine thread in the middle of a request ends when it returns,
+    /// sending nothing more.
+    pub fn request_stop(&self) {
+        let _ = self.ctl.send(Msg::Stop);
+    }
+
+    /// Stop and wait for the coordinator (it never waits on HTTP). The events receiver must
+    /// be drained or dropped first: the coordinator may be waiting for room in the channel.
     pub fn stop(mut self) {
         self.shutdown();
     }
@@ -306,7 +320,7 @@ impl Scraper {
         let _ = self.ctl.send(Msg::Stop);
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
-                eprintln!("enginescope: the metrics scraper thread panicked");
+                eprintln!("enginescope: the metrics scraper thread panicked (a bug; please report it with the lines above); no more metrics are recorded");
             }
         }
     }
@@ -319,7 +333,7 @@ impl Drop for Scraper {
 }
 
 fn since(start_mono_ns: u64) -> u64 {
-    crate::sampler::monotonic_ns().saturating_sub(start_mono_ns)
+    crate::sys::monotonic_ns().saturating_sub(start_mono_ns)
 }
 
 /// One engine's scraping thread; dropping it tells the thread to end.
@@ -388,7 +402,7 @@ fn coordinate(
     engines: Vec<EngineInfo>,
     interval: Duration,
     start_mono_ns: u64,
-    tx: &Sender<ScrapeEvent>,
+    tx: &SyncSender<ScrapeEvent>,
     ctl: &Receiver<Msg>,
     to_self: Sender<Msg>,
 ) {
@@ -606,7 +620,7 @@ mod tests {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             format!("http://{}/metrics", l.local_addr().unwrap())
         };
-        let start = crate::sampler::monotonic_ns();
+        let start = crate::sys::monotonic_ns();
         let (scraper, rx) = Scraper::spawn(
             vec![
                 engine("engine0", &url),
@@ -695,7 +709,7 @@ mod tests {
         let (scraper, rx) = Scraper::spawn(
             vec![engine("stuck", &stuck_url), engine("fast", &url)],
             Duration::from_millis(20),
-            crate::sampler::monotonic_ns(),
+            crate::sys::monotonic_ns(),
         )
         .unwrap();
         let mut fast = 0;
