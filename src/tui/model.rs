@@ -183,6 +183,9 @@ pub struct EngineMetrics {
     pub waiting: MetricView,
     /// The latest failed scrape, if any.
     pub scrape_error: Option<String>,
+    /// Scrapes in the window that got a page, and those that failed.
+    pub scrapes: usize,
+    pub scrape_failures: usize,
 }
 
 /// Everything one frame shows.
@@ -585,6 +588,16 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         };
         f.resolve(|n| !of(n).is_empty()).map(of).unwrap_or_default()
     };
+    // Times in the window the engine's scrapes got a page (every point of one scrape has one).
+    let scrape_times = |engine: &str| -> BTreeSet<u64> {
+        rec.series
+            .iter()
+            .filter(|s| s.engine == engine)
+            .filter_map(|s| w.metric_points.get(&s.id))
+            .flat_map(|q| q.iter().map(|&(t, _)| t))
+            .filter(|&t| t >= start)
+            .collect()
+    };
     let view = |engine: &str, f: &Family, counter: bool| {
         metric_view(&family(engine, f), f, counter, start)
     };
@@ -606,6 +619,14 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 .rev()
                 .find(|e| e.engine == id && e.t_ns >= start)
                 .map(|e| e.error.clone()),
+            scrapes: scrape_times(&id).len(),
+            scrape_failures: {
+                let ok = scrape_times(&id);
+                rec.scrape_errors
+                    .iter()
+                    .filter(|e| e.engine == id && e.t_ns >= start && !ok.contains(&e.t_ns))
+                    .count()
+            },
             engine: id,
         })
         .collect();
