@@ -1172,3 +1172,64 @@ fn older_vllm_metric_names_in_the_report() {
         "{rows:?}"
     );
 }
+
+/// A data-parallel engine (one API server, two engine cores; vLLM's `engine` label on each
+/// series): the report keeps the engine's row (both ranks together) and adds a row per rank
+/// with their imbalance.
+#[test]
+fn data_parallel_ranks_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dp.esrec");
+    let mut w = RecordingWriter::create(&path, &meta()).unwrap();
+    w.engine(&EngineInfo {
+        id: "engine0".into(),
+        api_server_pid: 10,
+        engine_core_pids: vec![20, 21],
+        ..Default::default()
+    })
+    .unwrap();
+    let mut m = Metrics {
+        w: &mut w,
+        engine: "engine0".into(),
+        next: 0,
+    };
+    let gen: Vec<u32> = ["0", "1"]
+        .iter()
+        .map(|r| m.series("vllm:generation_tokens_total", &[("engine", r)], "counter"))
+        .collect();
+    let waiting: Vec<u32> = ["0", "1"]
+        .iter()
+        .map(|r| m.series("vllm:num_requests_waiting", &[("engine", r)], "gauge"))
+        .collect();
+    for i in 0..=10u64 {
+        m.point(i * S, gen[0], 100.0 * i as f64);
+        m.point(i * S, gen[1], 50.0 * i as f64);
+        m.point(i * S, waiting[0], 0.0);
+        m.point(i * S, waiting[1], 3.0);
+    }
+    w.finish(&EndInfo {
+        duration_ns: 10 * S,
+        reason: "duration".into(),
+    })
+    .unwrap();
+    let rec = read_recording(&path).unwrap();
+    let v = report_json(&rec, &opts(10));
+    assert_eq!(v["engines"].as_array().unwrap().len(), 1);
+    assert_close(&v["engines"][0]["gen_tok_s"]["mean"], 150.0);
+    assert_close(&v["engines"][0]["waiting"]["mean"], 3.0);
+    let ranks = v["engine_ranks"].as_array().unwrap();
+    let ids: Vec<&str> = ranks.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["engine0/dp0", "engine0/dp1"]);
+    assert_close(&ranks[0]["gen_tok_s"]["mean"], 100.0);
+    assert_close(&ranks[1]["gen_tok_s"]["mean"], 50.0);
+    let im = &v["rank_imbalance"];
+    assert_close(&im["gen_tok_s"]["max_over_min"], 2.0);
+    // Waiting 3 vs 0: a difference, no ratio.
+    assert_eq!(im["waiting"]["max_over_min"], Value::Null);
+    assert_close(&im["waiting"]["spread"], 3.0);
+    assert_eq!(im["waiting"]["max_engine"], "engine0/dp1");
+    // Without DP (the other fixtures) neither key is there.
+    let (_d, _p, plain) = vllm_fixture();
+    let v = report_json(&plain, &opts(10));
+    assert!(v.get("engine_ranks").is_none() && v.get("rank_imbalance").is_none());
+}

@@ -723,3 +723,146 @@ fn offline_llm_script_discovery() {
     let _ = child.wait();
     let _ = reader.join();
 }
+
+/// Two real `vllm serve` instances under different load (load.py at c=24 and c=2 at once),
+/// recorded together with `record --vllm`: each engine's gen tok/s (over its counter's active
+/// stretch) within 10% of its own load generator's count, every scrape of both answered at
+/// ≥ 95% (the busy API server answers `/metrics` late; each engine has its own scrape thread
+/// and a timeout sized for that), and the TTFT p90 imbalance names the busy engine. Other
+/// engines on the host are left out by API-server pid. Cost: two server starts and 20 s.
+#[test]
+fn two_servers_under_different_load() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let busy = start_server();
+    let light = start_server();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("two.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = common::Recorder::start(&[
+        "--vllm",
+        "--no-default-probes",
+        "--rate",
+        "19",
+        "-o",
+        &out_s,
+    ]);
+    let rec_pid = recorder.child.id() as i32;
+    let load = |port: u16, c: u32| {
+        Command::new(venv().join("bin/python"))
+            .arg(harness().join("load.py"))
+            .args(["--port", &port.to_string(), "-c", &c.to_string()])
+            .args(["--max-tokens", "64", "--duration", "20", "--grace", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run load.py")
+    };
+    let (a, b) = (load(busy.port, 24), load(light.port, 2));
+    let result = |c: Child| -> serde_json::Value {
+        let o = c.wait_with_output().expect("load.py");
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "load.py: {text}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        serde_json::from_str(text.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"))
+    };
+    let (ra, rb) = (result(a), result(b));
+    let load_end = enginescope::sys::monotonic_ns();
+    // Follow the recording until both engines have three scrapes after the load, so each
+    // counter's end is seen; then stop the recorder.
+    let mut reader = enginescope::record::format::RecordingReader::default();
+    let mut file = std::fs::File::open(&out_path).expect("recording file");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut buf).expect("read recording");
+        reader.feed(&buf).expect("recording parses while written");
+        let r = &reader.recording;
+        let after = |pid: i32| {
+            let Some(e) = r.engines.iter().find(|e| e.api_server_pid == pid) else {
+                return 0;
+            };
+            let ids: std::collections::BTreeSet<u32> = r
+                .series
+                .iter()
+                .filter(|s| s.engine == e.id)
+                .map(|s| s.id)
+                .collect();
+            r.metrics
+                .iter()
+                .filter(|p| ids.contains(&p.series) && r.meta.start_mono_ns + p.t_ns > load_end)
+                .map(|p| p.t_ns)
+                .collect::<std::collections::BTreeSet<u64>>()
+                .len()
+        };
+        if after(busy.pid) >= 3 && after(light.pid) >= 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no 3 scrapes of each engine after the load within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(200)); // polling a file being written
+    }
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let (ok, _, log) = recorder.wait();
+    assert!(ok, "record --vllm failed:\n{log}");
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    let ix = MetricIndex::new(&rec);
+    let id_of = |pid: i32| {
+        rec.engines
+            .iter()
+            .find(|e| e.api_server_pid == pid)
+            .unwrap_or_else(|| panic!("engine {pid} not recorded: {:#?}", rec.engines))
+            .id
+            .clone()
+    };
+    let ids = [id_of(busy.pid), id_of(light.pid)];
+    for (id, res) in ids.iter().zip([&ra, &rb]) {
+        let gen = rec
+            .series
+            .iter()
+            .find(|s| &s.engine == id && s.name == names::GENERATION_TOKENS.name)
+            .expect("generation counter scraped");
+        let (t0, t1) = active_window(&rec, gen);
+        let ours = ix
+            .rate(id, &names::GENERATION_TOKENS, t0, t1)
+            .expect("rate");
+        let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
+        eprintln!(
+            "{id}: {ours:.1} gen tok/s over {:.1} s, load.py {client}",
+            (t1 - t0) as f64 / 1e9
+        );
+        assert!(
+            (ours / client - 1.0).abs() <= 0.10,
+            "{id}: {ours:.1} vs {client}"
+        );
+    }
+    let end = enginescope::views::windows::extent_ns(&rec);
+    let w = enginescope::views::windows::Windows::new(10_000_000_000, end);
+    let rows = enginescope::views::engines::engine_rows(&rec, &ix, &ids, &w, end);
+    for r in &rows {
+        eprintln!(
+            "{}: {} scrapes, {} failed, coverage {:?}, longest gap {:?} s, TTFT p90 {:?} ms, last error {:?}",
+            r.id, r.scrapes, r.scrape_failures, r.scrape_coverage, r.max_scrape_gap_s,
+            r.ttft_ms.p90, r.last_scrape_error
+        );
+        assert!(
+            r.scrape_coverage.is_some_and(|c| c >= 0.95),
+            "{}: coverage {:?}",
+            r.id,
+            r.scrape_coverage
+        );
+    }
+    let im = enginescope::views::engines::imbalance(&rows).expect("two engines");
+    let t = im.ttft_p90_ms.expect("TTFT p90 imbalance");
+    eprintln!("TTFT p90 imbalance: {t:?}");
+    assert_eq!(t.max_engine, ids[0], "{t:?}");
+}

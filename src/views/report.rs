@@ -135,6 +135,12 @@ pub struct Report {
     /// Spread across engines; null with fewer than two.
     #[serde(default)]
     pub engine_imbalance: Option<EngineImbalance>,
+    /// Data-parallel engines (one API server, several engine cores; vLLM's `engine` label):
+    /// a row per rank, named `<id>/dp<rank>`, and their imbalance. Absent without DP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engine_ranks: Vec<EngineRow>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_imbalance: Option<EngineImbalance>,
     /// Situations of one engine among several (`views::fleet`): KV memory wall, a queue
     /// while the others idle, TTFT outliers; each names the engine and its EngineCore's CPU,
     /// GIL wait and GC then. Absent when there are none.
@@ -693,6 +699,13 @@ impl Report {
         let engine_ids = engines::engine_ids(rec, &ix);
         let tl = timeline::build(rec, sel, &ix, &engine_ids, &windows, opts.drop_pct);
         let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &windows, end_ns);
+        let ranks_ix = MetricIndex::with_split(rec, crate::metrics::Split::Ranks);
+        let rank_ids: Vec<String> = ranks_ix
+            .engines()
+            .filter(|e| !engine_ids.iter().any(|id| id == e))
+            .map(str::to_string)
+            .collect();
+        let rank_rows = engines::engine_rows(rec, &ranks_ix, &rank_ids, &windows, end_ns);
 
         let m = &rec.meta;
         let function_latency = function_latency(rec, sel, &windows);
@@ -740,6 +753,8 @@ impl Report {
             gc,
             counters: rec.counters.clone(),
             engine_imbalance: engines::imbalance(&engine_rows),
+            rank_imbalance: engines::imbalance(&rank_rows),
+            engine_ranks: rank_rows,
             fleet_findings: super::fleet::findings(rec, &engine_rows, &tl.windows, &windows),
             engines: engine_rows,
             function_latency,

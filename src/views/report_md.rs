@@ -199,6 +199,45 @@ impl Report {
                 );
             }
         }
+        if !self.engine_ranks.is_empty() {
+            let _ = writeln!(s, "\nData-parallel ranks (vLLM's `engine` label):\n");
+            let _ = writeln!(
+                s,
+                "| rank | gen tok/s | KV mean | running | waiting | TTFT p90 | ITL p90 |"
+            );
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
+            for e in &self.engine_ranks {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    md(&e.id),
+                    opt(e.gen_tok_s.mean, 1),
+                    pct_opt(e.kv_usage.mean),
+                    opt(e.running.mean, 1),
+                    opt(e.waiting.mean, 1),
+                    opt(e.ttft_ms.p90, 1),
+                    opt(e.itl_ms.p90, 1)
+                );
+            }
+            if let Some(g) = self
+                .rank_imbalance
+                .as_ref()
+                .and_then(|i| i.gen_tok_s.as_ref())
+            {
+                let _ = writeln!(
+                    s,
+                    "\nRank gen tok/s: {} {:.1} vs {} {:.1} ({}).",
+                    md(&g.max_engine),
+                    g.max,
+                    md(&g.min_engine),
+                    g.min,
+                    g.max_over_min
+                        .map_or(format!("difference {:.1}", g.spread), |r| format!(
+                            "max/min {r:.2}"
+                        ))
+                );
+            }
+        }
         if !self.fleet_findings.is_empty() {
             let _ = writeln!(s, "\n### Fleet findings\n");
             for f in &self.fleet_findings {
