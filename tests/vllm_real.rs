@@ -137,12 +137,18 @@ struct Server {
 
 /// `serve.sh PORT`: ready when it returns (it waits on /v1/models).
 fn start_server() -> Server {
+    start_server_with(&[])
+}
+
+/// `serve.sh PORT ARGS...` (extra `vllm serve` arguments).
+fn start_server_with(args: &[&str]) -> Server {
     let port = free_port();
     let logdir = tempfile::tempdir().expect("tempdir");
     let t0 = Instant::now();
     let out = Command::new("bash")
         .arg(harness().join("serve.sh"))
         .arg(port.to_string())
+        .args(args)
         .env("LOGDIR", logdir.path())
         .env("VENV", venv())
         .env("READY_TIMEOUT", "400")
@@ -736,8 +742,10 @@ fn two_servers_under_different_load() {
         return;
     }
     let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
-    let busy = start_server();
-    let light = start_server();
+    // Eager: no torch.compile, so no start-up compile and no shared compile cache (another
+    // `vllm serve` compiling into ~/.cache/vllm at the same time left a torn .so there once).
+    let busy = start_server_with(&["--enforce-eager"]);
+    let light = start_server_with(&["--enforce-eager"]);
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("two.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
