@@ -7,7 +7,11 @@
 //!   until the end), and the recording does not stop when the engine exits (engines are
 //!   followed: "all targets exited" is not a reason with --vllm);
 //! * `report --format json` over the engine's own measurement window gives `engines[]`
-//!   generated tokens/s within ±10% of the engine's count (its truth file).
+//!   generated tokens/s within ±10% of the engine's count (its truth file);
+//! * `--vllm`'s default probes are timed by sampling on this backend (breakpoints need BPF):
+//!   the report has sampled function latency for the engine's processes (presence only: at
+//!   49 Hz a sampled call's length is known to a period; tests/live_probes.rs checks exact
+//!   timing against truth).
 //!
 //! Cost: ~30 s (engine start, a 6 s window, shutdown).
 
@@ -179,6 +183,16 @@ fn memory_backend_attaches_a_late_engine_and_records_its_metrics_live() {
         .iter()
         .find(|e| e["api_server_pid"] == api)
         .expect("the engine in the report");
+    let sampled: Vec<String> = v["function_latency"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| wanted.contains(&(f["pid"].as_i64().unwrap() as i32)))
+        .filter(|f| f["method"] == "sampled" && f["calls"].as_u64().unwrap_or(0) > 0)
+        .map(|f| format!("{} ({} calls)", f["function"], f["calls"]))
+        .collect();
+    eprintln!("sampled probes: {sampled:?}");
+    assert!(!sampled.is_empty(), "{}", v["function_latency"]);
     let ours = e["gen_tok_s"]["mean"].as_f64().unwrap();
     let theirs = api_truth["generation_tokens"]["per_s_window"]
         .as_f64()

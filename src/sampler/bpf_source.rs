@@ -81,10 +81,10 @@ impl BpfSource {
         }
         let now = monotonic_ns().saturating_sub(pipe.start_ns);
         for t in targets.iter_mut() {
-            if t.new_code.is_empty() {
+            if t.sym.new_code.is_empty() {
                 continue;
             }
-            let fresh = std::mem::take(&mut t.new_code);
+            let fresh = std::mem::take(&mut t.sym.new_code);
             for (code, info, tid) in fresh {
                 self.probes
                     .consider(Some(&mut self.b), &t.proc, tid, code, &info, now, pipe)?;
@@ -137,10 +137,9 @@ fn record_event(
     bytes: &[u8],
 ) -> anyhow::Result<()> {
     let (pid, tid) = (h.tgid as i32, h.tid as i32);
-    t.resolving_tid = tid;
     match h.kind {
         kind::SAMPLE => {
-            let resolved = t.resolve(frames);
+            let resolved = t.resolve(tid, frames);
             let s = pipe.writer.intern_stack(&resolved)?;
             pipe.sample(pid, tid, h.time_ns, s, sample_flags(h.flags))?;
             probes.stack(pid, tid, h.time_ns, &resolved, false, pipe)
@@ -156,7 +155,7 @@ fn record_event(
             Ok(())
         }
         kind::SWITCH_OUT => {
-            let resolved = t.resolve(frames);
+            let resolved = t.resolve(tid, frames);
             let s = pipe.writer.intern_stack(&resolved)?;
             pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0);
             probes.stack(pid, tid, h.time_ns, &resolved, true, pipe)
@@ -166,8 +165,7 @@ fn record_event(
             let holder_tid = t.tid_of_tstate(h.ip).unwrap_or(0);
             // The frames are the holder's stack: code objects first met here belong to the
             // holder's thread (0: unknown, no probe is set from them).
-            t.resolving_tid = holder_tid;
-            let resolved = t.resolve(frames);
+            let resolved = t.resolve(holder_tid, frames);
             let s = pipe.writer.intern_stack(&resolved)?;
             let switch_wait = h.flags & abi::ev::SWITCH_WAIT != 0;
             pipe.gil_wait_start(pid, tid, h.time_ns, holder_tid, s, switch_wait);
@@ -218,18 +216,16 @@ impl Source for BpfSource {
     ) -> anyhow::Result<Vec<(i32, anyhow::Error)>> {
         // Stacks at start, for threads that are blocked when we begin.
         for t in targets.iter_mut() {
-            if let Ok(snap) = t.proc.snapshot() {
-                for th in snap.threads {
-                    if let Some(tid) = th.tid {
-                        let stack = pipe.writer.intern_stack(&th.frames)?;
-                        pipe.initial_stack(t.pid, tid, stack);
-                    }
+            t.sym.collect_new_code = !self.probes.is_empty();
+            if let Ok(stacks) = t.stacks() {
+                for th in stacks {
+                    let stack = pipe.writer.intern_stack(&th.frames)?;
+                    pipe.initial_stack(t.pid, th.tid, stack);
                 }
             }
         }
         let mut failed = Vec::new();
         for t in targets.iter_mut() {
-            t.collect_new_code = !self.probes.is_empty();
             if let Err(e) = self.configure(t) {
                 failed.push((t.pid, e));
             }
@@ -250,7 +246,7 @@ impl Source for BpfSource {
     }
 
     fn add_target(&mut self, t: &mut Target) -> anyhow::Result<()> {
-        t.collect_new_code = !self.probes.is_empty();
+        t.sym.collect_new_code = !self.probes.is_empty();
         self.configure(t)
     }
 
@@ -372,7 +368,7 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
                 _ => "events_other",
             };
             *out.entry(key.into()).or_default() += 1;
-            let resolved = target.resolve(&f);
+            let resolved = target.resolve(0, &f);
             frames += resolved.len() as u64;
             unresolved += resolved
                 .iter()

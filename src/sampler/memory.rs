@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use super::probes::Probes;
 use super::source::Source;
 use super::target::{Target, Targets};
 use super::Pipeline;
@@ -27,17 +28,37 @@ pub struct MemorySource {
     period: Duration,
     /// (thread CPU ns, monotonic ns) at the previous tick, per (pid, tid).
     last: HashMap<(i32, i32), (u64, u64)>,
-    /// Whether probes were asked for (they need the BPF source; their counters stay at 0).
-    probes_asked: bool,
+    /// Probed functions, timed by sampling (breakpoints need the BPF source): a call is
+    /// followed across the ticks whose stack holds it.
+    probes: Probes,
 }
 
 impl MemorySource {
-    pub fn new(rate_hz: u32, probes_asked: bool) -> Self {
+    /// `probes` made with this source's period ([`Self::period_ns`]).
+    pub fn new(rate_hz: u32, probes: Probes) -> Self {
         MemorySource {
-            period: Duration::from_nanos(1_000_000_000 / rate_hz.clamp(1, MAX_RATE_HZ) as u64),
+            period: Duration::from_nanos(Self::period_ns(rate_hz)),
             last: HashMap::new(),
-            probes_asked,
+            probes,
         }
+    }
+
+    /// The tick at `rate_hz` (at most [`MAX_RATE_HZ`]).
+    pub fn period_ns(rate_hz: u32) -> u64 {
+        1_000_000_000 / rate_hz.clamp(1, MAX_RATE_HZ) as u64
+    }
+
+    /// Offer code objects the symbolizer met for the first time to the probes (sampled).
+    fn consider_new_code(&mut self, t: &mut Target, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        if t.sym.new_code.is_empty() {
+            return Ok(());
+        }
+        let now = monotonic_ns().saturating_sub(pipe.start_ns);
+        for (code, info, tid) in std::mem::take(&mut t.sym.new_code) {
+            self.probes
+                .consider(None, &t.proc, tid, code, &info, now, pipe)?;
+        }
+        Ok(())
     }
 
     /// One tick of one target: every thread's stack, its CPU time since the last tick as a
@@ -73,8 +94,10 @@ impl MemorySource {
             if wall > on {
                 pipe.offcpu_interval(t.pid, th.tid, now - (wall - on), wall - on, stack)?;
             }
+            self.probes
+                .stack(t.pid, th.tid, now, &th.frames, false, pipe)?;
         }
-        Ok(())
+        self.consider_new_code(t, pipe)
     }
 }
 
@@ -89,13 +112,17 @@ impl Source for MemorySource {
 
     fn start(
         &mut self,
-        _targets: &mut Targets,
+        targets: &mut Targets,
         _pipe: &mut Pipeline,
     ) -> anyhow::Result<Vec<(i32, anyhow::Error)>> {
+        for t in targets.iter_mut() {
+            t.sym.collect_new_code = !self.probes.is_empty();
+        }
         Ok(Vec::new())
     }
 
-    fn add_target(&mut self, _t: &mut Target) -> anyhow::Result<()> {
+    fn add_target(&mut self, t: &mut Target) -> anyhow::Result<()> {
+        t.sym.collect_new_code = !self.probes.is_empty();
         Ok(())
     }
 
@@ -128,16 +155,16 @@ impl Source for MemorySource {
         Ok(())
     }
 
-    fn finish(&mut self, _targets: &mut Targets, _pipe: &mut Pipeline) -> anyhow::Result<()> {
-        Ok(())
+    fn finish(&mut self, _targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        self.probes.close(None, pipe)
     }
 
     fn counters(&self, pipe: &Pipeline, out: &mut BTreeMap<String, u64>) {
         // The same keys as the BPF source's, so that readers see one set.
         out.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
         out.insert("gc_watch_attach_failures".into(), 0);
-        if self.probes_asked {
-            super::probes::counters(None, out);
+        if !self.probes.is_empty() {
+            super::probes::counters(Some(&self.probes), out);
         }
     }
 }

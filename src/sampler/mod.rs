@@ -268,21 +268,20 @@ fn choose_source(opts: &RecordOptions) -> anyhow::Result<(Box<dyn Source>, Strin
         probe_max_rate: opts.probe_max_rate,
         quiet: opts.quiet,
     };
-    let probes = || {
-        probes::Probes::new(
-            specs.clone(),
-            1_000_000_000 / opts.rate_hz as u64,
-            opts.quiet,
-        )
+    let bpf = || {
+        let period = 1_000_000_000 / opts.rate_hz as u64;
+        let probes = probes::Probes::new(specs.clone(), period, opts.quiet);
+        bpf_source::BpfSource::start(opts.rate_hz, tracing, probes)
     };
-    let bpf = || bpf_source::BpfSource::start(opts.rate_hz, tracing, probes());
     let memory = || -> Box<dyn Source> {
         if !specs.is_empty() && !opts.quiet {
             eprintln!(
-                "enginescope: --probe needs the bpf backend; no function calls will be recorded"
+                "enginescope: the memory backend times probed functions by sampling (exact timing needs the bpf backend)"
             );
         }
-        Box::new(memory::MemorySource::new(opts.rate_hz, !specs.is_empty()))
+        let period = memory::MemorySource::period_ns(opts.rate_hz);
+        let probes = probes::Probes::new(specs.clone(), period, opts.quiet);
+        Box::new(memory::MemorySource::new(opts.rate_hz, probes))
     };
     Ok(match opts.backend {
         Backend::Memory => (memory(), "asked for with --backend memory".into()),

@@ -171,8 +171,8 @@ impl<'a> Recorder<'a> {
         self.source
             .remove_targets(&mut self.targets, exited, &mut self.pipe)?;
         for t in self.targets.remove(exited) {
-            self.exited_unresolved_frames += t.unresolved_frames;
-            self.exited_code_rereads += t.code_rereads;
+            self.exited_unresolved_frames += t.sym.unresolved_frames;
+            self.exited_code_rereads += t.sym.code_rereads;
             if !quiet {
                 eprintln!("enginescope: process {} exited", t.pid);
             }
@@ -290,11 +290,11 @@ fn counters(
     source.counters(pipe, &mut out);
     out.insert(
         "unresolved_frames".into(),
-        exited_unresolved + targets.iter().map(|t| t.unresolved_frames).sum::<u64>(),
+        exited_unresolved + targets.iter().map(|t| t.sym.unresolved_frames).sum::<u64>(),
     );
     out.insert(
         "code_object_rereads".into(),
-        exited_rereads + targets.iter().map(|t| t.code_rereads).sum::<u64>(),
+        exited_rereads + targets.iter().map(|t| t.sym.code_rereads).sum::<u64>(),
     );
     if let Some(e) = engines {
         out.insert("metric_points".into(), e.metric_points);
