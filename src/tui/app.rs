@@ -4,7 +4,7 @@
 
 use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
-use super::model::{Group, ProcessRow, Snapshot, Stats, ThreadRow};
+use super::model::{EngineMetrics, Group, ProcessRow, Snapshot, Stats, ThreadRow};
 use super::window::ThreadKey;
 
 /// The views Tab cycles through. A thread's detail opens over `Threads` with Enter.
@@ -25,6 +25,62 @@ impl View {
             View::Latency => "Latency",
         }
     }
+}
+
+/// Columns the fleet table (the Metrics view with several engines) sorts by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FleetSort {
+    GenTokens,
+    KvCache,
+    Running,
+    Waiting,
+    Coverage,
+    Name,
+}
+
+impl FleetSort {
+    pub const ALL: [FleetSort; 6] = [
+        FleetSort::GenTokens,
+        FleetSort::KvCache,
+        FleetSort::Running,
+        FleetSort::Waiting,
+        FleetSort::Coverage,
+        FleetSort::Name,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            FleetSort::GenTokens => "gen tok/s",
+            FleetSort::KvCache => "KV",
+            FleetSort::Running => "running",
+            FleetSort::Waiting => "waiting",
+            FleetSort::Coverage => "scrapes ok",
+            FleetSort::Name => "engine",
+        }
+    }
+
+    fn step(self, by: isize) -> FleetSort {
+        let i = Self::ALL.iter().position(|&k| k == self).unwrap_or(0) as isize;
+        Self::ALL[(i + by).rem_euclid(Self::ALL.len() as isize) as usize]
+    }
+
+    fn value(self, e: &EngineMetrics) -> f64 {
+        let v = match self {
+            FleetSort::GenTokens => e.gen_tokens_per_s.now,
+            FleetSort::KvCache => e.kv_cache.now,
+            FleetSort::Running => e.running.now,
+            FleetSort::Waiting => e.waiting.now,
+            FleetSort::Coverage => coverage(e),
+            FleetSort::Name => None,
+        };
+        v.unwrap_or(f64::NEG_INFINITY)
+    }
+}
+
+/// Scrapes that got a page over those tried, in the window.
+pub fn coverage(e: &EngineMetrics) -> Option<f64> {
+    let tried = e.scrapes + e.scrape_failures;
+    (tried > 0).then(|| e.scrapes as f64 / tried as f64)
 }
 
 /// Columns the thread table sorts by.
@@ -125,6 +181,8 @@ pub struct Ui {
     /// The selected thread's detail is open (over `Threads`).
     pub detail: bool,
     pub sort: SortKey,
+    /// The fleet table's sort column (Metrics view, several engines).
+    pub fleet_sort: FleetSort,
     pub ascending: bool,
     pub selected: Option<ThreadKey>,
     pub filter: Option<NameFilter>,
@@ -144,6 +202,7 @@ impl Default for Ui {
             view: View::Threads,
             detail: false,
             sort: SortKey::Cpu,
+            fleet_sort: FleetSort::GenTokens,
             ascending: false,
             selected: None,
             filter: None,
@@ -181,6 +240,21 @@ impl Ui {
         // Descending by default (busiest first; names A→Z); ties by id.
         let o = if self.ascending { o } else { o.reverse() };
         o.then(a.2.cmp(&b.2))
+    }
+
+    /// The fleet table's rows: engines by the fleet sort column, largest first unless
+    /// reversed (names A→Z); ties by name.
+    pub fn fleet_rows<'a>(&self, snap: &'a Snapshot) -> Vec<&'a EngineMetrics> {
+        let mut v: Vec<&EngineMetrics> = snap.engines.iter().collect();
+        v.sort_by(|a, b| {
+            let o = match self.fleet_sort {
+                FleetSort::Name => b.engine.cmp(&a.engine),
+                k => k.value(a).total_cmp(&k.value(b)),
+            };
+            let o = if self.ascending { o } else { o.reverse() };
+            o.then(a.engine.cmp(&b.engine))
+        });
+        v
     }
 
     /// The thread table's lines: groups (engines) in order, their processes and threads
@@ -329,6 +403,12 @@ impl Ui {
             KeyCode::PageUp => self.move_selection(snap, -10),
             KeyCode::Home => self.move_selection(snap, isize::MIN / 2),
             KeyCode::End => self.move_selection(snap, isize::MAX / 2),
+            KeyCode::Char('s') if self.view == View::Metrics => {
+                self.fleet_sort = self.fleet_sort.step(1)
+            }
+            KeyCode::Char('S') if self.view == View::Metrics => {
+                self.fleet_sort = self.fleet_sort.step(-1)
+            }
             KeyCode::Char('s') => self.sort = self.sort.step(1),
             KeyCode::Char('S') => self.sort = self.sort.step(-1),
             KeyCode::Char('r') => self.ascending = !self.ascending,

@@ -16,7 +16,6 @@
 //! Keys change [`app::Ui`]; [`render::view`] draws from the state alone.
 
 pub mod app;
-pub mod metrics;
 pub mod model;
 pub mod plain;
 pub mod render;

@@ -5,8 +5,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::metrics;
 use super::window::{Holder, ThreadKey, Window};
+use crate::metrics::{maths, names, Family};
 use crate::record::{EngineInfo, Recording};
 use crate::views::gil::{GIL_FREE, RELEASING, UNKNOWN_FUNCTION};
 
@@ -183,6 +183,9 @@ pub struct EngineMetrics {
     pub waiting: MetricView,
     /// The latest failed scrape, if any.
     pub scrape_error: Option<String>,
+    /// Scrapes in the window that got a page, and those that failed.
+    pub scrapes: usize,
+    pub scrape_failures: usize,
 }
 
 /// Everything one frame shows.
@@ -298,15 +301,30 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-fn metric_view(points: &[(u64, f64)], counter: bool, from_ns: u64) -> MetricView {
+/// A family's label sets (each one's points in time order) as shown: a counter as its rate
+/// (summed over label sets), a gauge combined per scrape as the family says.
+fn metric_view(
+    series: &[Vec<(u64, f64)>],
+    family: &Family,
+    counter: bool,
+    from_ns: u64,
+) -> MetricView {
     if counter {
+        let rates: Vec<Vec<(u64, f64)>> = series.iter().map(|p| maths::rates(p)).collect();
         MetricView {
-            now: metrics::rate_since(points, from_ns),
-            history: metrics::rates(points).into_iter().map(|(_, v)| v).collect(),
+            now: series
+                .iter()
+                .filter_map(|p| maths::rate_since(p, from_ns))
+                .reduce(|a, b| a + b),
+            history: maths::combine(rates.iter().map(Vec::as_slice), names::GaugeAgg::Sum)
+                .into_iter()
+                .map(|(_, v)| v)
+                .collect(),
         }
     } else {
+        let points = maths::combine(series.iter().map(Vec::as_slice), family.agg);
         MetricView {
-            now: metrics::last_value(points),
+            now: points.last().map(|&(_, v)| v),
             history: points.iter().map(|&(_, v)| v).collect(),
         }
     }
@@ -558,21 +576,30 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     // Engine metrics.
     let mut engine_ids: BTreeSet<String> = engines.iter().map(|e| e.id.clone()).collect();
     engine_ids.extend(rec.series.iter().map(|s| s.engine.clone()));
-    let family = |engine: &str, names: &[&str]| -> Vec<(u64, f64)> {
-        // The first of `names` that has points (a family renamed between versions).
-        for name in names {
-            let series: Vec<Vec<(u64, f64)>> = rec
-                .series
+    // A family's label sets under the first of its spellings that has points.
+    let family = |engine: &str, f: &Family| -> Vec<Vec<(u64, f64)>> {
+        let of = |name: &str| -> Vec<Vec<(u64, f64)>> {
+            rec.series
                 .iter()
-                .filter(|s| s.engine == engine && s.name == *name)
+                .filter(|s| s.engine == engine && s.name == name)
                 .filter_map(|s| w.metric_points.get(&s.id))
                 .map(|q| q.iter().copied().collect())
-                .collect();
-            if !series.is_empty() {
-                return metrics::sum_series(&series);
-            }
-        }
-        Vec::new()
+                .collect()
+        };
+        f.resolve(|n| !of(n).is_empty()).map(of).unwrap_or_default()
+    };
+    // Times in the window the engine's scrapes got a page (every point of one scrape has one).
+    let scrape_times = |engine: &str| -> BTreeSet<u64> {
+        rec.series
+            .iter()
+            .filter(|s| s.engine == engine)
+            .filter_map(|s| w.metric_points.get(&s.id))
+            .flat_map(|q| q.iter().map(|&(t, _)| t))
+            .filter(|&t| t >= start)
+            .collect()
+    };
+    let view = |engine: &str, f: &Family, counter: bool| {
+        metric_view(&family(engine, f), f, counter, start)
     };
     let engine_metrics = engine_ids
         .into_iter()
@@ -582,16 +609,24 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 .find(|e| e.id == id)
                 .map(|e| e.metrics_url.clone())
                 .unwrap_or_default(),
-            gen_tokens_per_s: metric_view(&family(&id, &[metrics::GEN_TOKENS]), true, start),
-            kv_cache: metric_view(&family(&id, &metrics::KV_CACHE), false, start),
-            running: metric_view(&family(&id, &[metrics::RUNNING]), false, start),
-            waiting: metric_view(&family(&id, &[metrics::WAITING]), false, start),
+            gen_tokens_per_s: view(&id, &names::GENERATION_TOKENS, true),
+            kv_cache: view(&id, &names::KV_CACHE_USAGE, false),
+            running: view(&id, &names::RUNNING, false),
+            waiting: view(&id, &names::WAITING, false),
             scrape_error: rec
                 .scrape_errors
                 .iter()
                 .rev()
                 .find(|e| e.engine == id && e.t_ns >= start)
                 .map(|e| e.error.clone()),
+            scrapes: scrape_times(&id).len(),
+            scrape_failures: {
+                let ok = scrape_times(&id);
+                rec.scrape_errors
+                    .iter()
+                    .filter(|e| e.engine == id && e.t_ns >= start && !ok.contains(&e.t_ns))
+                    .count()
+            },
             engine: id,
         })
         .collect();

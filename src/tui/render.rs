@@ -601,6 +601,75 @@ fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
     Paragraph::new(lines).block(Block::bordered().title(title))
 }
 
+/// From this many engines the Metrics view is one table row per engine (the fleet view).
+pub const FLEET_TABLE_FROM: usize = 3;
+
+/// One row per engine: throughput with its trend, KV usage, running, waiting, scrape
+/// coverage; sorted by the fleet sort column (`s`/`S`, `r` reverses).
+fn draw_fleet(f: &mut Frame, area: Rect, app: &App) {
+    let rows = app.ui.fleet_rows(&app.snap);
+    let spark_w = area.width.saturating_sub(70).clamp(8, 40) as usize;
+    let gen_max = rows
+        .iter()
+        .filter_map(|e| e.gen_tokens_per_s.history.iter().copied().reduce(f64::max))
+        .reduce(f64::max);
+    let num = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |x| format!("{x:.prec$}"));
+    let body: Vec<TRow> = rows
+        .iter()
+        .map(|e| {
+            let cov = super::app::coverage(e);
+            let cov_cell = Cell::from(cov.map_or("-".to_string(), pct)).style(
+                if cov.is_some_and(|c| c < 0.95) {
+                    Style::new().fg(Color::Red).bold()
+                } else {
+                    Style::new()
+                },
+            );
+            TRow::new(vec![
+                Cell::from(e.engine.clone()),
+                Cell::from(num(e.gen_tokens_per_s.now, 1)),
+                Cell::from(spark(&e.gen_tokens_per_s.history, gen_max, spark_w))
+                    .style(Style::new().fg(Color::Green)),
+                Cell::from(e.kv_cache.now.map_or("-".to_string(), pct)),
+                Cell::from(num(e.running.now, 0)),
+                Cell::from(num(e.waiting.now, 0)),
+                cov_cell,
+            ])
+        })
+        .collect();
+    let sort = format!(
+        "sort: {} {} (s/S, r)",
+        app.ui.fleet_sort.label(),
+        if app.ui.ascending { "↑" } else { "↓" }
+    );
+    let table = Table::new(
+        body,
+        [
+            Constraint::Length(16),
+            Constraint::Length(10),
+            Constraint::Length(spark_w as u16),
+            Constraint::Length(7),
+            Constraint::Length(8),
+            Constraint::Length(8),
+            Constraint::Length(11),
+        ],
+    )
+    .header(
+        TRow::new(vec![
+            "ENGINE",
+            "GEN TOK/S",
+            "TREND",
+            "KV",
+            "RUNNING",
+            "WAITING",
+            "SCRAPES OK",
+        ])
+        .style(Style::new().bold().underlined()),
+    )
+    .block(Block::bordered().title(format!("Fleet: {} engines, {sort}", rows.len())));
+    f.render_widget(table, area);
+}
+
 fn draw_metrics(f: &mut Frame, area: Rect, app: &App) {
     let engines = &app.snap.engines;
     if engines.is_empty() {
@@ -612,6 +681,10 @@ fn draw_metrics(f: &mut Frame, area: Rect, app: &App) {
             .block(Block::bordered().title("Metrics")),
             area,
         );
+        return;
+    }
+    if engines.len() > FLEET_TABLE_FROM - 1 {
+        draw_fleet(f, area, app);
         return;
     }
     let heights: Vec<Constraint> = engines
@@ -706,7 +779,8 @@ const HELP: &[(&str, &str)] = &[
     ("Enter / Esc", "open / close the selected thread's detail"),
     (
         "s / S",
-        "sort by the next / previous column (CPU, GIL, GIL wait, GC, off-CPU, name)",
+        "sort by the next / previous column (threads: CPU, GIL, GIL wait, GC, off-CPU, name; \
+         fleet table: gen tok/s, KV, running, waiting, scrapes ok, engine)",
     ),
     ("r", "reverse the sort order"),
     (

@@ -23,13 +23,13 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use super::engines::{names, GaugeAgg, MetricIndex};
 use super::folded::clean;
 use super::latency::nearest_rank;
 use super::report::md;
-use super::timeline::extent_ns;
+use super::windows::extent_ns;
 use super::{flag_leaves, format_utc, frame_label, process_name, short_file, ReportFormat};
 use super::{PARTIAL_FRAME, SHAPE_FLAGS};
+use crate::metrics::{names, Family, MetricIndex};
 use crate::record::{flags, Frame, Recording};
 
 /// Schema of the JSON diff. Additive changes keep `/1`.
@@ -349,7 +349,7 @@ impl Profile {
         let ix = MetricIndex::new(rec);
         let mut engines = BTreeMap::new();
         for id in super::engines::engine_ids(rec, &ix) {
-            let kv = ix.gauge(&id, names::KV_CACHE_USAGE, GaugeAgg::Mean);
+            let kv = ix.gauge(&id, &names::KV_CACHE_USAGE);
             let f = |i: usize| -> [Option<f64>; 4] {
                 let (t0, t1) = halves.range(i);
                 let t1 = t1.max(t0 + 1);
@@ -358,17 +358,17 @@ impl Profile {
                     .filter(|&&(t, _)| i == 0 || halves.half(t) == i)
                     .map(|&(_, v)| v)
                     .collect();
-                let p50 = |base: &str| {
-                    ix.histogram(&id, base, t0, t1)
+                let p50 = |family: &Family| {
+                    ix.histogram(&id, family, t0, t1)
                         .and_then(|h| h.quantile(0.5))
                         .map(|s| s * 1e3)
                 };
                 [
-                    ix.rate(&id, names::GENERATION_TOKENS, t0, t1),
+                    ix.rate(&id, &names::GENERATION_TOKENS, t0, t1),
                     (!in_range.is_empty())
                         .then(|| in_range.iter().sum::<f64>() / in_range.len() as f64),
-                    p50(names::TTFT),
-                    p50(names::ITL),
+                    p50(&names::TTFT),
+                    p50(&names::ITL),
                 ]
             };
             let (w, h1, h2) = (f(0), f(1), f(2));

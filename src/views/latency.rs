@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::timeline::Windows;
+use super::windows::Windows;
 use super::{secs, Selection};
 use crate::record::{ProbeInfo, Recording};
 

@@ -11,6 +11,7 @@ pub mod diff;
 pub mod engines;
 pub mod filter;
 pub mod flame;
+pub mod fleet;
 pub mod folded;
 pub mod gil;
 pub mod latency;
@@ -20,6 +21,7 @@ mod report_md;
 pub mod speedscope;
 pub mod stalls;
 pub mod timeline;
+pub mod windows;
 
 use std::io::Write;
 use std::path::Path;

@@ -11,12 +11,14 @@ use std::fmt::Write;
 
 use serde::{Deserialize, Serialize};
 
-use super::engines::{self, EngineImbalance, EngineRow, MetricIndex};
+use super::engines::{self, EngineImbalance, EngineRow};
 use super::gil::{generation_key, thread_name_or_tid, HolderFrame};
 use super::latency::{function_latency, FunctionLatencyRow};
 use super::stalls::{api_server_stalls, ApiServerStalls};
-use super::timeline::{self, Correlation, ThroughputDrop, WindowRow, Windows};
+use super::timeline::{self, Correlation, ThroughputDrop, WindowRow};
+use super::windows::{extent_ns, Windows};
 use super::{format_utc, process_name, secs, short_file, Selection};
+use crate::metrics::MetricIndex;
 use crate::record::{flags, Recording};
 
 /// Schema identifier. Additive changes (new fields) keep `/1`; renaming, removing or changing
@@ -133,6 +135,17 @@ pub struct Report {
     /// Spread across engines; null with fewer than two.
     #[serde(default)]
     pub engine_imbalance: Option<EngineImbalance>,
+    /// Data-parallel engines (one API server, several engine cores; vLLM's `engine` label):
+    /// a row per rank, named `<id>/dp<rank>`, and their imbalance. Absent without DP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub engine_ranks: Vec<EngineRow>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_imbalance: Option<EngineImbalance>,
+    /// Situations of one engine among several (`views::fleet`): KV memory wall, a queue
+    /// while the others idle, TTFT outliers; each names the engine and its EngineCore's CPU,
+    /// GIL wait and GC then. Absent when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fleet_findings: Vec<super::fleet::FleetFinding>,
     /// Calls of probed functions per probe and thread, most calls first.
     #[serde(default)]
     pub function_latency: Vec<FunctionLatencyRow>,
@@ -680,12 +693,19 @@ impl Report {
         totals.gil_switch_wait_s = secs(gil_switch);
         totals.gc_s = secs(gc_ns);
 
-        let end_ns = timeline::extent_ns(rec);
+        let end_ns = extent_ns(rec);
         let windows = Windows::new(opts.window_ns, end_ns);
         let ix = MetricIndex::new(rec);
         let engine_ids = engines::engine_ids(rec, &ix);
         let tl = timeline::build(rec, sel, &ix, &engine_ids, &windows, opts.drop_pct);
-        let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &tl.windows, end_ns);
+        let engine_rows = engines::engine_rows(rec, &ix, &engine_ids, &windows, end_ns);
+        let ranks_ix = MetricIndex::with_split(rec, crate::metrics::Split::Ranks);
+        let rank_ids: Vec<String> = ranks_ix
+            .engines()
+            .filter(|e| !engine_ids.iter().any(|id| id == e))
+            .map(str::to_string)
+            .collect();
+        let rank_rows = engines::engine_rows(rec, &ranks_ix, &rank_ids, &windows, end_ns);
 
         let m = &rec.meta;
         let function_latency = function_latency(rec, sel, &windows);
@@ -733,6 +753,9 @@ impl Report {
             gc,
             counters: rec.counters.clone(),
             engine_imbalance: engines::imbalance(&engine_rows),
+            rank_imbalance: engines::imbalance(&rank_rows),
+            engine_ranks: rank_rows,
+            fleet_findings: super::fleet::findings(rec, &engine_rows, &tl.windows, &windows),
             engines: engine_rows,
             function_latency,
             window_s: tl.window_s,

@@ -63,13 +63,13 @@ impl Report {
         let _ = writeln!(s, "\n## Engines\n");
         let _ = writeln!(
             s,
-            "| engine | API server | EngineCore | workers | metrics | scrapes | scrape errors |"
+            "| engine | API server | EngineCore | workers | metrics | scrapes | scrape errors | coverage | longest gap |"
         );
-        let _ = writeln!(s, "|---|---:|---|---|---|---:|---:|");
+        let _ = writeln!(s, "|---|---:|---|---|---|---:|---:|---:|---:|");
         for e in &self.engines {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 md(&e.id),
                 if e.api_server_pid == 0 {
                     "-".to_string()
@@ -84,8 +84,31 @@ impl Report {
                     md(&e.metrics_url)
                 },
                 e.scrapes,
-                e.scrape_errors
+                e.scrape_errors,
+                pct_opt(e.scrape_coverage),
+                e.max_scrape_gap_s
+                    .map_or("-".to_string(), |g| format!("{g:.1} s"))
             );
+        }
+        for e in &self.engines {
+            if let Some(c) = e
+                .scrape_coverage
+                .filter(|&c| c < super::engines::LOW_COVERAGE)
+            {
+                let _ = writeln!(
+                    s,
+                    "\n**Warning: {} answered only {:.0}% of scrapes** ({} of {}; longest gap {}; last error: {}). \
+                     Rates and quantiles span the gaps, but windows without two scrapes have no figures; \
+                     a longer `--scrape-interval` loads a busy API server less.",
+                    md(&e.id),
+                    c * 100.0,
+                    e.scrapes,
+                    e.scrapes + e.scrape_failures,
+                    e.max_scrape_gap_s
+                        .map_or("-".to_string(), |g| format!("{g:.1} s")),
+                    md(&e.last_scrape_error)
+                );
+            }
         }
         let _ = writeln!(
             s,
@@ -145,19 +168,27 @@ impl Report {
             let mut parts = Vec::new();
             for (what, sp, prec) in [
                 ("gen tok/s", &im.gen_tok_s, 1),
-                ("KV usage", &im.kv_usage, 3),
+                ("TTFT p90 ms", &im.ttft_p90_ms, 1),
                 ("running", &im.running, 1),
+                ("waiting", &im.waiting, 1),
+                ("KV usage", &im.kv_usage, 3),
             ] {
-                if let Some(sp) = sp {
-                    parts.push(format!(
-                        "{what} max/min {} ({} {:.prec$} vs {} {:.prec$})",
-                        opt(sp.max_over_min, 2),
-                        md(&sp.max_engine),
-                        sp.max,
-                        md(&sp.min_engine),
-                        sp.min
-                    ));
-                }
+                let Some(sp) = sp else { continue };
+                // A ratio only where the smaller value is not near zero; else the difference.
+                let how = match sp.max_over_min {
+                    Some(r) => format!("max/min {r:.2}"),
+                    None if sp.spread > sp.near_zero => {
+                        format!("difference {:.prec$}", sp.spread)
+                    }
+                    None => continue, // both near zero: nothing to say
+                };
+                parts.push(format!(
+                    "{what} {how} ({} {:.prec$} vs {} {:.prec$})",
+                    md(&sp.max_engine),
+                    sp.max,
+                    md(&sp.min_engine),
+                    sp.min
+                ));
             }
             if !parts.is_empty() {
                 let _ = writeln!(
@@ -165,6 +196,65 @@ impl Report {
                     "\n**Imbalance across {} engines:** {}.",
                     im.engines,
                     parts.join("; ")
+                );
+            }
+        }
+        if !self.engine_ranks.is_empty() {
+            let _ = writeln!(s, "\nData-parallel ranks (vLLM's `engine` label):\n");
+            let _ = writeln!(
+                s,
+                "| rank | gen tok/s | KV mean | running | waiting | TTFT p90 | ITL p90 |"
+            );
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
+            for e in &self.engine_ranks {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    md(&e.id),
+                    opt(e.gen_tok_s.mean, 1),
+                    pct_opt(e.kv_usage.mean),
+                    opt(e.running.mean, 1),
+                    opt(e.waiting.mean, 1),
+                    opt(e.ttft_ms.p90, 1),
+                    opt(e.itl_ms.p90, 1)
+                );
+            }
+            if let Some(g) = self
+                .rank_imbalance
+                .as_ref()
+                .and_then(|i| i.gen_tok_s.as_ref())
+            {
+                let _ = writeln!(
+                    s,
+                    "\nRank gen tok/s: {} {:.1} vs {} {:.1} ({}).",
+                    md(&g.max_engine),
+                    g.max,
+                    md(&g.min_engine),
+                    g.min,
+                    g.max_over_min
+                        .map_or(format!("difference {:.1}", g.spread), |r| format!(
+                            "max/min {r:.2}"
+                        ))
+                );
+            }
+        }
+        if !self.fleet_findings.is_empty() {
+            let _ = writeln!(s, "\n### Fleet findings\n");
+            for f in &self.fleet_findings {
+                let core = match (f.engine_core_cpu_pct, f.engine_core_gil_wait_pct, f.engine_core_gc_pct) {
+                    (Some(c), Some(g), Some(gc)) => format!(
+                        "; its EngineCore main thread then: CPU {c:.0}%, GIL wait {g:.1}%, GC {gc:.1}%"
+                    ),
+                    _ => String::new(),
+                };
+                let _ = writeln!(
+                    s,
+                    "- **{}** `{}` {:.0}–{:.0} s: {}{core}.",
+                    md(&f.engine),
+                    f.kind,
+                    f.start_s,
+                    f.end_s,
+                    md(&f.detail)
                 );
             }
         }
@@ -235,15 +325,47 @@ impl Report {
             );
         }
 
-        if !self.correlations.is_empty() {
-            let _ = writeln!(s, "\n### Correlation with gen tok/s\n");
+        // Only correlations over enough windows mean anything; with fewer, one line says so
+        // instead of a table of r = ±1.00.
+        let min_n = super::timeline::MIN_CORRELATION_WINDOWS;
+        let meaningful: Vec<&super::timeline::Correlation> = self
+            .correlations
+            .iter()
+            .filter(|c| c.n >= min_n && c.r.is_some())
+            .collect();
+        if !self.correlations.is_empty() && meaningful.is_empty() {
             let _ = writeln!(
                 s,
-                "Pearson r over the windows (signals constant over the windows left out).\n"
+                "\n### Correlation with gen tok/s\n\nNot computed: {} windows with throughput, \
+                 fewer than {min_n}. A longer recording or a smaller `--window` gives more.",
+                self.correlations.iter().map(|c| c.n).max().unwrap_or(0)
+            );
+        }
+        if !meaningful.is_empty() {
+            let _ = writeln!(s, "\n### Correlation with gen tok/s\n");
+            let strong: Vec<String> = meaningful
+                .iter()
+                .filter(|c| c.r.is_some_and(|r| r.abs() >= 0.7))
+                .take(3)
+                .map(|c| format!("{} of {} (r = {})", c.signal, md(&c.subject), opt(c.r, 2)))
+                .collect();
+            let _ = writeln!(
+                s,
+                "{}\n",
+                if strong.is_empty() {
+                    "No profiler signal moves strongly (|r| ≥ 0.7) with throughput.".to_string()
+                } else {
+                    format!("Moving most with throughput: {}.", strong.join("; "))
+                }
+            );
+            let _ = writeln!(
+                s,
+                "Pearson r over the windows (signals constant over the windows, and those with \
+                 fewer than {min_n} windows, left out).\n"
             );
             let _ = writeln!(s, "| signal | of | r | windows | note |");
             let _ = writeln!(s, "|---|---|---:|---:|---|");
-            for c in self.correlations.iter().take(MD_CORRELATIONS) {
+            for c in meaningful.iter().take(MD_CORRELATIONS) {
                 let _ = writeln!(
                     s,
                     "| {} | {} | {} | {} | {} |",

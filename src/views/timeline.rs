@@ -13,9 +13,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::engines::{names, GaugeAgg, MetricIndex};
 use super::latency::{nearest_rank, probes_by_id};
+use super::windows::Windows;
 use super::{secs, Selection};
+use crate::metrics::{names, MetricIndex};
 use crate::record::Recording;
 
 /// Threads given per-window columns: the busiest by on-CPU time.
@@ -24,107 +25,6 @@ pub const KEY_THREADS: usize = 8;
 pub const DROP_SIGNALS: usize = 5;
 /// Below this many windows a correlation is noted as not meaningful.
 pub const MIN_CORRELATION_WINDOWS: usize = 5;
-/// At most this many windows: a smaller `--window` over a long recording is widened.
-pub const MAX_WINDOWS: u64 = 10_000;
-
-/// Time windows of a report.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Windows {
-    pub width_ns: u64,
-    pub end_ns: u64,
-    pub count: usize,
-}
-
-impl Windows {
-    /// Windows of `width_ns` over `[0, end_ns)`, widened when there would be more than
-    /// [`MAX_WINDOWS`].
-    pub fn new(width_ns: u64, end_ns: u64) -> Windows {
-        let mut width_ns = width_ns.max(1);
-        if end_ns / width_ns >= MAX_WINDOWS {
-            width_ns = end_ns.div_ceil(MAX_WINDOWS);
-        }
-        let count = if end_ns == 0 {
-            0
-        } else {
-            end_ns.div_ceil(width_ns) as usize
-        };
-        Windows {
-            width_ns,
-            end_ns,
-            count,
-        }
-    }
-
-    /// Window of a time; times at or past the end fall in the last window.
-    pub fn index(&self, t_ns: u64) -> Option<usize> {
-        if self.count == 0 {
-            return None;
-        }
-        Some(((t_ns / self.width_ns) as usize).min(self.count - 1))
-    }
-
-    /// `[start, end)` of window `i`, ns.
-    pub fn bounds(&self, i: usize) -> (u64, u64) {
-        let start = i as u64 * self.width_ns;
-        (start, (start + self.width_ns).min(self.end_ns))
-    }
-
-    /// Length of window `i`, ns.
-    pub fn len_ns(&self, i: usize) -> u64 {
-        let (a, b) = self.bounds(i);
-        b.saturating_sub(a)
-    }
-
-    /// Add the parts of `[start, start + dur)` that fall in each window to `acc`.
-    pub fn spread(&self, start: u64, dur: u64, acc: &mut [u64]) {
-        let end = start.saturating_add(dur).min(self.end_ns);
-        let Some(first) = self.index(start) else {
-            return;
-        };
-        for (i, slot) in acc.iter_mut().enumerate().skip(first) {
-            let (a, b) = self.bounds(i);
-            if a >= end {
-                break;
-            }
-            *slot += end.min(b).saturating_sub(start.max(a));
-        }
-    }
-}
-
-/// How far a recording reaches: its end record's duration, else the end of its last event of
-/// any kind (a sample ends one period after its time; off-CPU intervals, GIL waits, GC pauses,
-/// calls, metric scrapes).
-pub fn extent_ns(rec: &Recording) -> u64 {
-    if let Some(e) = &rec.end {
-        return e.duration_ns;
-    }
-    let ends = [
-        rec.duration_ns(),
-        rec.samples
-            .iter()
-            .map(|s| s.t_ns.saturating_add(u64::from(s.weight_ns)))
-            .max()
-            .unwrap_or(0),
-        rec.gil_waits
-            .iter()
-            .map(|g| g.start_ns.saturating_add(g.dur_ns))
-            .max()
-            .unwrap_or(0),
-        rec.gc_pauses
-            .iter()
-            .map(|g| g.start_ns.saturating_add(g.dur_ns))
-            .max()
-            .unwrap_or(0),
-        rec.calls
-            .iter()
-            .map(|c| c.start_ns.saturating_add(c.dur_ns))
-            .max()
-            .unwrap_or(0),
-        rec.metrics.iter().map(|m| m.t_ns).max().unwrap_or(0),
-    ];
-    ends.into_iter().max().unwrap_or(0)
-}
-
 /// `pid:tid name` (`pid:tid` when unnamed): how the timeline names a thread.
 pub fn thread_key(rec: &Recording, pid: i32, tid: i32) -> String {
     let name = rec.thread_name(pid, tid);
@@ -283,15 +183,15 @@ fn mean_some(v: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
 pub fn engine_windows(ix: &MetricIndex, engines: &[String], w: &Windows) -> Vec<Vec<EngineWindow>> {
     let mut rows: Vec<Vec<EngineWindow>> = vec![Vec::new(); w.count];
     for id in engines {
-        let kv = gauge_by_window(&ix.gauge(id, names::KV_CACHE_USAGE, GaugeAgg::Mean), w);
-        let running = gauge_by_window(&ix.gauge(id, names::RUNNING, GaugeAgg::Sum), w);
-        let waiting = gauge_by_window(&ix.gauge(id, names::WAITING, GaugeAgg::Sum), w);
+        let kv = gauge_by_window(&ix.gauge(id, &names::KV_CACHE_USAGE), w);
+        let running = gauge_by_window(&ix.gauge(id, &names::RUNNING), w);
+        let waiting = gauge_by_window(&ix.gauge(id, &names::WAITING), w);
         for (i, row) in rows.iter_mut().enumerate() {
             let (t0, t1) = w.bounds(i);
             row.push(EngineWindow {
                 id: id.clone(),
-                gen_tok_s: ix.rate(id, names::GENERATION_TOKENS, t0, t1),
-                prompt_tok_s: ix.rate(id, names::PROMPT_TOKENS, t0, t1),
+                gen_tok_s: ix.rate(id, &names::GENERATION_TOKENS, t0, t1),
+                prompt_tok_s: ix.rate(id, &names::PROMPT_TOKENS, t0, t1),
                 kv_usage: kv[i],
                 running: running[i],
                 waiting: waiting[i],
@@ -674,26 +574,6 @@ pub fn throughput_drops(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn windows_cover_the_recording() {
-        let w = Windows::new(10, 25);
-        assert_eq!(w.count, 3);
-        assert_eq!(w.bounds(2), (20, 25));
-        assert_eq!(w.len_ns(2), 5);
-        assert_eq!(w.index(9), Some(0));
-        assert_eq!(w.index(25), Some(2));
-        assert_eq!(Windows::new(10, 0).index(0), None);
-        // Widened to stay within MAX_WINDOWS.
-        let w = Windows::new(1, 1_000_000);
-        assert_eq!(w.count as u64, MAX_WINDOWS);
-        assert_eq!(w.width_ns, 100);
-        // An interval split across windows, clipped at the end.
-        let w = Windows::new(10, 25);
-        let mut acc = vec![0; 3];
-        w.spread(5, 30, &mut acc);
-        assert_eq!(acc, [5, 10, 5]);
-    }
 
     #[test]
     fn pearson_known_answers() {

@@ -14,7 +14,7 @@
 //!     }
 //! }
 //! scraper.set_engines(d.engines.clone()); // after a rediscovery changed them
-//! scraper.stop(); // returns within one HTTP timeout (≤ 2 s)
+//! scraper.stop(); // returns at once
 //! # Ok(()) }
 //! ```
 //!
@@ -25,7 +25,7 @@
 //! `Recording::series` when this scraper is the only writer of series.
 //!
 //! Every point of one scrape carries the same `t_ns` (when its response arrived), which
-//! [`super::summary`] relies on to group a scrape's points.
+//! [`crate::metrics`] relies on to group a scrape's points.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
@@ -100,24 +100,11 @@ pub struct LiveCheck {
     pub vllm_series: usize,
     /// Distinct `vllm:` sample names.
     pub vllm_names: usize,
-    /// Of the names enginescope's summaries use, those absent.
+    /// Of the families enginescope's summaries use, those absent under every spelling
+    /// (`metrics::names::RELIED_ON`), by current name.
     pub missing: Vec<String>,
     pub error: String,
 }
-
-/// Sample names the summaries read.
-pub const RELIED_ON: [&str; 10] = [
-    "vllm:generation_tokens_total",
-    "vllm:prompt_tokens_total",
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:time_to_first_token_seconds_bucket",
-    "vllm:inter_token_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_bucket",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-];
 
 /// Check that `url` answers with `vllm:` metrics.
 pub fn check(url: &str, timeout: Duration) -> LiveCheck {
@@ -136,11 +123,7 @@ pub fn check(url: &str, timeout: Duration) -> LiveCheck {
             let names: std::collections::BTreeSet<&str> =
                 exp.samples.iter().map(|s| s.name.as_str()).collect();
             c.vllm_names = names.len();
-            c.missing = RELIED_ON
-                .iter()
-                .filter(|n| !names.contains(*n))
-                .map(|n| n.to_string())
-                .collect();
+            c.missing = crate::metrics::names::missing(&names);
             c.ok = c.vllm_series > 0;
             if !c.ok {
                 c.error = format!(
@@ -247,34 +230,47 @@ impl SeriesTable {
     }
 }
 
-enum Control {
+/// What the scraper's coordinator thread receives: control from the owner, results from
+/// the per-engine threads.
+enum Msg {
     Stop,
     SetEngines(Vec<EngineInfo>),
+    /// One scrape of one engine: the parsed page or why it failed, and when it ended.
+    Scraped {
+        engine: String,
+        url: String,
+        result: Result<Exposition, String>,
+        t_ns: u64,
+    },
 }
 
 /// Events the scraper may have sent and the recorder not yet written: the channel is bounded
-/// so that a recorder that falls behind holds the scraper back (it skips ticks) instead of
+/// so that a recorder that falls behind holds the scraper back (engines skip ticks) instead of
 /// growing without limit. The recorder drains it every tick (20 ms or a sampling period).
 pub const SCRAPE_QUEUE: usize = 4096;
 
-/// A thread scraping every engine's metrics each interval. Dropping it stops it too (drop the
+/// Scrapes engines' `/metrics`, each engine on a thread of its own: a slow API server (a busy
+/// engine answers late) delays only its own scrapes, never another engine's. A coordinator
+/// thread numbers series and sends events in order. Dropping it stops it too (drop the
 /// events receiver first).
 pub struct Scraper {
-    ctl: Sender<Control>,
+    ctl: Sender<Msg>,
     thread: Option<JoinHandle<()>>,
 }
 
-/// The per-request timeout: twice the interval, within 1–2 s. Not shorter: a busy API
-/// server answers `/metrics` late (vLLM on 2 CPUs under load: 200 ms timeouts failed 8 of
-/// ~120 scrapes); a scrape that runs past the next tick makes the scraper skip that tick.
+/// The per-request timeout: 5 intervals, within 5–30 s. A loaded API server answers
+/// `/metrics` late: vLLM on 2 CPUs at 24 concurrent requests took over 2 s for most scrapes
+/// (8 of 10 failed with a 2 s timeout), while its generation counter kept counting, so a late
+/// answer is still a good point. Each engine has its own thread, so a long wait only skips
+/// that engine's ticks (counted neither as scrapes nor as failures).
 pub fn request_timeout(interval: Duration) -> Duration {
-    (interval * 2).clamp(Duration::from_secs(1), Duration::from_secs(2))
+    (interval * 5).clamp(Duration::from_secs(5), Duration::from_secs(30))
 }
 
 impl Scraper {
     /// Start scraping `engines` (those with a `metrics_url`) every `interval`; times are ns
     /// since `start_mono_ns` (`CLOCK_MONOTONIC`, as `sys::monotonic_ns`). The first scrape
-    /// happens at once.
+    /// of each engine happens at once.
     pub fn spawn(
         engines: Vec<EngineInfo>,
         interval: Duration,
@@ -286,9 +282,10 @@ impl Scraper {
         );
         let (tx, rx) = mpsc::sync_channel(SCRAPE_QUEUE);
         let (ctl, ctl_rx) = mpsc::channel();
+        let to_self = ctl.clone();
         let thread = std::thread::Builder::new()
             .name("es-scraper".into())
-            .spawn(move || scrape_loop(engines, interval, start_mono_ns, &tx, &ctl_rx))
+            .spawn(move || coordinate(engines, interval, start_mono_ns, &tx, &ctl_rx, to_self))
             .map_err(|e| anyhow::anyhow!("starting the metrics scraper thread: {e}"))?;
         Ok((
             Scraper {
@@ -302,24 +299,25 @@ impl Scraper {
     /// Replace the engines scraped (after a rediscovery); series ids stay.
     pub fn set_engines(&self, engines: Vec<EngineInfo>) {
         // A stopped thread has nothing to update.
-        let _ = self.ctl.send(Control::SetEngines(engines));
+        let _ = self.ctl.send(Msg::SetEngines(engines));
     }
 
-    /// Ask the thread to stop after the request under way; the events channel closes when it
-    /// has. A reader drains the channel until then (the thread may be waiting for room in it),
-    /// then calls [`Self::stop`].
+    /// Ask the coordinator to stop; the events channel closes when it has. A reader drains
+    /// the channel until then (the coordinator may be waiting for room in it), then calls
+    /// [`Self::stop`]. An engine thread in the middle of a request ends when it returns,
+    /// sending nothing more.
     pub fn request_stop(&self) {
-        let _ = self.ctl.send(Control::Stop);
+        let _ = self.ctl.send(Msg::Stop);
     }
 
-    /// Stop and wait for the thread (at most one HTTP timeout). The events receiver must be
-    /// drained or dropped first: the thread may be waiting for room in the channel.
+    /// Stop and wait for the coordinator (it never waits on HTTP). The events receiver must
+    /// be drained or dropped first: the coordinator may be waiting for room in the channel.
     pub fn stop(mut self) {
         self.shutdown();
     }
 
     fn shutdown(&mut self) {
-        let _ = self.ctl.send(Control::Stop);
+        let _ = self.ctl.send(Msg::Stop);
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
                 eprintln!("enginescope: the metrics scraper thread panicked (a bug; please report it with the lines above); no more metrics are recorded");
@@ -338,76 +336,131 @@ fn since(start_mono_ns: u64) -> u64 {
     crate::sys::monotonic_ns().saturating_sub(start_mono_ns)
 }
 
-fn scrape_loop(
-    mut engines: Vec<EngineInfo>,
+/// One engine's scraping thread; dropping it tells the thread to end.
+struct EngineThread {
+    url: String,
+    _stop: Sender<()>,
+}
+
+/// Start a thread scraping `url` every `interval` until `stop`'s sender is dropped.
+fn spawn_engine(
+    engine: String,
+    url: String,
+    interval: Duration,
+    start_mono_ns: u64,
+    out: Sender<Msg>,
+) -> Option<EngineThread> {
+    let (stop_tx, stop) = mpsc::channel::<()>();
+    let u = url.clone();
+    let spawned = std::thread::Builder::new()
+        .name("es-scrape".into())
+        .spawn(move || {
+            let agent = agent(request_timeout(interval));
+            let mut next_tick = Instant::now();
+            loop {
+                let result = get_text(&agent, &u).map(|text| prom_text::parse(&text, is_kept));
+                let t_ns = since(start_mono_ns);
+                // Told to stop while the request ran: send nothing more.
+                if !matches!(stop.try_recv(), Err(mpsc::TryRecvError::Empty)) {
+                    return;
+                }
+                let msg = Msg::Scraped {
+                    engine: engine.clone(),
+                    url: u.clone(),
+                    result,
+                    t_ns,
+                };
+                if out.send(msg).is_err() {
+                    return;
+                }
+                // Fixed rate; ticks missed while a slow scrape ran are skipped, not caught up.
+                next_tick += interval;
+                let now = Instant::now();
+                if next_tick < now {
+                    let behind = (now - next_tick).as_nanos() / interval.as_nanos().max(1);
+                    next_tick += interval * (behind as u32 + 1);
+                }
+                match stop.recv_timeout(next_tick.saturating_duration_since(Instant::now())) {
+                    Err(RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+            }
+        });
+    match spawned {
+        Ok(_) => Some(EngineThread {
+            url,
+            _stop: stop_tx,
+        }),
+        Err(e) => {
+            eprintln!("enginescope: starting a scrape thread for {url}: {e}");
+            None
+        }
+    }
+}
+
+fn coordinate(
+    engines: Vec<EngineInfo>,
     interval: Duration,
     start_mono_ns: u64,
     tx: &SyncSender<ScrapeEvent>,
-    ctl: &Receiver<Control>,
+    ctl: &Receiver<Msg>,
+    to_self: Sender<Msg>,
 ) {
-    let timeout = request_timeout(interval);
-    let agent = agent(timeout);
     let mut table = SeriesTable::default();
-    let mut next_tick = Instant::now();
-    loop {
-        for idx in 0..engines.len() {
-            // Stop between engines, so a shutdown waits for one request at most.
-            match ctl.try_recv() {
-                Ok(Control::Stop) | Err(mpsc::TryRecvError::Disconnected) => return,
-                Ok(Control::SetEngines(new)) => {
-                    table.retain_engines(&new);
-                    engines = new;
-                    break;
+    let mut threads: HashMap<String, EngineThread> = HashMap::new();
+    let set = |threads: &mut HashMap<String, EngineThread>, engines: &[EngineInfo]| {
+        // Keep a thread whose engine still has the same URL; end the others.
+        threads.retain(|id, t| {
+            engines
+                .iter()
+                .any(|e| &e.id == id && e.metrics_url == t.url)
+        });
+        for e in engines.iter().filter(|e| !e.metrics_url.is_empty()) {
+            if !threads.contains_key(&e.id) {
+                if let Some(t) = spawn_engine(
+                    e.id.clone(),
+                    e.metrics_url.clone(),
+                    interval,
+                    start_mono_ns,
+                    to_self.clone(),
+                ) {
+                    threads.insert(e.id.clone(), t);
                 }
-                Err(mpsc::TryRecvError::Empty) => {}
             }
-            let Some(e) = engines.get(idx) else { break };
-            if e.metrics_url.is_empty() {
-                continue;
+        }
+    };
+    set(&mut threads, &engines);
+    for msg in ctl.iter() {
+        match msg {
+            Msg::Stop => return,
+            Msg::SetEngines(new) => {
+                table.retain_engines(&new);
+                set(&mut threads, &new);
             }
-            let events = match get_text(&agent, &e.metrics_url) {
-                Ok(text) => {
-                    let t_ns = since(start_mono_ns);
-                    table.ingest(
-                        &e.id,
-                        &e.metrics_url,
-                        prom_text::parse(&text, is_kept),
+            Msg::Scraped {
+                engine,
+                url,
+                result,
+                t_ns,
+            } => {
+                // A result from an engine dropped meanwhile (or re-pointed) is not wanted.
+                if threads.get(&engine).is_none_or(|t| t.url != url) {
+                    continue;
+                }
+                let events = match result {
+                    Ok(exp) => table.ingest(&engine, &url, exp, t_ns),
+                    Err(error) => vec![ScrapeEvent::Error(ScrapeError {
                         t_ns,
-                    )
+                        engine,
+                        url,
+                        error,
+                    })],
+                };
+                for ev in events {
+                    if tx.send(ev).is_err() {
+                        return; // nobody listens any more
+                    }
                 }
-                Err(error) => vec![ScrapeEvent::Error(ScrapeError {
-                    t_ns: since(start_mono_ns),
-                    engine: e.id.clone(),
-                    url: e.metrics_url.clone(),
-                    error,
-                })],
-            };
-            for ev in events {
-                if tx.send(ev).is_err() {
-                    return; // nobody listens any more
-                }
-            }
-        }
-        // Fixed rate; ticks missed while a slow scrape ran are skipped, not caught up.
-        next_tick += interval;
-        let now = Instant::now();
-        if next_tick < now {
-            let behind = (now - next_tick).as_nanos() / interval.as_nanos().max(1);
-            next_tick += interval * (behind as u32 + 1);
-        }
-        // Wait for the tick, handling control messages; bounded by the deadline.
-        loop {
-            let left = next_tick.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            match ctl.recv_timeout(left) {
-                Ok(Control::Stop) | Err(RecvTimeoutError::Disconnected) => return,
-                Ok(Control::SetEngines(new)) => {
-                    table.retain_engines(&new);
-                    engines = new;
-                }
-                Err(RecvTimeoutError::Timeout) => break,
             }
         }
     }
@@ -634,6 +687,52 @@ mod tests {
         );
     }
 
+    /// An engine whose API server does not answer does not hold up another's scrapes: each
+    /// engine is scraped on its own thread. The stuck server answers only once the test has
+    /// seen three scrapes of the other.
+    #[test]
+    fn a_stuck_engine_does_not_delay_the_others() {
+        let (url, h) = serve(vec![(200, SAMPLE.to_string())]);
+        let stuck = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stuck_url = format!("http://{}/metrics", stuck.local_addr().unwrap());
+        let (release, released) = mpsc::channel::<()>();
+        let sh = std::thread::spawn(move || {
+            let (mut s, _) = stuck.accept().unwrap();
+            let _ = released.recv();
+            let body = "vllm:num_requests_waiting 3\n";
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        });
+        let (scraper, rx) = Scraper::spawn(
+            vec![engine("stuck", &stuck_url), engine("fast", &url)],
+            Duration::from_millis(20),
+            crate::sys::monotonic_ns(),
+        )
+        .unwrap();
+        let mut fast = 0;
+        let mut stuck_points = 0;
+        for ev in rx.iter() {
+            if let ScrapeEvent::Points(p) = &ev {
+                if p.len() == 1 {
+                    stuck_points += 1;
+                    break;
+                }
+                fast += 1;
+                if fast == 3 {
+                    release.send(()).unwrap();
+                }
+            }
+        }
+        assert!(fast >= 3 && stuck_points == 1, "{fast} {stuck_points}");
+        scraper.stop();
+        sh.join().unwrap();
+        let _ = ureq::get(&url.replace("/metrics", "/stop")).call();
+        h.join().unwrap();
+    }
+
     #[test]
     fn stop_interrupts_a_long_interval() {
         let (scraper, rx) = Scraper::spawn(vec![], Duration::from_secs(3600), 0).unwrap();
@@ -650,8 +749,8 @@ mod tests {
     #[test]
     fn timeouts() {
         let t = |ms| request_timeout(Duration::from_millis(ms));
-        assert_eq!(t(700), Duration::from_millis(1400));
-        assert_eq!(t(60_000), Duration::from_secs(2));
-        assert_eq!(t(20), Duration::from_secs(1));
+        assert_eq!(t(2000), Duration::from_secs(10));
+        assert_eq!(t(60_000), Duration::from_secs(30));
+        assert_eq!(t(20), Duration::from_secs(5));
     }
 }

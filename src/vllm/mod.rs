@@ -5,11 +5,10 @@
 //! * [`metrics`]: fetching `/metrics`, and a [`metrics::Scraper`] thread that sends series,
 //!   points and errors over a channel for a recorder to write.
 //! * [`prom_text`]: the Prometheus text format parser the scraper uses.
-//! * [`summary`]: per-engine figures over a recording (gen tok/s, KV usage, TTFT/ITL/e2e
-//!   quantiles, prefix-cache hit rate) and the imbalance between engines.
 //! * [`tree`]: the `discover` command (engine tree, metrics URL, live check).
 //!
-//! Metric names and labels this relies on, as vLLM 0.32 exposes them (every sample labelled
+//! Names and maths of the metrics live in [`crate::metrics`]. Those relied on, as vLLM 0.32
+//! exposes them (every sample labelled
 //! `engine="<dp rank>",model_name="…"`): `vllm:generation_tokens_total`,
 //! `vllm:prompt_tokens_total`, `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`
 //! (counters); `vllm:kv_cache_usage_perc` (a fraction, 1 = full), `vllm:num_requests_running`,
@@ -19,5 +18,4 @@
 pub mod discover;
 pub mod metrics;
 pub mod prom_text;
-pub mod summary;
 pub mod tree;

@@ -1,0 +1,311 @@
+//! Counter increases (restarts handled), histogram quantiles and label-set combination, over
+//! raw scraped points `(t_ns, value)` in time order.
+//!
+//! Counters are stored raw (cumulative). The increase between two consecutive scrapes is
+//! `v1 - v0`, or `v1` when the value went down (the counter restarted from zero, as
+//! Prometheus's `increase()` treats it), and it is spread evenly over the time between them,
+//! so a time range gets its share of every scrape interval it overlaps. A rate over a range is
+//! that increase over the part of the range that scrape intervals cover: a range without two
+//! scrapes around it has no rate. Failed scrapes leave no point, so a rate spans whatever
+//! scrapes succeeded.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::names::GaugeAgg;
+
+/// The increase of a counter from one point to the next; a drop is a restart from zero.
+pub fn step_increase(prev: f64, cur: f64) -> f64 {
+    if cur >= prev {
+        cur - prev
+    } else {
+        cur.max(0.0)
+    }
+}
+
+/// The increase of one raw counter series within `[t0, t1)`, and the ns of it covered.
+pub fn series_increase(pts: &[(u64, f64)], t0: u64, t1: u64) -> (f64, u64) {
+    let (mut inc, mut covered) = (0.0, 0u64);
+    // Points are in time order: start at the last point before the range, stop past it.
+    let first = pts.partition_point(|p| p.0 < t0).saturating_sub(1);
+    for w in pts[first..].windows(2) {
+        let ((ta, va), (tb, vb)) = (w[0], w[1]);
+        if ta >= t1 {
+            break;
+        }
+        if !va.is_finite() || !vb.is_finite() {
+            continue;
+        }
+        let d = step_increase(va, vb);
+        if tb <= ta {
+            if (t0..t1).contains(&ta) {
+                inc += d;
+            }
+            continue;
+        }
+        let (lo, hi) = (ta.max(t0), tb.min(t1));
+        if hi <= lo {
+            continue;
+        }
+        let part = hi - lo;
+        inc += if part == tb - ta {
+            d
+        } else {
+            d * part as f64 / (tb - ta) as f64
+        };
+        covered += part;
+    }
+    (inc, covered)
+}
+
+/// Per-second rate of a counter between consecutive points, at the later point's time.
+pub fn rates(points: &[(u64, f64)]) -> Vec<(u64, f64)> {
+    points
+        .windows(2)
+        .filter(|w| w[1].0 > w[0].0 && w[0].1.is_finite() && w[1].1.is_finite())
+        .map(|w| {
+            let dt = (w[1].0 - w[0].0) as f64 / 1e9;
+            (w[1].0, step_increase(w[0].1, w[1].1) / dt)
+        })
+        .collect()
+}
+
+/// Average per-second rate of a counter from the last point at or before `from_ns` (or the
+/// first after it) to the last point; `None` with fewer than two points.
+pub fn rate_since(points: &[(u64, f64)], from_ns: u64) -> Option<f64> {
+    let start = points
+        .partition_point(|&(t, _)| t <= from_ns)
+        .saturating_sub(1);
+    let span = points.get(start..)?;
+    let (first, last) = (span.first()?, span.last()?);
+    if last.0 <= first.0 {
+        return None;
+    }
+    let (inc, _) = series_increase(span, first.0, last.0 + 1);
+    Some(inc / ((last.0 - first.0) as f64 / 1e9))
+}
+
+/// Several series of one family (one per label set) combined per scrape: at each time any
+/// of them has a point, the sum or mean (by `agg`) of the finite values there. Every point of
+/// one scrape carries the same time (the scraper stamps them so), so a label set missing from
+/// a scrape does not count in it, and one gone for good does not linger.
+pub fn combine<'a>(
+    series: impl IntoIterator<Item = &'a [(u64, f64)]>,
+    agg: GaugeAgg,
+) -> Vec<(u64, f64)> {
+    let mut by_t: BTreeMap<u64, (f64, u32)> = BTreeMap::new();
+    for pts in series {
+        for &(t, v) in pts.iter().filter(|(_, v)| v.is_finite()) {
+            let e = by_t.entry(t).or_default();
+            e.0 += v;
+            e.1 += 1;
+        }
+    }
+    by_t.into_iter()
+        .map(|(t, (sum, n))| {
+            (
+                t,
+                match agg {
+                    GaugeAgg::Sum => sum,
+                    GaugeAgg::Mean => sum / f64::from(n),
+                },
+            )
+        })
+        .collect()
+}
+
+/// Prometheus' `histogram_quantile`: `buckets` are cumulative `(le, count)` pairs (any
+/// order); the last bound must be `+Inf`. Linear interpolation inside the bucket the rank
+/// falls in (from 0 for the first bucket); a rank in the `+Inf` bucket gives the highest
+/// finite bound. None without observations or without a `+Inf` bucket.
+pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
+    let mut b: Vec<(f64, f64)> = buckets
+        .iter()
+        .copied()
+        .filter(|(le, c)| !le.is_nan() && c.is_finite())
+        .collect();
+    b.sort_by(|x, y| x.0.total_cmp(&y.0));
+    if b.len() < 2 || b.last().is_none_or(|l| l.0 != f64::INFINITY) || !(0.0..=1.0).contains(&q) {
+        return None;
+    }
+    // Counts from deltas of separately scraped series can be slightly non-monotonic.
+    for i in 1..b.len() {
+        b[i].1 = b[i].1.max(b[i - 1].1);
+    }
+    let total = b[b.len() - 1].1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let i = b[..b.len() - 1]
+        .iter()
+        .position(|&(_, c)| c >= rank)
+        .unwrap_or(b.len() - 1);
+    if i == b.len() - 1 {
+        return Some(b[b.len() - 2].0);
+    }
+    let (end, count) = b[i];
+    let (start, below) = if i == 0 {
+        if end <= 0.0 {
+            return Some(end);
+        }
+        (0.0, 0.0)
+    } else {
+        b[i - 1]
+    };
+    let in_bucket = count - below;
+    if in_bucket <= 0.0 {
+        return Some(end);
+    }
+    Some(start + (end - start) * (rank - below) / in_bucket)
+}
+
+/// A histogram bucket's `le` label.
+pub fn parse_le(le: &str) -> Option<f64> {
+    match le.trim() {
+        "+Inf" | "Inf" | "inf" | "+inf" => Some(f64::INFINITY),
+        s => s.parse::<f64>().ok().filter(|v| !v.is_nan()),
+    }
+}
+
+/// A histogram's increase over a time range: cumulative buckets, sum and count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HistogramDelta {
+    /// `(le, cumulative count)`, by `le`, the last `+Inf`.
+    pub buckets: Vec<(f64, f64)>,
+    pub sum: f64,
+    pub count: f64,
+}
+
+/// p50/p90/p99 and mean of a latency histogram, ms; null without observations.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LatencyQuantiles {
+    pub p50: Option<f64>,
+    pub p90: Option<f64>,
+    pub p99: Option<f64>,
+    /// `_sum` increase over `_count` increase.
+    pub mean: Option<f64>,
+    /// Observations (requests, or tokens for inter-token latency): the `_count` increase.
+    pub count: f64,
+}
+
+impl HistogramDelta {
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        histogram_quantile(q, &self.buckets)
+    }
+
+    /// Quantiles in ms of a histogram in seconds.
+    pub fn quantiles_ms(&self) -> LatencyQuantiles {
+        let ms = |v: Option<f64>| v.map(|s| s * 1e3);
+        LatencyQuantiles {
+            p50: ms(self.quantile(0.5)),
+            p90: ms(self.quantile(0.9)),
+            p99: ms(self.quantile(0.99)),
+            mean: (self.count > 0.0).then(|| self.sum / self.count * 1e3),
+            count: self.count,
+        }
+    }
+}
+
+/// Mean and max of a list of values; None when empty.
+pub fn mean_max(v: impl IntoIterator<Item = f64>) -> Option<(f64, f64)> {
+    let (mut n, mut sum, mut max) = (0u64, 0.0, f64::NEG_INFINITY);
+    for x in v {
+        n += 1;
+        sum += x;
+        max = max.max(x);
+    }
+    (n > 0).then(|| (sum / n as f64, max))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn counter_increase_spreads_and_handles_resets() {
+        // 100/s for 10 s.
+        let pts: Vec<(u64, f64)> = (0..=10).map(|i| (i * S, i as f64 * 100.0)).collect();
+        assert_eq!(series_increase(&pts, 0, 10 * S), (1000.0, 10 * S));
+        // Half of the interval 2..3 s.
+        assert_eq!(series_increase(&pts, 2 * S, 2 * S + S / 2), (50.0, S / 2));
+        // Nothing outside the scrapes.
+        assert_eq!(series_increase(&pts, 10 * S, 20 * S), (0.0, 0));
+        // 1000 -> 40: the counter restarted; 40 counted since.
+        let reset = [(0, 900.0), (S, 1000.0), (2 * S, 40.0), (3 * S, 70.0)];
+        assert_eq!(
+            series_increase(&reset, 0, 3 * S),
+            (100.0 + 40.0 + 30.0, 3 * S)
+        );
+        // Failed scrapes leave gaps: the increase spans the scrapes that succeeded.
+        let gaps = [(0, 0.0), (5 * S, 500.0), (6 * S, 600.0)];
+        assert_eq!(series_increase(&gaps, 0, 6 * S), (600.0, 6 * S));
+    }
+
+    #[test]
+    fn counter_rates_handle_restarts() {
+        let p = vec![(0, 100.0), (S, 150.0), (2 * S, 250.0), (3 * S, 20.0)];
+        assert_eq!(rates(&p), vec![(S, 50.0), (2 * S, 100.0), (3 * S, 20.0)]);
+        // From 1 s: +100, then a restart to 20: 120 tokens over 2 s.
+        assert_eq!(rate_since(&p, S), Some(60.0));
+        // From before the first point: the whole series, 170 over 3 s.
+        assert_eq!(rate_since(&p[..3], 0), Some(75.0));
+        assert_eq!(rate_since(&p[..1], 0), None);
+        assert_eq!(rate_since(&[], 0), None);
+    }
+
+    #[test]
+    fn label_sets_combine_per_scrape() {
+        let a = [(0, 1.0), (2 * S, 3.0)];
+        let b = [(0, 10.0), (S, 20.0), (2 * S, 20.0)];
+        assert_eq!(
+            combine([&a[..], &b[..]], GaugeAgg::Sum),
+            vec![(0, 11.0), (S, 20.0), (2 * S, 23.0)]
+        );
+        assert_eq!(
+            combine([&a[..], &b[..]], GaugeAgg::Mean),
+            vec![(0, 5.5), (S, 20.0), (2 * S, 11.5)]
+        );
+    }
+
+    #[test]
+    fn quantiles_interpolate_like_prometheus() {
+        // 20 observations <= 0.1, 40 in (0.1, 0.2], 40 in (0.2, 0.4].
+        let b = [
+            (0.1, 20.0),
+            (0.2, 60.0),
+            (0.4, 100.0),
+            (f64::INFINITY, 100.0),
+        ];
+        assert_eq!(histogram_quantile(0.5, &b), Some(0.175));
+        assert_eq!(histogram_quantile(0.1, &b), Some(0.05));
+        assert!(close(histogram_quantile(0.8, &b).unwrap(), 0.3));
+        // Rank in +Inf: the highest finite bound.
+        let tail = [(0.1, 10.0), (f64::INFINITY, 20.0)];
+        assert_eq!(histogram_quantile(0.9, &tail), Some(0.1));
+        assert_eq!(
+            histogram_quantile(0.5, &[(0.1, 0.0), (f64::INFINITY, 0.0)]),
+            None
+        );
+        assert_eq!(histogram_quantile(0.5, &[(0.1, 1.0), (0.2, 2.0)]), None);
+        // Unsorted input, non-monotonic counts coalesced.
+        let b = [(f64::INFINITY, 4.0), (2.0, 3.0), (1.0, 4.0)];
+        assert_eq!(histogram_quantile(0.5, &b), Some(0.5));
+        // A first bucket with a non-positive bound.
+        assert_eq!(
+            histogram_quantile(0.1, &[(-1.0, 5.0), (f64::INFINITY, 10.0)]),
+            Some(-1.0)
+        );
+        assert_eq!(histogram_quantile(1.5, &tail), None);
+        assert_eq!(parse_le("+Inf"), Some(f64::INFINITY));
+        assert_eq!(parse_le("0.25"), Some(0.25));
+        assert_eq!(parse_le("x"), None);
+    }
+}

@@ -1,0 +1,113 @@
+//! vLLM's metric families, each with the spellings older vLLM versions used.
+//!
+//! vLLM has renamed several families; a version in transition exposes both names (0.11 and
+//! 0.12 serve `time_per_output_token_seconds` next to `inter_token_latency_seconds`), so a
+//! family reads the first of its names that an engine has, newest first:
+//!
+//! | family | current name | older names (versions) |
+//! |---|---|---|
+//! | KV-cache usage | `kv_cache_usage_perc` | `gpu_cache_usage_perc` (V0, V1 ≤ 0.10; hidden later) |
+//! | inter-token latency | `inter_token_latency_seconds` | `time_per_output_token_seconds` (≤ 0.12, deprecated in 0.11, removed in 0.13) |
+//! | prefix-cache queries/hits | `prefix_cache_{queries,hits}_total` | `gpu_prefix_cache_{queries,hits}_total` (V1 0.8–0.10) |
+//! | prefix-cache hit rate | (counters above) | `gpu_prefix_cache_hit_rate` gauge (V0; a fraction since the engine started, -1 without prefix caching) |
+//!
+//! Every sample is labelled `model_name`, and `engine="<dp rank>"` since data parallelism
+//! (one API server in front of several engine cores).
+
+/// How a gauge's label sets combine into one value per scrape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GaugeAgg {
+    /// Counts (requests running, waiting): summed.
+    Sum,
+    /// Fractions of something each label set has its own of (KV-cache usage): averaged.
+    Mean,
+}
+
+/// One metric family: its current sample name and the ones older vLLM versions used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Family {
+    /// The sample name vLLM exposes today (a histogram's base name, without `_bucket`).
+    pub name: &'static str,
+    /// Earlier spellings, newest first.
+    pub older: &'static [&'static str],
+    /// For gauges: how label sets (DP ranks) combine.
+    pub agg: GaugeAgg,
+}
+
+impl Family {
+    const fn new(name: &'static str, older: &'static [&'static str], agg: GaugeAgg) -> Self {
+        Family { name, older, agg }
+    }
+
+    /// Every spelling, newest first.
+    pub fn names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        std::iter::once(self.name).chain(self.older.iter().copied())
+    }
+
+    /// The first spelling `has` says is present.
+    pub fn resolve(&self, mut has: impl FnMut(&str) -> bool) -> Option<&'static str> {
+        self.names().find(|n| has(n))
+    }
+}
+
+use GaugeAgg::{Mean, Sum};
+
+pub const GENERATION_TOKENS: Family = Family::new("vllm:generation_tokens_total", &[], Sum);
+pub const PROMPT_TOKENS: Family = Family::new("vllm:prompt_tokens_total", &[], Sum);
+/// A fraction, 1 = full.
+pub const KV_CACHE_USAGE: Family = Family::new(
+    "vllm:kv_cache_usage_perc",
+    &["vllm:gpu_cache_usage_perc"],
+    Mean,
+);
+pub const RUNNING: Family = Family::new("vllm:num_requests_running", &[], Sum);
+pub const WAITING: Family = Family::new("vllm:num_requests_waiting", &[], Sum);
+pub const PREEMPTIONS: Family = Family::new("vllm:num_preemptions_total", &[], Sum);
+/// Histograms, seconds.
+pub const TTFT: Family = Family::new("vllm:time_to_first_token_seconds", &[], Sum);
+pub const ITL: Family = Family::new(
+    "vllm:inter_token_latency_seconds",
+    &["vllm:time_per_output_token_seconds"],
+    Sum,
+);
+pub const E2E: Family = Family::new("vllm:e2e_request_latency_seconds", &[], Sum);
+/// Counters, in tokens.
+pub const PREFIX_QUERIES: Family = Family::new(
+    "vllm:prefix_cache_queries_total",
+    &["vllm:gpu_prefix_cache_queries_total"],
+    Sum,
+);
+pub const PREFIX_HITS: Family = Family::new(
+    "vllm:prefix_cache_hits_total",
+    &["vllm:gpu_prefix_cache_hits_total"],
+    Sum,
+);
+/// V0's hit-rate gauge, read only where the counters are absent.
+pub const PREFIX_HIT_RATE_V0: Family = Family::new("vllm:gpu_prefix_cache_hit_rate", &[], Mean);
+
+/// Families the summaries read, with the sample name a scrape must hold (histograms by their
+/// `_bucket`); `discover --check` reports those an engine lacks under every spelling.
+pub const RELIED_ON: [(Family, &str); 10] = [
+    (GENERATION_TOKENS, ""),
+    (PROMPT_TOKENS, ""),
+    (KV_CACHE_USAGE, ""),
+    (RUNNING, ""),
+    (WAITING, ""),
+    (TTFT, "_bucket"),
+    (ITL, "_bucket"),
+    (E2E, "_bucket"),
+    (PREFIX_QUERIES, ""),
+    (PREFIX_HITS, ""),
+];
+
+/// The families of [`RELIED_ON`] that none of `names` spells, by current name (with suffix).
+pub fn missing(names: &std::collections::BTreeSet<&str>) -> Vec<String> {
+    RELIED_ON
+        .iter()
+        .filter(|(f, suffix)| {
+            !f.names()
+                .any(|n| names.contains(format!("{n}{suffix}").as_str()))
+        })
+        .map(|(f, suffix)| format!("{}{suffix}", f.name))
+        .collect()
+}
