@@ -18,21 +18,26 @@
 //!   (runnable but switched out: the loop still is not serving) or blocked inside a callback:
 //!   within two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU
 //!   intervals for the thread (memory backend, `--no-offcpu`), where a gap is the only sign of
-//!   a wait; within [`EXACT_MAX_GAP_NS`] with them (BPF backend), where time between two samples that
-//!   the thread did not spend off CPU it spent on CPU, in the callback, so the limit only
-//!   guards against lost events. (On CPU without a sample is common: a thread that runs in
-//!   short slices between preemptions is sampled at random points of its CPU time, so the CPU
-//!   time between two samples is about exponential with a mean of one period and exceeds two
-//!   periods in ~13% of gaps; and a virtual CPU that the host deschedules takes no samples,
-//!   seen here for up to 25 ms. A limit of two periods split every long stall of a contended
-//!   API server into pieces shorter than the threshold.)
+//!   a wait. With them (BPF backend) time between two samples that the thread did not spend
+//!   off CPU it spent on CPU, in the callback, however long: no gap ends a run, unless the
+//!   recording lost events (`bpf_ringbuf_full_lost`), when a switch into the idle wait may be
+//!   missing and a gap of more than [`EXACT_MAX_GAP_NS`] does. (On CPU without a sample is
+//!   common: a thread that runs in short slices between preemptions is sampled at random
+//!   points of its CPU time, so the CPU time between two samples is about exponential with a
+//!   mean of one period and exceeds two periods in ~13% of gaps; and a virtual CPU that the
+//!   host deschedules takes no samples while the thread on it still runs as far as the guest
+//!   knows: 25-60 ms without a sample, no switch and other threads sampled meanwhile on the
+//!   other CPU, seen in most runs here, and once 100.5 ms, which a fixed 100 ms limit took for
+//!   the end of a stall, splitting one 919.5 ms stall into 609 + 210 ms. A limit of two
+//!   periods split every long stall of a contended API server into pieces shorter than the
+//!   threshold.)
 //!
 //! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
 //! sample's time to the last sample's time plus its period; with exact off-CPU intervals, from
 //! the thread's wake-up after the idle wait before the first sample to its switch into the
-//! idle wait after the last one, each where it lies within [`EXACT_MAX_GAP_NS`] of that sample
-//! (less time off CPU without going idle): the CPU time at a stall's ends goes unsampled as
-//! well (seen for 90 ms).
+//! idle wait after the last one (where events were lost, only within [`EXACT_MAX_GAP_NS`] of
+//! that sample, less time off CPU without going idle): the CPU time at a stall's ends goes
+//! unsampled as well (seen for 90 ms).
 //!
 //! Serialization: samples with a frame in JSON/pickle/msgpack/pydantic encoding or decoding
 //! anywhere on the stack ([`is_serialization_frame`]), as a share of the API server's CPU.
@@ -51,10 +56,13 @@ pub const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
 /// Without exact off-CPU intervals: the most sampling periods between two samples of a run
 /// (less time preempted or waiting for the GIL).
 pub const GAP_PERIODS: u64 = 2;
-/// With exact off-CPU intervals (BPF backend): the most time between two samples of a run
-/// (less time preempted or waiting for the GIL; at least [`GAP_PERIODS`] periods), a guard
-/// against lost events only.
+/// With exact off-CPU intervals (BPF backend) in a recording that lost events: the most time
+/// between two samples of a run (less time preempted or waiting for the GIL; at least
+/// [`GAP_PERIODS`] periods), a guard against a lost switch into the idle wait. Without lost
+/// events there is no limit.
 pub const EXACT_MAX_GAP_NS: u64 = 100_000_000;
+/// The recording's counter of events the kernel could not hand over (ring buffer full).
+const LOST_EVENTS_COUNTER: &str = "bpf_ringbuf_full_lost";
 /// Frames kept of a stall's dominant stack.
 pub const STACK_FRAMES: usize = 20;
 /// Serializing functions listed per API server.
@@ -468,9 +476,15 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             };
             let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
             let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
-            // Exact off-CPU intervals: the BPF backend traced this thread's switches.
+            // Exact off-CPU intervals: the BPF backend traced this thread's switches. Every
+            // switch is there unless events were lost: then on-CPU time between two samples is
+            // the callback's, however long (a descheduled virtual CPU takes no samples).
             let max_gap_ns = if rec.meta.backend == "bpf" && !off.is_empty() {
-                EXACT_MAX_GAP_NS
+                if rec.counters.get(LOST_EVENTS_COUNTER).copied().unwrap_or(0) > 0 {
+                    EXACT_MAX_GAP_NS
+                } else {
+                    u64::MAX
+                }
             } else {
                 0
             };
@@ -873,18 +887,47 @@ mod tests {
             .map(|s| (s.start_s, s.duration_ms))
             .collect();
         assert_eq!(d, [(1.01, 190.0)]);
-        // Samples from 1.120 to 1.189: the wake-up at 1.000 is 100 ms away once the 20 ms
-        // preempted are taken off (theirs), the switch at 1.300 111 ms (not theirs).
+        // Samples from 1.110 to 1.189 only: every switch is recorded, so the stall still runs
+        // from the wake-up at 1.000 to the switch into the poll at 1.300.
         let mut rec = contended_stall("bpf");
         rec.samples
             .retain(|s| s.t_ns >= 1110 * ms && s.t_ns < 1190 * ms);
-        let st = api_server_stalls(&rec, &Selection::all(&rec), 10_000_000);
-        let d: Vec<(f64, f64)> = st
-            .stalls
-            .iter()
-            .map(|s| (s.start_s, s.duration_ms))
-            .collect();
-        assert_eq!(d, [(1.0, 190.0)]);
+        let extent = |rec: &Recording| -> Vec<(f64, f64)> {
+            api_server_stalls(rec, &Selection::all(rec), 10_000_000)
+                .stalls
+                .iter()
+                .map(|s| (s.start_s, s.duration_ms))
+                .collect()
+        };
+        assert_eq!(extent(&rec), [(1.0, 300.0)]);
+        // Events lost: only ends within EXACT_MAX_GAP_NS of a sample count. The wake-up at
+        // 1.000 is 100 ms away once the 20 ms preempted are taken off (theirs), the switch at
+        // 1.300 111 ms (not theirs).
+        rec.counters.insert(LOST_EVENTS_COUNTER.into(), 1);
+        assert_eq!(extent(&rec), [(1.0, 190.0)]);
+    }
+
+    #[test]
+    fn descheduled_cpu_does_not_split_a_stall() {
+        // 135 ms of the callback on CPU without a sample and without a switch (the host
+        // descheduled the virtual CPU): with every switch recorded, still one stall.
+        let ms = 1_000_000u64;
+        let mut rec = contended_stall("bpf");
+        rec.samples
+            .retain(|s| !(1155 * ms..1290 * ms).contains(&s.t_ns));
+        let stalls = |rec: &Recording| -> Vec<(f64, f64)> {
+            api_server_stalls(rec, &Selection::all(rec), 100_000_000)
+                .stalls
+                .iter()
+                .map(|s| (s.start_s, s.duration_ms))
+                .collect()
+        };
+        assert_eq!(stalls(&rec), [(1.0, 300.0)]);
+        // Events lost: the gap may hide a switch into the idle wait, so more than
+        // EXACT_MAX_GAP_NS ends the run: at the last sample before the GIL wait (the 10 ms
+        // after the gap are under the threshold).
+        rec.counters.insert(LOST_EVENTS_COUNTER.into(), 3);
+        assert_eq!(stalls(&rec), [(1.0, 150.0)]);
     }
 
     #[test]
