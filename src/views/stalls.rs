@@ -34,10 +34,11 @@
 //!
 //! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
 //! sample's time to the last sample's time plus its period; with exact off-CPU intervals, from
-//! the thread's wake-up after the idle wait before the first sample to its switch into the
-//! idle wait after the last one (where events were lost, only within [`EXACT_MAX_GAP_NS`] of
-//! that sample, less time off CPU without going idle): the CPU time at a stall's ends goes
-//! unsampled as well (seen for 90 ms).
+//! the thread's wake-up after the idle wait before the first sample (or, where it then waited
+//! for the GIL in the poll, from when it took the GIL back) to its switch into the idle wait
+//! after the last one, each where it lies within [`EXACT_MAX_GAP_NS`] of that sample (less
+//! time off CPU without going idle): the CPU time at a stall's ends goes unsampled as well
+//! (seen for 90 ms), but so may time in the poll after the callback (119 ms seen).
 //!
 //! Serialization: samples with a frame in JSON/pickle/msgpack/pydantic encoding or decoding
 //! anywhere on the stack ([`is_serialization_frame`]), as a share of the API server's CPU.
@@ -230,8 +231,12 @@ enum Off {
     Blocked,
     /// Runnable but switched out.
     Preempted,
-    /// Blocked waiting for the GIL.
+    /// Blocked waiting for the GIL inside a callback.
     Gil,
+    /// Blocked waiting for the GIL in the loop's own poll (the poll returned and must take the
+    /// GIL back): between two callbacks it is part of the stall, but right after the idle
+    /// wait the loop has not begun a callback yet, so a stall begins after it.
+    PollGil,
     /// Blocked elsewhere in Python code (a page fault, a lock, a blocking call in a
     /// callback): the callback is still running.
     InCallback,
@@ -239,7 +244,7 @@ enum Off {
 
 /// One thread's off-CPU intervals as `(start, dur, why)`, sorted: [`Off::Gil`] when at least
 /// half of a blocked interval lies in the thread's GIL waits (`gil`: `(start, dur)`, any order,
-/// may overlap), [`Off::InCallback`] when it blocked for at most [`MAX_CALLBACK_BLOCK_NS`] in
+/// may overlap; [`Off::PollGil`] where it blocked in the loop's own code), [`Off::InCallback`] when it blocked for at most [`MAX_CALLBACK_BLOCK_NS`] in
 /// Python code that is not the loop's (`idle_stack` false for its stack), [`Off::Blocked`]
 /// otherwise. Only the last is the loop
 /// going idle: a preempted thread, one waiting for the GIL and one blocked inside a callback
@@ -273,7 +278,11 @@ fn classify_offcpu(
                 .map(|u| u.1.min(b).saturating_sub(u.0.max(a)))
                 .sum();
             let why = if o.dur_ns > 0 && 2 * in_gil >= o.dur_ns {
-                Off::Gil
+                if idle_stack(o.stack) {
+                    Off::PollGil
+                } else {
+                    Off::Gil
+                }
             } else if o.dur_ns > MAX_CALLBACK_BLOCK_NS || idle_stack(o.stack) {
                 Off::Blocked
             } else {
@@ -306,7 +315,8 @@ fn forgiven(off: &[(u64, u64, Off)], from: u64, to: u64) -> u64 {
 
 /// With exact off-CPU intervals: a run of samples from `first` to `last` (`prev` and `next`
 /// the thread's samples around it) began when the thread woke from the last idle wait
-/// ([`Off::Blocked`]) that ended in `(prev, first]`, and ended when it went into the first
+/// ([`Off::Blocked`]), or took the GIL back in the poll after it ([`Off::PollGil`]), that
+/// ended in `(prev, first]`, and ended when it went into the first
 /// one that began in `[last, next)`, each if the time between it and the sample, less time
 /// off CPU without going idle, is at most `max_gap_ns`. `None` where there is no such wait.
 fn extent(
@@ -324,7 +334,7 @@ fn extent(
         .rev()
         .map(|o| (o.0.saturating_add(o.1), o.2))
         .take_while(|&(e, _)| e > prev)
-        .find(|&(e, why)| why == Off::Blocked && e <= first)
+        .find(|&(e, why)| (why == Off::Blocked || why == Off::PollGil) && e <= first)
         .map(|(e, _)| e)
         .filter(|&e| first - e - forgiven(off, e, first).min(first - e) <= max_gap_ns);
     let after = off.partition_point(|o| o.0 < last);
@@ -479,14 +489,13 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             // Exact off-CPU intervals: the BPF backend traced this thread's switches. Every
             // switch is there unless events were lost: then on-CPU time between two samples is
             // the callback's, however long (a descheduled virtual CPU takes no samples).
-            let max_gap_ns = if rec.meta.backend == "bpf" && !off.is_empty() {
-                if rec.counters.get(LOST_EVENTS_COUNTER).copied().unwrap_or(0) > 0 {
-                    EXACT_MAX_GAP_NS
-                } else {
-                    u64::MAX
-                }
-            } else {
+            let exact = rec.meta.backend == "bpf" && !off.is_empty();
+            let max_gap_ns = if !exact {
                 0
+            } else if rec.counters.get(LOST_EVENTS_COUNTER).copied().unwrap_or(0) > 0 {
+                EXACT_MAX_GAP_NS
+            } else {
+                u64::MAX
             };
             for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
                 let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
@@ -494,13 +503,17 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                 };
                 let (a, z) = (main[first], main[last]);
                 let (mut begin, mut end) = (a.t_ns, z.t_ns + u64::from(z.weight_ns).max(1));
-                if max_gap_ns > 0 {
+                if exact {
                     // Exact switches: from the wake-up after the idle wait before it to the
                     // switch into the idle wait after it, if near enough (time on CPU there
-                    // went unsampled: a descheduled virtual CPU, seen for 90 ms).
+                    // went unsampled: a descheduled virtual CPU, seen for 90 ms). Unlike
+                    // between two samples of the run, where the callback runs on both sides,
+                    // an unsampled stretch at an end may have been spent in the loop's own
+                    // poll (the callback over, the virtual CPU descheduled before the thread
+                    // blocked: 119 ms seen after a 1 ms heartbeat), so these keep the limit.
                     let prev = first.checked_sub(1).map_or(0, |i| main[i].t_ns);
                     let next = main.get(last + 1).map_or(u64::MAX, |s| s.t_ns);
-                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, max_gap_ns);
+                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, EXACT_MAX_GAP_NS);
                     begin = b.unwrap_or(begin);
                     end = e.unwrap_or(end);
                 }
@@ -541,7 +554,7 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
                     cpu_ms: w as f64 / 1e6,
-                    gil_wait_ms: inside(Off::Gil) as f64 / 1e6,
+                    gil_wait_ms: (inside(Off::Gil) + inside(Off::PollGil)) as f64 / 1e6,
                     blocked_ms: inside(Off::InCallback) as f64 / 1e6,
                     serialization_share: ser_n as f64 / n as f64,
                     dominant_stack: rec
@@ -720,15 +733,29 @@ mod tests {
             (407, 3),
             (495, 10),
         ];
-        let c = classify_offcpu(&refs, &gil, &mut all_idle);
+        // In a callback's code (no stack is the loop's), GIL waits are Gil; in the loop's
+        // poll, PollGil.
+        let c = classify_offcpu(&refs, &gil, &mut |_| false);
         assert_eq!(
             c,
             vec![
                 (0, 10, Off::Preempted),
                 (100, 10, Off::Gil),
+                (200, 10, Off::InCallback),
+                (300, 10, Off::InCallback),
+                (400, 10, Off::Gil),
+                (500, 0, Off::InCallback),
+            ]
+        );
+        let c = classify_offcpu(&refs, &gil, &mut all_idle);
+        assert_eq!(
+            c,
+            vec![
+                (0, 10, Off::Preempted),
+                (100, 10, Off::PollGil),
                 (200, 10, Off::Blocked),
                 (300, 10, Off::Blocked),
-                (400, 10, Off::Gil),
+                (400, 10, Off::PollGil),
                 (500, 0, Off::Blocked),
             ]
         );
@@ -887,24 +914,59 @@ mod tests {
             .map(|s| (s.start_s, s.duration_ms))
             .collect();
         assert_eq!(d, [(1.01, 190.0)]);
-        // Samples from 1.110 to 1.189 only: every switch is recorded, so the stall still runs
-        // from the wake-up at 1.000 to the switch into the poll at 1.300.
+        // Samples from 1.110 to 1.189 only: the wake-up at 1.000 is 100 ms away once the 20 ms
+        // preempted are taken off (theirs), the switch at 1.300 111 ms (not theirs: the
+        // callback may have ended long before, the virtual CPU descheduled in the poll).
         let mut rec = contended_stall("bpf");
         rec.samples
             .retain(|s| s.t_ns >= 1110 * ms && s.t_ns < 1190 * ms);
-        let extent = |rec: &Recording| -> Vec<(f64, f64)> {
-            api_server_stalls(rec, &Selection::all(rec), 10_000_000)
-                .stalls
-                .iter()
-                .map(|s| (s.start_s, s.duration_ms))
-                .collect()
-        };
-        assert_eq!(extent(&rec), [(1.0, 300.0)]);
-        // Events lost: only ends within EXACT_MAX_GAP_NS of a sample count. The wake-up at
-        // 1.000 is 100 ms away once the 20 ms preempted are taken off (theirs), the switch at
-        // 1.300 111 ms (not theirs).
-        rec.counters.insert(LOST_EVENTS_COUNTER.into(), 1);
-        assert_eq!(extent(&rec), [(1.0, 190.0)]);
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 10_000_000);
+        let d: Vec<(f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 190.0)]);
+    }
+
+    #[test]
+    fn gil_wait_in_the_poll_before_a_callback_is_not_the_stall() {
+        // Woken from the idle wait at 0.950, the loop waits 50 ms for the GIL in the poll,
+        // then the callback runs from 1.000: the stall begins at 1.000.
+        use crate::record::GilWait;
+        let ms = 1_000_000u64;
+        let mut rec = contended_stall("bpf");
+        let idle_before = rec
+            .offcpu
+            .iter_mut()
+            .find(|o| o.start_ns == 950 * ms)
+            .unwrap();
+        idle_before.dur_ns = 0;
+        rec.offcpu.push(OffCpu {
+            pid: 7,
+            tid: 7,
+            start_ns: 950 * ms,
+            dur_ns: 50 * ms,
+            stack: 2,
+            preempted: false,
+        });
+        rec.gil_waits.push(GilWait {
+            pid: 7,
+            tid: 7,
+            start_ns: 950 * ms,
+            dur_ns: 50 * ms,
+            holder_tid: 8,
+            holder_stack: 0,
+            waiter_stack: 2,
+            switch_wait: false,
+        });
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        let d: Vec<(f64, f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms, s.gil_wait_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 300.0, 5.0)]);
     }
 
     #[test]
