@@ -100,6 +100,7 @@ fn write_fixture(path: &Path, finish: bool) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }
@@ -1052,6 +1053,7 @@ fn write_gil_fixture(path: &Path, finish: bool) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }

@@ -9,6 +9,7 @@ pub mod opcodes;
 pub mod reader;
 #[cfg(test)]
 pub mod testutil;
+pub mod threading;
 pub mod version;
 
 pub use reader::{AttachError, Frame, PythonProcess, Snapshot, ThreadSnapshot};

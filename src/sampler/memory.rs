@@ -31,7 +31,7 @@ pub fn run(
 ) -> anyhow::Result<String> {
     let period = Duration::from_nanos(1_000_000_000 / rate_hz.max(1) as u64);
     let mut next = Instant::now();
-    let mut known: HashMap<(i32, i32), String> = HashMap::new();
+    let mut known: HashMap<(i32, i32), (String, Option<String>)> = HashMap::new();
     // (thread CPU ns, monotonic ns) at the previous tick
     let mut last: HashMap<(i32, i32), (u64, u64)> = HashMap::new();
     let mut last_flush = Instant::now();
@@ -53,6 +53,19 @@ pub fn run(
                 continue;
             };
             any_alive = true;
+            let mut tstates: Vec<u64> = snap.threads.iter().map(|th| th.tstate).collect();
+            tstates.sort_unstable();
+            if let Some(by_tstate) = t.python_names_by_tstate(&tstates) {
+                // Threads keep their last name when they leave `threading`'s registry.
+                for th in &snap.threads {
+                    if let (Some(tid), Some(n)) = (th.tid, by_tstate.get(&th.tstate)) {
+                        t.python_names.insert(tid, n.clone());
+                    }
+                }
+                let alive: std::collections::HashSet<i32> =
+                    snap.threads.iter().filter_map(|th| th.tid).collect();
+                t.python_names.retain(|tid, _| alive.contains(tid));
+            }
             for th in snap.threads {
                 let Some(tid) = th.tid else { continue };
                 let Some(cpu) = thread_cpu_ns(t.pid, tid) else {
@@ -60,13 +73,15 @@ pub fn run(
                 };
                 let now = monotonic_ns();
                 let key = (t.pid, tid);
-                if known.get(&key) != Some(&th.name) {
-                    known.insert(key, th.name.clone());
+                let names = (th.os_name.clone(), t.python_names.get(&tid).cloned());
+                if known.get(&key) != Some(&names) {
+                    known.insert(key, names.clone());
                     pipe.writer.thread(&ThreadInfo {
                         pid: t.pid,
                         tid,
-                        name: th.name.clone(),
+                        name: names.0,
                         t_ns: now.saturating_sub(pipe.start_ns),
+                        python_name: names.1,
                     })?;
                 }
                 let stack = pipe.writer.intern_stack(&th.frames)?;

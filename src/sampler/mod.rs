@@ -1045,6 +1045,7 @@ fn sync_threads(
                 tid,
                 name,
                 t_ns: now.saturating_sub(pipe.start_ns),
+                python_name: t.python_names.get(&tid).cloned(),
             })?;
         }
         for tid in gone {
@@ -1057,6 +1058,7 @@ fn sync_threads(
                 tid,
                 name,
                 t_ns: now.saturating_sub(pipe.start_ns),
+                python_name: None,
             })?;
         }
     }

@@ -1,7 +1,9 @@
 //! API-server event-loop stalls and serialization cost.
 //!
 //! In a vLLM API server (a process with role `api_server`, or an engine's `api_server_pid`)
-//! the asyncio event loop runs on the main thread (tid = pid). While the loop runs one
+//! the asyncio event loop runs on the main thread (tid = pid); in any other process, on each
+//! thread seen running one ([`loop_threads`]: a plain asyncio server recorded with `--pid`,
+//! SGLang, a custom front-end, a vLLM API server recorded by PID). While the loop runs one
 //! callback it serves nothing else, so a long stretch of the main thread in Python code is a
 //! stall: every request waits. A stall is a run of the main thread's samples
 //! - in Python code that is not the loop's own (a stack with a Python frame whose innermost
@@ -224,6 +226,43 @@ fn is_idle_stack(rec: &Recording, stack: u32) -> bool {
     }
 }
 
+/// Files and functions of an asyncio event loop's own run: a thread with one on its stack runs
+/// a loop (`BaseEventLoop.run_forever`/`_run_once`; uvloop's `run`, whose dispatch is compiled).
+const LOOP_RUN_FRAMES: &[(&str, &str)] = &[
+    ("asyncio/base_events.py", "run_forever"),
+    ("asyncio/base_events.py", "_run_once"),
+    ("uvloop/__init__.py", "run"),
+];
+
+/// `(pid, tid)` of the selected threads seen running an asyncio event loop (any sample or
+/// off-CPU interval with a frame of [`LOOP_RUN_FRAMES`]).
+pub fn loop_threads(rec: &Recording, sel: &Selection) -> std::collections::BTreeSet<(i32, i32)> {
+    let mut of_stack: HashMap<u32, bool> = HashMap::new();
+    let mut is_loop = |stack: u32| {
+        *of_stack.entry(stack).or_insert_with(|| {
+            rec.stack_frames(stack).any(|f| {
+                let file = f.file.replace('\\', "/");
+                let last = f.function.rsplit('.').next().unwrap_or(&f.function);
+                LOOP_RUN_FRAMES
+                    .iter()
+                    .any(|(fl, func)| file.ends_with(fl) && last == *func)
+            })
+        })
+    };
+    let mut out = std::collections::BTreeSet::new();
+    for s in sel.samples(rec) {
+        if !out.contains(&(s.pid, s.tid)) && is_loop(s.stack) {
+            out.insert((s.pid, s.tid));
+        }
+    }
+    for o in sel.offcpu(rec) {
+        if !out.contains(&(o.pid, o.tid)) && is_loop(o.stack) {
+            out.insert((o.pid, o.tid));
+        }
+    }
+    out
+}
+
 /// Why the loop's thread was off CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Off {
@@ -424,10 +463,27 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             .entry(stack)
             .or_insert_with(|| rec.stack_frames(stack).find(|f| is_serialization_frame(f)))
     };
-    for pid in sel.pids().into_iter().filter(|&p| is_api_server(rec, p)) {
+    // The loop threads: an API server's main thread, and any thread seen running an asyncio
+    // event loop (a plain asyncio server, SGLang, a custom front-end, a vLLM API server
+    // recorded by PID).
+    let looping = loop_threads(rec, sel);
+    let mut loops: Vec<(i32, i32)> = sel
+        .pids()
+        .into_iter()
+        .filter(|&p| is_api_server(rec, p))
+        .map(|p| (p, p))
+        .collect();
+    loops.extend(
+        looping
+            .iter()
+            .filter(|&&(p, t)| !(is_api_server(rec, p) && t == p)),
+    );
+    loops.sort_unstable();
+    loops.dedup();
+    for (pid, tid) in loops {
         let mut row = ApiServerRow {
             pid,
-            main_tid: pid,
+            main_tid: tid,
             ..Default::default()
         };
         let (mut cpu, mut main_cpu, mut ser_ns) = (0u64, 0u64, 0u64);
@@ -442,7 +498,7 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     .entry((f.function.as_str(), f.file.as_str()))
                     .or_default() += w;
             }
-            if s.tid == pid {
+            if s.tid == tid {
                 main_cpu += w;
                 main.push(s);
             }
@@ -467,15 +523,15 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             })
             .collect();
 
-        if sel.contains(pid, pid) {
+        if sel.contains(pid, tid) {
             main.sort_by_key(|s| s.t_ns);
             let off_raw: Vec<&OffCpu> = sel
                 .offcpu(rec)
-                .filter(|o| o.pid == pid && o.tid == pid)
+                .filter(|o| o.pid == pid && o.tid == tid)
                 .collect();
             let gil: Vec<(u64, u64)> = sel
                 .gil_waits(rec)
-                .filter(|g| g.pid == pid && g.tid == pid)
+                .filter(|g| g.pid == pid && g.tid == tid)
                 .map(|g| (g.start_ns, g.dur_ns))
                 .collect();
             let mut idle_of: HashMap<u32, bool> = HashMap::new();
@@ -549,7 +605,7 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                 };
                 out.stalls.push(Stall {
                     pid,
-                    tid: pid,
+                    tid,
                     start_s: secs(begin),
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
