@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::binary::{self, InterpreterBinary};
 use super::memory::{MemorySource, ProcessMemory, ReadError};
-use super::objects::{CodeCache, ObjectError};
 use super::offsets::{self, FrameKind, Offsets};
+use super::symbols::{code_id, RawFrame, Symbolizer};
 use super::version::{scan_for_version, PyVersion};
 use crate::procinfo::{self, TaskInfo};
 
@@ -56,15 +56,9 @@ fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
     }
 }
 
-/// One frame of a Python stack.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct Frame {
-    /// Qualified name (`Class.method`, `outer.<locals>.inner`); `co_name` on 3.10.
-    pub function: String,
-    pub file: String,
-    /// `null` where the instruction has no line (rare: artificial instructions).
-    pub line: Option<i32>,
-}
+/// One frame of a Python stack: the recording's frame (`record::Frame`), which the reader
+/// produces; the file format does not depend on the reader.
+pub use crate::record::Frame;
 
 /// One thread as read at one moment.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -203,7 +197,7 @@ impl PythonProcess {
         let mut interp = self.read(self.binary.runtime_addr + o.runtime_interpreters_head)?;
         while interp != 0 && out.len() < MAX_INTERPRETERS && seen.insert(interp) {
             out.push(interp);
-            interp = self.read(interp + o.interp_next)?;
+            interp = self.read(interp.wrapping_add(o.interp_next))?;
         }
         Ok(out)
     }
@@ -213,10 +207,10 @@ impl PythonProcess {
         let o = &self.offsets;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
-        let mut t = self.read(interp + o.interp_threads_head)?;
+        let mut t = self.read(interp.wrapping_add(o.interp_threads_head))?;
         while t != 0 && out.len() < MAX_THREADS && seen.insert(t) {
             out.push(t);
-            t = self.read(t + o.tstate_next)?;
+            t = self.read(t.wrapping_add(o.tstate_next))?;
         }
         Ok(out)
     }
@@ -226,7 +220,7 @@ impl PythonProcess {
         let o = &self.offsets;
         match (o.runtime_gil, o.interp_ceval_gil_ptr) {
             (Some(off), _) => Ok(self.binary.runtime_addr + off),
-            (None, Some(ptr)) => self.read(interp + ptr),
+            (None, Some(ptr)) => self.read(interp.wrapping_add(ptr)),
             (None, None) => Ok(0),
         }
     }
@@ -238,11 +232,11 @@ impl PythonProcess {
         if gil == 0 {
             return Ok(0);
         }
-        let locked = self.mem.read_i32(gil + o.gil_locked)?;
+        let locked = self.mem.read_i32(gil.wrapping_add(o.gil_locked))?;
         if locked == 0 {
             return Ok(0);
         }
-        self.read(gil + o.gil_last_holder)
+        self.read(gil.wrapping_add(o.gil_last_holder))
     }
 
     /// Address of the main interpreter's `gcstate->collecting`.
@@ -288,13 +282,13 @@ impl PythonProcess {
     pub fn ns_tid(&self, tstate: u64, tasks: &[TaskInfo]) -> Option<i32> {
         let o = &self.offsets;
         if let Some(off) = o.tstate_native_thread_id {
-            let v = self.read(tstate + off).ok()?;
+            let v = self.read(tstate.wrapping_add(off)).ok()?;
             return i32::try_from(v).ok().filter(|&t| t > 0);
         }
         // 3.10 keeps only the pthread_t, which on glibc/x86-64 is the address of the thread's
         // `struct pthread`; its `tid` field sits at a libc-specific offset, found once and
         // validated against the process's real thread ids.
-        let pthread = self.read(tstate + o.tstate_thread_id).ok()?;
+        let pthread = self.read(tstate.wrapping_add(o.tstate_thread_id)).ok()?;
         let off = match self.pthread_tid_offset.get() {
             Some(off) => off,
             None => {
@@ -303,7 +297,7 @@ impl PythonProcess {
                 off
             }
         };
-        let tid = self.mem.read_i32(pthread + off).ok()?;
+        let tid = self.mem.read_i32(pthread.wrapping_add(off)).ok()?;
         tasks.iter().any(|t| t.ns_tid == tid).then_some(tid)
     }
 
@@ -313,7 +307,7 @@ impl PythonProcess {
         let mut pthreads = Vec::new();
         for interp in self.interpreters().ok()? {
             for t in self.thread_states(interp).ok()? {
-                if let Ok(p) = self.read(t + o.tstate_thread_id) {
+                if let Ok(p) = self.read(t.wrapping_add(o.tstate_thread_id)) {
                     pthreads.push(p);
                 }
             }
@@ -327,7 +321,7 @@ impl PythonProcess {
             let mut vals = HashSet::new();
             let ok = pthreads.iter().all(|&p| {
                 self.mem
-                    .read_i32(p + off)
+                    .read_i32(p.wrapping_add(off))
                     .is_ok_and(|v| ns.contains(&v) && vals.insert(v))
             });
             if ok {
@@ -337,14 +331,17 @@ impl PythonProcess {
         None
     }
 
-    /// Walk one thread's Python stack, innermost first.
-    pub fn walk_stack(&self, tstate: u64, cache: &mut CodeCache) -> (Vec<Frame>, Option<String>) {
+    /// Walk one thread's Python stack, innermost first, reading per frame what the kernel's
+    /// walk reads (code object address, instruction offset, code identity); the
+    /// [`Symbolizer`] turns them into names and lines. The error says why the walk stopped
+    /// early (the frames before it are still right).
+    pub fn walk_raw(&self, tstate: u64) -> (Vec<RawFrame>, Option<String>) {
         let o = &self.offsets;
         let mut frames = Vec::new();
         let first = (|| -> Result<u64, ReadError> {
-            let f = self.read(tstate + o.tstate_frame)?;
+            let f = self.read(tstate.wrapping_add(o.tstate_frame))?;
             match o.cframe_current_frame {
-                Some(cf) if f != 0 => self.read(f + cf),
+                Some(cf) if f != 0 => self.read(f.wrapping_add(cf)),
                 _ => Ok(f),
             }
         })();
@@ -369,7 +366,7 @@ impl PythonProcess {
                     Some(format!("frame cycle at {frame:#x}; truncated")),
                 );
             }
-            match self.read_frame(frame, code_type, cache) {
+            match self.read_raw_frame(frame, code_type) {
                 Ok((Some(f), prev)) => {
                     frames.push(f);
                     frame = prev;
@@ -381,23 +378,23 @@ impl PythonProcess {
         (frames, None)
     }
 
-    /// One frame: `(frame if it is a real Python frame, previous frame address)`.
-    fn read_frame(
+    /// One frame: `(frame if it is a real Python frame, previous frame address)`. The same
+    /// reads, checks and offset as `ebpf/sampler.bpf.c`'s walk.
+    fn read_raw_frame(
         &self,
         frame: u64,
         code_type: Option<u64>,
-        cache: &mut CodeCache,
-    ) -> Result<(Option<Frame>, u64), ObjectError> {
+    ) -> Result<(Option<RawFrame>, u64), ReadError> {
         let o = &self.offsets;
-        let prev = self.read(frame + o.frame_previous)?;
+        let prev = self.read(frame.wrapping_add(o.frame_previous))?;
         if let Some(owner_off) = o.frame_owner {
             // FRAME_OWNED_BY_CSTACK (3.12/3.13) and FRAME_OWNED_BY_INTERPRETER (3.14+) mark
             // shim/entry frames that are not Python code: owner >= 3 in every epoch.
-            if self.mem.read_u8(frame + owner_off)? >= 3 {
+            if self.mem.read_u8(frame.wrapping_add(owner_off))? >= 3 {
                 return Ok((None, prev));
             }
         }
-        let code = self.read(frame + o.frame_code)? & !o.frame_code_tag_mask;
+        let code = self.read(frame.wrapping_add(o.frame_code))? & !o.frame_code_tag_mask;
         if code == 0 {
             return Ok((None, prev));
         }
@@ -407,35 +404,77 @@ impl PythonProcess {
                 return Ok((None, prev));
             }
         }
-        let info = cache.get(self.mem.as_ref(), o, code)?;
-        let addr: i64 = match o.frame_kind {
-            FrameKind::FrameObject => {
-                let lasti = self.mem.read_i32(frame.wrapping_add(o.frame_instr))?;
-                if lasti < 0 {
-                    -1
-                } else {
-                    lasti as i64 * 2
+        let firstlineno = self.mem.read_i32(code.wrapping_add(o.code_firstlineno))?;
+        let name = self.read(code.wrapping_add(o.code_name))?;
+        let instr_offset = match o.frame_kind {
+            FrameKind::FrameObject => match self.mem.read_i32(frame.wrapping_add(o.frame_instr)) {
+                Ok(lasti) if lasti >= 0 => lasti.wrapping_mul(2),
+                _ => -1,
+            },
+            FrameKind::Interpreter => match self.read(frame.wrapping_add(o.frame_instr)) {
+                Ok(instr) => {
+                    let base = code.wrapping_add(o.code_code_adaptive.unwrap_or(0));
+                    instr.wrapping_sub(base) as i32
                 }
-            }
-            FrameKind::Interpreter => {
-                let instr = self.read(frame + o.frame_instr)?;
-                let base = code + o.code_code_adaptive.unwrap_or(0);
-                (instr as i64).wrapping_sub(base as i64)
-            }
+                Err(_) => -1,
+            },
         };
-        let line = info.line_at(o.frame_kind, addr);
         Ok((
-            Some(Frame {
-                function: info.qualname.clone(),
-                file: info.filename.clone(),
-                line,
+            Some(RawFrame {
+                code,
+                instr_offset,
+                code_id: code_id(firstlineno, name),
             }),
             prev,
         ))
     }
 
-    /// Read every thread of every interpreter.
+    /// Read every thread of every interpreter, with names and lines from a fresh symbolizer
+    /// (`dump`).
     pub fn snapshot(&self) -> Result<Snapshot, AttachError> {
+        self.snapshot_with(&mut Symbolizer::new())
+    }
+
+    /// [`Self::snapshot`] through `sym` (a recorder's, whose cache outlives one snapshot).
+    pub fn snapshot_with(&self, sym: &mut Symbolizer) -> Result<Snapshot, AttachError> {
+        let raw = self.raw_snapshot()?;
+        Ok(self.symbolize(raw, sym))
+    }
+
+    /// Read every thread, matching them to `tasks` (the process's threads from `/proc`).
+    pub fn snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<Snapshot, AttachError> {
+        let raw = self.raw_snapshot_with_tasks(tasks)?;
+        Ok(self.symbolize(raw, &mut Symbolizer::new()))
+    }
+
+    fn symbolize(&self, raw: RawSnapshot, sym: &mut Symbolizer) -> Snapshot {
+        let threads = raw
+            .threads
+            .into_iter()
+            .map(|t| {
+                sym.resolving_tid = t.tid.unwrap_or(0);
+                ThreadSnapshot {
+                    frames: sym.resolve(self.mem.as_ref(), &self.offsets, &t.frames),
+                    tid: t.tid,
+                    ns_tid: t.ns_tid,
+                    os_name: t.name.clone(),
+                    name: t.name,
+                    python_name: None,
+                    holds_gil: t.holds_gil,
+                    gc_collecting: t.gc_collecting,
+                    error: t.error,
+                    tstate: t.tstate,
+                }
+            })
+            .collect();
+        Snapshot {
+            threads,
+            read_errors: raw.read_errors,
+        }
+    }
+
+    /// Every thread's raw stack now.
+    pub fn raw_snapshot(&self) -> Result<RawSnapshot, AttachError> {
         let pid = self.pid;
         let tasks = procinfo::tasks(pid).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -444,18 +483,17 @@ impl PythonProcess {
                 AttachError::Proc { pid, err: e }
             }
         })?;
-        let snap = self.snapshot_with_tasks(&tasks)?;
+        let snap = self.raw_snapshot_with_tasks(&tasks)?;
         if snap.threads.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
             return Err(AttachError::Gone(pid));
         }
         Ok(snap)
     }
 
-    /// Read every thread, matching them to `tasks` (the process's threads from `/proc`).
-    pub fn snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<Snapshot, AttachError> {
+    /// Every thread's raw stack, matching threads to `tasks`.
+    pub fn raw_snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<RawSnapshot, AttachError> {
         let pid = self.pid;
         let by_ns: HashMap<i32, &TaskInfo> = procinfo::by_ns_tid(tasks);
-        let mut cache = CodeCache::default();
         let mut threads = Vec::new();
         let mut read_errors = 0;
         let interps = self
@@ -476,17 +514,14 @@ impl PythonProcess {
             for t in tstates {
                 let ns_tid = self.ns_tid(t, tasks);
                 let task = ns_tid.and_then(|n| by_ns.get(&n));
-                let (frames, error) = self.walk_stack(t, &mut cache);
+                let (frames, error) = self.walk_raw(t);
                 if error.is_some() {
                     read_errors += 1;
                 }
-                let os_name = task.map(|t| t.comm.clone()).unwrap_or_default();
-                threads.push(ThreadSnapshot {
+                threads.push(RawThread {
                     tid: task.map(|t| t.host_tid),
                     ns_tid,
-                    name: os_name.clone(),
-                    os_name,
-                    python_name: None,
+                    name: task.map(|t| t.comm.clone()).unwrap_or_default(),
                     holds_gil: holder != 0 && holder == t,
                     gc_collecting: collecting,
                     frames,
@@ -495,7 +530,7 @@ impl PythonProcess {
                 });
             }
         }
-        Ok(Snapshot {
+        Ok(RawSnapshot {
             threads,
             read_errors,
         })
@@ -555,6 +590,26 @@ impl PythonProcess {
             }
         }
     }
+}
+
+/// One thread as read, its frames not yet symbolized.
+#[derive(Debug, Clone)]
+pub struct RawThread {
+    pub tid: Option<i32>,
+    pub ns_tid: Option<i32>,
+    pub name: String,
+    pub holds_gil: bool,
+    pub gc_collecting: bool,
+    pub frames: Vec<RawFrame>,
+    pub error: Option<String>,
+    pub tstate: u64,
+}
+
+/// All threads of a process at one moment, frames not yet symbolized.
+#[derive(Debug, Clone)]
+pub struct RawSnapshot {
+    pub threads: Vec<RawThread>,
+    pub read_errors: u64,
 }
 
 /// The version, from the binary itself: `Py_Version` (3.11+), else the `_Py_DebugOffsets`
