@@ -71,6 +71,18 @@ fn check(label: &str) {
     for t in dump["threads"].as_array().unwrap() {
         assert_eq!(t["python_name"], t["name"], "{label}: {t}");
     }
+    // Namespace tid → host tid while the workload runs (in a container they differ).
+    let host_of: std::collections::HashMap<i64, i32> = dump["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| {
+            (
+                t["ns_tid"].as_i64().unwrap(),
+                t["tid"].as_i64().unwrap() as i32,
+            )
+        })
+        .collect();
 
     let out_path = w.dir.join("run.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
@@ -96,15 +108,23 @@ fn check(label: &str) {
         .unwrap()
         .iter()
         .map(|t| {
-            let ns = t["native_id"].as_i64().unwrap() as i32;
-            TruthThread {
-                host_tid: host_tid(w.pid, ns).unwrap_or(ns),
-                names: t["names"]
-                    .as_array()
-                    .unwrap()
+            let ns = t["native_id"].as_i64().unwrap();
+            let names: Vec<(u64, String)> = t["names"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|n| (n[0].as_u64().unwrap(), n[1].as_str().unwrap().to_string()))
+                .collect();
+            // Threads started inside the window (not in the dump) by their unique name.
+            let host = host_of.get(&ns).copied().unwrap_or_else(|| {
+                r.threads
                     .iter()
-                    .map(|n| (n[0].as_u64().unwrap(), n[1].as_str().unwrap().to_string()))
-                    .collect(),
+                    .find(|x| x.python_name.as_deref() == Some(names[0].1.as_str()))
+                    .map_or(ns as i32, |x| x.tid)
+            });
+            TruthThread {
+                host_tid: host,
+                names,
                 os_name: t["os_name"].as_str().unwrap().to_string(),
             }
         })
