@@ -37,7 +37,9 @@ ARRIVED = threading.Semaphore(0)
 
 
 def set_comm(name):
-    """Set this thread's OS name (what /proc/PID/task/TID/comm shows)."""
+    """Set this thread's OS name (what /proc/PID/task/TID/comm shows) and its Python name
+    (threading), so the two agree."""
+    threading.current_thread().name = name
     try:
         with open("/proc/self/task/%d/comm" % threading.get_native_id(), "w") as f:
             f.write(name[:15])

@@ -112,7 +112,9 @@ EVENTS = []  # (t_ns, is_start, generation, native_id, collected, uncollectable)
 
 
 def set_comm(name):
-    """Set this thread's OS name (what /proc/PID/task/TID/comm shows)."""
+    """Set this thread's OS name (what /proc/PID/task/TID/comm shows) and its Python name
+    (threading), so the two agree."""
+    threading.current_thread().name = name
     try:
         with open("/proc/self/task/%d/comm" % threading.get_native_id(), "w") as f:
             f.write(name[:15])

@@ -59,6 +59,7 @@ def note(name, t0):
 
 
 def name_thread(name):
+    threading.current_thread().name = name
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
             f.write(name[:15])

@@ -22,6 +22,7 @@ ARRIVED = threading.Semaphore(0)
 
 
 def set_comm(name):
+    threading.current_thread().name = name
     try:
         with open("/proc/self/task/%d/comm" % threading.get_native_id(), "w") as f:
             f.write(name[:15])

@@ -78,7 +78,13 @@ pub fn to_text(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
         } else {
             format!(" [{}]", flags.join(", "))
         };
-        let _ = writeln!(out, "\nThread {tid} \"{}\"{flags}", t.name);
+        // The OS name beside the Python name when they differ (before 3.14 every Python
+        // thread carries its process's OS name; 3.14+ sets it from the Python name, cut).
+        let os = match &t.python_name {
+            Some(py) if *py != t.os_name => format!(" (OS name \"{}\")", t.os_name),
+            _ => String::new(),
+        };
+        let _ = writeln!(out, "\nThread {tid} \"{}\"{os}{flags}", t.name);
         if t.frames.is_empty() {
             let _ = writeln!(out, "    (no Python frames)");
         }

@@ -400,7 +400,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Dump { pid, json } => {
             let t0 = Instant::now();
             let p = PythonProcess::attach(pid)?;
-            let snap = p.snapshot()?;
+            let mut snap = p.snapshot()?;
+            p.name_threads(
+                &mut snap,
+                &mut enginescope::cpython::threading::ThreadNames::default(),
+            );
             let ms = t0.elapsed().as_secs_f64() * 1000.0;
             if json {
                 println!("{}", dump::to_json(&p, &snap, ms));

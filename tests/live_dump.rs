@@ -55,9 +55,13 @@ fn check_dump(label: &str) {
             .unwrap_or_else(|| panic!("{label}: thread {name} (tid {host}) missing from dump"));
         let comm = std::fs::read_to_string(format!("/proc/{}/task/{host}/comm", w.pid)).unwrap();
         assert_eq!(
-            d["name"].as_str().unwrap(),
+            d["os_name"].as_str().unwrap(),
             comm.trim_end(),
             "{label}: comm of {host}"
+        );
+        assert_eq!(
+            d["python_name"], d["name"],
+            "{label}: Python name of {host}"
         );
         assert_eq!(d["name"].as_str().unwrap(), name, "{label}: thread name");
         assert_eq!(

@@ -7,8 +7,9 @@
 //! `enginescope record --vllm --engine-pid PID --rate 999` attaches between READY and GO, and
 //! `report --from/--to` over the engine's window must give, in `api_server_stalls`:
 //!
-//! * every true stall longer than 150 ms in which a callback ran (at least 4 in the 12 s
-//!   window; the loop kept from running by another thread's GIL is not a callback stall),
+//! * every true stall longer than 150 ms in which a callback ran (at least 4 in the window,
+//!   which lasts until 10 groups have been answered, however slow the machine; the loop kept
+//!   from running by another thread's GIL is not a callback stall),
 //!   matched by time overlap to exactly one reported stall, its start and duration within
 //!   ±10% of the stall or ±2 sampling periods, its dominant stack in the JSON encoder under
 //!   `JSONResponse.render` in the handler, its serialization share within 0.15 of the truth's
@@ -21,9 +22,10 @@
 //!   EngineCore, whose CPU the truth gives as an upper bound, allowed on top).
 //!
 //! The truth's own consistency is checked too: the heartbeat timer was kept waiting for all of
-//! each long stall but 5 ms and one 10 ms period per heartbeat that ran in it. Engines run one at a time. Cost: ~20 s per interpreter (engine start
-//! and calibration ~5 s, a 12 s window, report; debug build). `ES_KEEP_STALLS=1` keeps each
-//! run's directory (recording `run.esrec`, truth files) and prints where.
+//! each long stall but 5 ms and one 10 ms period per heartbeat that ran in it. Engines run one
+//! at a time. Cost: ~20 s per interpreter on a quiet machine (engine start and calibration
+//! ~5 s, a ~10 s window, report; debug build), longer on a loaded one. `ES_KEEP_STALLS=1`
+//! keeps each run's directory (recording `run.esrec`, truth files) and prints where.
 
 mod common;
 
@@ -45,6 +47,13 @@ const ENGINE_FILES: &[&str] = &[
     "summarize.py",
     "worker.py",
 ];
+
+/// The window ends once this many groups submitted inside it have been answered (two whole
+/// cycles of the sizes 1-5: six stalls of at least three ~60 ms responses each), however long
+/// that takes on a busy machine; `--seconds` only bounds it.
+const SERIALIZE_GROUPS: &str = "10";
+/// At most this long, s (a group takes ~1 s on a quiet machine, several on a loaded one).
+const WINDOW_MAX_S: &str = "180";
 
 /// True stalls at least this long must be reported.
 const MUST_REPORT_NS: u64 = 150_000_000;
@@ -106,7 +115,12 @@ fn start_engine(i: &Interp, seconds: &str) -> Engine {
     make_go_fifo(&dir);
     cmd.arg(format!("{inner_dir}/engine/serve.py"))
         .args(["serve", "--port", "0", "--seconds", seconds, "-q"])
-        .args(["--serialize-stalls", "--truth"])
+        .args([
+            "--serialize-stalls",
+            "--serialize-groups",
+            SERIALIZE_GROUPS,
+            "--truth",
+        ])
         .arg(format!("{inner_dir}/truth"))
         .arg("--go-fifo")
         .arg(format!("{inner_dir}/go"));
@@ -202,7 +216,7 @@ fn check(label: &str) {
     // One engine at a time: two on a small machine would slow each other's stalls down.
     static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
-    let mut e = start_engine(&i, "12");
+    let mut e = start_engine(&i, WINDOW_MAX_S);
     let out = e.dir.join("run.esrec");
     let out_s = out.to_string_lossy().into_owned();
     let pid_s = e.pid.to_string();
@@ -213,7 +227,7 @@ fn check(label: &str) {
         "--rate",
         "999",
         "--duration",
-        "120",
+        "600",
         "-o",
         &out_s,
     ]);
@@ -241,6 +255,11 @@ fn check(label: &str) {
         "{label}: the recording started before the window"
     );
     let ev = &api["event_loop"];
+    assert_eq!(
+        ev["groups"]["answered_window"].as_u64(),
+        SERIALIZE_GROUPS.parse().ok(),
+        "{label}: the window ended before {SERIALIZE_GROUPS} groups were answered (after {WINDOW_MAX_S} s?)"
+    );
     let truth: Vec<TrueStall> = ev["stalls"]
         .as_array()
         .unwrap()

@@ -128,6 +128,7 @@ fn write_vllm_fixture(path: &Path) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }
@@ -777,6 +778,7 @@ fn write_run(path: &Path, r: &Run) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }

@@ -64,6 +64,7 @@ fn write_engine_recording(path: &Path) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }

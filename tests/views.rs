@@ -100,6 +100,7 @@ fn write_fixture(path: &Path, finish: bool) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }
@@ -665,7 +666,8 @@ fn report_json_numbers_are_exact() {
     assert_eq!(
         threads[0],
         serde_json::json!({
-            "pid": 100, "tid": 101, "name": "MainThread", "cpu_s": 0.4, "samples": 400,
+            "pid": 100, "tid": 101, "name": "MainThread", "os_name": "MainThread",
+            "cpu_s": 0.4, "samples": 400,
             "python_s": 0.3, "native_s": 0.1, "offcpu_s": 0.075, "offcpu_preempted_s": 0.025,
             "gil_held_share": 0.75, "gc_share": 0.0, "gil_held_s": 0.3, "gil_wait_s": 0.0,
             "gil_waits": 0, "gil_switch_wait_s": 0.0, "gc_s": 0.0, "gc_pauses": 0,
@@ -1052,6 +1054,7 @@ fn write_gil_fixture(path: &Path, finish: bool) {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
     }

@@ -73,5 +73,14 @@ int main(void) {
     P("bytes.ob_size", offsetof(PyBytesObject, ob_base.ob_size));
     P("bytes.ob_sval", offsetof(PyBytesObject, ob_sval));
     P("runtime.main_thread", offsetof(_PyRuntimeState, main_thread));
+#if PY_VERSION_HEX >= 0x030C0000
+    P("interp.modules", offsetof(PyInterpreterState, imports.modules));
+#else
+    P("interp.modules", offsetof(PyInterpreterState, modules));
+#endif
+#if PY_VERSION_HEX >= 0x030B0000
+    /* ≤3.10 reads instance dicts through tp_dictoffset, not the class's shared keys. */
+    P("heaptype.cached_keys", offsetof(PyHeapTypeObject, ht_cached_keys));
+#endif
     return 0;
 }

@@ -211,6 +211,8 @@ class Frontend:
         self.rng = random.Random("%s/routed" % cfg["seed"])
         self.next_routed = ROUTED_BASE
         self.groups = []  # (submit_ns, size)
+        self.window_start = None  # mono() at the window's start
+        self.groups_done = 0  # groups submitted inside the window and answered
         self.renders = []  # (start_ns, wall_ns, cpu_ns, bytes, req_id)
 
     # --- called from other threads ----------------------------------------------------------
@@ -280,13 +282,16 @@ class Frontend:
                 fut = loop.create_future()
                 self.pending[rid] = fut
                 handlers.append(loop.create_task(self.create_completion(rid, fut)))
-            self.groups.append((mono(), k))
+            submitted = mono()
+            self.groups.append((submitted, k))
             try:
                 self.client.submit_routed(rids, ROUTED_PROMPT, ROUTED_MAX_TOKENS)
             except (OSError, ValueError):
                 self.stop.set()
                 return
             await asyncio.gather(*handlers)
+            if self.window_start is not None and submitted >= self.window_start:
+                self.groups_done += 1
 
     async def create_completion(self, rid, fut):
         req = await fut
@@ -330,9 +335,12 @@ class Frontend:
         if stop.is_set():
             return None
         start = begin_window()
+        self.window_start = start
         deadline = None if deadline_s is None else start + int(deadline_s * 1e9)
-        await self._wait_for(lambda: stop.is_set() or (deadline is not None
-                                                       and mono() >= deadline))
+        groups = self.cfg.get("serialize_groups", 0)
+        await self._wait_for(lambda: stop.is_set()
+                             or (deadline is not None and mono() >= deadline)
+                             or (groups > 0 and self.groups_done >= groups))
         return start
 
     def run(self, announce_and_wait_go, begin_window, deadline_s):
@@ -393,6 +401,8 @@ class Frontend:
             "calibration": self.calibration,
             "groups": {"gap_s": self.cfg["serialize_gap"],
                        "max_size": self.cfg["serialize_group_max"],
+                       "window_target": self.cfg.get("serialize_groups", 0),
+                       "answered_window": self.groups_done,
                        "prompt_tokens": ROUTED_PROMPT, "max_tokens": ROUTED_MAX_TOKENS,
                        "submitted_window": len(groups),
                        "requests_window": sum(g[1] for g in groups)},

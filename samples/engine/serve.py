@@ -61,6 +61,10 @@ def build_parser():
     fe.add_argument("--serialize-group-max", type=int, default=5,
                     help="groups of 1..N requests (each size in turn, in a seeded order), all "
                          "finishing in one step")
+    fe.add_argument("--serialize-groups", type=int, default=0,
+                    help="end the window once N groups submitted inside it have been "
+                         "answered (--seconds still bounds it): the number of stalls does "
+                         "not depend on how fast the machine is")
     eng = p.add_argument_group("engine")
     eng.add_argument("--workers", type=int, default=1, help="tensor-parallel size")
     eng.add_argument("--max-num-seqs", type=int, default=48)
@@ -131,6 +135,7 @@ def make_config(args):
         "serialize_ms": args.serialize_ms,
         "serialize_gap": args.serialize_gap,
         "serialize_group_max": args.serialize_group_max,
+        "serialize_groups": args.serialize_groups,
         "seed": args.seed,
         "workers": args.workers,
         "max_num_seqs": args.max_num_seqs,

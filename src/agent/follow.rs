@@ -211,6 +211,7 @@ mod tests {
             tid: 1,
             name: "t".into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
         let sample = |w: &mut RecordingWriter| {

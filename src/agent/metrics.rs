@@ -25,6 +25,8 @@ pub const OTHER: &str = "_other";
 pub const NO_PYTHON: &str = "(no Python frame)";
 /// Longest label value kept (longer ones are cut).
 const MAX_LABEL_LEN: usize = 120;
+/// Most same-named threads of one process told apart by a `#N` suffix.
+const MAX_SAME_NAME: usize = 64;
 
 /// Every metric family the agent exposes: (family name as registered, type, label names).
 /// Counters are exposed with `_total`, histograms as `_bucket` (with `le`), `_sum`, `_count`.
@@ -532,13 +534,46 @@ impl Aggregator {
         }
     }
 
+    /// The `thread` label of a thread named `name` (its Python name, else its OS name): the
+    /// name, or where another thread of a process with the same engine and role labels already
+    /// has it (threads of a pool, or Python threads before 3.14 named only by their OS name),
+    /// `name#2`, `name#3`, … (the first free one; `tidN` past [`MAX_SAME_NAME`]).
+    fn unique_thread_label(&self, pid: i32, tid: i32, name: &str) -> String {
+        let name = if name.is_empty() {
+            format!("tid{tid}")
+        } else {
+            label(name)
+        };
+        let p = self.process_labels(pid);
+        let taken = |cand: &str| {
+            self.seg.threads.iter().any(|(&(op, ot), l)| {
+                (op, ot) != (pid, tid) && l == cand && self.process_labels(op) == p
+            })
+        };
+        if !taken(&name) {
+            return name;
+        }
+        for k in 2..=MAX_SAME_NAME {
+            let suffix = format!("#{k}");
+            let mut end = MAX_LABEL_LEN.saturating_sub(suffix.len()).min(name.len());
+            while !name.is_char_boundary(end) {
+                end -= 1;
+            }
+            let cand = format!("{}{suffix}", &name[..end]);
+            if !taken(&cand) {
+                return cand;
+            }
+        }
+        format!("tid{tid}")
+    }
+
     fn thread_labels(&mut self, pid: i32, tid: i32, activity: f64) -> ThreadLabels {
         let p = self.process_labels(pid);
         let name = self
             .seg
             .threads
             .get(&(pid, tid))
-            .map(|n| label(n))
+            .cloned()
             .unwrap_or_else(|| format!("tid{tid}"));
         let l = ThreadLabels {
             engine: p.engine,
@@ -581,8 +616,16 @@ impl Aggregator {
             self.seg.roles.insert(p.pid, role);
         }
         self.seg.n_processes = r.processes.len();
-        for t in r.threads.iter().skip(self.seg.n_threads) {
-            self.seg.threads.insert((t.pid, t.tid), t.name.clone());
+        // In (pid, tid) order within what was added (a segment begins with every live thread),
+        // so which of several same-named threads keeps the bare name does not depend on the
+        // order they were written in; a thread's later records (renames) stay after its
+        // earlier ones.
+        let mut added: Vec<&crate::record::ThreadInfo> =
+            r.threads.iter().skip(self.seg.n_threads).collect();
+        added.sort_by_key(|t| (t.pid, t.tid));
+        for t in added {
+            let l = self.unique_thread_label(t.pid, t.tid, t.display_name());
+            self.seg.threads.insert((t.pid, t.tid), l);
         }
         self.seg.n_threads = r.threads.len();
         for e in r.engines.iter().skip(self.seg.n_engines) {
@@ -866,6 +909,7 @@ mod tests {
             tid: 11,
             name: "MainThread".into(),
             t_ns: 0,
+            python_name: None,
         });
         for i in 0..100 {
             r.samples.push(Sample {
@@ -1077,6 +1121,56 @@ mod tests {
     }
 
     #[test]
+    fn same_named_threads_get_separate_series() {
+        use crate::record::{Sample, ThreadInfo};
+        let (m, reg) = Metrics::new();
+        let mut a = Aggregator::new(m, Limits::default());
+        let mut r = Recording::default();
+        r.stacks.push(vec![]);
+        // Python names tell the writer and the launcher apart; two pool threads share one,
+        // and a thread without a Python name keeps its OS name. Listed out of tid order.
+        for (tid, os, py) in [
+            (4, "python3.12", Some("pool")),
+            (2, "python3.12", Some("vllm-step-launcher")),
+            (1, "python3.12", Some("vllm-aux-output-writer")),
+            (3, "python3.12", Some("pool")),
+            (5, "python3.12", None),
+        ] {
+            r.threads.push(ThreadInfo {
+                pid: 1,
+                tid,
+                name: os.into(),
+                t_ns: 0,
+                python_name: py.map(String::from),
+            });
+            r.samples.push(Sample {
+                t_ns: 1,
+                pid: 1,
+                tid,
+                stack: 0,
+                flags: 0,
+                weight_ns: 1_000_000 * tid as u32,
+            });
+        }
+        a.apply(&mut r);
+        let t = encode(&reg);
+        let cpu = |thread: &str| {
+            value(
+                &t,
+                &format!(
+                    r#"enginescope_thread_cpu_seconds_total{{engine="",role="pid1",thread="{thread}"}}"#
+                ),
+            )
+        };
+        assert_eq!(cpu("vllm-aux-output-writer"), Some(0.001));
+        assert_eq!(cpu("vllm-step-launcher"), Some(0.002));
+        // The lower tid keeps the bare name, whatever the order of the records.
+        assert_eq!(cpu("pool"), Some(0.003));
+        assert_eq!(cpu("pool#2"), Some(0.004));
+        assert_eq!(cpu("python3.12"), Some(0.005));
+    }
+
+    #[test]
     fn thread_cardinality_is_capped_and_idle_series_expire() {
         let (m, reg) = Metrics::new();
         let limits = Limits {
@@ -1101,6 +1195,7 @@ mod tests {
                 tid,
                 name: format!("Thread-{tid}"),
                 t_ns: 0,
+                python_name: None,
             });
             r.samples.push(Sample {
                 t_ns: 0,

@@ -10,6 +10,7 @@ pub mod reader;
 pub mod symbols;
 #[cfg(test)]
 pub mod testutil;
+pub mod threading;
 pub mod version;
 
 pub use reader::{AttachError, Frame, PythonProcess, Snapshot, ThreadSnapshot};

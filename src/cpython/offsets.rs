@@ -106,7 +106,70 @@ pub struct Offsets {
     /// `_Py_DebugOffsets`: 3.13 from its headers, 3.14 measured on 3.14.10 (the counters a
     /// `gc.collect(g)` increments by one); `None` where unknown (3.15 keeps them elsewhere).
     pub gc_generation_stats: Option<u64>,
+    /// `PyInterpreterState.modules` (≤3.11) / `imports.modules` (3.12+): `sys.modules`
+    /// (pycore_interp.h; `_Py_DebugOffsets.interpreter_state.imports_modules` 3.13+).
+    pub interp_modules: Option<u64>,
+    /// `PyHeapTypeObject.ht_cached_keys` (cpython/object.h): the keys instances of a class
+    /// share (3.11+: their attributes' names when the values live outside a dict). 3.11/3.12
+    /// from the headers; 3.13–3.15 are not in `_Py_DebugOffsets`: from 3.13.0's headers,
+    /// measured on 3.13.18, 3.14.10 and 3.15.2 (the pointer in a class object whose keys hold an
+    /// attribute set on an instance).
+    pub heaptype_cached_keys: Option<u64>,
+    /// Where instances keep their attributes.
+    pub instance_dict: InstanceDict,
+    /// Layout of `PyDictKeysObject` (pycore_dict.h).
+    pub dict_keys: DictKeysLayout,
+    /// 3.12+: `PyLongObject` has `lv_tag` (digit count << 3 | sign) where ≤3.11 has a signed
+    /// `ob_size` (pycore_long.h, longintrepr.h); digits follow at 24 in both.
+    pub long_tagged: bool,
 }
+
+/// Where a class instance keeps its attributes (`PyObject_GenericGetDict`; pycore_object.h).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum InstanceDict {
+    /// ≤3.10: a `__dict__` pointer at `tp_dictoffset`.
+    DictOffset,
+    /// 3.11 (`Py_TPFLAGS_MANAGED_DICT`): the dict pointer 3 words before the object, or when
+    /// that is NULL the values pointer 4 words before it (names in `ht_cached_keys`).
+    Managed311,
+    /// 3.12: one tagged word 3 words before the object: a values pointer minus 1 (odd), or a
+    /// dict pointer.
+    Managed312,
+    /// 3.13+ (`Py_TPFLAGS_INLINE_VALUES`): the values inline after the object
+    /// (`tp_basicsize`), with a 4-byte header whose `valid` byte says whether they are in use;
+    /// else the dict pointer 3 words before the object.
+    Inline313,
+}
+
+/// `PyDictKeysObject`'s header and where split values start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum DictKeysLayout {
+    /// 3.10: `dk_size` (8), `dk_nentries` (32), indices at 40 (1–8 bytes each by size), then
+    /// 24-byte `{hash, key, value}` entries; split values are a plain `PyObject *[]`.
+    Py310,
+    /// 3.11+: `dk_log2_size` (u8, 8), `dk_log2_index_bytes` (9), `dk_kind` (10),
+    /// `dk_nentries` (24), indices at 32; entries of 24 bytes (general) or 16 (`{key, value}`,
+    /// unicode and split kinds). `values_at`: where `PyDictValues.values` starts (0 in
+    /// 3.11/3.12; 8 in 3.13+, after capacity/size/embedded/valid).
+    Py311 { values_at: u64 },
+}
+
+/// `PyDictObject.ma_keys` (cpython/dictobject.h), 3.10–3.15.
+pub const DICT_MA_KEYS: u64 = 32;
+/// `PyDictObject.ma_values`.
+pub const DICT_MA_VALUES: u64 = 40;
+/// `PyModuleObject.md_dict` (pycore_moduleobject.h), 3.10–3.15.
+pub const MODULE_MD_DICT: u64 = 16;
+/// `PyTypeObject.tp_basicsize` (cpython/object.h), 3.10–3.15.
+pub const TYPE_BASICSIZE: u64 = 32;
+/// `PyTypeObject.tp_flags`.
+pub const TYPE_FLAGS: u64 = 168;
+/// `PyTypeObject.tp_dictoffset`.
+pub const TYPE_DICTOFFSET: u64 = 288;
+/// `Py_TPFLAGS_INLINE_VALUES` (3.13+).
+pub const TPFLAGS_INLINE_VALUES: u64 = 1 << 2;
+/// `Py_TPFLAGS_MANAGED_DICT` (3.11+).
+pub const TPFLAGS_MANAGED_DICT: u64 = 1 << 4;
 
 impl Offsets {
     /// The static table for 3.10–3.12, or `None` for other versions.
@@ -148,7 +211,9 @@ impl Offsets {
         if let Some(g) = self.gc_generation_stats {
             v.push(("gc.generation_stats", g));
         }
-        let opt: [(&str, Option<u64>); 8] = [
+        let opt: [(&str, Option<u64>); 10] = [
+            ("interp.modules", self.interp_modules),
+            ("heaptype.cached_keys", self.heaptype_cached_keys),
             ("runtime.gil", self.runtime_gil),
             ("interp.ceval_gil", self.interp_ceval_gil_ptr),
             ("tstate.native_thread_id", self.tstate_native_thread_id),
@@ -214,6 +279,11 @@ pub const PY310: Offsets = Offsets {
     bytes_data: 32,           // cpython/bytesobject.h: PyBytesObject.ob_sval
     tstate_holds_gil: None,
     gc_generation_stats: Some(128), // pycore_gc.h: struct _gc_runtime_state.generation_stats
+    interp_modules: Some(856),      // pycore_interp.h: modules
+    heaptype_cached_keys: None,     // cpython/object.h: PyHeapTypeObject.ht_cached_keys
+    instance_dict: InstanceDict::DictOffset,
+    dict_keys: DictKeysLayout::Py310,
+    long_tagged: false,
 };
 
 /// CPython 3.11 (checked against 3.11.7's headers).
@@ -255,7 +325,12 @@ pub const PY311: Offsets = Offsets {
     bytes_size: 16,
     bytes_data: 32,
     tstate_holds_gil: None,
-    gc_generation_stats: Some(128), // pycore_gc.h
+    gc_generation_stats: Some(128),  // pycore_gc.h
+    interp_modules: Some(888),       // pycore_interp.h: modules
+    heaptype_cached_keys: Some(872), // cpython/object.h: PyHeapTypeObject.ht_cached_keys
+    instance_dict: InstanceDict::Managed311,
+    dict_keys: DictKeysLayout::Py311 { values_at: 0 },
+    long_tagged: false,
 };
 
 /// CPython 3.12 (checked against 3.12.1's headers).
@@ -296,7 +371,12 @@ pub const PY312: Offsets = Offsets {
     bytes_size: 16,
     bytes_data: 32,
     tstate_holds_gil: None,
-    gc_generation_stats: Some(128), // pycore_gc.h
+    gc_generation_stats: Some(128),  // pycore_gc.h
+    interp_modules: Some(944),       // pycore_interp.h: imports.modules
+    heaptype_cached_keys: Some(880), // cpython/object.h: PyHeapTypeObject.ht_cached_keys
+    instance_dict: InstanceDict::Managed312,
+    dict_keys: DictKeysLayout::Py311 { values_at: 0 },
+    long_tagged: true,
 };
 
 /// Errors found while reading or checking `_Py_DebugOffsets`.
@@ -764,6 +844,15 @@ pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, Deb
             14 => Some(120),
             _ => None,
         },
+        interp_modules: Some(within(d, "interpreter_state", "imports_modules", 8)?),
+        heaptype_cached_keys: match v.minor {
+            13 | 14 => Some(880),
+            15 => Some(888),
+            _ => None,
+        },
+        instance_dict: InstanceDict::Inline313,
+        dict_keys: DictKeysLayout::Py311 { values_at: 8 },
+        long_tagged: true,
     })
 }
 

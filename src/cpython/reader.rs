@@ -68,8 +68,13 @@ pub struct ThreadSnapshot {
     pub tid: Option<i32>,
     /// The thread id inside the target's PID namespace (differs from `tid` in containers).
     pub ns_tid: Option<i32>,
-    /// OS thread name (`/proc/PID/task/TID/comm`).
+    /// The thread's name: its Python name (`threading.Thread.name`) where it has one, else
+    /// the OS name.
     pub name: String,
+    /// OS thread name (`/proc/PID/task/TID/comm`).
+    pub os_name: String,
+    /// Python thread name (`threading.Thread.name`), where `threading` knows the thread.
+    pub python_name: Option<String>,
     pub holds_gil: bool,
     /// Whether a garbage collection is running in this thread's interpreter.
     pub gc_collecting: bool,
@@ -452,7 +457,9 @@ impl PythonProcess {
                     frames: sym.resolve(self.mem.as_ref(), &self.offsets, &t.frames),
                     tid: t.tid,
                     ns_tid: t.ns_tid,
+                    os_name: t.name.clone(),
                     name: t.name,
+                    python_name: None,
                     holds_gil: t.holds_gil,
                     gc_collecting: t.gc_collecting,
                     error: t.error,
@@ -527,6 +534,61 @@ impl PythonProcess {
             threads,
             read_errors,
         })
+    }
+}
+
+impl PythonProcess {
+    /// The thread's ident (`PyThreadState.thread_id`: `threading.get_ident()`, `pthread_self`).
+    pub fn thread_ident(&self, tstate: u64) -> Option<u64> {
+        self.read(tstate + self.offsets.tstate_thread_id)
+            .ok()
+            .filter(|&i| i != 0)
+    }
+
+    /// Python thread names by `PyThreadState` address, from the `threading` module of each
+    /// interpreter (`names` keeps what it found for the next call). Errors are counted in
+    /// `names`, never fatal: a thread without a Python name keeps its OS name.
+    pub fn python_thread_names(
+        &self,
+        names: &mut super::threading::ThreadNames,
+    ) -> HashMap<u64, String> {
+        let mut out = HashMap::new();
+        let Ok(interps) = self.interpreters() else {
+            names.errors += 1;
+            return out;
+        };
+        // The main interpreter's `threading` (subinterpreters have their own modules; their
+        // threads keep OS names).
+        let Some(&main) = interps.last() else {
+            return out;
+        };
+        let by_ident = match names.read(self.mem.as_ref(), &self.offsets, main) {
+            Ok(m) => m,
+            Err(_) => {
+                names.errors += 1;
+                return out;
+            }
+        };
+        if by_ident.is_empty() {
+            return out;
+        }
+        for t in self.thread_states(main).unwrap_or_default() {
+            if let Some(n) = self.thread_ident(t).and_then(|i| by_ident.get(&i)) {
+                out.insert(t, n.clone());
+            }
+        }
+        out
+    }
+
+    /// Give the threads of a snapshot their Python names.
+    pub fn name_threads(&self, snap: &mut Snapshot, names: &mut super::threading::ThreadNames) {
+        let by_tstate = self.python_thread_names(names);
+        for t in &mut snap.threads {
+            if let Some(n) = by_tstate.get(&t.tstate) {
+                t.python_name = Some(n.clone());
+                t.name = n.clone();
+            }
+        }
     }
 }
 

@@ -913,6 +913,7 @@ mod tests {
             tid: 8,
             name: "main".into(),
             t_ns: 0,
+            python_name: None,
         })
         .unwrap();
         let s1 = w
@@ -1107,6 +1108,7 @@ mod tests {
                 tid,
                 name: name.into(),
                 t_ns: 5,
+                python_name: None,
             })
             .unwrap();
         }

@@ -51,9 +51,21 @@ pub struct ProcessInfo {
 pub struct ThreadInfo {
     pub pid: i32,
     pub tid: i32,
+    /// OS name (`comm`).
     pub name: String,
     /// When it was first seen (ns since start).
     pub t_ns: u64,
+    /// Python name (`threading.Thread.name`), where the interpreter's `threading` module knows
+    /// the thread. Absent in older recordings and for native threads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub python_name: Option<String>,
+}
+
+impl ThreadInfo {
+    /// The name to show: the Python name where there is one, else the OS name.
+    pub fn display_name(&self) -> &str {
+        self.python_name.as_deref().unwrap_or(&self.name)
+    }
 }
 
 /// Sample flags.
@@ -299,8 +311,18 @@ impl Recording {
             .filter_map(|&f| self.frames.get(f as usize))
     }
 
-    /// Latest known name of a thread.
+    /// Latest known name of a thread: its Python name where it has one, else its OS name.
     pub fn thread_name(&self, pid: i32, tid: i32) -> &str {
+        self.threads
+            .iter()
+            .rev()
+            .find(|t| t.pid == pid && t.tid == tid)
+            .map(|t| t.display_name())
+            .unwrap_or("")
+    }
+
+    /// Latest known OS name (`comm`) of a thread.
+    pub fn os_thread_name(&self, pid: i32, tid: i32) -> &str {
         self.threads
             .iter()
             .rev()

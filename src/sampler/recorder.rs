@@ -135,16 +135,18 @@ impl<'a> Recorder<'a> {
             let tstates: Vec<(i32, u64)> = changed.iter().map(|&(tid, ts, _)| (tid, ts)).collect();
             self.source.threads_changed(t.pid, &tstates, &gone)?;
             let native = std::mem::take(&mut t.native_changes);
-            let names = changed
+            let names: Vec<(i32, String, Option<String>)> = changed
                 .into_iter()
-                .map(|(tid, _, name)| (tid, name))
-                .chain(native);
-            for (tid, name) in names {
+                .map(|(tid, _, name)| (tid, name, t.python_names.get(&tid).cloned()))
+                .chain(native.into_iter().map(|(tid, name)| (tid, name, None)))
+                .collect();
+            for (tid, name, python_name) in names {
                 self.pipe.writer.thread(&ThreadInfo {
                     pid: t.pid,
                     tid,
                     name,
                     t_ns: now,
+                    python_name,
                 })?;
             }
         }
@@ -214,12 +216,18 @@ impl<'a> Recorder<'a> {
             .and_then(|()| self.source.add_target(t));
         let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
         let native = std::mem::take(&mut t.native_changes);
-        for (tid, name) in changed.into_iter().map(|(t, _, n)| (t, n)).chain(native) {
+        let names: Vec<(i32, String, Option<String>)> = changed
+            .into_iter()
+            .map(|(tid, _, name)| (tid, name, t.python_names.get(&tid).cloned()))
+            .chain(native.into_iter().map(|(tid, name)| (tid, name, None)))
+            .collect();
+        for (tid, name, python_name) in names {
             self.pipe.writer.thread(&ThreadInfo {
                 pid,
                 tid,
                 name,
                 t_ns: now,
+                python_name,
             })?;
         }
         match setup {

@@ -7,6 +7,7 @@ use crate::bpf::abi::EsTarget;
 use crate::cpython::binary;
 use crate::cpython::offsets::FrameKind;
 use crate::cpython::symbols::{RawFrame, Symbolizer};
+use crate::cpython::threading::ThreadNames;
 use crate::cpython::{Frame, PythonProcess};
 use crate::procinfo;
 
@@ -23,7 +24,24 @@ pub struct Target {
     pub native: HashMap<i32, String>,
     /// Native threads first seen or renamed at the last `refresh_threads` (tid, name).
     pub native_changes: Vec<(i32, String)>,
+    /// Reads Python thread names (`threading`), keeping what it found.
+    pub names: ThreadNames,
+    /// host tid → Python thread name, as last read.
+    pub python_names: HashMap<i32, String>,
+    /// When the Python names were last read, and for which thread states.
+    names_read: Option<(std::time::Instant, Vec<u64>)>,
+    /// The Python names last reported in `refresh_threads`' changes.
+    written_python_names: HashMap<i32, String>,
+    /// Reads of Python names still to do at the next refreshes (a new thread was unnamed).
+    unnamed_retries: u32,
 }
+
+/// Refreshes at which Python names are read again after a new thread was found unnamed.
+const UNNAMED_RETRIES: u32 = 5;
+
+/// Python thread names are read again at least this often (renames), and whenever a thread
+/// comes or goes.
+pub const PYTHON_NAMES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Target {
     pub fn new(proc: PythonProcess) -> Self {
@@ -36,7 +54,37 @@ impl Target {
             sym: Symbolizer::new(),
             native: HashMap::new(),
             native_changes: Vec::new(),
+            names: ThreadNames::default(),
+            python_names: HashMap::new(),
+            names_read: None,
+            written_python_names: HashMap::new(),
+            unnamed_retries: 0,
         }
+    }
+
+    /// Python names by thread state of these thread states (sorted), read again when the set
+    /// changed or [`PYTHON_NAMES_EVERY`] has passed, else as last read.
+    pub fn python_names_by_tstate(&mut self, tstates: &[u64]) -> Option<HashMap<u64, String>> {
+        let fresh = self
+            .names_read
+            .as_ref()
+            .is_some_and(|(at, ts)| ts == tstates && at.elapsed() < PYTHON_NAMES_EVERY);
+        if fresh && self.unnamed_retries == 0 {
+            return None;
+        }
+        let new_threads = self
+            .names_read
+            .as_ref()
+            .is_none_or(|(_, ts)| tstates.iter().any(|t| ts.binary_search(t).is_err()));
+        self.unnamed_retries = self.unnamed_retries.saturating_sub(1);
+        self.names_read = Some((std::time::Instant::now(), tstates.to_vec()));
+        let names = self.proc.python_thread_names(&mut self.names);
+        // A thread is in `PyThreadState`'s list a moment before `threading` registers it:
+        // while one is unnamed after threads came, read again at the next few refreshes.
+        if new_threads && tstates.iter().any(|t| !names.contains_key(t)) {
+            self.unnamed_retries = UNNAMED_RETRIES;
+        }
+        Some(names)
     }
 
     /// The per-process configuration the BPF programs need. `flags` are `abi::TARGET_*`.
@@ -120,18 +168,61 @@ impl Target {
                 }
             }
         }
+        let mut tstates: Vec<u64> = seen.values().copied().collect();
+        tstates.sort_unstable();
+        if let Some(by_tstate) = self.python_names_by_tstate(&tstates) {
+            let mut py = HashMap::new();
+            for (&tid, tstate) in &seen {
+                if let Some(n) = by_tstate.get(tstate) {
+                    py.insert(tid, n.clone());
+                }
+            }
+            // A thread keeps its last Python name when it leaves `threading`'s registry
+            // while it still runs (`_active` is emptied at interpreter shutdown, and a thread
+            // leaves it just before it ends) or a read fails.
+            for (tid, n) in std::mem::take(&mut self.python_names) {
+                if seen.contains_key(&tid) && !py.contains_key(&tid) {
+                    py.insert(tid, n);
+                }
+            }
+            self.python_names = py;
+        }
         let mut changed = Vec::new();
         for (&tid, &tstate) in &seen {
-            let name = comm.get(&tid).copied().unwrap_or("").to_string();
             let entry = self.threads.get(&tid);
-            if entry.is_none_or(|(ts, n)| *ts != tstate || *n != name) {
+            // An ending thread's `comm` may read empty: it keeps its name.
+            let name = match (comm.get(&tid).copied().unwrap_or(""), entry) {
+                ("", Some((_, n))) => n.clone(),
+                (c, _) => c.to_string(),
+            };
+            let py = self.python_names.get(&tid);
+            if entry.is_none_or(|(ts, n)| *ts != tstate || *n != name)
+                || self.written_python_names.get(&tid) != py
+            {
                 changed.push((tid, tstate, name.clone()));
                 self.threads.insert(tid, (tstate, name));
+                match py {
+                    Some(n) => self.written_python_names.insert(tid, n.clone()),
+                    None => self.written_python_names.remove(&tid),
+                };
             }
         }
+        self.written_python_names
+            .retain(|tid, _| seen.contains_key(tid));
         self.native_changes.clear();
         for t in &tasks {
             if seen.contains_key(&t.host_tid) {
+                continue;
+            }
+            // A Python thread whose thread state is gone (interpreter shutdown, a thread
+            // ending) is the same thread: no new record unless its OS name changed (an ending
+            // thread's `comm` may read empty), so its Python name stays the last one written.
+            if self
+                .threads
+                .get(&t.host_tid)
+                .is_some_and(|(_, n)| *n == t.comm || t.comm.is_empty())
+            {
+                self.native.insert(t.host_tid, t.comm.clone());
                 continue;
             }
             if self.native.get(&t.host_tid) != Some(&t.comm) && self.native.len() < 65_536 {

@@ -355,7 +355,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     // Names: the latest thread record of each thread wins.
     let mut names: HashMap<ThreadKey, &str> = HashMap::new();
     for t in &rec.threads {
-        names.insert((t.pid, t.tid), t.name.as_str());
+        names.insert((t.pid, t.tid), t.display_name());
     }
     let mut threads: BTreeSet<ThreadKey> = names.keys().copied().collect();
     threads.extend(w.totals.threads.keys().copied());

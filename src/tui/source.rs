@@ -253,6 +253,7 @@ mod tests {
             tid: 2,
             name: "late".into(),
             t_ns: 5_000,
+            python_name: None,
         });
         for t in [1_000u64, 3_000, 2_000, 9_000] {
             r.samples.push(Sample {

@@ -38,6 +38,7 @@ impl Rec {
             tid,
             name: name.into(),
             t_ns: 0,
+            python_name: None,
         });
         self
     }

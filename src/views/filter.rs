@@ -276,6 +276,7 @@ mod tests {
                 tid,
                 name: name.into(),
                 t_ns: 0,
+                python_name: None,
             });
         }
         r.samples.push(Sample {

@@ -341,6 +341,7 @@ mod tests {
             tid: 2,
             name: "main".into(),
             t_ns: 0,
+            python_name: None,
         });
         r.frames = vec![
             Frame {

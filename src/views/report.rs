@@ -218,7 +218,11 @@ pub struct Totals {
 pub struct ThreadRow {
     pub pid: i32,
     pub tid: i32,
+    /// The Python name (`threading.Thread.name`) where the thread has one, else `os_name`.
     pub name: String,
+    /// The OS name (`comm`).
+    #[serde(default)]
+    pub os_name: String,
     /// On-CPU time: sum of sample weights, s.
     pub cpu_s: f64,
     pub samples: u64,
@@ -663,6 +667,7 @@ impl Report {
                         pid,
                         tid,
                         name: rec.thread_name(pid, tid).to_string(),
+                        os_name: rec.os_thread_name(pid, tid).to_string(),
                         cpu_s: secs(t.cpu),
                         samples: t.samples,
                         python_s: secs(t.cpu - t.native),

@@ -1,7 +1,9 @@
 //! API-server event-loop stalls and serialization cost.
 //!
 //! In a vLLM API server (a process with role `api_server`, or an engine's `api_server_pid`)
-//! the asyncio event loop runs on the main thread (tid = pid). While the loop runs one
+//! the asyncio event loop runs on the main thread (tid = pid); in any other process, on each
+//! thread seen running one ([`loop_threads`]: a plain asyncio server recorded with `--pid`,
+//! SGLang, a custom front-end, a vLLM API server recorded by PID). While the loop runs one
 //! callback it serves nothing else, so a long stretch of the main thread in Python code is a
 //! stall: every request waits. A stall is a run of the main thread's samples
 //! - in Python code that is not the loop's own (a stack with a Python frame whose innermost
@@ -18,21 +20,27 @@
 //!   (runnable but switched out: the loop still is not serving) or blocked inside a callback:
 //!   within two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU
 //!   intervals for the thread (memory backend, `--no-offcpu`), where a gap is the only sign of
-//!   a wait; within [`EXACT_MAX_GAP_NS`] with them (BPF backend), where time between two samples that
-//!   the thread did not spend off CPU it spent on CPU, in the callback, so the limit only
-//!   guards against lost events. (On CPU without a sample is common: a thread that runs in
-//!   short slices between preemptions is sampled at random points of its CPU time, so the CPU
-//!   time between two samples is about exponential with a mean of one period and exceeds two
-//!   periods in ~13% of gaps; and a virtual CPU that the host deschedules takes no samples,
-//!   seen here for up to 25 ms. A limit of two periods split every long stall of a contended
-//!   API server into pieces shorter than the threshold.)
+//!   a wait. With them (BPF backend) time between two samples that the thread did not spend
+//!   off CPU it spent on CPU, in the callback, however long: no gap ends a run, unless the
+//!   recording lost events (`bpf_ringbuf_full_lost`), when a switch into the idle wait may be
+//!   missing and a gap of more than [`EXACT_MAX_GAP_NS`] does. (On CPU without a sample is
+//!   common: a thread that runs in short slices between preemptions is sampled at random
+//!   points of its CPU time, so the CPU time between two samples is about exponential with a
+//!   mean of one period and exceeds two periods in ~13% of gaps; and a virtual CPU that the
+//!   host deschedules takes no samples while the thread on it still runs as far as the guest
+//!   knows: 25-60 ms without a sample, no switch and other threads sampled meanwhile on the
+//!   other CPU, seen in most runs here, and once 100.5 ms, which a fixed 100 ms limit took for
+//!   the end of a stall, splitting one 919.5 ms stall into 609 + 210 ms. A limit of two
+//!   periods split every long stall of a contended API server into pieces shorter than the
+//!   threshold.)
 //!
 //! lasting longer than the threshold (`--stall-ms`). Its duration runs from the first
 //! sample's time to the last sample's time plus its period; with exact off-CPU intervals, from
-//! the thread's wake-up after the idle wait before the first sample to its switch into the
-//! idle wait after the last one, each where it lies within [`EXACT_MAX_GAP_NS`] of that sample
-//! (less time off CPU without going idle): the CPU time at a stall's ends goes unsampled as
-//! well (seen for 90 ms).
+//! the thread's wake-up after the idle wait before the first sample (or, where it then waited
+//! for the GIL in the poll, from when it took the GIL back) to its switch into the idle wait
+//! after the last one, each where it lies within [`EXACT_MAX_GAP_NS`] of that sample (less
+//! time off CPU without going idle): the CPU time at a stall's ends goes unsampled as well
+//! (seen for 90 ms), but so may time in the poll after the callback (119 ms seen).
 //!
 //! Serialization: samples with a frame in JSON/pickle/msgpack/pydantic encoding or decoding
 //! anywhere on the stack ([`is_serialization_frame`]), as a share of the API server's CPU.
@@ -51,10 +59,13 @@ pub const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
 /// Without exact off-CPU intervals: the most sampling periods between two samples of a run
 /// (less time preempted or waiting for the GIL).
 pub const GAP_PERIODS: u64 = 2;
-/// With exact off-CPU intervals (BPF backend): the most time between two samples of a run
-/// (less time preempted or waiting for the GIL; at least [`GAP_PERIODS`] periods), a guard
-/// against lost events only.
+/// With exact off-CPU intervals (BPF backend) in a recording that lost events: the most time
+/// between two samples of a run (less time preempted or waiting for the GIL; at least
+/// [`GAP_PERIODS`] periods), a guard against a lost switch into the idle wait. Without lost
+/// events there is no limit.
 pub const EXACT_MAX_GAP_NS: u64 = 100_000_000;
+/// The recording's counter of events the kernel could not hand over (ring buffer full).
+const LOST_EVENTS_COUNTER: &str = "bpf_ringbuf_full_lost";
 /// Frames kept of a stall's dominant stack.
 pub const STACK_FRAMES: usize = 20;
 /// Serializing functions listed per API server.
@@ -215,6 +226,43 @@ fn is_idle_stack(rec: &Recording, stack: u32) -> bool {
     }
 }
 
+/// Files and functions of an asyncio event loop's own run: a thread with one on its stack runs
+/// a loop (`BaseEventLoop.run_forever`/`_run_once`; uvloop's `run`, whose dispatch is compiled).
+const LOOP_RUN_FRAMES: &[(&str, &str)] = &[
+    ("asyncio/base_events.py", "run_forever"),
+    ("asyncio/base_events.py", "_run_once"),
+    ("uvloop/__init__.py", "run"),
+];
+
+/// `(pid, tid)` of the selected threads seen running an asyncio event loop (any sample or
+/// off-CPU interval with a frame of [`LOOP_RUN_FRAMES`]).
+pub fn loop_threads(rec: &Recording, sel: &Selection) -> std::collections::BTreeSet<(i32, i32)> {
+    let mut of_stack: HashMap<u32, bool> = HashMap::new();
+    let mut is_loop = |stack: u32| {
+        *of_stack.entry(stack).or_insert_with(|| {
+            rec.stack_frames(stack).any(|f| {
+                let file = f.file.replace('\\', "/");
+                let last = f.function.rsplit('.').next().unwrap_or(&f.function);
+                LOOP_RUN_FRAMES
+                    .iter()
+                    .any(|(fl, func)| file.ends_with(fl) && last == *func)
+            })
+        })
+    };
+    let mut out = std::collections::BTreeSet::new();
+    for s in sel.samples(rec) {
+        if !out.contains(&(s.pid, s.tid)) && is_loop(s.stack) {
+            out.insert((s.pid, s.tid));
+        }
+    }
+    for o in sel.offcpu(rec) {
+        if !out.contains(&(o.pid, o.tid)) && is_loop(o.stack) {
+            out.insert((o.pid, o.tid));
+        }
+    }
+    out
+}
+
 /// Why the loop's thread was off CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Off {
@@ -222,8 +270,12 @@ enum Off {
     Blocked,
     /// Runnable but switched out.
     Preempted,
-    /// Blocked waiting for the GIL.
+    /// Blocked waiting for the GIL inside a callback.
     Gil,
+    /// Blocked waiting for the GIL in the loop's own poll (the poll returned and must take the
+    /// GIL back): between two callbacks it is part of the stall, but right after the idle
+    /// wait the loop has not begun a callback yet, so a stall begins after it.
+    PollGil,
     /// Blocked elsewhere in Python code (a page fault, a lock, a blocking call in a
     /// callback): the callback is still running.
     InCallback,
@@ -231,7 +283,7 @@ enum Off {
 
 /// One thread's off-CPU intervals as `(start, dur, why)`, sorted: [`Off::Gil`] when at least
 /// half of a blocked interval lies in the thread's GIL waits (`gil`: `(start, dur)`, any order,
-/// may overlap), [`Off::InCallback`] when it blocked for at most [`MAX_CALLBACK_BLOCK_NS`] in
+/// may overlap; [`Off::PollGil`] where it blocked in the loop's own code), [`Off::InCallback`] when it blocked for at most [`MAX_CALLBACK_BLOCK_NS`] in
 /// Python code that is not the loop's (`idle_stack` false for its stack), [`Off::Blocked`]
 /// otherwise. Only the last is the loop
 /// going idle: a preempted thread, one waiting for the GIL and one blocked inside a callback
@@ -265,7 +317,11 @@ fn classify_offcpu(
                 .map(|u| u.1.min(b).saturating_sub(u.0.max(a)))
                 .sum();
             let why = if o.dur_ns > 0 && 2 * in_gil >= o.dur_ns {
-                Off::Gil
+                if idle_stack(o.stack) {
+                    Off::PollGil
+                } else {
+                    Off::Gil
+                }
             } else if o.dur_ns > MAX_CALLBACK_BLOCK_NS || idle_stack(o.stack) {
                 Off::Blocked
             } else {
@@ -298,7 +354,8 @@ fn forgiven(off: &[(u64, u64, Off)], from: u64, to: u64) -> u64 {
 
 /// With exact off-CPU intervals: a run of samples from `first` to `last` (`prev` and `next`
 /// the thread's samples around it) began when the thread woke from the last idle wait
-/// ([`Off::Blocked`]) that ended in `(prev, first]`, and ended when it went into the first
+/// ([`Off::Blocked`]), or took the GIL back in the poll after it ([`Off::PollGil`]), that
+/// ended in `(prev, first]`, and ended when it went into the first
 /// one that began in `[last, next)`, each if the time between it and the sample, less time
 /// off CPU without going idle, is at most `max_gap_ns`. `None` where there is no such wait.
 fn extent(
@@ -316,7 +373,7 @@ fn extent(
         .rev()
         .map(|o| (o.0.saturating_add(o.1), o.2))
         .take_while(|&(e, _)| e > prev)
-        .find(|&(e, why)| why == Off::Blocked && e <= first)
+        .find(|&(e, why)| (why == Off::Blocked || why == Off::PollGil) && e <= first)
         .map(|(e, _)| e)
         .filter(|&e| first - e - forgiven(off, e, first).min(first - e) <= max_gap_ns);
     let after = off.partition_point(|o| o.0 < last);
@@ -406,10 +463,27 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             .entry(stack)
             .or_insert_with(|| rec.stack_frames(stack).find(|f| is_serialization_frame(f)))
     };
-    for pid in sel.pids().into_iter().filter(|&p| is_api_server(rec, p)) {
+    // The loop threads: an API server's main thread, and any thread seen running an asyncio
+    // event loop (a plain asyncio server, SGLang, a custom front-end, a vLLM API server
+    // recorded by PID).
+    let looping = loop_threads(rec, sel);
+    let mut loops: Vec<(i32, i32)> = sel
+        .pids()
+        .into_iter()
+        .filter(|&p| is_api_server(rec, p))
+        .map(|p| (p, p))
+        .collect();
+    loops.extend(
+        looping
+            .iter()
+            .filter(|&&(p, t)| !(is_api_server(rec, p) && t == p)),
+    );
+    loops.sort_unstable();
+    loops.dedup();
+    for (pid, tid) in loops {
         let mut row = ApiServerRow {
             pid,
-            main_tid: pid,
+            main_tid: tid,
             ..Default::default()
         };
         let (mut cpu, mut main_cpu, mut ser_ns) = (0u64, 0u64, 0u64);
@@ -424,7 +498,7 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                     .entry((f.function.as_str(), f.file.as_str()))
                     .or_default() += w;
             }
-            if s.tid == pid {
+            if s.tid == tid {
                 main_cpu += w;
                 main.push(s);
             }
@@ -449,15 +523,15 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             })
             .collect();
 
-        if sel.contains(pid, pid) {
+        if sel.contains(pid, tid) {
             main.sort_by_key(|s| s.t_ns);
             let off_raw: Vec<&OffCpu> = sel
                 .offcpu(rec)
-                .filter(|o| o.pid == pid && o.tid == pid)
+                .filter(|o| o.pid == pid && o.tid == tid)
                 .collect();
             let gil: Vec<(u64, u64)> = sel
                 .gil_waits(rec)
-                .filter(|g| g.pid == pid && g.tid == pid)
+                .filter(|g| g.pid == pid && g.tid == tid)
                 .map(|g| (g.start_ns, g.dur_ns))
                 .collect();
             let mut idle_of: HashMap<u32, bool> = HashMap::new();
@@ -468,11 +542,16 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             };
             let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
             let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
-            // Exact off-CPU intervals: the BPF backend traced this thread's switches.
-            let max_gap_ns = if rec.meta.backend == "bpf" && !off.is_empty() {
+            // Exact off-CPU intervals: the BPF backend traced this thread's switches. Every
+            // switch is there unless events were lost: then on-CPU time between two samples is
+            // the callback's, however long (a descheduled virtual CPU takes no samples).
+            let exact = rec.meta.backend == "bpf" && !off.is_empty();
+            let max_gap_ns = if !exact {
+                0
+            } else if rec.counters.get(LOST_EVENTS_COUNTER).copied().unwrap_or(0) > 0 {
                 EXACT_MAX_GAP_NS
             } else {
-                0
+                u64::MAX
             };
             for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
                 let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
@@ -480,13 +559,17 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                 };
                 let (a, z) = (main[first], main[last]);
                 let (mut begin, mut end) = (a.t_ns, z.t_ns + u64::from(z.weight_ns).max(1));
-                if max_gap_ns > 0 {
+                if exact {
                     // Exact switches: from the wake-up after the idle wait before it to the
                     // switch into the idle wait after it, if near enough (time on CPU there
-                    // went unsampled: a descheduled virtual CPU, seen for 90 ms).
+                    // went unsampled: a descheduled virtual CPU, seen for 90 ms). Unlike
+                    // between two samples of the run, where the callback runs on both sides,
+                    // an unsampled stretch at an end may have been spent in the loop's own
+                    // poll (the callback over, the virtual CPU descheduled before the thread
+                    // blocked: 119 ms seen after a 1 ms heartbeat), so these keep the limit.
                     let prev = first.checked_sub(1).map_or(0, |i| main[i].t_ns);
                     let next = main.get(last + 1).map_or(u64::MAX, |s| s.t_ns);
-                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, max_gap_ns);
+                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, EXACT_MAX_GAP_NS);
                     begin = b.unwrap_or(begin);
                     end = e.unwrap_or(end);
                 }
@@ -522,12 +605,12 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                 };
                 out.stalls.push(Stall {
                     pid,
-                    tid: pid,
+                    tid,
                     start_s: secs(begin),
                     duration_ms: dur as f64 / 1e6,
                     samples: n,
                     cpu_ms: w as f64 / 1e6,
-                    gil_wait_ms: inside(Off::Gil) as f64 / 1e6,
+                    gil_wait_ms: (inside(Off::Gil) + inside(Off::PollGil)) as f64 / 1e6,
                     blocked_ms: inside(Off::InCallback) as f64 / 1e6,
                     serialization_share: ser_n as f64 / n as f64,
                     dominant_stack: rec
@@ -706,15 +789,29 @@ mod tests {
             (407, 3),
             (495, 10),
         ];
-        let c = classify_offcpu(&refs, &gil, &mut all_idle);
+        // In a callback's code (no stack is the loop's), GIL waits are Gil; in the loop's
+        // poll, PollGil.
+        let c = classify_offcpu(&refs, &gil, &mut |_| false);
         assert_eq!(
             c,
             vec![
                 (0, 10, Off::Preempted),
                 (100, 10, Off::Gil),
+                (200, 10, Off::InCallback),
+                (300, 10, Off::InCallback),
+                (400, 10, Off::Gil),
+                (500, 0, Off::InCallback),
+            ]
+        );
+        let c = classify_offcpu(&refs, &gil, &mut all_idle);
+        assert_eq!(
+            c,
+            vec![
+                (0, 10, Off::Preempted),
+                (100, 10, Off::PollGil),
                 (200, 10, Off::Blocked),
                 (300, 10, Off::Blocked),
-                (400, 10, Off::Gil),
+                (400, 10, Off::PollGil),
                 (500, 0, Off::Blocked),
             ]
         );
@@ -873,8 +970,9 @@ mod tests {
             .map(|s| (s.start_s, s.duration_ms))
             .collect();
         assert_eq!(d, [(1.01, 190.0)]);
-        // Samples from 1.120 to 1.189: the wake-up at 1.000 is 100 ms away once the 20 ms
-        // preempted are taken off (theirs), the switch at 1.300 111 ms (not theirs).
+        // Samples from 1.110 to 1.189 only: the wake-up at 1.000 is 100 ms away once the 20 ms
+        // preempted are taken off (theirs), the switch at 1.300 111 ms (not theirs: the
+        // callback may have ended long before, the virtual CPU descheduled in the poll).
         let mut rec = contended_stall("bpf");
         rec.samples
             .retain(|s| s.t_ns >= 1110 * ms && s.t_ns < 1190 * ms);
@@ -885,6 +983,69 @@ mod tests {
             .map(|s| (s.start_s, s.duration_ms))
             .collect();
         assert_eq!(d, [(1.0, 190.0)]);
+    }
+
+    #[test]
+    fn gil_wait_in_the_poll_before_a_callback_is_not_the_stall() {
+        // Woken from the idle wait at 0.950, the loop waits 50 ms for the GIL in the poll,
+        // then the callback runs from 1.000: the stall begins at 1.000.
+        use crate::record::GilWait;
+        let ms = 1_000_000u64;
+        let mut rec = contended_stall("bpf");
+        let idle_before = rec
+            .offcpu
+            .iter_mut()
+            .find(|o| o.start_ns == 950 * ms)
+            .unwrap();
+        idle_before.dur_ns = 0;
+        rec.offcpu.push(OffCpu {
+            pid: 7,
+            tid: 7,
+            start_ns: 950 * ms,
+            dur_ns: 50 * ms,
+            stack: 2,
+            preempted: false,
+        });
+        rec.gil_waits.push(GilWait {
+            pid: 7,
+            tid: 7,
+            start_ns: 950 * ms,
+            dur_ns: 50 * ms,
+            holder_tid: 8,
+            holder_stack: 0,
+            waiter_stack: 2,
+            switch_wait: false,
+        });
+        let st = api_server_stalls(&rec, &Selection::all(&rec), 100_000_000);
+        let d: Vec<(f64, f64, f64)> = st
+            .stalls
+            .iter()
+            .map(|s| (s.start_s, s.duration_ms, s.gil_wait_ms))
+            .collect();
+        assert_eq!(d, [(1.0, 300.0, 5.0)]);
+    }
+
+    #[test]
+    fn descheduled_cpu_does_not_split_a_stall() {
+        // 135 ms of the callback on CPU without a sample and without a switch (the host
+        // descheduled the virtual CPU): with every switch recorded, still one stall.
+        let ms = 1_000_000u64;
+        let mut rec = contended_stall("bpf");
+        rec.samples
+            .retain(|s| !(1155 * ms..1290 * ms).contains(&s.t_ns));
+        let stalls = |rec: &Recording| -> Vec<(f64, f64)> {
+            api_server_stalls(rec, &Selection::all(rec), 100_000_000)
+                .stalls
+                .iter()
+                .map(|s| (s.start_s, s.duration_ms))
+                .collect()
+        };
+        assert_eq!(stalls(&rec), [(1.0, 300.0)]);
+        // Events lost: the gap may hide a switch into the idle wait, so more than
+        // EXACT_MAX_GAP_NS ends the run: at the last sample before the GIL wait (the 10 ms
+        // after the gap are under the threshold).
+        rec.counters.insert(LOST_EVENTS_COUNTER.into(), 3);
+        assert_eq!(stalls(&rec), [(1.0, 150.0)]);
     }
 
     #[test]

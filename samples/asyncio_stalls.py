@@ -1,0 +1,142 @@
+"""Ground truth for event-loop stalls in a plain asyncio server (no vLLM, no role): tasks that
+stall the loop with `json.dumps` of large responses, timed by the loop itself.
+
+Usage: asyncio_stalls.py --truth PATH [--requests N] [--go-fifo PATH] [--seed S]
+
+The main thread runs an asyncio loop. After GO, `main` answers --requests requests one at a
+time, 0.2-0.4 s apart (idle in between, so no two stalls run into each other however slow the
+machine): each a task named `handler-N` (asyncio task names) whose coroutine
+`handle_request` awaits `render_response`, which runs `json.dumps` of a response sized to take
+150-400 ms of CPU (calibrated at start): a stall of the loop. The loop's selector reads the
+clock around every wait (`TimedSelector`), so each stall's start and length are exact; a busy
+stretch the loop did not leave for a wait of at least 1 ms is one stall.
+
+Truth JSON: {"pid", "python", "window": {"start_mono_ns", "end_mono_ns"},
+  "stalls": [{"start_mono_ns", "dur_ns", "task", "coro"}]}  (busy stretches >= 20 ms inside the
+  window; `task` is the name of the handler task that rendered in it, "" if none).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import selectors
+import sys
+import time
+
+mono = time.monotonic_ns
+tcpu = time.thread_time_ns
+
+MERGE_IDLE_NS = 1_000_000
+RECORD_NS = 20_000_000
+
+
+class TimedSelector(selectors.EpollSelector):
+    def __init__(self, on_wait):
+        super().__init__()
+        self._on_wait = on_wait
+
+    def select(self, timeout=None):
+        t0 = mono()
+        try:
+            return super().select(timeout)
+        finally:
+            self._on_wait(t0, mono(), timeout)
+
+
+class Monitor:
+    def __init__(self):
+        self.last_end = None
+        self.cur = None
+        self.stretches = []
+        self.current_task = ""
+        self.tasks_in = []  # task names that rendered in the current stretch
+
+    def on_wait(self, t0, t1, timeout):
+        if self.last_end is not None:
+            if self.cur is None:
+                self.cur = self.last_end
+            if (timeout is None or timeout > 0) and t1 - t0 >= MERGE_IDLE_NS:
+                if t0 - self.cur >= RECORD_NS:
+                    self.stretches.append((self.cur, t0, list(self.tasks_in)))
+                self.cur = None
+                self.tasks_in = []
+        self.last_end = t1
+
+
+_rng = random.Random(7)
+ROW_POOL = [[_rng.randrange(1000) for _ in range(8)] for _ in range(4096)]
+
+
+def payload(n):
+    """A response of `n` rows (drawn from a pool: building it is cheap next to its JSON)."""
+    return {"id": n, "rows": [ROW_POOL[(n * 7919 + i) % 4096] for i in range(n)]}
+
+
+def calibrate():
+    """Rows per ms of CPU for building and rendering a response (the fastest of three)."""
+    n = 50000
+    best = None
+    for _ in range(3):
+        c0 = tcpu()
+        json.dumps(payload(n))
+        c = tcpu() - c0
+        best = c if best is None else min(best, c)
+    return n / max(best / 1e6, 0.01)
+
+
+async def render_response(mon, name, rows):
+    body = json.dumps(payload(rows))
+    mon.tasks_in.append(name)
+    return len(body)
+
+
+async def handle_request(mon, name, rows):
+    return await render_response(mon, name, rows)
+
+
+async def main(args, mon):
+    loop = asyncio.get_running_loop()
+    rng = random.Random(args.seed)
+    per_ms = calibrate()
+    print("READY", flush=True)
+    if args.go_fifo:
+        await loop.run_in_executor(None, lambda: open(args.go_fifo).readline())
+    start = mono()
+    for n in range(args.requests):
+        # Idle between requests (the previous one answered first), so no two stalls run into
+        # each other however slow the machine is.
+        await asyncio.sleep(rng.uniform(0.2, 0.4))
+        name = "handler-%d" % n
+        rows = int(per_ms * rng.uniform(150, 400))
+        await asyncio.create_task(handle_request(mon, name, rows), name=name)
+    await asyncio.sleep(0.05)
+    return start, mono()
+
+
+def run():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--truth", required=True)
+    ap.add_argument("--requests", type=int, default=10,
+                    help="requests answered in the window (each one stall)")
+    ap.add_argument("--go-fifo")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    mon = Monitor()
+    loop = asyncio.SelectorEventLoop(TimedSelector(mon.on_wait))
+    start, end = loop.run_until_complete(main(args, mon))
+    loop.close()
+    stalls = [{"start_mono_ns": a, "dur_ns": b - a, "task": t[0] if t else "",
+               "coro": "handle_request"}
+              for a, b, t in mon.stretches if start <= a and b <= end]
+    doc = {"pid": os.getpid(), "python": sys.version,
+           "window": {"start_mono_ns": start, "end_mono_ns": end}, "stalls": stalls}
+    tmp = args.truth + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, args.truth)
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    run()
