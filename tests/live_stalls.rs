@@ -22,7 +22,7 @@
 //!   EngineCore, whose CPU the truth gives as an upper bound, allowed on top).
 //!
 //! The truth's own consistency is checked too: the heartbeat timer was kept waiting for all of
-//! each long stall but 5 ms and one 10 ms period per heartbeat that ran in it. Engines run one
+//! each long stall but 15 ms, one 10 ms period per heartbeat that ran in it and 1% (vCPU pauses). Engines run one
 //! at a time. Cost: ~20 s per interpreter on a quiet machine (engine start and calibration
 //! ~5 s, a ~10 s window, report; debug build), longer on a loaded one. `ES_KEEP_STALLS=1`
 //! keeps each run's directory (recording `run.esrec`, truth files) and prints where.
@@ -401,7 +401,10 @@ fn check(label: &str) {
         // The truth agrees with itself: the heartbeat timer was kept waiting for all of the
         // stall but up to one 10 ms period per heartbeat that ran in it (one may run inside a
         // stall when the loop polls between two callbacks without going idle; the next is due
-        // 10 ms later), and 5 ms.
+        // 10 ms later), one period at the start (the heartbeat that ran just before the stall
+        // leaves the next one due up to 10 ms into it), 5 ms, and 1% of the stall: a vCPU
+        // descheduled between the loop reading its clock and running the callback moves the
+        // truth's edges (2116 of 2135 ms covered was seen at load average 20).
         let (a, b) = (t.start, t.start + t.dur);
         let ran = late.iter().filter(|&&(_, y)| y > a && y <= b).count() as u64;
         let mut covered: Vec<(u64, u64)> = late
@@ -419,7 +422,7 @@ fn check(label: &str) {
             }
         }
         assert!(
-            sum + 5_000_000 + ran * 10_000_000 >= t.dur,
+            sum + 15_000_000 + ran * 10_000_000 + t.dur / 100 >= t.dur,
             "{label}: heartbeats kept waiting {} ns of a {} ns stall ({ran} ran in it)",
             sum,
             t.dur
