@@ -144,15 +144,23 @@ fn check_slow(rec: &Recording, tdir: &Path) {
         (&worker, "AuxOutputStore._evict_to_fit"),
     ] {
         let pid = t["pid"].as_i64().unwrap() as i32;
-        let mut tc: Vec<(u64, u64)> = t["functions"][function]["list"]
+        // (start, wall, thread CPU) of each call, timed by the caller.
+        let mut tc: Vec<(u64, u64, u64)> = t["functions"][function]["list"]
             .as_array()
             .unwrap()
             .iter()
-            .map(|r| (r[0].as_u64().unwrap(), r[1].as_u64().unwrap()))
+            .map(|r| {
+                (
+                    r[0].as_u64().unwrap(),
+                    r[1].as_u64().unwrap(),
+                    r[2].as_u64().unwrap(),
+                )
+            })
             .collect();
         tc.sort();
-        let e0 = quiet_edge(&tc, w0 + 500_000_000);
-        let e1 = quiet_edge(&tc, w1 - 500_000_000);
+        let starts: Vec<(u64, u64)> = tc.iter().map(|c| (c.0, c.1)).collect();
+        let e0 = quiet_edge(&starts, w0 + 500_000_000);
+        let e1 = quiet_edge(&starts, w1 - 500_000_000);
         let probes: Vec<_> = rec
             .probes
             .iter()
@@ -178,26 +186,35 @@ fn check_slow(rec: &Recording, tdir: &Path) {
             .filter(|c| c.0 >= e0 && c.0 < e1)
             .map(|c| c.1)
             .collect();
+        let their_cpu: Vec<u64> = tc
+            .iter()
+            .filter(|c| c.0 >= e0 && c.0 < e1)
+            .map(|c| c.2)
+            .collect();
         let (n_ours, n_theirs) = (ours.len(), theirs.len());
-        let (m, t50) = (p50(ours), p50(theirs));
+        let (m, t50, c50) = (p50(ours), p50(theirs), p50(their_cpu));
         eprintln!(
             "{function}: calls {n_ours} vs engine's {n_theirs}; p50 {:.3} ms vs {:.3} ms",
             m / 1e6,
             t50 / 1e6
         );
         assert_eq!(n_ours, n_theirs, "{function}: every call counted");
-        if t50 >= 2e6 {
+        if function != "MessageQueue.enqueue" {
             assert!(
                 (m - t50).abs() <= 0.10 * t50 + 2.0 * trap,
                 "{function}: p50 {m} vs {t50} (trap {trap})"
             );
         } else {
-            // A sub-millisecond call: the engine's clock reads around it also hold the two
-            // traps and any GIL hand-off between the return and the caller's clock read, so
-            // only bound it (in-body timing, tests/live_probes.rs, checks ±10%).
+            // A short call the engine times from the caller: the clock reads around it also
+            // hold the two traps and any GIL hand-off between the return and the caller's clock
+            // read (the eval breaker is checked at the next call; 1.0 ms in the body was 2.1 ms
+            // caller-side under load), so the caller's wall time is only an upper bound. Its
+            // thread-CPU time is a lower bound: a call's wall time is at least its CPU time
+            // (less the traps, which are on this thread's CPU). In-body timing,
+            // tests/live_probes.rs, checks ±10%.
             assert!(
-                m <= t50 * 1.10 && m >= t50 * 0.6 - 2.0 * trap,
-                "{function}: p50 {m} vs {t50} (trap {trap})"
+                m <= t50 * 1.10 && m >= c50 * 0.9 - 2.0 * trap,
+                "{function}: p50 {m} vs caller-side wall {t50}, CPU {c50} (trap {trap})"
             );
         }
     }
