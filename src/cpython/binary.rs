@@ -164,7 +164,7 @@ pub fn inspect_elf<'data, R: object::ReadRef<'data>>(data: R) -> Option<ElfFacts
     let first_load = file.segments().map(|s| s.address()).min().unwrap_or(0);
     let bss = file
         .section_by_name(".bss")
-        .map(|s| (s.address(), s.address() + s.size()));
+        .map(|s| (s.address(), s.address().saturating_add(s.size())));
     let build_id = file
         .build_id()
         .ok()
