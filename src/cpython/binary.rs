@@ -258,6 +258,16 @@ fn exe_path(pid: i32) -> Option<String> {
 mod tests {
     use super::*;
 
+    /// Found by the `elf` fuzz target (issue 15): a `.bss` section whose address plus size
+    /// passes 2^64 overflowed computing its end. The input is the fuzzer's, kept as it was.
+    #[test]
+    fn bss_at_the_top_of_the_address_space() {
+        let data = include_bytes!("testdata/fuzz-elf-bss-overflow");
+        let facts = inspect_elf(&data[..]).expect("still holds _PyRuntime");
+        let (start, end) = facts.bss.expect(".bss");
+        assert!(end >= start);
+    }
+
     #[test]
     fn maps_parse() {
         let m = parse_maps(
