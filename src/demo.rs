@@ -70,6 +70,9 @@ pub struct DemoOptions {
     /// Run the live dashboard when stdout is a terminal.
     pub tui: bool,
     pub rate_hz: u32,
+    /// Stops the recording early (`main` stops it on SIGINT/SIGTERM); the demo stops it
+    /// itself when the engine's run ends.
+    pub stop: crate::sys::StopToken,
     /// With `fixed`: the slow run's recording to diff against; default
     /// `enginescope-demo/demo.esrec` next to the output directory.
     pub baseline: Option<PathBuf>,
@@ -256,6 +259,7 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         probes: DEMO_PROBES.iter().map(|s| s.to_string()).collect(),
         scrape_interval: Duration::from_millis(500),
         quiet: live,
+        stop: opts.stop.clone(),
         ..RecordOptions::new(Vec::new(), rec_path.clone())
     };
     if live {
@@ -279,7 +283,7 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         go_when_probed(&go, Some(&rec_path))?;
         let mut engine = engine;
         let status = engine.child.wait()?;
-        crate::sampler::request_stop();
+        ropts.stop.stop();
         let summary = handle
             .join()
             .map_err(|_| anyhow::anyhow!("the recorder thread panicked"))??;

@@ -5,50 +5,7 @@ use std::fmt::Write as _;
 
 use crate::cpython::PythonProcess;
 
-/// What the kernel and our privileges allow.
-#[derive(Debug, serde::Serialize)]
-pub struct MachineFacts {
-    pub kernel: String,
-    pub euid: u32,
-    pub btf: bool,
-    pub perf_event_paranoid: Option<i32>,
-    pub ptrace_scope: Option<i32>,
-    pub effective_caps: String,
-    pub cap_sys_ptrace: bool,
-    pub cap_bpf: bool,
-    pub cap_perfmon: bool,
-    pub cap_sys_admin: bool,
-}
-
-fn read_int(path: &str) -> Option<i32> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
-}
-
-pub fn machine_facts() -> MachineFacts {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let caps = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
-    let bits = u64::from_str_radix(&caps, 16).unwrap_or(0);
-    let has = |n: u32| bits & (1u64 << n) != 0;
-    MachineFacts {
-        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default(),
-        // SAFETY: geteuid has no preconditions and cannot fail.
-        euid: unsafe { libc::geteuid() },
-        btf: std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
-        perf_event_paranoid: read_int("/proc/sys/kernel/perf_event_paranoid"),
-        ptrace_scope: read_int("/proc/sys/kernel/yama/ptrace_scope"),
-        effective_caps: caps,
-        cap_sys_ptrace: has(19),
-        cap_sys_admin: has(21),
-        cap_perfmon: has(38),
-        cap_bpf: has(39),
-    }
-}
+pub use crate::sys::{machine_facts, MachineFacts};
 
 pub fn report(p: Option<&PythonProcess>, as_json: bool) -> String {
     let m = machine_facts();

@@ -1,7 +1,9 @@
 //! enginescope: attach to a running CPython process (vLLM first) and see where its time goes.
 //!
-//! Module map (see ARCHITECTURE.md): `cpython` reads interpreters from outside; `procinfo`
-//! wraps `/proc`; `dump` and `doctor` are the first views.
+//! Module map (see ARCHITECTURE.md): `sys` (clock, host facts, stop token) is the bottom layer;
+//! `cpython` reads interpreters from outside; `procinfo` wraps `/proc`; `bpf` loads the kernel
+//! side; `record` is the file format; `sampler` is the recording loop over a sample source;
+//! `views`, `tui`, `agent`, `dump`, `doctor` sit on top.
 
 pub mod agent;
 pub mod bpf;
@@ -12,6 +14,7 @@ pub mod dump;
 pub mod procinfo;
 pub mod record;
 pub mod sampler;
+pub mod sys;
 pub mod tui;
 pub mod views;
 pub mod vllm;

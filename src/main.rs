@@ -452,6 +452,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ..enginescope::sampler::RecordOptions::new(pid, output.clone())
             };
             trace.apply(&mut opts);
+            opts.stop = enginescope::sys::stop_on_signals();
             let s = enginescope::sampler::record(&opts)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
@@ -491,6 +492,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             fixed,
             tui: !no_tui,
             rate_hz: rate,
+            // On a terminal the dashboard takes the signals (it must restore the terminal).
+            stop: if no_tui || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+                enginescope::sys::stop_on_signals()
+            } else {
+                enginescope::sys::StopToken::new()
+            },
         })?,
         Cmd::Flame {
             file,
@@ -591,7 +598,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
         }
         Cmd::Diff(args) => enginescope::views::diff::run(&args)?,
-        Cmd::Agent(args) => enginescope::agent::run(&args.options()?)?,
+        Cmd::Agent(args) => {
+            let mut opts = args.options()?;
+            opts.record.stop = enginescope::sys::stop_on_signals();
+            enginescope::agent::run(&opts)?
+        }
     }
     Ok(())
 }

@@ -606,7 +606,7 @@ fn urlencode(s: &str) -> String {
 
 /// CLOCK_MONOTONIC ns → Unix seconds (the offset read now).
 fn mono_to_unix(mono_ns: u64) -> f64 {
-    let now_mono = enginescope::sampler::monotonic_ns();
+    let now_mono = enginescope::sys::monotonic_ns();
     let now_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()

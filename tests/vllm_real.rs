@@ -340,7 +340,7 @@ fn serve_discovery_and_scraped_throughput() {
         rest
     });
     let (concurrency, duration_s) = (8, 30);
-    let load_start = enginescope::sampler::monotonic_ns();
+    let load_start = enginescope::sys::monotonic_ns();
     let load = Command::new(venv().join("bin/python"))
         .arg(harness().join("load.py"))
         .args([
@@ -355,7 +355,7 @@ fn serve_discovery_and_scraped_throughput() {
         .args(["--grace", "0"])
         .output()
         .expect("run load.py");
-    let load_end = enginescope::sampler::monotonic_ns();
+    let load_end = enginescope::sys::monotonic_ns();
     let load_out = String::from_utf8_lossy(&load.stdout);
     assert!(
         load.status.success(),

@@ -104,7 +104,6 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
         pol.max_total_bytes,
         pol.max_segment_bytes
     );
-    sampler::install_stop_handlers();
     let listener = TcpListener::bind(&opts.listen).with_context(|| {
         format!(
             "listening on {} (another agent or exporter on that port?)",
@@ -224,7 +223,7 @@ fn supervise(
 ) -> anyhow::Result<()> {
     let mut last_msg = String::new();
     let mut runs = 0u64;
-    while !sampler::stop_requested() {
+    while !opts.stop.is_stopped() {
         if runs > 0 {
             restarts.inc();
         }
@@ -242,7 +241,7 @@ fn supervise(
             Ok(Err(e)) => format!("recorder: {e:#}"),
             Err(_) => "the recorder panicked (a bug; please report it with the lines above)".into(),
         };
-        if sampler::stop_requested() {
+        if opts.stop.is_stopped() {
             break;
         }
         // The same failure again (no engine yet) is said once.
@@ -257,13 +256,13 @@ fn supervise(
             eprintln!(
                 "enginescope: agent: every --pid target has exited; serving the last figures until stopped"
             );
-            while !sampler::stop_requested() {
+            while !opts.stop.is_stopped() {
                 std::thread::sleep(Duration::from_millis(100));
             }
             break;
         }
         let until = Instant::now() + retry;
-        while Instant::now() < until && !sampler::stop_requested() {
+        while Instant::now() < until && !opts.stop.is_stopped() {
             std::thread::sleep(Duration::from_millis(100));
         }
     }

@@ -62,8 +62,16 @@ pub struct EsFrame {
 }
 
 /// The identity the kernel computes for a code object (`struct es_frame.code_id`).
-pub fn code_id(firstlineno: i32, name_ptr: u64) -> u32 {
-    (firstlineno as u32) ^ ((name_ptr >> 4) as u32)
+pub use crate::cpython::symbols::code_id;
+
+impl From<EsFrame> for crate::cpython::symbols::RawFrame {
+    fn from(f: EsFrame) -> Self {
+        crate::cpython::symbols::RawFrame {
+            code: f.code,
+            instr_offset: f.instr_offset,
+            code_id: f.code_id,
+        }
+    }
 }
 
 /// `struct es_event_header`.

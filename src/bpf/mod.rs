@@ -19,7 +19,7 @@ static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/sa
 
 /// Why BPF cannot be used here, in words a user can act on.
 pub fn unavailable_reason() -> Option<String> {
-    let facts = crate::doctor::machine_facts();
+    let facts = crate::sys::machine_facts();
     if facts.euid != 0 && !(facts.cap_bpf && facts.cap_perfmon) {
         return Some("not root and no CAP_BPF+CAP_PERFMON (run with sudo, or `setcap cap_bpf,cap_perfmon,cap_sys_ptrace+ep enginescope`)".into());
     }

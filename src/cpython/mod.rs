@@ -7,6 +7,7 @@ pub mod objects;
 pub mod offsets;
 pub mod opcodes;
 pub mod reader;
+pub mod symbols;
 #[cfg(test)]
 pub mod testutil;
 pub mod version;

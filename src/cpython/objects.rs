@@ -1,7 +1,5 @@
 //! Decoding CPython objects (str, bytes, code objects) out of target memory, bounded.
 
-use std::collections::HashMap;
-
 use super::linetable;
 use super::memory::{MemorySource, ReadError};
 use super::offsets::{FrameKind, Offsets};
@@ -169,29 +167,6 @@ pub fn read_code(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<CodeI
         firstlineno,
         linetable,
     })
-}
-
-/// A per-snapshot cache of code objects by address. Within one consistent read of a process a
-/// code object cannot be freed and replaced, so the address is a sufficient key here; caches
-/// that live longer must also check identity (see the sampler).
-#[derive(Default)]
-pub struct CodeCache {
-    map: HashMap<u64, CodeInfo>,
-}
-
-impl CodeCache {
-    pub fn get(
-        &mut self,
-        mem: &dyn MemorySource,
-        o: &Offsets,
-        addr: u64,
-    ) -> Result<&CodeInfo, ObjectError> {
-        use std::collections::hash_map::Entry;
-        match self.map.entry(addr) {
-            Entry::Occupied(e) => Ok(e.into_mut()),
-            Entry::Vacant(v) => Ok(v.insert(read_code(mem, o, addr)?)),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 
 use super::binary::{self, InterpreterBinary};
 use super::memory::{MemorySource, ProcessMemory, ReadError};
-use super::objects::{CodeCache, ObjectError};
 use super::offsets::{self, FrameKind, Offsets};
+use super::symbols::{code_id, RawFrame, Symbolizer};
 use super::version::{scan_for_version, PyVersion};
 use crate::procinfo::{self, TaskInfo};
 
@@ -56,15 +56,9 @@ fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
     }
 }
 
-/// One frame of a Python stack.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub struct Frame {
-    /// Qualified name (`Class.method`, `outer.<locals>.inner`); `co_name` on 3.10.
-    pub function: String,
-    pub file: String,
-    /// `null` where the instruction has no line (rare: artificial instructions).
-    pub line: Option<i32>,
-}
+/// One frame of a Python stack: the recording's frame (`record::Frame`), which the reader
+/// produces; the file format does not depend on the reader.
+pub use crate::record::Frame;
 
 /// One thread as read at one moment.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -355,8 +349,11 @@ impl PythonProcess {
         None
     }
 
-    /// Walk one thread's Python stack, innermost first.
-    pub fn walk_stack(&self, tstate: u64, cache: &mut CodeCache) -> (Vec<Frame>, Option<String>) {
+    /// Walk one thread's Python stack, innermost first, reading per frame what the kernel's
+    /// walk reads (code object address, instruction offset, code identity); the
+    /// [`Symbolizer`] turns them into names and lines. The error says why the walk stopped
+    /// early (the frames before it are still right).
+    pub fn walk_raw(&self, tstate: u64) -> (Vec<RawFrame>, Option<String>) {
         let o = &self.offsets;
         let mut frames = Vec::new();
         let first = (|| -> Result<u64, ReadError> {
@@ -387,7 +384,7 @@ impl PythonProcess {
                     Some(format!("frame cycle at {frame:#x}; truncated")),
                 );
             }
-            match self.read_frame(frame, code_type, cache) {
+            match self.read_raw_frame(frame, code_type) {
                 Ok((Some(f), prev)) => {
                     frames.push(f);
                     frame = prev;
@@ -399,13 +396,13 @@ impl PythonProcess {
         (frames, None)
     }
 
-    /// One frame: `(frame if it is a real Python frame, previous frame address)`.
-    fn read_frame(
+    /// One frame: `(frame if it is a real Python frame, previous frame address)`. The same
+    /// reads, checks and offset as `ebpf/sampler.bpf.c`'s walk.
+    fn read_raw_frame(
         &self,
         frame: u64,
         code_type: Option<u64>,
-        cache: &mut CodeCache,
-    ) -> Result<(Option<Frame>, u64), ObjectError> {
+    ) -> Result<(Option<RawFrame>, u64), ReadError> {
         let o = &self.offsets;
         let prev = self.read(frame.wrapping_add(o.frame_previous))?;
         if let Some(owner_off) = o.frame_owner {
@@ -425,35 +422,75 @@ impl PythonProcess {
                 return Ok((None, prev));
             }
         }
-        let info = cache.get(self.mem.as_ref(), o, code)?;
-        let addr: i64 = match o.frame_kind {
-            FrameKind::FrameObject => {
-                let lasti = self.mem.read_i32(frame.wrapping_add(o.frame_instr))?;
-                if lasti < 0 {
-                    -1
-                } else {
-                    lasti as i64 * 2
+        let firstlineno = self.mem.read_i32(code.wrapping_add(o.code_firstlineno))?;
+        let name = self.read(code.wrapping_add(o.code_name))?;
+        let instr_offset = match o.frame_kind {
+            FrameKind::FrameObject => match self.mem.read_i32(frame.wrapping_add(o.frame_instr)) {
+                Ok(lasti) if lasti >= 0 => lasti.wrapping_mul(2),
+                _ => -1,
+            },
+            FrameKind::Interpreter => match self.read(frame.wrapping_add(o.frame_instr)) {
+                Ok(instr) => {
+                    let base = code.wrapping_add(o.code_code_adaptive.unwrap_or(0));
+                    instr.wrapping_sub(base) as i32
                 }
-            }
-            FrameKind::Interpreter => {
-                let instr = self.read(frame.wrapping_add(o.frame_instr))?;
-                let base = code.wrapping_add(o.code_code_adaptive.unwrap_or(0));
-                (instr as i64).wrapping_sub(base as i64)
-            }
+                Err(_) => -1,
+            },
         };
-        let line = info.line_at(o.frame_kind, addr);
         Ok((
-            Some(Frame {
-                function: info.qualname.clone(),
-                file: info.filename.clone(),
-                line,
+            Some(RawFrame {
+                code,
+                instr_offset,
+                code_id: code_id(firstlineno, name),
             }),
             prev,
         ))
     }
 
-    /// Read every thread of every interpreter.
+    /// Read every thread of every interpreter, with names and lines from a fresh symbolizer
+    /// (`dump`).
     pub fn snapshot(&self) -> Result<Snapshot, AttachError> {
+        self.snapshot_with(&mut Symbolizer::new())
+    }
+
+    /// [`Self::snapshot`] through `sym` (a recorder's, whose cache outlives one snapshot).
+    pub fn snapshot_with(&self, sym: &mut Symbolizer) -> Result<Snapshot, AttachError> {
+        let raw = self.raw_snapshot()?;
+        Ok(self.symbolize(raw, sym))
+    }
+
+    /// Read every thread, matching them to `tasks` (the process's threads from `/proc`).
+    pub fn snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<Snapshot, AttachError> {
+        let raw = self.raw_snapshot_with_tasks(tasks)?;
+        Ok(self.symbolize(raw, &mut Symbolizer::new()))
+    }
+
+    fn symbolize(&self, raw: RawSnapshot, sym: &mut Symbolizer) -> Snapshot {
+        let threads = raw
+            .threads
+            .into_iter()
+            .map(|t| {
+                sym.resolving_tid = t.tid.unwrap_or(0);
+                ThreadSnapshot {
+                    frames: sym.resolve(self.mem.as_ref(), &self.offsets, &t.frames),
+                    tid: t.tid,
+                    ns_tid: t.ns_tid,
+                    name: t.name,
+                    holds_gil: t.holds_gil,
+                    gc_collecting: t.gc_collecting,
+                    error: t.error,
+                    tstate: t.tstate,
+                }
+            })
+            .collect();
+        Snapshot {
+            threads,
+            read_errors: raw.read_errors,
+        }
+    }
+
+    /// Every thread's raw stack now.
+    pub fn raw_snapshot(&self) -> Result<RawSnapshot, AttachError> {
         let pid = self.pid;
         let tasks = procinfo::tasks(pid).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -462,18 +499,17 @@ impl PythonProcess {
                 AttachError::Proc { pid, err: e }
             }
         })?;
-        let snap = self.snapshot_with_tasks(&tasks)?;
+        let snap = self.raw_snapshot_with_tasks(&tasks)?;
         if snap.threads.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
             return Err(AttachError::Gone(pid));
         }
         Ok(snap)
     }
 
-    /// Read every thread, matching them to `tasks` (the process's threads from `/proc`).
-    pub fn snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<Snapshot, AttachError> {
+    /// Every thread's raw stack, matching threads to `tasks`.
+    pub fn raw_snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<RawSnapshot, AttachError> {
         let pid = self.pid;
         let by_ns: HashMap<i32, &TaskInfo> = procinfo::by_ns_tid(tasks);
-        let mut cache = CodeCache::default();
         let mut threads = Vec::new();
         let mut read_errors = 0;
         let interps = self
@@ -499,11 +535,11 @@ impl PythonProcess {
             for t in tstates {
                 let ns_tid = self.ns_tid(t, tasks);
                 let task = ns_tid.and_then(|n| by_ns.get(&n));
-                let (frames, error) = self.walk_stack(t, &mut cache);
+                let (frames, error) = self.walk_raw(t);
                 if error.is_some() {
                     read_errors += 1;
                 }
-                threads.push(ThreadSnapshot {
+                threads.push(RawThread {
                     tid: task.map(|t| t.host_tid),
                     ns_tid,
                     name: task.map(|t| t.comm.clone()).unwrap_or_default(),
@@ -515,11 +551,31 @@ impl PythonProcess {
                 });
             }
         }
-        Ok(Snapshot {
+        Ok(RawSnapshot {
             threads,
             read_errors,
         })
     }
+}
+
+/// One thread as read, its frames not yet symbolized.
+#[derive(Debug, Clone)]
+pub struct RawThread {
+    pub tid: Option<i32>,
+    pub ns_tid: Option<i32>,
+    pub name: String,
+    pub holds_gil: bool,
+    pub gc_collecting: bool,
+    pub frames: Vec<RawFrame>,
+    pub error: Option<String>,
+    pub tstate: u64,
+}
+
+/// All threads of a process at one moment, frames not yet symbolized.
+#[derive(Debug, Clone)]
+pub struct RawSnapshot {
+    pub threads: Vec<RawThread>,
+    pub read_errors: u64,
 }
 
 /// The version, from the binary itself: `Py_Version` (3.11+), else the `_Py_DebugOffsets`

@@ -2,7 +2,15 @@
 
 use std::collections::BTreeMap;
 
-pub use crate::cpython::Frame;
+/// One frame of a Python stack, as recorded (and as `dump` prints it).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Frame {
+    /// Qualified name (`Class.method`, `outer.<locals>.inner`); `co_name` on 3.10.
+    pub function: String,
+    pub file: String,
+    /// `null` where the instruction has no line (rare: artificial instructions).
+    pub line: Option<i32>,
+}
 
 /// Fixed facts about a recording session.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]

@@ -41,6 +41,7 @@ use crate::cpython::opcodes;
 use crate::cpython::{Frame, PythonProcess};
 use crate::record::model::{FunctionCall, ProbeInfo};
 
+use super::sink::Sink;
 use super::Pipeline;
 
 /// Functions probed by default in vLLM processes (`record --vllm`): the calls that proved the
@@ -296,7 +297,7 @@ impl Probes {
         code: u64,
         info: &CodeInfo,
         now_rel_ns: u64,
-        pipe: &mut Pipeline,
+        pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         // A code object met in a stack of an unknown thread is left for a later sighting.
         if self.specs.is_empty() || tid == 0 || !self.seen.insert((proc.pid, code)) {
@@ -431,7 +432,7 @@ impl Probes {
         b: &mut BpfSampler,
         now_ns: u64,
         max_per_s: u64,
-        pipe: &mut Pipeline,
+        pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         let mut demote = Vec::new();
         for (i, a) in self.active.iter_mut().enumerate() {
@@ -469,7 +470,7 @@ impl Probes {
         i: usize,
         why: &str,
         now_ns: u64,
-        pipe: &mut Pipeline,
+        pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         let a = &mut self.active[i];
         a.retired = true;
@@ -624,7 +625,7 @@ impl Probes {
         t_ns: u64,
         addr: u64,
         f: crate::bpf::abi::ProbeFrame,
-        pipe: &mut Pipeline,
+        pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         let Some(&(probe, is_entry)) = self.by_addr.get(&(pid, addr)) else {
             return Ok(());
@@ -689,7 +690,7 @@ impl Probes {
         t_ns: u64,
         frames: &[Frame],
         switched_out: bool,
-        pipe: &mut Pipeline,
+        pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         for (i, inside) in self.sampled_in(pid, frames) {
             let key = (tid, i);
@@ -733,7 +734,7 @@ impl Probes {
         pid: i32,
         tid: i32,
         (first, last): (u64, u64),
-        pipe: &mut Pipeline,
+        pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         self.calls += 1;
         pipe.writer.call(&FunctionCall {
@@ -748,7 +749,11 @@ impl Probes {
     }
 
     /// Remove every breakpoint and close sampled runs.
-    pub fn close(&mut self, b: Option<&mut BpfSampler>, pipe: &mut Pipeline) -> anyhow::Result<()> {
+    pub fn close(
+        &mut self,
+        b: Option<&mut BpfSampler>,
+        pipe: &mut Pipeline<impl Sink>,
+    ) -> anyhow::Result<()> {
         if let Some(b) = b {
             for (_, l) in self.gc_links.drain() {
                 b.unwatch_gc_thread(l);
@@ -772,6 +777,19 @@ impl Probes {
     }
 }
 
+/// The probe counters, when probes were asked for (`None`: a source that cannot set them, all
+/// zero).
+pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String, u64>) {
+    let v = |f: fn(&Probes) -> u64| p.map_or(0, f);
+    out.insert("probe_trap_cost_ns".into(), v(|p| p.trap_ns));
+    out.insert("probe_calls".into(), v(|p| p.calls));
+    out.insert("probe_calls_unfinished".into(), v(|p| p.unfinished));
+    out.insert("probe_unmatched_returns".into(), v(|p| p.unmatched_returns));
+    out.insert("probe_attach_failures".into(), v(|p| p.attach_failures));
+    out.insert("probe_thread_attaches".into(), v(|p| p.thread_attaches));
+    out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
+}
+
 /// Set the entry and return breakpoints of `p` on thread `tid`: all of them or none.
 fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec<PerfEventLinkId>> {
     let mut ls = Vec::new();
@@ -791,7 +809,181 @@ fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec
 
 #[cfg(test)]
 mod tests {
+    use super::super::sink::Event;
     use super::*;
+    use crate::bpf::abi::ProbeFrame;
+
+    const MS: u64 = 1_000_000;
+    const T0: u64 = 1_000 * MS;
+
+    /// Probes with one active probe on function `f` (code 0xC0DE) of process 1: exact (entry
+    /// breakpoint 0x100, return 0x140) or sampled; as `consider` sets them up with a BPF
+    /// sampler, without one.
+    fn one_probe(exact: bool) -> Probes {
+        let mut p = Probes::new(vec![ProbeSpec::parse("f").unwrap()], 10 * MS, true);
+        p.trap_ns = 1000;
+        let plan = exact.then(|| ExactPlan {
+            entry: 0x100,
+            returns: vec![0x140],
+        });
+        if exact {
+            p.by_addr.insert((1, 0x100), (0, true));
+            p.by_addr.insert((1, 0x140), (0, false));
+        }
+        p.active.push(Active {
+            info: ProbeInfo {
+                id: 0,
+                pid: 1,
+                function: "f".into(),
+                file: "x.py".into(),
+                method: if exact { "exact" } else { "sampled" }.into(),
+                ..Default::default()
+            },
+            code: 0xC0DE,
+            prio: 0,
+            plan,
+            links: HashMap::new(),
+            failed: HashSet::new(),
+            retired: false,
+            window_calls: 0,
+            window_start_ns: 0,
+        });
+        p
+    }
+
+    fn calls(events: &[Event]) -> Vec<(i32, u64, u64)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Call(c) => Some((c.tid, c.start_ns, c.dur_ns)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn at(frame: u64, previous: u64, code: u64) -> ProbeFrame {
+        ProbeFrame {
+            frame,
+            previous,
+            code,
+        }
+    }
+
+    #[test]
+    fn exact_hits_pair_by_thread_and_caller_frame() {
+        let mut p = one_probe(true);
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), T0, 100);
+        let code = 0xC0DE;
+        // Outer call from frame 0xCA11, and a recursive call from the outer one's frame.
+        p.hit(1, 10, T0 + MS, 0x100, at(0xF1, 0xCA11, code), &mut pipe)
+            .unwrap();
+        p.hit(1, 10, T0 + 2 * MS, 0x100, at(0xF2, 0xF1, code), &mut pipe)
+            .unwrap();
+        p.hit(1, 10, T0 + 3 * MS, 0x140, at(0xF2, 0xF1, code), &mut pipe)
+            .unwrap();
+        p.hit(1, 10, T0 + 5 * MS, 0x140, at(0xF1, 0xCA11, code), &mut pipe)
+            .unwrap();
+        // 3.14: at the entry the current frame is still the caller's.
+        p.hit(
+            1,
+            11,
+            T0 + 6 * MS,
+            0x100,
+            at(0xCA12, 0x99, 0xBEEF),
+            &mut pipe,
+        )
+        .unwrap();
+        p.hit(1, 11, T0 + 8 * MS, 0x140, at(0xF3, 0xCA12, code), &mut pipe)
+            .unwrap();
+        // A return with no entry (the call began before the probe attached).
+        p.hit(1, 12, T0 + 9 * MS, 0x140, at(0xF4, 0xCA13, code), &mut pipe)
+            .unwrap();
+        // An entry again from the same caller: the first call ended by an exception.
+        p.hit(
+            1,
+            13,
+            T0 + 10 * MS,
+            0x100,
+            at(0xF5, 0xCA14, code),
+            &mut pipe,
+        )
+        .unwrap();
+        p.hit(
+            1,
+            13,
+            T0 + 11 * MS,
+            0x100,
+            at(0xF6, 0xCA14, code),
+            &mut pipe,
+        )
+        .unwrap();
+        // Another process's hit at the same address is not this probe's.
+        p.hit(
+            2,
+            20,
+            T0 + 11 * MS,
+            0x140,
+            at(0xF7, 0xCA15, code),
+            &mut pipe,
+        )
+        .unwrap();
+        p.close(None, &mut pipe).unwrap();
+        assert_eq!(
+            calls(&pipe.writer),
+            [
+                (10, 2 * MS, MS - 1000),
+                (10, MS, 4 * MS - 1000),
+                (11, 6 * MS, 2 * MS - 1000)
+            ]
+        );
+        assert_eq!(p.calls, 3);
+        assert_eq!(p.unmatched_returns, 1);
+        // The call left by the exception, and the one still open at the end.
+        assert_eq!(p.unfinished, 2);
+    }
+
+    #[test]
+    fn sampled_calls_follow_samples_and_blocking() {
+        let mut p = one_probe(false);
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), T0, 100);
+        let inside = [Frame {
+            function: "f".into(),
+            file: "x.py".into(),
+            line: Some(3),
+        }];
+        let outside = [Frame {
+            function: "g".into(),
+            file: "x.py".into(),
+            line: Some(9),
+        }];
+        p.stack(1, 10, T0, &inside, false, &mut pipe).unwrap();
+        p.stack(1, 10, T0 + 10 * MS, &inside, false, &mut pipe)
+            .unwrap();
+        // More than two periods later: a new call (the first one ended in between).
+        p.stack(1, 10, T0 + 50 * MS, &inside, false, &mut pipe)
+            .unwrap();
+        // It blocks inside the function: the call goes on across the gap.
+        p.stack(1, 10, T0 + 55 * MS, &inside, true, &mut pipe)
+            .unwrap();
+        p.stack(1, 10, T0 + 200 * MS, &inside, false, &mut pipe)
+            .unwrap();
+        p.stack(1, 10, T0 + 210 * MS, &outside, false, &mut pipe)
+            .unwrap();
+        // Still inside at the end: closed there.
+        p.stack(1, 11, T0 + 300 * MS, &inside, false, &mut pipe)
+            .unwrap();
+        p.close(None, &mut pipe).unwrap();
+        let half = 5 * MS;
+        assert_eq!(
+            calls(&pipe.writer),
+            [
+                (10, 0, 20 * MS),
+                (10, 50 * MS - half, 160 * MS),
+                (11, 300 * MS - half, 10 * MS)
+            ]
+        );
+        assert_eq!(p.calls, 3);
+    }
 
     /// Found by the `walker` fuzz target (issue 15): a code address read from the target near
     /// the top of the address space overflowed `code + 16` (ob_size) before any read.

@@ -2,22 +2,13 @@
 //! turns raw frames (code object address + instruction offset) into names and lines.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use crate::bpf::abi::{self, EsFrame, EsTarget};
+use crate::bpf::abi::EsTarget;
 use crate::cpython::binary;
-use crate::cpython::objects::{self, CodeInfo};
 use crate::cpython::offsets::FrameKind;
+use crate::cpython::symbols::{RawFrame, Symbolizer};
 use crate::cpython::{Frame, PythonProcess};
 use crate::procinfo;
-
-/// A code object as cached: valid while the address still holds a code object with the same
-/// identity (`co_firstlineno` and `co_name`, which the kernel reads with every frame), so a
-/// freed address reused by another code object is noticed and re-read.
-struct CachedCode {
-    id: u32,
-    info: Arc<CodeInfo>,
-}
 
 pub struct Target {
     pub proc: PythonProcess,
@@ -25,19 +16,8 @@ pub struct Target {
     pub cmdline: String,
     /// host tid → (PyThreadState address, thread name)
     pub threads: HashMap<i32, (u64, String)>,
-    code: HashMap<u64, CachedCode>,
-    lines: HashMap<(u64, i32), Frame>,
-    /// Frames that could not be resolved (code object gone or unreadable).
-    pub unresolved_frames: u64,
-    pub code_rereads: u64,
-    /// When set, code objects read for the first time are queued in `new_code` (for probes).
-    pub collect_new_code: bool,
-    pub new_code: Vec<(u64, Arc<CodeInfo>, i32)>,
-    /// The thread whose stack `resolve` is resolving (for `new_code`); 0 when unknown.
-    pub resolving_tid: i32,
-    /// Code objects first met in a stack of an unknown thread: queued in `new_code` at their
-    /// next sighting in a known thread's stack.
-    unattributed: std::collections::HashSet<u64>,
+    /// Raw frames to names and lines (both sources share this cache per process).
+    pub sym: Symbolizer,
     /// Threads with no Python thread state (native: BLAS/OpenMP pools, torch, gRPC…): tid →
     /// name, so their samples carry a name too.
     pub native: HashMap<i32, String>,
@@ -53,14 +33,7 @@ impl Target {
             proc,
             pid,
             threads: HashMap::new(),
-            code: HashMap::new(),
-            lines: HashMap::new(),
-            unresolved_frames: 0,
-            code_rereads: 0,
-            collect_new_code: false,
-            new_code: Vec::new(),
-            resolving_tid: 0,
-            unattributed: std::collections::HashSet::new(),
+            sym: Symbolizer::new(),
             native: HashMap::new(),
             native_changes: Vec::new(),
         }
@@ -185,91 +158,105 @@ impl Target {
             .map(|(tid, _)| *tid)
     }
 
-    /// Resolve raw frames (innermost first) to names and lines.
-    pub fn resolve(&mut self, frames: &[EsFrame]) -> Vec<Frame> {
-        let kind = self.proc.offsets.frame_kind;
-        let mut out = Vec::with_capacity(frames.len());
-        for f in frames {
-            let key = (f.code, f.instr_offset);
-            let fresh = self.code.get(&f.code).is_some_and(|c| c.id == f.code_id);
-            if fresh
-                && self.resolving_tid != 0
-                && !self.unattributed.is_empty()
-                && self.unattributed.remove(&f.code)
-            {
-                if let Some(c) = self.code.get(&f.code) {
-                    self.new_code
-                        .push((f.code, c.info.clone(), self.resolving_tid));
-                }
-            }
-            if fresh {
-                if let Some(fr) = self.lines.get(&key) {
-                    out.push(fr.clone());
-                    continue;
-                }
-            } else {
-                if self.code.remove(&f.code).is_some() {
-                    self.code_rereads += 1;
-                    self.lines.retain(|(c, _), _| *c != f.code);
-                }
-                let mem = self.proc.mem.as_ref();
-                let o = &self.proc.offsets;
-                let read = objects::read_code(mem, o, f.code)
-                    .ok()
-                    .zip(mem.read_u64(f.code.wrapping_add(o.code_name)).ok());
-                match read {
-                    Some((info, name_ptr))
-                        if abi::code_id(info.firstlineno, name_ptr) == f.code_id =>
-                    {
-                        let info = Arc::new(info);
-                        if self.collect_new_code && self.new_code.len() < 100_000 {
-                            if self.resolving_tid != 0 {
-                                self.new_code
-                                    .push((f.code, info.clone(), self.resolving_tid));
-                            } else if self.unattributed.len() < 100_000 {
-                                self.unattributed.insert(f.code);
-                            }
-                        }
-                        self.code.insert(
-                            f.code,
-                            CachedCode {
-                                id: f.code_id,
-                                info,
-                            },
-                        );
-                    }
-                    _ => {
-                        self.unresolved_frames += 1;
-                        out.push(Frame {
-                            function: "<unknown>".into(),
-                            file: String::new(),
-                            line: None,
-                        });
-                        continue;
-                    }
-                }
-            }
-            let Some(c) = self.code.get(&f.code) else {
-                continue;
-            };
-            let fr = Frame {
-                function: c.info.qualname.clone(),
-                file: c.info.filename.clone(),
-                line: c.info.line_at(kind, f.instr_offset as i64),
-            };
-            if self.lines.len() > 1_000_000 {
-                self.lines.clear();
-            }
-            self.lines.insert(key, fr.clone());
-            out.push(fr);
-        }
-        out
+    /// Resolve raw frames (innermost first) to names and lines, attributing code objects met
+    /// for the first time to thread `tid` (0: unknown).
+    pub fn resolve<F: Copy + Into<RawFrame>>(&mut self, tid: i32, frames: &[F]) -> Vec<Frame> {
+        self.sym.resolving_tid = tid;
+        self.sym
+            .resolve(self.proc.mem.as_ref(), &self.proc.offsets, frames)
+    }
+}
+
+/// One thread's Python stack at one tick (the memory source).
+pub struct ThreadStack {
+    pub tid: i32,
+    pub frames: Vec<Frame>,
+    pub holds_gil: bool,
+    pub gc_collecting: bool,
+    /// The walk stopped early (the frames read are still right).
+    pub partial: bool,
+}
+
+impl Target {
+    /// Every thread's Python stack now (threads not matched to a host tid are left out).
+    pub fn stacks(&mut self) -> Result<Vec<ThreadStack>, crate::cpython::AttachError> {
+        let snap = self.proc.snapshot_with(&mut self.sym)?;
+        Ok(snap
+            .threads
+            .into_iter()
+            .filter_map(|th| {
+                Some(ThreadStack {
+                    tid: th.tid?,
+                    partial: th.error.is_some(),
+                    frames: th.frames,
+                    holds_gil: th.holds_gil,
+                    gc_collecting: th.gc_collecting,
+                })
+            })
+            .collect())
+    }
+}
+
+/// The targets being recorded, by pid.
+#[derive(Default)]
+pub struct Targets {
+    list: Vec<Target>,
+    index: HashMap<i32, usize>,
+}
+
+impl Targets {
+    pub fn push(&mut self, t: Target) -> &mut Target {
+        self.index.insert(t.pid, self.list.len());
+        self.list.push(t);
+        let last = self.list.len() - 1;
+        &mut self.list[last]
+    }
+
+    pub fn get_mut(&mut self, pid: i32) -> Option<&mut Target> {
+        let &i = self.index.get(&pid)?;
+        self.list.get_mut(i)
+    }
+
+    pub fn contains(&self, pid: i32) -> bool {
+        self.index.contains_key(&pid)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Target> {
+        self.list.iter()
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut Target> {
+        self.list.iter_mut()
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Remove these processes; returns them.
+    pub fn remove(&mut self, pids: &[i32]) -> Vec<Target> {
+        let (gone, kept): (Vec<Target>, Vec<Target>) = std::mem::take(&mut self.list)
+            .into_iter()
+            .partition(|t| pids.contains(&t.pid));
+        self.list = kept;
+        self.index = self
+            .list
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.pid, i))
+            .collect();
+        gone
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bpf::abi::{self, EsFrame};
     use crate::cpython::offsets::PY312;
     use crate::cpython::testutil::Fake;
 
@@ -291,9 +278,9 @@ mod tests {
         let b = f.code("second", 10); // same co_firstlineno, other name
         let mut t = Target::new(f.process(0));
         let fa = raw(&t.proc, a);
-        assert_eq!(t.resolve(&[fa])[0].function, "first");
-        assert_eq!(t.resolve(&[fa])[0].function, "first");
-        assert_eq!(t.code_rereads, 0);
+        assert_eq!(t.resolve(0, &[fa])[0].function, "first");
+        assert_eq!(t.resolve(0, &[fa])[0].function, "first");
+        assert_eq!(t.sym.code_rereads, 0);
         // The code object at `a` is freed and another one is built at the same address.
         let fb = raw(&t.proc, b);
         let o = &PY312;
@@ -313,15 +300,15 @@ mod tests {
             code_id: fb.code_id,
         };
         assert_eq!(abi::code_id(10, b_name), fb.code_id);
-        assert_eq!(t.resolve(&[reused])[0].function, "second");
-        assert_eq!(t.code_rereads, 1);
+        assert_eq!(t.resolve(0, &[reused])[0].function, "second");
+        assert_eq!(t.sym.code_rereads, 1);
         // A frame whose code object cannot be read is reported, not guessed.
         let gone = EsFrame {
             code: 0xdead_0000,
             instr_offset: 0,
             code_id: 1,
         };
-        assert_eq!(t.resolve(&[gone])[0].function, "<unknown>");
-        assert_eq!(t.unresolved_frames, 1);
+        assert_eq!(t.resolve(0, &[gone])[0].function, "<unknown>");
+        assert_eq!(t.sym.unresolved_frames, 1);
     }
 }

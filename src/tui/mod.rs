@@ -73,7 +73,8 @@ pub fn run_live(opts: &LiveOptions, window: Duration) -> anyhow::Result<()> {
 /// the dashboard then groups processes by engine. Metric series come from the recording
 /// (`series`/`metrics`), i.e. from a recorder that scrapes the engines.
 pub fn run_engines(opts: &LiveOptions, topo: Topology, window: Duration) -> anyhow::Result<()> {
-    terminal::catch_stop_signals()?;
+    let stop = crate::sys::StopToken::new();
+    terminal::catch_stop_signals(stop.clone())?;
     let (path, temporary) = match &opts.output {
         Some(p) => (p.clone(), false),
         None => (
@@ -93,6 +94,7 @@ pub fn run_engines(opts: &LiveOptions, topo: Topology, window: Duration) -> anyh
         rate_hz: opts.rate_hz,
         backend: opts.backend,
         quiet: true,
+        stop,
         ..RecordOptions::new(opts.pids.clone(), path.clone())
     };
     let pids: Vec<String> = opts.pids.iter().map(|p| p.to_string()).collect();
@@ -115,7 +117,7 @@ pub fn run_record(
     temporary: bool,
     window: Duration,
 ) -> anyhow::Result<()> {
-    terminal::catch_stop_signals()?;
+    terminal::catch_stop_signals(ropts.stop.clone())?;
     let path = ropts.output.clone();
     match std::fs::remove_file(&path) {
         Ok(()) => {}
@@ -140,6 +142,7 @@ fn run_with(
     label: String,
 ) -> anyhow::Result<()> {
     let path = ropts.output.clone();
+    let stop = ropts.stop.clone();
     let handle = std::thread::Builder::new()
         .name("es-recorder".into())
         .spawn(move || crate::sampler::record(&ropts))
@@ -147,6 +150,7 @@ fn run_with(
     let mut recorder = Recorder {
         handle: Some(handle),
         outcome: None,
+        stop,
     };
     let result = (|| {
         let Some(follow) = wait_for_recording(&path, &mut recorder)? else {
@@ -157,7 +161,7 @@ fn run_with(
         };
         drive(feed, &mut recorder, topo, window, label)
     })();
-    crate::sampler::request_stop();
+    recorder.stop.stop();
     let finished = recorder.finish();
     if temporary {
         let _ = std::fs::remove_file(&path);
@@ -170,7 +174,8 @@ fn run_with(
 
 /// `top --replay FILE`: the same dashboard over a finished recording, paced by event time.
 pub fn run_replay(path: &Path, window: Duration) -> anyhow::Result<()> {
-    terminal::catch_stop_signals()?;
+    let stop = crate::sys::StopToken::new();
+    terminal::catch_stop_signals(stop.clone())?;
     let rec = crate::record::read_recording(path)?;
     let label = format!(
         "replay {}",
@@ -186,6 +191,7 @@ pub fn run_replay(path: &Path, window: Duration) -> anyhow::Result<()> {
     let mut none = Recorder {
         handle: None,
         outcome: None,
+        stop,
     };
     drive(feed, &mut none, &Topology::default(), window, label)
 }
@@ -196,6 +202,8 @@ struct Recorder {
     /// Set once it has finished: Ok(summary) or the error (kept whole: `main` turns an
     /// attach error into advice).
     outcome: Option<anyhow::Result<RecordSummary>>,
+    /// Stops it (it then finishes its file).
+    stop: crate::sys::StopToken,
 }
 
 impl Recorder {
@@ -216,7 +224,7 @@ impl Recorder {
         }
     }
 
-    /// Wait for it to end (after `request_stop`) and return its result.
+    /// Wait for it to end (after `stop`) and return its result.
     fn finish(&mut self) -> anyhow::Result<Option<RecordSummary>> {
         self.join();
         self.outcome.take().transpose()
@@ -284,7 +292,7 @@ impl Feed {
                 let rec = follow.recording();
                 let now = match &rec.end {
                     Some(e) => e.duration_ns,
-                    None => crate::sampler::monotonic_ns()
+                    None => crate::sys::monotonic_ns()
                         .saturating_sub(rec.meta.start_mono_ns)
                         .saturating_sub(LIVE_LAG_NS),
                 };
@@ -401,7 +409,7 @@ fn plain_loop(
             next_print += PLAIN_EVERY;
             if stop {
                 // Let the recorder finish its file, and show what it wrote last.
-                crate::sampler::request_stop();
+                recorder.stop.stop();
                 recorder.join();
                 update(feed, w, false, &mut last_trim)?;
             }

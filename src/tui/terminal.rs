@@ -14,13 +14,13 @@ static SIGNAL: AtomicI32 = AtomicI32::new(0);
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 
 /// Take SIGINT, SIGTERM and SIGHUP away from every thread and wait for them on one thread of
-/// our own, which records the signal (see [`signalled`]) and asks the recorder to stop.
+/// our own, which records the signal (see [`signalled`]) and stops `stop` (the recorder's).
 ///
-/// Why not a handler: the recorder installs its own (it sets its stop flag only), and the UI
-/// thread must learn of the signal to restore the terminal. Blocked signals stay pending
-/// until `sigwait` takes them, whatever handler is installed. Must be called before any
-/// thread is started: threads inherit the mask of the thread that starts them.
-pub fn catch_stop_signals() -> anyhow::Result<()> {
+/// Why not a handler: the UI thread must learn of the signal to restore the terminal, and a
+/// handler can do little. Blocked signals stay pending until `sigwait` takes them, whatever
+/// handler is installed. Must be called before any thread is started: threads inherit the
+/// mask of the thread that starts them.
+pub fn catch_stop_signals(stop: crate::sys::StopToken) -> anyhow::Result<()> {
     // SAFETY: sigset_t is plain data that sigemptyset initializes; the calls get valid
     // pointers.
     let set = unsafe {
@@ -40,7 +40,7 @@ pub fn catch_stop_signals() -> anyhow::Result<()> {
             // SAFETY: `set` is an initialized sigset_t owned by this closure.
             if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
                 SIGNAL.store(sig, Ordering::SeqCst);
-                crate::sampler::request_stop();
+                stop.stop();
             }
         })
         .context("starting the signal thread")?;

@@ -4,7 +4,7 @@
 //! # fn main() -> anyhow::Result<()> {
 //! use enginescope::vllm::{discover::discover_engines, metrics::{Scraper, ScrapeEvent}};
 //! let d = discover_engines(None)?;
-//! let start = enginescope::sampler::monotonic_ns(); // the recording's Meta::start_mono_ns
+//! let start = enginescope::sys::monotonic_ns(); // the recording's Meta::start_mono_ns
 //! let (scraper, events) = Scraper::spawn(d.engines.clone(), std::time::Duration::from_secs(1), start)?;
 //! for ev in events.try_iter() {
 //!     match ev {
@@ -28,7 +28,7 @@
 //! [`super::summary`] relies on to group a scrape's points.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -252,7 +252,13 @@ enum Control {
     SetEngines(Vec<EngineInfo>),
 }
 
-/// A thread scraping every engine's metrics each interval. Dropping it stops it too.
+/// Events the scraper may have sent and the recorder not yet written: the channel is bounded
+/// so that a recorder that falls behind holds the scraper back (it skips ticks) instead of
+/// growing without limit. The recorder drains it every tick (20 ms or a sampling period).
+pub const SCRAPE_QUEUE: usize = 4096;
+
+/// A thread scraping every engine's metrics each interval. Dropping it stops it too (drop the
+/// events receiver first).
 pub struct Scraper {
     ctl: Sender<Control>,
     thread: Option<JoinHandle<()>>,
@@ -267,7 +273,7 @@ pub fn request_timeout(interval: Duration) -> Duration {
 
 impl Scraper {
     /// Start scraping `engines` (those with a `metrics_url`) every `interval`; times are ns
-    /// since `start_mono_ns` (`CLOCK_MONOTONIC`, as `sampler::monotonic_ns`). The first scrape
+    /// since `start_mono_ns` (`CLOCK_MONOTONIC`, as `sys::monotonic_ns`). The first scrape
     /// happens at once.
     pub fn spawn(
         engines: Vec<EngineInfo>,
@@ -278,7 +284,7 @@ impl Scraper {
             interval >= Duration::from_millis(10),
             "scrape interval {interval:?} is too short (at least 10 ms)"
         );
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(SCRAPE_QUEUE);
         let (ctl, ctl_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("es-scraper".into())
@@ -299,7 +305,15 @@ impl Scraper {
         let _ = self.ctl.send(Control::SetEngines(engines));
     }
 
-    /// Stop and wait for the thread (at most one HTTP timeout).
+    /// Ask the thread to stop after the request under way; the events channel closes when it
+    /// has. A reader drains the channel until then (the thread may be waiting for room in it),
+    /// then calls [`Self::stop`].
+    pub fn request_stop(&self) {
+        let _ = self.ctl.send(Control::Stop);
+    }
+
+    /// Stop and wait for the thread (at most one HTTP timeout). The events receiver must be
+    /// drained or dropped first: the thread may be waiting for room in the channel.
     pub fn stop(mut self) {
         self.shutdown();
     }
@@ -308,7 +322,7 @@ impl Scraper {
         let _ = self.ctl.send(Control::Stop);
         if let Some(t) = self.thread.take() {
             if t.join().is_err() {
-                log::error!("the metrics scraper thread panicked");
+                eprintln!("enginescope: the metrics scraper thread panicked (a bug; please report it with the lines above); no more metrics are recorded");
             }
         }
     }
@@ -321,14 +335,14 @@ impl Drop for Scraper {
 }
 
 fn since(start_mono_ns: u64) -> u64 {
-    crate::sampler::monotonic_ns().saturating_sub(start_mono_ns)
+    crate::sys::monotonic_ns().saturating_sub(start_mono_ns)
 }
 
 fn scrape_loop(
     mut engines: Vec<EngineInfo>,
     interval: Duration,
     start_mono_ns: u64,
-    tx: &Sender<ScrapeEvent>,
+    tx: &SyncSender<ScrapeEvent>,
     ctl: &Receiver<Control>,
 ) {
     let timeout = request_timeout(interval);
@@ -553,7 +567,7 @@ mod tests {
             let l = TcpListener::bind("127.0.0.1:0").unwrap();
             format!("http://{}/metrics", l.local_addr().unwrap())
         };
-        let start = crate::sampler::monotonic_ns();
+        let start = crate::sys::monotonic_ns();
         let (scraper, rx) = Scraper::spawn(
             vec![
                 engine("engine0", &url),

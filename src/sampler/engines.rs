@@ -1,0 +1,207 @@
+//! `record --vllm`: the engines as discovered, their metrics scraper, and rediscovery of engine
+//! processes that start later. The recording loop polls it every tick whatever the source.
+
+use std::time::{Duration, Instant};
+
+use super::{Pipeline, RecordOptions};
+use crate::record::{EngineInfo, ProcessInfo};
+use crate::sys::monotonic_ns;
+use crate::vllm::discover::{self, Discovery};
+use crate::vllm::metrics::{ScrapeEvent, Scraper};
+
+/// How often engines are discovered again while recording.
+const REDISCOVER_EVERY: Duration = Duration::from_secs(2);
+
+/// Discover the engines `record --vllm` records (only the one rooted at `--engine-pid` when
+/// given), saying what was found unless quiet.
+pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
+    let mut d = discover::discover_engines(opts.metrics_url.as_deref())?;
+    if let Some(root) = opts.vllm_root_pid {
+        restrict_to_engine(&mut d, root);
+    }
+    if !opts.quiet {
+        for w in &d.warnings {
+            eprintln!("enginescope: {w}");
+        }
+        for e in &d.engines {
+            eprintln!(
+                "enginescope: {}: API server {}, engine core {:?}, workers {:?}, metrics {}",
+                e.id,
+                if e.api_server_pid == 0 {
+                    "-".to_string()
+                } else {
+                    e.api_server_pid.to_string()
+                },
+                e.engine_core_pids,
+                e.worker_pids,
+                if e.metrics_url.is_empty() {
+                    "-"
+                } else {
+                    &e.metrics_url
+                }
+            );
+        }
+    }
+    anyhow::ensure!(
+        !d.engines.is_empty() || !opts.pids.is_empty(),
+        "no vLLM engine found on this host (looked for `vllm serve` API servers, VLLM::EngineCore and VLLM::Worker processes); start one, pass --pid, or give --metrics-url for a remote engine"
+    );
+    Ok(d)
+}
+
+/// Keep only the engine rooted at `root` (its API server or offline script).
+fn restrict_to_engine(d: &mut Discovery, root: i32) {
+    let keep: Option<String> = d
+        .processes
+        .iter()
+        .find(|p| p.pid == root)
+        .map(|p| p.engine.clone());
+    d.engines.retain(|e| Some(&e.id) == keep.as_ref());
+    d.processes.retain(|p| Some(&p.engine) == keep.as_ref());
+    let pids: std::collections::BTreeSet<i32> = d.processes.iter().map(|p| p.pid).collect();
+    d.roles.retain(|pid, _| pids.contains(pid));
+}
+
+/// A `record --vllm` session: the engines as last discovered and the metrics scraper.
+pub struct EngineSession {
+    // Dropped before the scraper, whose thread may be waiting for room in the channel.
+    rx: std::sync::mpsc::Receiver<ScrapeEvent>,
+    scraper: Scraper,
+    discovery: Discovery,
+    last: Instant,
+    pub metric_points: u64,
+    pub scrape_errors: u64,
+}
+
+impl EngineSession {
+    /// Write the engines and start scraping their metrics.
+    pub fn start(
+        discovery: Discovery,
+        pipe: &mut Pipeline,
+        opts: &RecordOptions,
+    ) -> anyhow::Result<Self> {
+        for e in &discovery.engines {
+            pipe.writer.engine(&EngineInfo {
+                t_ns: 0,
+                ..e.clone()
+            })?;
+        }
+        let (scraper, rx) = Scraper::spawn(
+            discovery.engines.clone(),
+            opts.scrape_interval,
+            pipe.start_ns,
+        )?;
+        Ok(EngineSession {
+            rx,
+            scraper,
+            discovery,
+            last: Instant::now(),
+            metric_points: 0,
+            scrape_errors: 0,
+        })
+    }
+
+    /// The role discovery gave `pid` ("" when none).
+    pub fn role(&self, pid: i32) -> String {
+        self.discovery.roles.get(&pid).cloned().unwrap_or_default()
+    }
+
+    /// Write whatever the metrics scraper has sent since the last call.
+    pub fn poll_metrics(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        while let Ok(ev) = self.rx.try_recv() {
+            self.write(ev, pipe)?;
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, ev: ScrapeEvent, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        match ev {
+            ScrapeEvent::Series(s) => pipe.writer.series(&s)?,
+            ScrapeEvent::Points(ps) => {
+                for p in &ps {
+                    pipe.writer.metric(p)?;
+                }
+                self.metric_points += ps.len() as u64;
+            }
+            ScrapeEvent::Error(e) => {
+                self.scrape_errors += 1;
+                pipe.writer.scrape_error(&e)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stop the scraper and write what it sent until it stopped.
+    pub fn finish(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        self.scraper.request_stop();
+        // Until the thread has stopped and closed the channel (after one request at most).
+        while let Ok(ev) = self.rx.recv() {
+            self.write(ev, pipe)?;
+        }
+        Ok(())
+    }
+
+    /// Every [`REDISCOVER_EVERY`]: discover again; write changed engines and roles, point the
+    /// scraper at the engines now present, and return the processes that appeared (pid, role).
+    pub fn rediscover_due(
+        &mut self,
+        pipe: &mut Pipeline,
+        opts: &RecordOptions,
+    ) -> anyhow::Result<Vec<(i32, String)>> {
+        if self.last.elapsed() < REDISCOVER_EVERY {
+            return Ok(Vec::new());
+        }
+        self.last = Instant::now();
+        let fresh = match discover::discover_engines(opts.metrics_url.as_deref()) {
+            Ok(mut d) => {
+                if let Some(root) = opts.vllm_root_pid {
+                    restrict_to_engine(&mut d, root);
+                }
+                d
+            }
+            // /proc raced with exiting processes: try again next time.
+            Err(_) => return Ok(Vec::new()),
+        };
+        let (fresh, change) = discover::reconcile(&self.discovery, fresh);
+        if change.is_empty() {
+            return Ok(Vec::new());
+        }
+        let now = monotonic_ns().saturating_sub(pipe.start_ns);
+        for e in &change.changed_engines {
+            pipe.writer.engine(&EngineInfo {
+                t_ns: now,
+                ..e.clone()
+            })?;
+        }
+        if !change.changed_engines.is_empty() || !change.gone_engines.is_empty() {
+            self.scraper.set_engines(fresh.engines.clone());
+        }
+        for (pid, role) in &change.role_changes {
+            if let Some(p) = fresh.processes.iter().find(|p| p.pid == *pid) {
+                pipe.writer.process(&ProcessInfo {
+                    pid: *pid,
+                    cmdline: p.cmdline.clone(),
+                    python_version: String::new(),
+                    role: role.clone(),
+                })?;
+            }
+        }
+        if !opts.quiet {
+            for e in &change.changed_engines {
+                eprintln!(
+                    "enginescope: engine {} changed: engine core {:?}, workers {:?}",
+                    e.id, e.engine_core_pids, e.worker_pids
+                );
+            }
+            for id in &change.gone_engines {
+                eprintln!("enginescope: engine {id} is gone");
+            }
+        }
+        self.discovery = fresh;
+        let mut new = change.new_pids;
+        if let Some(root) = opts.vllm_root_pid {
+            new.retain(|(pid, _)| crate::procinfo::descends_from(*pid, root));
+        }
+        Ok(new)
+    }
+}

@@ -1,0 +1,540 @@
+//! Turns resolved events into recording records: samples as they come, and the pairing of
+//! switch-out/switch-in into off-CPU intervals, GIL-wait start/end into waits and GC edges into
+//! pauses. Both sources feed it; it writes through a [`Sink`].
+
+use std::collections::HashMap;
+
+use super::sink::Sink;
+use crate::bpf::abi;
+use crate::record::format::StackCarry;
+use crate::record::{GcPause, GilWait, OffCpu, RecordingWriter, Sample};
+
+/// Per-thread off-CPU bookkeeping: the pending switch-out, or the stack read at start.
+#[derive(Default)]
+struct ThreadTimeline {
+    /// (switch-out time, stack id, preempted)
+    pending_out: Option<(u64, u32, bool)>,
+    /// Stack at recording start, for a thread that had not run yet.
+    initial_stack: Option<u32>,
+    seen_event: bool,
+    /// The thread's latest known stack (sample or blocking switch-out).
+    last_stack: u32,
+}
+
+/// A GIL wait that has begun and not yet ended.
+struct PendingGilWait {
+    start_ns: u64,
+    holder_tid: i32,
+    holder_stack: u32,
+    waiter_stack: Option<u32>,
+    switch_wait: bool,
+}
+
+/// A collection that has begun: when, in which thread, and the statistics then.
+struct PendingGc {
+    /// Absolute (CLOCK_MONOTONIC): a pause that spans a rotation is written whole in the
+    /// segment where it ends.
+    start_abs_ns: u64,
+    tid: i32,
+    stats: abi::GcStats,
+}
+
+/// How many records of each kind were written.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Written {
+    pub samples: u64,
+    pub offcpu: u64,
+    pub gil_waits: u64,
+    pub gc_pauses: u64,
+}
+
+pub struct Pipeline<W: Sink = RecordingWriter> {
+    pub writer: W,
+    /// `CLOCK_MONOTONIC` at the start of the recording (of the segment, when rotating): event
+    /// times are written relative to it.
+    pub start_ns: u64,
+    /// CPU time one sample stands for (the sampling period).
+    pub weight_ns: u32,
+    /// Measured cost of one watchpoint hit, subtracted from each GC pause (probe effect).
+    pub gc_trap_ns: u64,
+    pub written: Written,
+    timelines: HashMap<(i32, i32), ThreadTimeline>,
+    gil_waits: HashMap<(i32, i32), PendingGilWait>,
+    gc: HashMap<i32, PendingGc>,
+}
+
+impl<W: Sink> Pipeline<W> {
+    pub fn new(writer: W, start_ns: u64, rate_hz: u32) -> Self {
+        Pipeline {
+            writer,
+            start_ns,
+            weight_ns: (1_000_000_000u64 / rate_hz.max(1) as u64) as u32,
+            gc_trap_ns: 0,
+            written: Written::default(),
+            timelines: HashMap::new(),
+            gil_waits: HashMap::new(),
+            gc: HashMap::new(),
+        }
+    }
+
+    pub fn rel(&self, t: u64) -> u64 {
+        t.saturating_sub(self.start_ns)
+    }
+
+    pub fn sample(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        stack: u32,
+        fl: u8,
+    ) -> anyhow::Result<()> {
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        tl.seen_event = true;
+        tl.initial_stack = None;
+        tl.last_stack = stack;
+        self.sample_weighted(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
+    }
+
+    /// The thread's latest known stack: what a preempted switch-out (recorded without a stack
+    /// walk) is attributed to. 0 (empty) when none is known yet.
+    pub fn last_stack(&self, pid: i32, tid: i32) -> u32 {
+        self.timelines.get(&(pid, tid)).map_or(0, |t| {
+            if t.last_stack != 0 {
+                t.last_stack
+            } else {
+                t.initial_stack.unwrap_or(0)
+            }
+        })
+    }
+
+    /// A sample standing for `weight_ns` of CPU time (the memory backend's measured CPU time).
+    pub fn sample_weighted(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        stack: u32,
+        fl: u8,
+        weight_ns: u64,
+    ) -> anyhow::Result<()> {
+        let t = self.rel(t_ns);
+        self.written.samples += 1;
+        self.writer.sample(&Sample {
+            t_ns: t,
+            pid,
+            tid,
+            stack,
+            flags: fl,
+            weight_ns: weight_ns.min(u32::MAX as u64) as u32,
+        })
+    }
+
+    /// An off-CPU interval known as a whole (the memory backend's share of a tick off CPU).
+    pub fn offcpu_interval(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        start_ns: u64,
+        dur_ns: u64,
+        stack: u32,
+    ) -> anyhow::Result<()> {
+        self.written.offcpu += 1;
+        self.writer.offcpu(&OffCpu {
+            pid,
+            tid,
+            start_ns: self.rel(start_ns),
+            dur_ns,
+            stack,
+            preempted: false,
+        })
+    }
+
+    pub fn switch_out(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, preempted: bool) {
+        let t = self.rel(t_ns);
+        if let Some(w) = self.gil_waits.get_mut(&(pid, tid)) {
+            w.waiter_stack.get_or_insert(stack);
+        }
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        tl.seen_event = true;
+        tl.initial_stack = None;
+        if stack != 0 {
+            tl.last_stack = stack;
+        }
+        tl.pending_out = Some((t, stack, preempted));
+    }
+
+    pub fn switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
+        let t = self.rel(t_ns);
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        let first = !tl.seen_event;
+        tl.seen_event = true;
+        let iv = match (tl.pending_out.take(), tl.initial_stack.take()) {
+            (Some((start, stack, preempted)), _) => Some((start, stack, preempted)),
+            // Blocked since before the recording started: off CPU from the start.
+            (None, Some(stack)) if first => Some((0, stack, false)),
+            _ => None,
+        };
+        if let Some((start, stack, preempted)) = iv {
+            self.written.offcpu += 1;
+            self.writer.offcpu(&OffCpu {
+                pid,
+                tid,
+                start_ns: start,
+                dur_ns: t.saturating_sub(start),
+                stack,
+                preempted,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Remember a thread's stack at start: if its first event is a switch-in, it was off CPU
+    /// (there) from the start; if it never has an event, for the whole recording.
+    pub fn initial_stack(&mut self, pid: i32, tid: i32, stack: u32) {
+        let tl = self.timelines.entry((pid, tid)).or_default();
+        if !tl.seen_event {
+            tl.initial_stack = Some(stack);
+        }
+    }
+
+    pub fn gil_wait_start(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        holder_tid: i32,
+        holder_stack: u32,
+        switch_wait: bool,
+    ) {
+        let start_ns = self.rel(t_ns);
+        self.gil_waits.insert(
+            (pid, tid),
+            PendingGilWait {
+                start_ns,
+                holder_tid,
+                holder_stack,
+                waiter_stack: None,
+                switch_wait,
+            },
+        );
+    }
+
+    /// Returns false when no wait was open (the recorder attached during it).
+    pub fn gil_wait_end(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<bool> {
+        let end = self.rel(t_ns);
+        let Some(w) = self.gil_waits.remove(&(pid, tid)) else {
+            return Ok(false);
+        };
+        self.write_gil_wait(pid, tid, &w, end)?;
+        Ok(true)
+    }
+
+    fn write_gil_wait(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        w: &PendingGilWait,
+        end: u64,
+    ) -> anyhow::Result<()> {
+        self.written.gil_waits += 1;
+        self.writer.gil_wait(&GilWait {
+            pid,
+            tid,
+            start_ns: w.start_ns,
+            dur_ns: end.saturating_sub(w.start_ns),
+            holder_tid: w.holder_tid,
+            holder_stack: w.holder_stack,
+            waiter_stack: w.waiter_stack.unwrap_or(0),
+            switch_wait: w.switch_wait,
+        })
+    }
+
+    /// A write to a target's `gcstate->collecting`: 1 starts a pause, 0 ends it.
+    pub fn gc_edge(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        value: i64,
+        stats: abi::GcStats,
+    ) -> anyhow::Result<()> {
+        if value != 0 {
+            self.gc.entry(pid).or_insert(PendingGc {
+                start_abs_ns: t_ns,
+                tid,
+                stats,
+            });
+            return Ok(());
+        }
+        let Some(p) = self.gc.remove(&pid) else {
+            return Ok(());
+        };
+        // The generation whose `collections` counter moved; the oldest one if several did.
+        let generation = (0..3)
+            .rev()
+            .find(|&g| stats.collections[g] > p.stats.collections[g])
+            .map(|g| g as i8)
+            .unwrap_or(-1);
+        let collected = if generation >= 0 {
+            let g = generation as usize;
+            stats.collected[g]
+                .checked_sub(p.stats.collected[g])
+                .map(|d| d as i64)
+                .unwrap_or(-1)
+        } else {
+            -1
+        };
+        self.written.gc_pauses += 1;
+        self.writer.gc_pause(&GcPause {
+            pid,
+            tid: p.tid,
+            start_ns: self.rel(p.start_abs_ns),
+            // The watchpoint's own trap (the end of the first hit, the start of the second) is
+            // inside the interval but is not the collector's: take it out.
+            dur_ns: t_ns
+                .saturating_sub(p.start_abs_ns)
+                .saturating_sub(self.gc_trap_ns),
+            generation,
+            collected,
+        })
+    }
+
+    /// Write every thread's off-CPU interval still open (switched out, or blocked since before
+    /// the recording) up to `end`, in (pid, tid) order. `close`: they end here; otherwise
+    /// (a segment rotation) they stay open and the next segment goes on with them.
+    fn write_open_offcpu(&mut self, end: u64, close: bool) -> anyhow::Result<()> {
+        let mut open = Vec::new();
+        for (&(pid, tid), tl) in &mut self.timelines {
+            let (pending, initial) = if close {
+                (tl.pending_out.take(), tl.initial_stack.take())
+            } else {
+                (tl.pending_out, tl.initial_stack)
+            };
+            if let Some((start, stack, preempted)) = pending {
+                open.push((pid, tid, start, stack, preempted));
+            } else if let (Some(stack), false) = (initial, tl.seen_event) {
+                open.push((pid, tid, 0, stack, false));
+            }
+        }
+        open.sort_by_key(|x| (x.0, x.1));
+        for (pid, tid, start, stack, preempted) in open {
+            self.written.offcpu += 1;
+            self.writer.offcpu(&OffCpu {
+                pid,
+                tid,
+                start_ns: start,
+                dur_ns: end.saturating_sub(start),
+                stack,
+                preempted,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Close intervals still open at the end.
+    pub fn close(&mut self, end_ns: u64) -> anyhow::Result<()> {
+        let end = self.rel(end_ns);
+        let mut waits: Vec<_> = self.gil_waits.drain().collect();
+        waits.sort_by_key(|(k, _)| *k);
+        for ((pid, tid), w) in waits {
+            self.write_gil_wait(pid, tid, &w, end)?;
+        }
+        self.write_open_offcpu(end, true)?;
+        Ok(())
+    }
+
+    /// Before a segment ends at `end_ns`: forget threads and processes that exited (a dead
+    /// thread's last switch-out is its exit, not a wait), then write the part so far of every
+    /// interval still open (off CPU, GIL waits); they stay open.
+    pub fn split_open(
+        &mut self,
+        end_ns: u64,
+        thread_alive: &dyn Fn(i32, i32) -> bool,
+        process_alive: &dyn Fn(i32) -> bool,
+    ) -> anyhow::Result<()> {
+        let end = self.rel(end_ns);
+        self.timelines
+            .retain(|&(pid, tid), _| thread_alive(pid, tid));
+        self.gil_waits
+            .retain(|&(pid, tid), _| thread_alive(pid, tid));
+        self.gc.retain(|&pid, _| process_alive(pid));
+        self.write_open_offcpu(end, false)?;
+        let mut waits: Vec<(i32, i32)> = self.gil_waits.keys().copied().collect();
+        waits.sort_unstable();
+        for (pid, tid) in waits {
+            if let Some(w) = self.gil_waits.remove(&(pid, tid)) {
+                let res = self.write_gil_wait(pid, tid, &w, end);
+                self.gil_waits.insert((pid, tid), w);
+                res?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a segment started at `start_ns`: intervals still open go on from its start, at
+    /// their stacks as `carry` maps them into the new segment.
+    pub fn continue_open(
+        &mut self,
+        start_ns: u64,
+        carry: &mut dyn FnMut(&mut W, u32) -> anyhow::Result<u32>,
+    ) -> anyhow::Result<()> {
+        self.start_ns = start_ns;
+        for tl in self.timelines.values_mut() {
+            if let Some((_, stack, preempted)) = tl.pending_out {
+                tl.pending_out = Some((0, carry(&mut self.writer, stack)?, preempted));
+            }
+            if let Some(stack) = tl.initial_stack {
+                tl.initial_stack = Some(carry(&mut self.writer, stack)?);
+            }
+            tl.last_stack = carry(&mut self.writer, tl.last_stack)?;
+        }
+        for w in self.gil_waits.values_mut() {
+            w.start_ns = 0;
+            w.holder_stack = carry(&mut self.writer, w.holder_stack)?;
+            if let Some(s) = w.waiter_stack {
+                w.waiter_stack = Some(carry(&mut self.writer, s)?);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Pipeline<RecordingWriter> {
+    /// [`Self::continue_open`] with a rotation's stack carry.
+    pub fn carry_open(&mut self, start_ns: u64, carry: &StackCarry) -> anyhow::Result<()> {
+        self.continue_open(start_ns, &mut |w, s| carry.carry(w, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::sink::Event;
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn pipe() -> Pipeline<Vec<Event>> {
+        Pipeline::new(Vec::new(), 1000 * MS, 100)
+    }
+
+    fn offcpu(events: &[Event]) -> Vec<(i32, u64, u64, u32, bool)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::OffCpu(o) => Some((o.tid, o.start_ns, o.dur_ns, o.stack, o.preempted)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn switches_pair_into_intervals() {
+        let mut p = pipe();
+        let t0 = p.start_ns;
+        p.sample(1, 10, t0 + 5 * MS, 7, 0).unwrap();
+        p.switch_out(1, 10, t0 + 10 * MS, 8, false);
+        p.switch_in(1, 10, t0 + 25 * MS).unwrap();
+        // Preempted: no stack walked; the last known stack stands for it.
+        let last = p.last_stack(1, 10);
+        assert_eq!(last, 8);
+        p.switch_out(1, 10, t0 + 30 * MS, last, true);
+        p.switch_in(1, 10, t0 + 31 * MS).unwrap();
+        // A switch-in with no switch-out before it (attached while running): nothing.
+        p.switch_in(1, 11, t0 + 40 * MS).unwrap();
+        assert_eq!(
+            offcpu(&p.writer),
+            [(10, 10 * MS, 15 * MS, 8, false), (10, 30 * MS, MS, 8, true)]
+        );
+        assert_eq!(p.written.samples, 1);
+        assert_eq!(p.written.offcpu, 2);
+        match p.writer[0] {
+            Event::Sample(s) => assert_eq!((s.t_ns, s.weight_ns), (5 * MS, 10 * MS as u32)),
+            ref e => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn blocked_since_start_and_open_at_close() {
+        let mut p = pipe();
+        let t0 = p.start_ns;
+        // Thread 20 was blocked at start and wakes at 12 ms; thread 21 never runs; thread 22
+        // runs first (its start stack is forgotten); thread 23 blocks and never wakes.
+        for tid in [20, 21, 22] {
+            p.initial_stack(1, tid, 100 + tid as u32);
+        }
+        p.switch_in(1, 20, t0 + 12 * MS).unwrap();
+        p.sample(1, 22, t0 + 13 * MS, 5, 0).unwrap();
+        p.switch_out(1, 23, t0 + 14 * MS, 6, false);
+        p.close(t0 + 50 * MS).unwrap();
+        assert_eq!(
+            offcpu(&p.writer),
+            [
+                (20, 0, 12 * MS, 120, false),
+                (21, 0, 50 * MS, 121, false),
+                (23, 14 * MS, 36 * MS, 6, false)
+            ]
+        );
+    }
+
+    #[test]
+    fn gil_waits_take_the_first_blocking_stack() {
+        let mut p = pipe();
+        let t0 = p.start_ns;
+        p.gil_wait_start(1, 10, t0 + MS, 11, 40, true);
+        p.switch_out(1, 10, t0 + 2 * MS, 41, false);
+        p.switch_out(1, 10, t0 + 3 * MS, 42, false);
+        assert!(p.gil_wait_end(1, 10, t0 + 6 * MS).unwrap());
+        assert!(!p.gil_wait_end(1, 10, t0 + 7 * MS).unwrap(), "none open");
+        p.gil_wait_start(1, 12, t0 + 8 * MS, 10, 43, false);
+        p.close(t0 + 9 * MS).unwrap();
+        let waits: Vec<GilWait> = p
+            .writer
+            .iter()
+            .filter_map(|e| match e {
+                Event::GilWait(w) => Some(*w),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(waits.len(), 2);
+        assert_eq!(
+            (waits[0].start_ns, waits[0].dur_ns, waits[0].holder_tid),
+            (MS, 5 * MS, 11)
+        );
+        assert_eq!((waits[0].holder_stack, waits[0].waiter_stack), (40, 41));
+        assert!(waits[0].switch_wait);
+        assert_eq!((waits[1].tid, waits[1].dur_ns), (12, MS));
+        assert_eq!(p.written.gil_waits, 2);
+    }
+
+    #[test]
+    fn gc_edges_pair_per_process_less_the_trap() {
+        let mut p = pipe();
+        p.gc_trap_ns = 1000;
+        let t0 = p.start_ns;
+        let before = abi::GcStats {
+            collections: [4, 2, 1],
+            collected: [10, 20, 30],
+        };
+        let after = abi::GcStats {
+            collections: [5, 3, 1],
+            collected: [10, 29, 30],
+        };
+        p.gc_edge(1, 10, t0 + MS, 1, before).unwrap();
+        p.gc_edge(1, 11, t0 + 2 * MS, 1, after).unwrap(); // nested start: the first one counts
+        p.gc_edge(1, 10, t0 + 4 * MS, 0, after).unwrap();
+        p.gc_edge(1, 10, t0 + 5 * MS, 0, after).unwrap(); // end with none open: nothing
+        let pauses: Vec<GcPause> = p
+            .writer
+            .iter()
+            .filter_map(|e| match e {
+                Event::GcPause(g) => Some(*g),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(pauses.len(), 1);
+        let g = pauses[0];
+        assert_eq!((g.tid, g.start_ns, g.dur_ns), (10, MS, 3 * MS - 1000));
+        assert_eq!((g.generation, g.collected), (1, 9));
+    }
+}

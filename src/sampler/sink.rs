@@ -1,0 +1,74 @@
+//! Where paired events go. The pairing state machines ([`super::Pipeline`]'s off-CPU intervals,
+//! GIL waits and GC pauses; [`super::probes::Probes`]' entry/return pairs) write through
+//! [`Sink`], so they are unit-tested with a `Vec<Event>` and run with a `RecordingWriter`.
+
+use crate::record::{FunctionCall, GcPause, GilWait, OffCpu, ProbeInfo, RecordingWriter, Sample};
+
+pub trait Sink {
+    fn sample(&mut self, s: &Sample) -> anyhow::Result<()>;
+    fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()>;
+    fn gil_wait(&mut self, w: &GilWait) -> anyhow::Result<()>;
+    fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()>;
+    fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()>;
+    fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()>;
+}
+
+impl Sink for RecordingWriter {
+    fn sample(&mut self, s: &Sample) -> anyhow::Result<()> {
+        RecordingWriter::sample(self, s)
+    }
+    fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()> {
+        RecordingWriter::offcpu(self, o)
+    }
+    fn gil_wait(&mut self, w: &GilWait) -> anyhow::Result<()> {
+        RecordingWriter::gil_wait(self, w)
+    }
+    fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {
+        RecordingWriter::gc_pause(self, g)
+    }
+    fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()> {
+        RecordingWriter::probe(self, p)
+    }
+    fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
+        RecordingWriter::call(self, c)
+    }
+}
+
+/// One event written to a [`Sink`], as kept by the in-memory sink.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Sample(Sample),
+    OffCpu(OffCpu),
+    GilWait(GilWait),
+    GcPause(GcPause),
+    Probe(ProbeInfo),
+    Call(FunctionCall),
+}
+
+/// The in-memory sink (tests).
+impl Sink for Vec<Event> {
+    fn sample(&mut self, s: &Sample) -> anyhow::Result<()> {
+        self.push(Event::Sample(*s));
+        Ok(())
+    }
+    fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()> {
+        self.push(Event::OffCpu(*o));
+        Ok(())
+    }
+    fn gil_wait(&mut self, w: &GilWait) -> anyhow::Result<()> {
+        self.push(Event::GilWait(*w));
+        Ok(())
+    }
+    fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {
+        self.push(Event::GcPause(*g));
+        Ok(())
+    }
+    fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()> {
+        self.push(Event::Probe(p.clone()));
+        Ok(())
+    }
+    fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
+        self.push(Event::Call(*c));
+        Ok(())
+    }
+}

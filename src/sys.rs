@@ -1,0 +1,141 @@
+//! The lowest layer: the clock, facts about this host, and the stop token. Everything else may
+//! use it; it uses nothing of the crate, so no import cycle can go through it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of every event time in a recording (the BPF
+/// programs' `bpf_ktime_get_ns`, the scraper's points, `Meta::start_mono_ns`).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Seconds since the Unix epoch (0.0 if the clock is before it).
+pub fn unix_now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// What the kernel and our privileges allow.
+#[derive(Debug, serde::Serialize)]
+pub struct MachineFacts {
+    pub kernel: String,
+    pub euid: u32,
+    pub btf: bool,
+    pub perf_event_paranoid: Option<i32>,
+    pub ptrace_scope: Option<i32>,
+    pub effective_caps: String,
+    pub cap_sys_ptrace: bool,
+    pub cap_bpf: bool,
+    pub cap_perfmon: bool,
+    pub cap_sys_admin: bool,
+}
+
+fn read_int(path: &str) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+pub fn machine_facts() -> MachineFacts {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let caps = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let bits = u64::from_str_radix(&caps, 16).unwrap_or(0);
+    let has = |n: u32| bits & (1u64 << n) != 0;
+    MachineFacts {
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        euid: unsafe { libc::geteuid() },
+        btf: std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
+        perf_event_paranoid: read_int("/proc/sys/kernel/perf_event_paranoid"),
+        ptrace_scope: read_int("/proc/sys/kernel/yama/ptrace_scope"),
+        effective_caps: caps,
+        cap_sys_ptrace: has(19),
+        cap_sys_admin: has(21),
+        cap_perfmon: has(38),
+        cap_bpf: has(39),
+    }
+}
+
+/// Asks a running recorder (or agent, or dashboard) to finish: cloned into whoever may ask,
+/// passed to whoever must stop. A new token per run, so a process can record again after a
+/// stop (no process-global flag).
+#[derive(Debug, Clone, Default)]
+pub struct StopToken(Arc<AtomicBool>);
+
+impl StopToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Ask to stop (as SIGINT would).
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_stopped(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The token SIGINT and SIGTERM stop, once [`stop_on_signals`] has installed the handlers.
+static SIGNALLED: OnceLock<StopToken> = OnceLock::new();
+
+extern "C" fn on_signal(_: libc::c_int) {
+    // OnceLock::get is an atomic load and StopToken::stop an atomic store: async-signal-safe.
+    if let Some(t) = SIGNALLED.get() {
+        t.stop();
+    }
+}
+
+/// Stop cleanly (finish the file) on SIGINT and SIGTERM: returns the token those signals
+/// stop. For the binary (`main`) only: a library must not take a process's signals. The
+/// handlers are installed once; later calls return the same token.
+pub fn stop_on_signals() -> StopToken {
+    let t = SIGNALLED.get_or_init(StopToken::new).clone();
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        // SAFETY: the handler only does atomic loads and stores, which are async-signal-safe.
+        unsafe {
+            libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+            libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        }
+    });
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_independent() {
+        let a = StopToken::new();
+        let b = a.clone();
+        let c = StopToken::new();
+        b.stop();
+        assert!(a.is_stopped());
+        assert!(
+            !c.is_stopped(),
+            "a new run is not stopped by an earlier stop"
+        );
+    }
+}
