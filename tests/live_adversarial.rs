@@ -148,23 +148,42 @@ fn regions(pid: i32, listed: &serde_json::Value) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-/// Samples per thread name and function, over thirds of the recording's sample span.
+/// Events of the healthy thread in `es_healthy_worker` (on-CPU samples and off-CPU intervals:
+/// a reader that keeps reading the thread records one or the other each time, however little
+/// CPU the machine gives it), over thirds of the recording's span.
 fn healthy_samples(rec: &enginescope::record::Recording, tid: i32) -> [usize; 3] {
-    let (Some(first), Some(last)) = (rec.samples.first(), rec.samples.last()) else {
-        return [0; 3];
-    };
-    let span = (last.t_ns - first.t_ns).max(1);
-    let mut thirds = [0; 3];
-    for s in rec.samples.iter().filter(|s| s.tid == tid) {
-        let named = rec.stacks[s.stack as usize].iter().any(|&f| {
+    let healthy = |stack: u32| {
+        rec.stacks[stack as usize].iter().any(|&f| {
             rec.frames[f as usize]
                 .function
                 .ends_with("es_healthy_worker")
-        });
-        if named {
-            let k = (((s.t_ns - first.t_ns) * 3 / span) as usize).min(2);
-            thirds[k] += 1;
-        }
+        })
+    };
+    let mut events: Vec<u64> = rec
+        .samples
+        .iter()
+        .filter(|s| s.tid == tid && healthy(s.stack))
+        .map(|s| s.t_ns)
+        .collect();
+    events.extend(
+        rec.offcpu
+            .iter()
+            .filter(|o| o.tid == tid && healthy(o.stack))
+            .map(|o| o.start_ns),
+    );
+    let all = rec
+        .samples
+        .iter()
+        .map(|s| s.t_ns)
+        .chain(rec.offcpu.iter().map(|o| o.start_ns));
+    let (Some(first), Some(last)) = (all.clone().min(), all.max()) else {
+        return [0; 3];
+    };
+    let span = (last - first).max(1);
+    let mut thirds = [0; 3];
+    for t in events {
+        let k = ((t.saturating_sub(first) * 3 / span) as usize).min(2);
+        thirds[k] += 1;
     }
     thirds
 }
@@ -201,7 +220,7 @@ fn record_and_check(w: &common::Workload, healthy_tid: i32, backend: &str, what:
     let thirds = healthy_samples(&rec, healthy_tid);
     assert!(
         thirds.iter().all(|&n| n > 0),
-        "{what} ({backend}): the healthy thread must be sampled throughout; per third {thirds:?}\n{:?}\n{}",
+        "{what} ({backend}): the healthy thread must be read throughout; events per third {thirds:?}\n{:?}\n{}",
         rec.counters,
         r.stderr
     );
@@ -224,7 +243,7 @@ fn record_and_check(w: &common::Workload, healthy_tid: i32, backend: &str, what:
         rec.counters
     );
     format!(
-        "{what} {backend}: healthy per third {thirds:?}, {partial} partial samples, peak {} MiB, counters {:?}",
+        "{what} {backend}: healthy events per third {thirds:?}, {partial} partial samples, peak {} MiB, counters {:?}",
         r.max_rss_kib >> 10,
         rec.counters
     )

@@ -7,9 +7,10 @@
 use std::collections::HashMap;
 
 use enginescope::cpython::binary::InterpreterBinary;
-use enginescope::cpython::objects::CodeCache;
+use enginescope::cpython::objects::read_code;
 use enginescope::cpython::offsets::{read_debug_offsets, Offsets};
 use enginescope::cpython::reader::detect_version;
+use enginescope::cpython::symbols::Symbolizer;
 use enginescope::cpython::version::PyVersion;
 use enginescope::cpython::PythonProcess;
 use enginescope::procinfo::TaskInfo;
@@ -77,15 +78,16 @@ fuzz_target!(|data: &[u8]| {
         let _ = p.gil_holder(interp);
         let _ = p.gc_collecting(interp);
         if let Ok(ts) = p.thread_states(interp) {
-            let mut cache = CodeCache::default();
+            let mut sym = Symbolizer::new();
             for t in ts.into_iter().take(8) {
-                let _ = p.walk_stack(t, &mut cache);
+                let (raw, _) = p.walk_raw(t);
+                let frames = sym.resolve(p.mem.as_ref(), &p.offsets, &raw);
+                assert!(frames.len() <= raw.len());
             }
         }
     }
-    let mut cache = CodeCache::default();
     for &a in starts.iter().take(8) {
-        let _ = cache.get(p.mem.as_ref(), &p.offsets, a);
+        let _ = read_code(p.mem.as_ref(), &p.offsets, a);
         let _ = enginescope::sampler::probes::plan_exact(&p, a);
     }
 });
