@@ -621,7 +621,10 @@ fn agent_endpoint_under_slow_clients_and_load() {
     let timeout = Duration::from_secs(30);
     let e = endpoint(timeout);
     let stop = Arc::new(AtomicBool::new(false));
-    for _ in 0..8 {
+    // 6 slow clients: with 4 loaders, each of which may still count one handler finishing
+    // (it has closed, the thread has not yet counted itself out), at most 6 + 4 + 4 = 14
+    // connections are held at once, under the limit of 16.
+    for _ in 0..6 {
         slowloris(e.addr, Duration::from_millis(500), stop.clone());
     }
     // A load generator on loopback: 4 clients × 200 requests, each answered in full.
@@ -653,17 +656,17 @@ fn agent_endpoint_under_slow_clients_and_load() {
         busy += b;
     }
     let took = t0.elapsed();
-    // 8 slow clients + 4 loaders fit in the connection limit: everything is served.
+    // They fit in the connection limit: everything is served.
     assert_eq!((ok, busy), (800, 0));
     assert!(
         took < timeout,
-        "800 requests took {took:?} behind 8 slow clients (per-connection timeout {timeout:?})"
+        "800 requests took {took:?} behind 6 slow clients (per-connection timeout {timeout:?})"
     );
     let threads = handler_threads();
     assert!(threads <= 2 * enginescope::agent::exporter::MAX_CONNECTIONS);
     stop.store(true, Ordering::SeqCst);
     eprintln!(
-        "agent endpoint: 800 requests in {took:?} beside 8 slow clients; {threads} handler threads"
+        "agent endpoint: 800 requests in {took:?} beside 6 slow clients; {threads} handler threads"
     );
     e.stop();
 }
