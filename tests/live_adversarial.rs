@@ -31,6 +31,8 @@ struct Run {
 
 /// Run `enginescope ARGS`, killing it if it is still running after `limit`; its own peak RSS
 /// comes from wait4.
+// The child is reaped with wait4 (for its rusage), which clippy does not see.
+#[allow(clippy::zombie_processes)]
 fn run_bounded(args: &[&str], limit: Duration) -> Run {
     let mut child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
         .args(args)
