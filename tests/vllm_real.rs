@@ -7,6 +7,11 @@
 //!   scrapes it every 250 ms; the generation rate of `report --from/--to` over the load's
 //!   window, and the one of our scrapes over the counter's active stretch, must agree with
 //!   load.py's own client-side count within ±10 %.
+//!   A second recorder, `record --vllm --backend memory --engine-pid`, starts as soon as the
+//!   API server process exists (serve.sh writes its pid at once): the engine core and worker,
+//!   started later, must be attached by rediscovery, the metrics must be in the file while it
+//!   records, and its report's generation rate over the load's window must agree with
+//!   load.py's within ±10 % too (same server, same load: no extra server start).
 //! * `offline`: a script calling `LLM(...)` (a READY line, then it waits on stdin) must be
 //!   found as an `offline_llm` engine with its engine core and worker and no metrics URL.
 //!
@@ -135,10 +140,185 @@ struct Server {
     _logdir: tempfile::TempDir,
 }
 
-/// `serve.sh PORT`: ready when it returns (it waits on /v1/models).
-fn start_server() -> Server {
+/// `enginescope record --vllm --backend memory --engine-pid API` started while the server
+/// starts (its engine core and worker appear later).
+struct MemoryRecorder {
+    child: ChildGuard,
+    lines: std::sync::mpsc::Receiver<String>,
+    log: String,
+    path: PathBuf,
+}
+
+impl MemoryRecorder {
+    fn start(path: &Path, api: i32) -> MemoryRecorder {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+            .args(["record", "--vllm", "--backend", "memory", "--rate", "19"])
+            .args([
+                "--scrape-interval",
+                "0.25",
+                "--engine-pid",
+                &api.to_string(),
+            ])
+            .arg("-o")
+            .arg(path)
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn record --vllm --backend memory");
+        let err = BufReader::new(child.stderr.take().unwrap());
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in err.lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut r = MemoryRecorder {
+            child: ChildGuard(Some(child)),
+            lines,
+            log: String::new(),
+            path: path.to_path_buf(),
+        };
+        r.wait_line(|l| l.contains("sampling started"), Duration::from_secs(60));
+        r
+    }
+
+    /// Wait for a line of the recorder's stderr (bounded: the recorder says it or has failed).
+    fn wait_line(&mut self, want: impl Fn(&str) -> bool, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.log.push_str(&l);
+                    self.log.push('\n');
+                    if want(&l) {
+                        return l;
+                    }
+                }
+                Err(e) => panic!("memory recorder: {e:?} waiting; its log:\n{}", self.log),
+            }
+        }
+    }
+
+    /// Wait until the recorder says it attached each of `pids` (rediscovery runs every 2 s).
+    fn wait_attached(&mut self, pids: &[i32]) {
+        let mut left: std::collections::BTreeSet<i32> = pids.iter().copied().collect();
+        for l in self.log.lines() {
+            if let Some(p) = l.rsplit(' ').next().and_then(|p| p.parse().ok()) {
+                if l.contains("attached to new engine process") {
+                    left.remove(&p);
+                }
+            }
+        }
+        while !left.is_empty() {
+            let l = self.wait_line(
+                |l| l.contains("attached to new engine process"),
+                Duration::from_secs(60),
+            );
+            if let Some(p) = l.rsplit(' ').next().and_then(|p| p.parse::<i32>().ok()) {
+                left.remove(&p);
+            }
+        }
+    }
+
+    /// Its metrics of the engine rooted at `api` are in the file while it records; over the
+    /// load's window its report's generation rate is within ±10 % of load.py's `client`.
+    fn check(mut self, api: i32, load_start: u64, load_end: u64, client: f64) {
+        let mut live = enginescope::record::format::RecordingReader::default();
+        live.feed(&std::fs::read(&self.path).expect("memory recording"))
+            .expect("memory recording parses while written");
+        let r = &live.recording;
+        assert!(r.end.is_none(), "still recording");
+        let engine = r
+            .engines
+            .iter()
+            .find(|e| e.api_server_pid == api)
+            .map(|e| e.id.clone())
+            .expect("the engine in the memory recording");
+        let series: std::collections::BTreeSet<u32> = r
+            .series
+            .iter()
+            .filter(|s| s.engine == engine)
+            .map(|s| s.id)
+            .collect();
+        let live_points = r
+            .metrics
+            .iter()
+            .filter(|m| series.contains(&m.series))
+            .count();
+        assert!(live_points > 0, "metrics written while recording");
+        let pid = self.child.0.as_ref().unwrap().id() as i32;
+        // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+        unsafe { libc::kill(pid, libc::SIGINT) };
+        let status = self.child.0.take().unwrap().wait().expect("recorder exit");
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.log.push_str(&l);
+            self.log.push('\n');
+        }
+        assert!(
+            status.success(),
+            "record --backend memory failed:\n{}",
+            self.log
+        );
+        let rec = enginescope::record::read_recording(&self.path).expect("memory recording");
+        let base = rec.meta.start_mono_ns;
+        let from = format!("{:.3}", load_start.saturating_sub(base) as f64 / 1e9);
+        let to = format!("{:.3}", load_end.saturating_sub(base) as f64 / 1e9);
+        let path = self.path.to_string_lossy().into_owned();
+        let out = common::enginescope(&[
+            "report", &path, "--format", "json", "--from", &from, "--to", &to,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("report json");
+        let eng = v["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["api_server_pid"] == api)
+            .expect("engine in the memory report");
+        let gen = eng["gen_tok_s"]["mean"].as_f64().expect("gen_tok_s.mean");
+        let samples = rec.samples.iter().filter(|s| s.pid == api).count();
+        eprintln!(
+            "memory backend: {live_points} metric points while recording, {samples} samples of the API server; gen tok/s {gen:.1} vs load.py client {client}"
+        );
+        assert!(samples > 0);
+        assert!(
+            (gen / client - 1.0).abs() <= 0.10,
+            "memory recorder's {gen:.1} gen tok/s vs load.py's client-side {client}"
+        );
+    }
+}
+
+/// `serve.sh PORT`: ready when it returns (it waits on /v1/models). `on_spawn(pid)` runs on a
+/// thread of its own as soon as serve.sh has started the server process (it writes the pid
+/// file at once), before the server is ready.
+fn start_server_with<T: Send + 'static>(
+    on_spawn: impl FnOnce(i32) -> T + Send + 'static,
+) -> (Server, std::thread::JoinHandle<T>) {
     let port = free_port();
     let logdir = tempfile::tempdir().expect("tempdir");
+    let pid_file = logdir.path().join(format!("serve-{port}.pid"));
+    let spawned = std::thread::spawn(move || {
+        // serve.sh writes the pid file right after starting the server: wait for that
+        // condition (bounded; a missing file fails the test below anyway).
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let pid = loop {
+            let pid = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok());
+            if let Some(pid) = pid {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "no pid file from serve.sh");
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        on_spawn(pid)
+    });
     let t0 = Instant::now();
     let out = Command::new("bash")
         .arg(harness().join("serve.sh"))
@@ -185,12 +365,15 @@ fn start_server() -> Server {
         "vllm serve pid {pid} ready on port {port} after {:.1} s",
         t0.elapsed().as_secs_f64()
     );
-    Server {
-        pid,
-        port,
-        _guard: guard,
-        _logdir: logdir,
-    }
+    (
+        Server {
+            pid,
+            port,
+            _guard: guard,
+            _logdir: logdir,
+        },
+        spawned,
+    )
 }
 
 fn ppid(pid: i32) -> i32 {
@@ -244,7 +427,10 @@ fn serve_discovery_and_scraped_throughput() {
         return;
     }
     let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
-    let srv = start_server();
+    let mem_dir = tempfile::tempdir().expect("tempdir");
+    let mem_path = mem_dir.path().join("memory.esrec");
+    let (srv, mem) = start_server_with(move |pid| MemoryRecorder::start(&mem_path, pid));
+    let mut mem = mem.join().expect("memory recorder start");
     let url = format!("http://127.0.0.1:{}/metrics", srv.port);
 
     // Discovery: roles, grouping by the process tree, URL from argv.
@@ -263,6 +449,9 @@ fn serve_discovery_and_scraped_throughput() {
         "the engine core is the API server's child"
     );
     assert_eq!(ppid(worker), core, "the worker is the engine core's child");
+    // The memory recorder, started with the API server, attached the engine core and the
+    // worker, which started after it.
+    mem.wait_attached(&[core, worker]);
     assert_eq!(d.roles[&srv.pid], "api_server");
     assert_eq!(d.roles[&core], "engine_core");
     assert_eq!(d.roles[&worker], "worker");
@@ -595,6 +784,8 @@ fn serve_discovery_and_scraped_throughput() {
     assert!(s.prompt_tok_s.unwrap_or(0.0) > 0.0);
     let hit = s.prefix_cache_hit_rate.expect("prefix cache hit rate");
     assert!((0.0..=1.0).contains(&hit));
+
+    mem.check(srv.pid, load_start, load_end, client);
 
     // Rediscovery: nothing of ours changed; once the server is stopped, its three pids have
     // exited and its engine is gone. (Other engines on the host may come and go meanwhile.)
