@@ -5,7 +5,8 @@
 #   - Python matrix: pyenv 3.10.13/3.11.7/3.12.1/3.13.0 (on the image), the host's stripped
 #     /usr/bin/python3.11, Debian sid 3.13/3.14/3.15 in a chroot run container-style
 #     (../shared/harness/pyvers; ~1 min the first time, ~1 s after).
-#   - then cargo fmt --check, clippy -D warnings, and cargo test (unit + live tests).
+#   - then cargo fmt --check, clippy -D warnings, a short fuzz smoke (scripts/fuzz.sh), and
+#     cargo test (unit + live tests).
 # Under CI=true a missing interpreter fails the run instead of skipping its tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +54,13 @@ cargo fmt --check
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
+
+step "fuzz smoke: every target 15 s from its committed seeds (docs/fuzzing.md)"
+# libFuzzer is compiled from libfuzzer-sys's C++ sources: needs a C++ compiler.
+command -v c++ >/dev/null || { apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends g++ >/dev/null; }
+t0=$(date +%s)
+bash scripts/fuzz.sh smoke 15
+echo "fuzz smoke done in $(( $(date +%s) - t0 ))s"
 
 step "cargo test"
 cargo test --locked --all-targets -- --test-threads 2

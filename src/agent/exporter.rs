@@ -1,20 +1,24 @@
 //! The agent's HTTP endpoint: `GET /metrics` (Prometheus text 0.0.4, or OpenMetrics when the
 //! scraper asks for it), `GET /-/healthy`, and `GET /` (a pointer to /metrics).
 //!
-//! A deliberately small server on `std::net`: one connection at a time, `Connection: close`,
-//! request heads up to 8 KiB, 5 s read and write timeouts. Prometheus scrapes every few
-//! seconds, so serial handling is plenty, and a client that stalls holds the endpoint for at
-//! most the timeout. Bind it to loopback or a pod IP: it has no authentication (metrics only).
+//! A deliberately small server on `std::net`: `Connection: close`, request heads up to 8 KiB,
+//! and each connection has `timeout` (5 s) in all to send its head and take its answer, so a
+//! slow client (one byte every few seconds) cannot hold a handler for longer. Connections are
+//! served by up to [`MAX_CONNECTIONS`] threads at once, so a few stalled clients do not stop a
+//! scrape; past that a connection is answered `503` at once and closed. Bind it to loopback or
+//! a pod IP: it has no authentication (metrics only).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
 
 const MAX_HEAD: usize = 8 << 10;
+/// Connections served at once; more are answered `503 Service Unavailable`.
+pub const MAX_CONNECTIONS: usize = 16;
 /// Read and write timeout of a connection.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -41,13 +45,37 @@ impl Exporter {
         let thread = std::thread::Builder::new()
             .name("es-exporter".into())
             .spawn(move || {
+                let active = Arc::new(AtomicUsize::new(0));
+                // Connections over the limit go to one thread that answers 503; when even its
+                // queue is full they are closed at once.
+                let (busy_tx, busy_rx) = std::sync::mpsc::sync_channel::<TcpStream>(64);
+                let _ = std::thread::Builder::new()
+                    .name("es-exporter-busy".into())
+                    .spawn(move || {
+                        for c in busy_rx {
+                            busy(c);
+                        }
+                    });
                 for conn in listener.incoming() {
                     if s.load(Ordering::SeqCst) {
                         break;
                     }
                     // Accept errors (a connection reset before accept, out of fds) are not fatal.
-                    if let Ok(c) = conn {
-                        let _ = handle(c, &registry, timeout);
+                    let Ok(c) = conn else { continue };
+                    if active.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                        active.fetch_sub(1, Ordering::SeqCst);
+                        let _ = busy_tx.try_send(c);
+                        continue;
+                    }
+                    let (reg, mine) = (registry.clone(), active.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("es-exporter-conn".into())
+                        .spawn(move || {
+                            let _ = handle(c, &reg, timeout);
+                            mine.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if spawned.is_err() {
+                        active.fetch_sub(1, Ordering::SeqCst);
                     }
                 }
             })?;
@@ -126,28 +154,41 @@ pub fn respond(
     }
 }
 
-fn handle(mut c: TcpStream, registry: &Registry, timeout: Duration) -> std::io::Result<()> {
-    c.set_read_timeout(Some(timeout))?;
-    c.set_write_timeout(Some(timeout))?;
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    loop {
-        let n = c.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
+/// A request head as it arrives: bytes up to the blank line that ends it, at most 8 KiB.
+#[derive(Default)]
+pub struct HeadReader {
+    buf: Vec<u8>,
+}
+
+/// The head passed 8 KiB without ending.
+#[derive(Debug, PartialEq, Eq)]
+pub struct HeadTooLarge;
+
+impl HeadReader {
+    /// Add bytes read from the client: `None` while the head goes on, then the whole head (up
+    /// to its blank line), or [`HeadTooLarge`].
+    pub fn push(&mut self, data: &[u8]) -> Option<Result<Vec<u8>, HeadTooLarge>> {
+        // The end may straddle the previous read: look from 3 bytes back.
+        let from = self.buf.len().saturating_sub(3);
+        self.buf.extend_from_slice(data);
+        if let Some(p) = self.buf[from..].windows(4).position(|w| w == b"\r\n\r\n") {
+            let end = from + p + 4;
+            if end > MAX_HEAD {
+                return Some(Err(HeadTooLarge));
+            }
+            self.buf.truncate(end);
+            return Some(Ok(std::mem::take(&mut self.buf)));
         }
-        head.extend_from_slice(&buf[..n]);
-        if head.windows(4).any(|w| w == b"\r\n\r\n") {
-            break;
+        if self.buf.len() > MAX_HEAD {
+            return Some(Err(HeadTooLarge));
         }
-        if head.len() > MAX_HEAD {
-            let _ = c.write_all(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
-            );
-            return Ok(());
-        }
+        None
     }
-    let head = String::from_utf8_lossy(&head);
+}
+
+/// The whole response (status line, headers, body) to one complete request head.
+pub fn answer(head: &[u8], registry: &Registry) -> Vec<u8> {
+    let head = String::from_utf8_lossy(head);
     let (status, ct, body) = match parse_head(&head) {
         Some((m, p, a)) => respond(m, p, a, registry),
         None => ("400 Bad Request", "text/plain", "bad request\n".into()),
@@ -161,7 +202,78 @@ fn handle(mut c: TcpStream, registry: &Registry, timeout: Duration) -> std::io::
     if !is_head {
         out.extend_from_slice(body.as_bytes());
     }
-    c.write_all(&out)?;
+    out
+}
+
+/// Too many connections at once: answer 503 and close, reading (and dropping) what the client
+/// sent for up to 100 ms so that closing does not reset the connection before it reads the
+/// answer.
+fn busy(mut c: TcpStream) {
+    let limit = Duration::from_millis(100);
+    let _ = c.set_write_timeout(Some(limit));
+    let _ = c.write_all(
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\nRetry-After: 1\r\n\r\n",
+    );
+    let _ = c.shutdown(std::net::Shutdown::Write);
+    let deadline = Instant::now() + limit;
+    let mut buf = [0u8; 1024];
+    let mut drained = 0;
+    while drained < MAX_HEAD {
+        let Ok(left) = left(deadline) else { break };
+        if c.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
+        match c.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n,
+        }
+    }
+}
+
+/// Time left before `deadline`, or a timed-out error.
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::TimedOut, "connection deadline"))
+}
+
+/// Serve one connection, all within `timeout` from now.
+fn handle(mut c: TcpStream, registry: &Registry, timeout: Duration) -> std::io::Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut head = HeadReader::default();
+    let mut buf = [0u8; 1024];
+    let head = loop {
+        c.set_read_timeout(Some(left(deadline)?))?;
+        let n = c.read(&mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        match head.push(&buf[..n]) {
+            None => continue,
+            Some(Ok(h)) => break h,
+            Some(Err(HeadTooLarge)) => {
+                c.set_write_timeout(Some(left(deadline)?))?;
+                let _ = c.write_all(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+                );
+                return Ok(());
+            }
+        }
+    };
+    let out = answer(&head, registry);
+    // Each write is bounded by what is left of the deadline: a client that reads slowly
+    // cannot stretch it.
+    let mut rest = &out[..];
+    while !rest.is_empty() {
+        c.set_write_timeout(Some(left(deadline)?))?;
+        match c.write(rest) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => rest = &rest[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     c.flush()
 }
 
@@ -176,6 +288,59 @@ mod tests {
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
         out
+    }
+
+    #[test]
+    fn head_reader_finds_the_end_across_reads_and_bounds_the_head() {
+        let mut h = HeadReader::default();
+        assert_eq!(h.push(b"GET / HTTP/1.1\r\nA: b\r"), None);
+        assert_eq!(h.push(b"\n\r"), None);
+        let head = h.push(b"\nBODY").unwrap().unwrap();
+        assert_eq!(head, b"GET / HTTP/1.1\r\nA: b\r\n\r\n");
+        let mut h = HeadReader::default();
+        let mut r = None;
+        for _ in 0..9 {
+            r = h.push(&[b'a'; 1024]);
+            if r.is_some() {
+                break;
+            }
+        }
+        assert_eq!(r, Some(Err(HeadTooLarge)));
+        // The end found past the limit is still too large.
+        let mut h = HeadReader::default();
+        let mut big = vec![b'a'; MAX_HEAD + 10];
+        big.extend_from_slice(b"\r\n\r\n");
+        assert_eq!(h.push(&big), Some(Err(HeadTooLarge)));
+        assert!(answer(b"\r\n\r\n", &Registry::default()).starts_with(b"HTTP/1.1 400"));
+        assert!(answer(b"HEAD / HTTP/1.1\r\n\r\n", &Registry::default()).ends_with(b"\r\n\r\n"));
+    }
+
+    /// Issue 15: connections were served one at a time with a per-read timeout, so a client
+    /// sending one byte every few seconds held the endpoint indefinitely and every scrape
+    /// behind it waited. Now each connection has one deadline for the whole request, and
+    /// others are served meanwhile.
+    #[test]
+    fn slow_client_neither_blocks_others_nor_outlives_its_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let timeout = Duration::from_millis(1500);
+        let e = Exporter::spawn(l, Arc::new(Registry::default()), timeout).unwrap();
+        let mut slow = TcpStream::connect(e.addr).unwrap();
+        slow.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+        // Another client is answered while the slow one is mid-head.
+        assert!(get(e.addr, "GET /-/healthy HTTP/1.1\r\n\r\n").contains("ok"));
+        // Trickling bytes (each read well inside the old per-read timeout) does not extend it:
+        // the server closes at the deadline.
+        let t0 = std::time::Instant::now();
+        let mut closed = false;
+        for _ in 0..40 {
+            std::thread::sleep(Duration::from_millis(100));
+            if slow.write_all(b"X").is_err() {
+                closed = true;
+                break;
+            }
+        }
+        assert!(closed, "still open after {:?}", t0.elapsed());
+        e.stop();
     }
 
     #[test]

@@ -164,7 +164,7 @@ pub fn inspect_elf<'data, R: object::ReadRef<'data>>(data: R) -> Option<ElfFacts
     let first_load = file.segments().map(|s| s.address()).min().unwrap_or(0);
     let bss = file
         .section_by_name(".bss")
-        .map(|s| (s.address(), s.address() + s.size()));
+        .map(|s| (s.address(), s.address().saturating_add(s.size())));
     let build_id = file
         .build_id()
         .ok()
@@ -257,6 +257,16 @@ fn exe_path(pid: i32) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `elf` fuzz target (issue 15): a `.bss` section whose address plus size
+    /// passes 2^64 overflowed computing its end. The input is the fuzzer's, kept as it was.
+    #[test]
+    fn bss_at_the_top_of_the_address_space() {
+        let data = include_bytes!("testdata/fuzz-elf-bss-overflow");
+        let facts = inspect_elf(&data[..]).expect("still holds _PyRuntime");
+        let (start, end) = facts.bss.expect(".bss");
+        assert!(end >= start);
+    }
 
     #[test]
     fn maps_parse() {

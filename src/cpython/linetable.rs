@@ -100,7 +100,7 @@ pub fn addr2line_311(table: &[u8], firstlineno: i32, addr: i64) -> Option<i32> {
                 Some(line)
             }
             10..=12 => {
-                line += (code - 10) as i64;
+                line = line.saturating_add((code - 10) as i64);
                 c.byte()?;
                 c.byte()?;
                 Some(line)
@@ -165,6 +165,28 @@ mod tests {
         assert_eq!(addr2line_311(&t, 5, 14), None);
         assert_eq!(addr2line_311(&t, 5, 16), None);
         assert_eq!(addr2line_311(&t, 5, -2), Some(5));
+    }
+
+    /// Found by review while fuzzing (issue 15): after svarint deltas saturate the line at
+    /// i64::MAX, a one-line-delta entry (codes 10-12) added to it overflowed (a panic in debug
+    /// builds, a wrapped line in release).
+    #[test]
+    fn saturated_line_then_short_form_does_not_overflow() {
+        fn varint(mut v: u64, out: &mut Vec<u8>) {
+            while v >= 64 {
+                out.push(64 | (v & 63) as u8);
+                v >>= 6;
+            }
+            out.push(v as u8);
+        }
+        let mut t = Vec::new();
+        for _ in 0..20 {
+            t.push(0x80 | (13 << 3)); // no-column form, 1 code unit
+            varint((1 << 60) - 2, &mut t); // line += 2^59 - 1
+        }
+        t.extend_from_slice(&[0x80 | (12 << 3), 0, 0]); // one-line form: line += 2
+        assert_eq!(addr2line_311(&t, 1, 40), None); // beyond i32: no line, no panic
+        assert_eq!(addr2line_311(&t, 1, 0), None);
     }
 
     #[test]

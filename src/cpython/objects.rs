@@ -49,22 +49,25 @@ fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError
 /// (non-compact, ≤3.11) strings.
 pub fn read_unicode(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<String, ObjectError> {
     let addr = object_addr("str", addr)?;
-    let len = mem.read_u64(addr + o.unicode_length)?;
+    let len = mem.read_u64(addr.wrapping_add(o.unicode_length))?;
     if len > MAX_STR_CHARS {
         return Err(garbage("str", addr, format!("length {len}")));
     }
-    let state = mem.read_u32(addr + o.unicode_state)?;
+    let state = mem.read_u32(addr.wrapping_add(o.unicode_state))?;
     // state bitfield: interned:2, kind:3, compact:1, ascii:1 (cpython/unicodeobject.h)
     let kind = (state >> 2) & 7;
     let compact = (state >> 5) & 1 == 1;
     let ascii = (state >> 6) & 1 == 1;
     let data = if ascii && compact {
-        addr + o.unicode_ascii_size
+        addr.wrapping_add(o.unicode_ascii_size)
     } else if compact {
-        addr + o.unicode_compact_size
+        addr.wrapping_add(o.unicode_compact_size)
     } else {
         // Legacy string: PyUnicodeObject.data.any follows the compact header.
-        object_addr("str data", mem.read_u64(addr + o.unicode_compact_size)?)?
+        object_addr(
+            "str data",
+            mem.read_u64(addr.wrapping_add(o.unicode_compact_size))?,
+        )?
     };
     let width = match kind {
         1 => 1,
@@ -106,11 +109,11 @@ pub fn read_bytes(
     max: u64,
 ) -> Result<Vec<u8>, ObjectError> {
     let addr = object_addr("bytes", addr)?;
-    let size = mem.read_u64(addr + o.bytes_size)?;
+    let size = mem.read_u64(addr.wrapping_add(o.bytes_size))?;
     if size > max {
         return Err(garbage("bytes", addr, format!("size {size}")));
     }
-    Ok(mem.read_vec(addr + o.bytes_data, size as usize)?)
+    Ok(mem.read_vec(addr.wrapping_add(o.bytes_data), size as usize)?)
 }
 
 /// What we keep of a code object: names, file, and its line table for later lookups.
@@ -140,13 +143,13 @@ impl CodeInfo {
 /// Read a code object.
 pub fn read_code(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<CodeInfo, ObjectError> {
     let addr = object_addr("code", addr)?;
-    let name = read_unicode(mem, o, mem.read_u64(addr + o.code_name)?)?;
+    let name = read_unicode(mem, o, mem.read_u64(addr.wrapping_add(o.code_name))?)?;
     let qualname = match o.code_qualname {
         Some(q) => read_unicode(mem, o, mem.read_u64(addr + q)?)?,
         None => name.clone(),
     };
-    let filename = read_unicode(mem, o, mem.read_u64(addr + o.code_filename)?)?;
-    let firstlineno = mem.read_i32(addr + o.code_firstlineno)?;
+    let filename = read_unicode(mem, o, mem.read_u64(addr.wrapping_add(o.code_filename))?)?;
+    let firstlineno = mem.read_i32(addr.wrapping_add(o.code_firstlineno))?;
     if firstlineno < 0 {
         return Err(garbage(
             "code",
@@ -157,7 +160,7 @@ pub fn read_code(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<CodeI
     let linetable = read_bytes(
         mem,
         o,
-        mem.read_u64(addr + o.code_linetable)?,
+        mem.read_u64(addr.wrapping_add(o.code_linetable))?,
         MAX_LINETABLE,
     )?;
     Ok(CodeInfo {
@@ -185,6 +188,24 @@ mod tests {
         b.extend_from_slice(s.as_bytes());
         b.push(0);
         b
+    }
+
+    /// Found by the `walker` fuzz target (issue 15): offsets taken from a corrupted
+    /// `_Py_DebugOffsets` can be huge; `addr + offset` overflowed. Now an unreadable address.
+    #[test]
+    fn huge_offsets_are_read_errors() {
+        let mut o = PY312;
+        let mut m = FakeMemory::new();
+        m.map(0x1000, ascii_str(&o, "hello"));
+        // compact, not ASCII: the data follows the compact header
+        m.put_u32(0x1000 + o.unicode_state, (1 << 2) | (1 << 5));
+        for huge in [u64::MAX, u64::MAX - 0xfff] {
+            o.unicode_compact_size = huge;
+            o.unicode_ascii_size = huge;
+            assert!(read_unicode(&m, &o, 0x1000).is_err());
+            o.bytes_data = huge;
+            let _ = read_bytes(&m, &o, 0x1000, 100);
+        }
     }
 
     #[test]

@@ -731,7 +731,7 @@ pub fn read_debug_offsets(
         ))?;
     let count: usize = layout.iter().map(|(_, f)| f.len()).sum();
     let raw = mem
-        .read_vec(runtime_addr + 24, count * 8)
+        .read_vec(runtime_addr.wrapping_add(24), count * 8)
         .map_err(|e| DebugOffsetsError::Read(e.to_string()))?;
     let mut d = DebugOffsets::default();
     let mut i = 0;
@@ -860,6 +860,18 @@ pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, Deb
 mod tests {
     use super::*;
     use crate::cpython::memory::FakeMemory;
+
+    /// Found while fuzzing (issue 15): a `_Py_DebugOffsets` header in the last 24 bytes of the
+    /// address space overflowed `runtime_addr + 24`.
+    #[test]
+    fn debug_offsets_at_the_top_of_the_address_space() {
+        let mut head = b"xdebugpy".to_vec();
+        head.extend_from_slice(&0x030d00f0u64.to_le_bytes());
+        head.extend_from_slice(&0u64.to_le_bytes());
+        let mut m = FakeMemory::new();
+        m.map(u64::MAX - 23, head);
+        assert!(read_debug_offsets(&m, u64::MAX - 23, None).is_err());
+    }
 
     /// `_Py_DebugOffsets` of 3.13.0 as read from libpython3.13.so.1.0 on this machine.
     const RAW_3130: &[u64] = &[

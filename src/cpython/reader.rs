@@ -194,7 +194,11 @@ impl PythonProcess {
         let o = &self.offsets;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
-        let mut interp = self.read(self.binary.runtime_addr + o.runtime_interpreters_head)?;
+        let mut interp = self.read(
+            self.binary
+                .runtime_addr
+                .wrapping_add(o.runtime_interpreters_head),
+        )?;
         while interp != 0 && out.len() < MAX_INTERPRETERS && seen.insert(interp) {
             out.push(interp);
             interp = self.read(interp.wrapping_add(o.interp_next))?;
@@ -202,24 +206,41 @@ impl PythonProcess {
         Ok(out)
     }
 
-    /// `PyThreadState` addresses of one interpreter, bounded, cycle-safe.
+    /// `PyThreadState` addresses of one interpreter, bounded, cycle-safe. A `next` pointer that
+    /// cannot be read (a thread state freed under us) ends the list there: the threads before
+    /// it are returned; [`Self::thread_list`] also says what failed.
     pub fn thread_states(&self, interp: u64) -> Result<Vec<u64>, ReadError> {
+        match self.thread_list(interp) {
+            (list, Some(e)) if list.is_empty() => Err(e),
+            (list, _) => Ok(list),
+        }
+    }
+
+    /// The thread states readable from the list head, and the read error that ended the walk
+    /// early, if one did.
+    pub fn thread_list(&self, interp: u64) -> (Vec<u64>, Option<ReadError>) {
         let o = &self.offsets;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
-        let mut t = self.read(interp.wrapping_add(o.interp_threads_head))?;
+        let mut t = match self.read(interp.wrapping_add(o.interp_threads_head)) {
+            Ok(t) => t,
+            Err(e) => return (out, Some(e)),
+        };
         while t != 0 && out.len() < MAX_THREADS && seen.insert(t) {
             out.push(t);
-            t = self.read(t.wrapping_add(o.tstate_next))?;
+            t = match self.read(t.wrapping_add(o.tstate_next)) {
+                Ok(n) => n,
+                Err(e) => return (out, Some(e)),
+            };
         }
-        Ok(out)
+        (out, None)
     }
 
     /// Address of the `_gil_runtime_state` an interpreter uses (0 if none).
     pub fn gil_addr(&self, interp: u64) -> Result<u64, ReadError> {
         let o = &self.offsets;
         match (o.runtime_gil, o.interp_ceval_gil_ptr) {
-            (Some(off), _) => Ok(self.binary.runtime_addr + off),
+            (Some(off), _) => Ok(self.binary.runtime_addr.wrapping_add(off)),
             (None, Some(ptr)) => self.read(interp.wrapping_add(ptr)),
             (None, None) => Ok(0),
         }
@@ -241,7 +262,9 @@ impl PythonProcess {
 
     /// Address of the main interpreter's `gcstate->collecting`.
     pub fn gc_collecting_addr(&self, interp: u64) -> u64 {
-        interp + self.offsets.interp_gc + self.offsets.gc_collecting
+        interp
+            .wrapping_add(self.offsets.interp_gc)
+            .wrapping_add(self.offsets.gc_collecting)
     }
 
     /// The main interpreter: the oldest one (new interpreters are pushed at the list head).
@@ -500,9 +523,14 @@ impl PythonProcess {
             .interpreters()
             .map_err(|e| map_read(pid, "reading the interpreter list", e))?;
         for interp in interps {
-            let tstates = self
-                .thread_states(interp)
-                .map_err(|e| map_read(pid, "reading the thread list", e))?;
+            let (tstates, list_error) = self.thread_list(interp);
+            match list_error {
+                Some(e) if tstates.is_empty() => {
+                    return Err(map_read(pid, "reading the thread list", e))
+                }
+                Some(_) => read_errors += 1,
+                None => {}
+            }
             let holder = self.gil_holder(interp).unwrap_or_else(|_| {
                 read_errors += 1;
                 0
@@ -639,7 +667,7 @@ pub fn detect_version(
     let mut off = 0;
     while off < len {
         let n = chunk.min(len - off) + 64.min(len - off - chunk.min(len - off));
-        if let Ok(bytes) = mem.read_vec(start + off as u64, n) {
+        if let Ok(bytes) = mem.read_vec(start.wrapping_add(off as u64), n) {
             if let Some(v) = scan_for_version(&bytes) {
                 return Some((v, "sys.version in .bss"));
             }
@@ -699,6 +727,64 @@ mod tests {
         f.mem.put_u64(t1 + PY312.tstate_next, t2);
         let s = f.process(t2).snapshot_with_tasks(&[]).unwrap();
         assert_eq!(s.threads.len(), 2);
+    }
+
+    /// Issue 15 (live adversarial test): a thread state freed under the reader (its `next`
+    /// unreadable) failed the whole snapshot, and the sampler, which re-reads the list, then
+    /// dropped every thread. The threads before it are kept and the error counted.
+    #[test]
+    fn freed_thread_state_keeps_the_threads_before_it() {
+        let mut f = Fake::new();
+        let c = f.code("alive", 5);
+        let a = f.frame(c, 0, 0);
+        let t1 = f.thread(a, 0xdead_0000); // next: unmapped (freed)
+        let t2 = f.thread(a, t1);
+        let p = f.process(t2);
+        // The freed one is listed (its address was read), its stack is an error, and the
+        // walk of the list ends there.
+        let s = p.snapshot_with_tasks(&[]).unwrap();
+        assert_eq!(s.threads.len(), 3);
+        assert_eq!(s.threads[0].frames[0].function, "alive");
+        assert_eq!(s.threads[1].frames[0].function, "alive");
+        assert!(s.threads[2].error.is_some());
+        assert_eq!(s.read_errors, 2);
+        assert_eq!(p.thread_states(INTERP).unwrap(), vec![t2, t1, 0xdead_0000]);
+        assert_eq!(p.threads_with_tids(&[]).unwrap().len(), 3);
+        let (list, err) = p.thread_list(INTERP);
+        assert_eq!((list.len(), err.is_some()), (3, true));
+    }
+
+    /// Found by the `walker` fuzz target (issue 15): pointers read from the target near the
+    /// top of the address space overflowed the address arithmetic (`frame + offset`,
+    /// `tstate + offset`, `runtime + offset`) before the read that would have failed.
+    #[test]
+    fn pointers_near_the_top_of_the_address_space_are_read_errors() {
+        for wild in [u64::MAX, u64::MAX - 7, u64::MAX - 60] {
+            // A thread whose next pointer, and a thread whose frame pointer, is wild.
+            let mut f = Fake::new();
+            let t1 = f.thread(wild, wild);
+            let p = f.process(t1);
+            let s = p.snapshot_with_tasks(&[]).unwrap();
+            assert_eq!(s.threads.len(), 2);
+            assert!(s.threads.iter().all(|t| t.error.is_some()));
+            // A frame whose previous pointer is wild.
+            let mut f = Fake::new();
+            let c = f.code("ok", 3);
+            let a = f.frame(c, wild, 0);
+            let t = f.thread(a, 0);
+            let s = f.process(t).snapshot_with_tasks(&[]).unwrap();
+            assert_eq!(s.threads[0].frames.len(), 1);
+            assert!(s.threads[0].error.is_some());
+        }
+        // The interpreter list head itself wild, and a wild runtime address.
+        let mut f = Fake::new();
+        f.mem
+            .put_u64(RUNTIME + PY312.runtime_interpreters_head, u64::MAX - 3);
+        let mut p = f.process(0);
+        assert!(p.snapshot_with_tasks(&[]).is_err());
+        p.binary.runtime_addr = u64::MAX - 1;
+        assert!(p.interpreters().is_err());
+        assert!(detect_version(p.mem.as_ref(), &p.binary).is_none());
     }
 
     #[test]

@@ -647,7 +647,14 @@ impl RecordingReader {
             i = end;
             n += 1;
         }
-        self.tail = buf[i..].to_vec();
+        // Keep the unread rest. Fed a few bytes at a time, a large record is appended to in
+        // place rather than copied again on every feed.
+        if owned.is_empty() {
+            self.tail = data[i..].to_vec();
+        } else {
+            owned.drain(..i);
+            self.tail = owned;
+        }
         self.pending = self.tail.len();
         Ok(n)
     }

@@ -145,6 +145,10 @@ pub fn plan_exact(proc: &PythonProcess, code: u64) -> Result<ExactPlan, String> 
             "Python 3.{minor}: exact probes need 3.11+ (3.10 reuses a zombie frame per code object, which keeps its reference)"
         ));
     }
+    // A code address read from the target: stale or garbage ones must not overflow below.
+    if code == 0 || code >= 1 << 57 {
+        return Err(format!("implausible code object address {code:#x}"));
+    }
     let o = &proc.offsets;
     let adaptive = o
         .code_code_adaptive
@@ -1029,6 +1033,20 @@ mod tests {
             ]
         );
         assert_eq!(p.calls, 3);
+    }
+
+    /// Found by the `walker` fuzz target (issue 15): a code address read from the target near
+    /// the top of the address space overflowed `code + 16` (ob_size) before any read.
+    #[test]
+    fn plan_exact_rejects_wild_code_addresses() {
+        let mut f = crate::cpython::testutil::Fake::new();
+        let c = f.code("ok", 1);
+        let p = f.process(0);
+        for code in [u64::MAX, u64::MAX - 15, 1 << 63, 0] {
+            assert!(plan_exact(&p, code).is_err(), "{code:#x}");
+        }
+        // A plausible address that is not mapped is a read error, not a panic.
+        assert!(plan_exact(&p, c + (1 << 40)).is_err());
     }
 
     #[test]
