@@ -373,6 +373,7 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
         gen.0 > 0.0 && gen.1,
         "throughput rises beyond noise: {gen:?}"
     );
+    // Threads are matched across runs by their Python name (the main threads: MainThread).
     let thread = |process: &str, name: &str| {
         d["threads"]
             .as_array()
@@ -382,9 +383,9 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
             .cloned()
             .unwrap_or_else(|| panic!("{process}/{name} in the diff"))
     };
-    let gil = fig(&thread("worker", "VLLM::Worker")["gil_wait_pct"]);
+    let gil = fig(&thread("worker", "MainThread")["gil_wait_pct"]);
     assert!(gil.0 < 0.0 && gil.1, "the worker's GIL wait falls: {gil:?}");
-    let gc = fig(&thread("engine_core", "VLLM::EngineCor")["gc_pct"]);
+    let gc = fig(&thread("engine_core", "MainThread")["gc_pct"]);
     assert!(gc.0 < 0.0 && gc.1, "the EngineCore's GC time falls: {gc:?}");
     let probe = |process: &str, probe: &str| {
         d["probes"]
