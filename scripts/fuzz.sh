@@ -58,6 +58,7 @@ case ${1:-} in
   smoke)
     secs=${2:-15}
     build
+    mkdir -p work # ignored by git: absent on a fresh clone
     for t in "${TARGETS[@]}"; do
       rc=0
       run "$t" "$secs" > "work/$t.log" 2>&1 || rc=$?
