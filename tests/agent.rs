@@ -910,8 +910,8 @@ fn prometheus_scrapes_the_agent_and_answers_promql() {
 ///
 /// The workers run only inside the window (`--gate`: blocked from READY to GO, stopped at its
 /// end), so the totals Prometheus stores are the window's, give or take the step and the put
-/// straddling its end. Tolerances: CPU and GIL-held time are sampled (--rate 499: ~800
-/// samples of the launcher, ~1600 of the writer; 1σ 2.5-3.5%): within 15% + 50 ms of the
+/// straddling its end. Tolerances: CPU and GIL-held time are sampled (--rate 499: ~1000
+/// samples of the launcher, ~1500 of the writer in 8 s; 1σ 2.5-3%): within 15% + 50 ms of the
 /// thread's CPU time (time.thread_time_ns); a thread on CPU runs Python and so holds the GIL,
 /// apart from its few instructions around each blocking call: held within [0.8, 1.1] of it.
 /// GIL waits are timed exactly (futex waits on the GIL) and compared with the truth's
@@ -1093,16 +1093,15 @@ fn gil_fight_series(names: &str) {
     let lj = &truth["launcher"];
     let err = lj["error_s"].as_f64().unwrap();
     let want = lj["gil_wait_s"].as_f64().unwrap();
-    let lo = lj["gil_wait_excl_runq_s"]
-        .as_f64()
-        .unwrap_or(want)
-        .min(want);
-    let hi = lj["gil_wait_upper_s"].as_f64().unwrap_or(want).max(want);
+    // The bracket, not the calibrated estimate: that one depends on how loaded the machine
+    // was during the calibration (it went negative once here, the load having dropped).
+    let lo = lj["gil_wait_excl_runq_s"].as_f64().unwrap_or(want);
+    let hi = lj["gil_wait_upper_s"].as_f64().unwrap_or(want);
     let got = val(metrics[2], &l_label);
     check(
         got >= 0.9 * lo - err && got <= 1.1 * hi + err,
         format!(
-            "launcher ({l_label}): GIL wait {got:.3} s, truth {want:.3} s in [{lo:.3}, {hi:.3}] ± {err:.3}"
+            "launcher ({l_label}): GIL wait {got:.3} s, truth in [{lo:.3}, {hi:.3}] ± {err:.3} (calibrated estimate {want:.3})"
         ),
     );
     let wj = &truth["writer"];
