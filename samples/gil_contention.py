@@ -1,7 +1,7 @@
 """Ground truth for GIL-wait tracing: a writer thread holding the GIL against a launcher thread.
 
 Usage: gil_contention.py --truth PATH --duration SECONDS [--go-fifo PATH] [--ready-fifo PATH]
-                         [--seed S]
+                         [--seed S] [--thread-names os|python|same] [--gate]
 
 The bug in miniature: an auxiliary output store does a pure-Python scan on every put, and the
 thread that launches the model steps keeps losing the GIL to it.
@@ -20,6 +20,22 @@ Threads (OS names set through /proc/self/task/TID/comm, so a profiler can report
               `AuxOutputStore._evict_to_fit()`, a pure-Python scan over the OrderedDict that
               runs for 8-10 ms of thread CPU time (uniform, mean 9) and then evicts the oldest
               entries beyond the capacity.
+
+--thread-names: `os` (default) names each thread as above, OS name and Python name alike;
+`python` gives the threads those Python names only (`threading`), so every thread keeps the
+process's OS name, as before Python 3.14; `same` names both workers `engine-worker` (Python
+name only): two threads that a profiler can tell apart only by their thread id. Each thread's
+Python name is in the truth (`threads[].python_name`).
+
+--gate: the workers wait (blocked, running no Python) from READY until the window starts, and
+stop right after it ends, so whatever a profiler attached at READY counts of their CPU time and
+GIL waits lies in the window, give or take the one step and the one put that straddle its end.
+The truth then has each worker's CPU time from the start of the window to the end of its loop
+(`threads[].active_cpu_s`), and the writer's GIL wait bracketed like the launcher's:
+`writer.gil_wait_lower_s` = its puts' wall - CPU less its run-queue time in the window (GIL
+waits inside `put`, none after its sleeps counted), `writer.gil_wait_upper_s` = its puts' wall -
+CPU plus its sleeps' overshoot beyond the requested time (every moment it was neither computing
+nor in the requested sleep, run queue and timer slack included).
 
 Only these two threads run Python during the window, so whenever the launcher waits for the
 GIL, the writer holds it (by construction; the main thread is asleep). The writer runs 9 ms of
@@ -92,7 +108,8 @@ times, stops them, writes --truth and prints DONE. Nothing here sleeps to wait f
 
 Truth JSON (window figures only; steps and puts that straddle an edge count pro rata):
   {"pid", "python", "switch_interval_s", "window": {"start_mono_ns", "end_mono_ns"},
-   "threads": [{"native_id", "name", "wall_s", "cpu_s", "offcpu_s", "runq_s"}],
+   "threads": [{"native_id", "name" (its role), "python_name", "wall_s", "cpu_s", "offcpu_s",
+                "runq_s", "active_cpu_s" (--gate; null for the main thread)}],
    "launcher": {"native_id", "steps", "steps_per_s", "gil_wait_s", "gil_wait_excl_runq_s",
                 "gil_wait_upper_s",
                 "runq_s", "wait_in_compute_s", "wait_after_sleep_s", "wait_elsewhere_s",
@@ -102,7 +119,8 @@ Truth JSON (window figures only; steps and puts that straddle an edge count pro 
                 "clean_steps", "clean_steps_gil_wait_s", "calibration": {...},
                 "step_columns", "steps_list": [[...], ...]},
    "writer": {"native_id", "puts", "puts_per_s", "put_cpu_ms_mean", "evict_cpu_ms_mean",
-              "evict_wall_ms_mean", "evict_cpu_s", "gil_wait_in_put_s", "put_columns",
+              "evict_wall_ms_mean", "evict_cpu_s", "gil_wait_in_put_s", "sleep_overshoot_s",
+              "gil_wait_lower_s", "gil_wait_upper_s", "put_columns",
               "puts_list": [[...], ...]},
    "gil_holder": {"thread", "native_id", "function", "caller", "file", "share_of_holder_cpu",
                   "waiter_function"}}
@@ -140,14 +158,25 @@ CALIBRATION_STEPS = 200
 CONTENDED_NS = MS // 2  # a step that waited longer than this for the GIL is "contended"
 
 STOP = threading.Event()
+WINDOW = threading.Event()  # --gate: the workers' steady loops begin when it is set
+GATED = False
 CALIBRATED = threading.Event()
 ARRIVED = threading.Semaphore(0)
 
 
-def set_comm(name):
+NAMES = "os"  # --thread-names
+SAME_NAME = "engine-worker"
+
+
+def set_comm(name, worker=False):
     """Set this thread's OS name (what /proc/PID/task/TID/comm shows) and its Python name
-    (threading), so the two agree."""
+    (threading), so the two agree; with --thread-names python or same, the Python name only
+    (`engine-worker` for both workers with same)."""
+    if NAMES == "same" and worker:
+        name = SAME_NAME
     threading.current_thread().name = name
+    if NAMES != "os":
+        return
     try:
         with open("/proc/self/task/%d/comm" % threading.get_native_id(), "w") as f:
             f.write(name[:15])
@@ -263,6 +292,16 @@ class Rec:
         self.clock = None
         self.items = []
         self.calibration = []
+        self.sleeps = []  # the writer's (start, end, requested) ns
+        self.active_cpu0 = None  # thread CPU when its window loop began / ended (--gate)
+        self.active_cpu1 = None
+
+
+def gate(rec):
+    """--gate: block until the window starts (running no Python meanwhile)."""
+    if GATED:
+        WINDOW.wait()
+    rec.active_cpu0 = tcpu()
 
 
 def launcher_loop(rec):
@@ -276,10 +315,12 @@ def launcher_loop(rec):
         cal.append((preemptions(), runq_ns(tid)) + w.execute_model(draw(*COMPUTE_CPU_NS), SLEEP_S))
     CALIBRATED.set()
     ARRIVED.release()
+    gate(rec)
     items = rec.items
     while not STOP.is_set():
         items.append((preemptions(), None) + w.execute_model(draw(*COMPUTE_CPU_NS), SLEEP_S))
     items.append((preemptions(), None) + w.execute_model(0, 0))  # closes the last step
+    rec.active_cpu1 = tcpu()
 
 
 def writer_loop(rec):
@@ -287,12 +328,15 @@ def writer_loop(rec):
     rng = rec.rng
     items = rec.items
     ARRIVED.release()
+    gate(rec)
     next_t = mono()
     while not STOP.is_set():
         next_t += int(rng.uniform(*PUT_INTERVAL_S) * 1e9)
         now = mono()
         if next_t > now:
+            s0 = mono()
             time.sleep((next_t - now) / 1e9)
+            rec.sleeps.append((s0, mono(), next_t - now))
         elif now - next_t > 25 * MS:
             next_t = now  # far behind: no burst of puts to catch up
         evict_ns = rng.randint(*EVICT_CPU_NS)
@@ -300,10 +344,16 @@ def writer_loop(rec):
         e0, e1, ce0, ce1 = store.put(b"x" * 64, evict_ns)
         c1 = tcpu(); t1 = mono()
         items.append((t0, t1, c0, c1, e0, e1, ce0, ce1))
+    rec.active_cpu1 = tcpu()
+
+
+def pyname(rec):
+    """A worker's Python name under --thread-names."""
+    return SAME_NAME if NAMES == "same" else rec.name
 
 
 def thread_main(rec, loop):
-    set_comm(rec.name)
+    set_comm(rec.name, worker=True)
     rec.native_id = threading.get_native_id()
     rec.clock = time.pthread_getcpuclockid(threading.get_ident())
     loop(rec)
@@ -465,6 +515,10 @@ def writer_doc(rec, start, end):
         evict_wall += (e1 - e0) * f
         wait += ((t1 - t0) - (c1 - c0)) * f
         rows.append([t0, t1 - t0, c1 - c0, e1 - e0, ce1 - ce0, round(f, 6)])
+    overshoot = 0.0
+    for s0, s1, req in rec.sleeps:
+        f = overlap(s0, s1, start, end)
+        overshoot += max(0, s1 - s0 - req) * f
     window_s = (end - start) / 1e9
     n = max(puts, 1e-9)
     return {
@@ -476,6 +530,7 @@ def writer_doc(rec, start, end):
         "evict_wall_ms_mean": round(evict_wall / n / 1e6, 4),
         "evict_cpu_s": round(evict_cpu / 1e9, 6),
         "gil_wait_in_put_s": round(wait / 1e9, 6),
+        "sleep_overshoot_s": round(overshoot / 1e9, 6),
         "put_columns": ["start_ns", "put_wall_ns", "put_cpu_ns", "evict_wall_ns", "evict_cpu_ns",
                         "in_window"],
         "puts_list": rows,
@@ -505,7 +560,15 @@ def main():
     ap.add_argument("--go-fifo", help="after READY, start the window only once a line is read here")
     ap.add_argument("--ready-fifo", help="also write READY into this FIFO (opened for writing)")
     ap.add_argument("--seed", default="1", help="seed of the work-length draws")
+    ap.add_argument("--thread-names", choices=["os", "python", "same"], default="os",
+                    help="os: OS and Python names; python: Python names only; same: both "
+                         "workers named engine-worker (Python name only)")
+    ap.add_argument("--gate", action="store_true",
+                    help="workers run only from the window's start to its end")
     args = ap.parse_args()
+    global NAMES, GATED
+    NAMES = args.thread_names
+    GATED = args.gate
 
     main_rec = Rec("gil-main", args.seed)
     set_comm(main_rec.name)
@@ -514,11 +577,11 @@ def main():
 
     launcher = Rec("launcher", args.seed)
     writer = Rec("aux-writer", args.seed)
-    lt = threading.Thread(target=thread_main, args=(launcher, launcher_loop), name=launcher.name,
+    lt = threading.Thread(target=thread_main, args=(launcher, launcher_loop), name=pyname(launcher),
                           daemon=True)
     lt.start()
     CALIBRATED.wait()
-    wt = threading.Thread(target=thread_main, args=(writer, writer_loop), name=writer.name,
+    wt = threading.Thread(target=thread_main, args=(writer, writer_loop), name=pyname(writer),
                           daemon=True)
     wt.start()
     ARRIVED.acquire()
@@ -534,6 +597,7 @@ def main():
     start = mono()
     cpu0 = read_clocks(recs)
     rq0 = read_runq(recs)
+    WINDOW.set()
     hold_window(start + int(args.duration * 1e9))
     cpu1 = read_clocks(recs)
     rq1 = read_runq(recs)
@@ -544,11 +608,16 @@ def main():
 
     wall = (end - start) / 1e9
     threads = []
-    for r, a, b, q0, q1 in zip(recs, cpu0, cpu1, rq0, rq1):
+    for r, a, b, q0, q1, t in zip(recs, cpu0, cpu1, rq0, rq1, [None, lt, wt]):
         rq = None if q0 is None or q1 is None else q1 - q0
+        active = None
+        if args.gate and r.active_cpu0 is not None and r.active_cpu1 is not None:
+            active = round((r.active_cpu1 - r.active_cpu0) / 1e9, 6)
         threads.append({
             "native_id": r.native_id,
             "name": r.name,
+            "python_name": (t or threading.main_thread()).name,
+            "active_cpu_s": active,
             "wall_s": round(wall, 6),
             "cpu_s": round((b - a) / 1e9, 6),
             "offcpu_s": round(wall - (b - a) / 1e9, 6),
@@ -556,6 +625,9 @@ def main():
         })
     lrq = None if rq0[1] is None or rq1[1] is None else rq1[1] - rq0[1]
     wdoc = writer_doc(writer, start, end)
+    wrq = None if rq0[2] is None or rq1[2] is None else rq1[2] - rq0[2]
+    wdoc["gil_wait_lower_s"] = round(max(0.0, wdoc["gil_wait_in_put_s"] - (wrq or 0) / 1e9), 6)
+    wdoc["gil_wait_upper_s"] = round(wdoc["gil_wait_in_put_s"] + wdoc["sleep_overshoot_s"], 6)
     writer_cpu = (cpu1[2] - cpu0[2]) or 1
     doc = {
         "pid": os.getpid(),

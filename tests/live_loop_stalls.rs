@@ -106,21 +106,22 @@ fn check(label: &str) {
             .iter()
             .filter(|&&(x, y)| x < a + d && a < x + y)
             .collect();
-        assert_eq!(
-            m.len(),
-            1,
-            "{label}: true stall at +{:.3} s ({:.1} ms) matches one reported: {m:?}",
-            (a - w0) as f64 / 1e9,
-            d as f64 / 1e6
-        );
         let tol = (d / 10).max(2 * period);
+        let ok = m.len() == 1 && m[0].0.abs_diff(a) <= tol && m[0].1.abs_diff(d) <= tol;
         assert!(
-            m[0].0.abs_diff(a) <= tol && m[0].1.abs_diff(d) <= tol,
-            "{label}: true stall +{:.3} s {:.1} ms, reported +{:.3} s {:.1} ms",
+            ok,
+            "{label}: true stall +{:.3} s {:.1} ms matches one reported within {:.1} ms: {:?}\n{}",
             (a - w0) as f64 / 1e9,
             d as f64 / 1e6,
-            (m[0].0 - w0) as f64 / 1e9,
-            m[0].1 as f64 / 1e6
+            tol as f64 / 1e6,
+            m.iter()
+                .map(|&&(x, y)| format!(
+                    "+{:.3} s {:.1} ms",
+                    (x as f64 - w0 as f64) / 1e9,
+                    y as f64 / 1e6
+                ))
+                .collect::<Vec<_>>(),
+            diagnose(label, &r, &w.dir, w.pid, &truth, (a, d), &m)
         );
     }
     eprintln!(
@@ -131,7 +132,6 @@ fn check(label: &str) {
 }
 
 #[test]
-#[ignore = "on 3.10 one stall was reported merged with the next (3623.6 ms for a true 1797.2 ms, across the idle sleep between them); not yet root-caused"]
 fn asyncio_server_stalls_pyenv_310() {
     check("pyenv-3.10");
 }
@@ -144,4 +144,161 @@ fn asyncio_server_stalls_pyenv_312() {
 #[test]
 fn asyncio_server_stalls_sid_314() {
     check("sid-3.14");
+}
+
+/// What a failed match needs to be root-caused: the recording and the truth kept (the
+/// workload's directory is removed), the recorder's backend and loss counters, the loop
+/// thread's records (one written mid-recording means it was lost and found again), and its
+/// timeline from 100 ms before to 100 ms after the true and reported stalls: runs of samples by
+/// innermost frame, off-CPU intervals (blocked or preempted, innermost frame) and GIL waits.
+fn diagnose(
+    label: &str,
+    r: &enginescope::record::Recording,
+    dir: &std::path::Path,
+    pid: i32,
+    truth: &Value,
+    (a, d): (u64, u64),
+    reported: &[&(u64, u64)],
+) -> String {
+    use std::fmt::Write;
+    let keep = std::env::temp_dir().join(format!("enginescope-loop-stalls-{label}-{pid}"));
+    let kept = std::fs::create_dir_all(&keep).is_ok()
+        && std::fs::copy(dir.join("run.esrec"), keep.join("run.esrec")).is_ok()
+        && std::fs::copy(dir.join("truth.json"), keep.join("truth.json")).is_ok();
+    let base = r.meta.start_mono_ns;
+    let from = reported
+        .iter()
+        .map(|x| x.0)
+        .chain([a])
+        .min()
+        .unwrap_or(a)
+        .saturating_sub(100_000_000);
+    let to = reported
+        .iter()
+        .map(|x| x.0 + x.1)
+        .chain([a + d])
+        .max()
+        .unwrap_or(a + d)
+        + 100_000_000;
+    let rel = |t: u64| (t as f64 - (from as f64 - base as f64)) / 1e6;
+    let inside = |t: u64| t + base >= from && t + base < to;
+    let leaf = |stack: u32| {
+        r.stack_frames(stack)
+            .next()
+            .map_or("(no Python frame)".to_string(), |f| {
+                format!(
+                    "{} ({})",
+                    f.function,
+                    f.file.rsplit('/').next().unwrap_or("")
+                )
+            })
+    };
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "recording {} (truth {}), backend {} at {} Hz; counters {:?}",
+        if kept {
+            keep.display().to_string()
+        } else {
+            "not kept".into()
+        },
+        truth["python"].as_str().unwrap_or("?"),
+        r.meta.backend,
+        r.meta.rate_hz,
+        r.counters
+            .iter()
+            .filter(|(k, v)| **v > 0
+                && (k.contains("lost")
+                    || k.contains("skipped")
+                    || k.contains("no_tstate")
+                    || k.contains("error")))
+            .collect::<Vec<_>>()
+    );
+    for t in r.threads.iter().filter(|t| t.pid == pid) {
+        let _ = writeln!(
+            o,
+            "thread {} {:?} {:?} at {:.3} s",
+            t.tid,
+            t.name,
+            t.python_name,
+            t.t_ns as f64 / 1e9
+        );
+    }
+    let _ = writeln!(
+        o,
+        "loop thread from +0 = {:.3} s of the recording (ms):",
+        (from - base) as f64 / 1e9
+    );
+    let mut ev: Vec<(u64, String)> = Vec::new();
+    let mut run: Option<(u64, u64, u32, usize)> = None;
+    let mut samples: Vec<&enginescope::record::Sample> = r
+        .samples
+        .iter()
+        .filter(|s| s.pid == pid && s.tid == pid && inside(s.t_ns))
+        .collect();
+    samples.sort_by_key(|s| s.t_ns);
+    let flush = |ev: &mut Vec<(u64, String)>, run: Option<(u64, u64, u32, usize)>| {
+        if let Some((t0, t1, st, n)) = run {
+            ev.push((
+                t0,
+                format!("{:9.1}-{:.1} {n} samples in {}", rel(t0), rel(t1), leaf(st)),
+            ));
+        }
+    };
+    for s in samples {
+        let leaf_now = leaf(s.stack);
+        match run {
+            Some((t0, _, st, n)) if leaf(st) == leaf_now => run = Some((t0, s.t_ns, st, n + 1)),
+            _ => {
+                flush(&mut ev, run);
+                run = Some((s.t_ns, s.t_ns, s.stack, 1));
+            }
+        }
+    }
+    flush(&mut ev, run);
+    // Short preemptions (a loaded machine has hundreds) are summed, not listed.
+    let (mut short_n, mut short_ns) = (0u64, 0u64);
+    for x in r.offcpu.iter().filter(|x| x.pid == pid && x.tid == pid) {
+        if x.preempted && x.dur_ns < 10_000_000 && inside(x.start_ns) {
+            short_n += 1;
+            short_ns += x.dur_ns;
+            continue;
+        }
+        if inside(x.start_ns) || inside(x.start_ns + x.dur_ns) {
+            ev.push((
+                x.start_ns,
+                format!(
+                    "{:9.1} off CPU {:.1} ms, {} in {}",
+                    rel(x.start_ns),
+                    x.dur_ns as f64 / 1e6,
+                    if x.preempted { "preempted" } else { "blocked" },
+                    leaf(x.stack)
+                ),
+            ));
+        }
+    }
+    for g in r
+        .gil_waits
+        .iter()
+        .filter(|g| g.pid == pid && g.tid == pid && inside(g.start_ns))
+    {
+        ev.push((
+            g.start_ns,
+            format!(
+                "{:9.1} GIL wait {:.1} ms",
+                rel(g.start_ns),
+                g.dur_ns as f64 / 1e6
+            ),
+        ));
+    }
+    ev.sort();
+    let _ = writeln!(
+        o,
+        "  (and {short_n} preemptions under 10 ms, {:.1} ms in all)",
+        short_ns as f64 / 1e6
+    );
+    for (_, l) in ev.iter().take(400) {
+        let _ = writeln!(o, "  {l}");
+    }
+    o
 }
