@@ -31,6 +31,9 @@ pub struct MemorySource {
     /// Probed functions, timed by sampling (breakpoints need the BPF source): a call is
     /// followed across the ticks whose stack holds it.
     probes: Probes,
+    /// Ticks at which a target's thread list and stacks could not be read at all (the
+    /// threads' CPU time since then goes to the next tick that reads them).
+    failed_snapshots: u64,
 }
 
 impl MemorySource {
@@ -40,6 +43,7 @@ impl MemorySource {
             period: Duration::from_nanos(Self::period_ns(rate_hz)),
             last: HashMap::new(),
             probes,
+            failed_snapshots: 0,
         }
     }
 
@@ -65,6 +69,7 @@ impl MemorySource {
     /// sample, the rest as off CPU.
     fn poll(&mut self, t: &mut Target, pipe: &mut Pipeline) -> anyhow::Result<()> {
         let Ok(threads) = t.stacks() else {
+            self.failed_snapshots += 1;
             return Ok(());
         };
         for th in threads {
@@ -163,6 +168,7 @@ impl Source for MemorySource {
         // The same keys as the BPF source's, so that readers see one set.
         out.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
         out.insert("gc_watch_attach_failures".into(), 0);
+        out.insert("memory_failed_snapshots".into(), self.failed_snapshots);
         if !self.probes.is_empty() {
             super::probes::counters(Some(&self.probes), out);
         }
