@@ -780,7 +780,10 @@ fn serve_discovery_and_scraped_throughput() {
         "the worker's MessageQueue.dequeue is probed and timed: {probed:?}"
     );
 
-    probe_truth(&rec, &srv.timers, core, worker, load_start, load_end);
+    let (table, failures) =
+        common::probe_truth::probe_truth(&rec, &srv.timers, core, worker, load_start, load_end);
+    eprintln!("per-call latency against in-process timers:\n{table}");
+    assert!(failures.is_empty(), "{failures:?}\n{table}");
 
     // The report over the load's window: its generation rate against load.py's own.
     let from = (load_start.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
@@ -1025,104 +1028,6 @@ fn offline_llm_script_discovery() {
     drop(_guard);
     let _ = child.wait();
     let _ = reader.join();
-}
-
-/// Calls of `label` in the harness's in-process timers of process `pid`: (start, dur), ns,
-/// CLOCK_MONOTONIC.
-fn timer_calls(dir: &Path, pid: i32, label: &str) -> Vec<(u64, u64)> {
-    let text = std::fs::read_to_string(dir.join(format!("timers-{pid}.jsonl"))).unwrap_or_default();
-    let mut v: Vec<(u64, u64)> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|j| j[0] == label)
-        .filter_map(|j| Some((j[1].as_u64()?, j[2].as_u64()?)))
-        .collect();
-    v.sort_unstable();
-    v
-}
-
-fn pctl(v: &mut [u64], q: f64) -> f64 {
-    v.sort_unstable();
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[((v.len() - 1) as f64 * q).round() as usize] as f64
-}
-
-/// Issue 11: every default probe exact at once on the EngineCore and worker, against the
-/// harness's in-process timers over the same window (from the probe's attach, or the load's
-/// start, to the load's end; calls counted by start time).
-fn probe_truth(rec: &Recording, timers: &Path, core: i32, worker: i32, t0: u64, t1: u64) {
-    let mut table = String::from(
-        "| probe | process | calls: truth → reported | p50 truth → reported | p90 truth → reported | method |\n|---|---|---|---|---|---|\n",
-    );
-    let mut failures = Vec::new();
-    for (pid, role, function) in [
-        (core, "EngineCore", "MessageQueue.enqueue"),
-        (worker, "worker", "MessageQueue.enqueue"),
-        (core, "EngineCore", "MessageQueue.dequeue"),
-        (worker, "worker", "MessageQueue.dequeue"),
-        (worker, "worker", "Worker.execute_model"),
-        (core, "EngineCore", "EngineCore.step"),
-    ] {
-        let truth = timer_calls(timers, pid, function);
-        let probes: Vec<_> = rec
-            .probes
-            .iter()
-            .filter(|p| p.pid == pid && p.function.ends_with(function))
-            .collect();
-        let Some(first) = probes.iter().map(|p| p.t_ns).min() else {
-            failures.push(format!("{role} {function}: not probed"));
-            continue;
-        };
-        // From 0.5 s after the probe attached (threads it runs on are attached as they are
-        // first seen running it), or the load's start.
-        let w0 = t0.max(rec.meta.start_mono_ns + first + 500_000_000);
-        let inside = |s: u64| s >= w0 && s < t1;
-        let mut t: Vec<u64> = truth.iter().filter(|c| inside(c.0)).map(|c| c.1).collect();
-        let ids: Vec<u32> = probes.iter().map(|p| p.id).collect();
-        let mut m: Vec<u64> = rec
-            .calls
-            .iter()
-            .filter(|c| ids.contains(&c.probe) && inside(rec.meta.start_mono_ns + c.start_ns))
-            .map(|c| c.dur_ns)
-            .collect();
-        let methods: Vec<&str> = probes.iter().map(|p| p.method.as_str()).collect();
-        let (t50, t90, m50, m90) = (
-            pctl(&mut t, 0.5),
-            pctl(&mut t, 0.9),
-            pctl(&mut m, 0.5),
-            pctl(&mut m, 0.9),
-        );
-        table.push_str(&format!(
-            "| {function} | {role} | {} → {} | {:.3} → {:.3} ms | {:.3} → {:.3} ms | {} |\n",
-            t.len(),
-            m.len(),
-            t50 / 1e6,
-            m50 / 1e6,
-            t90 / 1e6,
-            m90 / 1e6,
-            methods.join(", ")
-        ));
-        let close = |a: f64, b: f64| (a / b - 1.0).abs() <= 0.10 || (a - b).abs() <= 60_000.0;
-        if methods != ["exact"] {
-            failures.push(format!("{role} {function}: method {methods:?}"));
-        } else if t.len() < 20 {
-            failures.push(format!("{role} {function}: {} calls in the truth", t.len()));
-        } else if (m.len() as f64 / t.len() as f64 - 1.0).abs() > 0.05 {
-            failures.push(format!(
-                "{role} {function}: calls {} vs {}",
-                m.len(),
-                t.len()
-            ));
-        } else if !close(m50, t50) || !close(m90, t90) {
-            failures.push(format!(
-                "{role} {function}: p50 {m50} vs {t50}, p90 {m90} vs {t90}"
-            ));
-        }
-    }
-    eprintln!("per-call latency against in-process timers:\n{table}");
-    assert!(failures.is_empty(), "{failures:?}\n{table}");
 }
 
 /// Two real `vllm serve` instances under different load (load.py at c=24 and c=2 at once),

@@ -3,6 +3,8 @@
 //! namespaces). Workloads signal readiness themselves (a READY line); nothing here sleeps.
 #![allow(dead_code)]
 
+pub mod probe_truth;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
