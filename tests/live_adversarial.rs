@@ -236,10 +236,42 @@ fn reading_gaps(rec: &enginescope::record::Recording, healthy_tid: i32) -> Strin
             e.1.insert(rec.frames[f as usize].function.clone());
         }
     }
+    // Across the healthy thread's longest gap: its off-CPU intervals (an interval is dated by
+    // its start, so a thread off CPU for the whole gap shows here as one long interval) and its
+    // thread records (a second one means the recorder lost the thread and found it again).
+    let h = events(Some(healthy_tid));
+    let (g0, g1) = h
+        .windows(2)
+        .max_by_key(|w| w[1] - w[0])
+        .map_or((0, 0), |w| (w[0], w[1]));
+    let off: Vec<String> = rec
+        .offcpu
+        .iter()
+        .filter(|o| o.tid == healthy_tid && o.start_ns + o.dur_ns >= g0 && o.start_ns <= g1)
+        .map(|o| {
+            format!(
+                "{:.3}+{:.0}ms{}",
+                o.start_ns as f64 / 1e9,
+                o.dur_ns as f64 / 1e6,
+                if o.preempted {
+                    " preempted"
+                } else {
+                    " blocked"
+                }
+            )
+        })
+        .collect();
+    let records: Vec<String> = rec
+        .threads
+        .iter()
+        .filter(|t| t.tid == healthy_tid)
+        .map(|t| format!("{:.3} s {:?}", t.t_ns as f64 / 1e9, t.name))
+        .collect();
     format!(
-        "longest gap, any thread: {}; the healthy thread ({healthy_tid}): {}; per thread: {per_thread:?}",
+        "longest gap, any thread: {}; the healthy thread ({healthy_tid}): {}, its off-CPU \
+         intervals across it {off:?}, its thread records {records:?}; per thread: {per_thread:?}",
         longest(&events(None)),
-        longest(&events(Some(healthy_tid)))
+        longest(&h)
     )
 }
 

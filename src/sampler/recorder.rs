@@ -304,6 +304,10 @@ fn counters(
         "code_object_rereads".into(),
         exited_rereads + targets.iter().map(|t| t.sym.code_rereads).sum::<u64>(),
     );
+    out.insert(
+        "thread_list_read_failures".into(),
+        targets.iter().map(|t| t.thread_list_failures).sum::<u64>(),
+    );
     if let Some(e) = engines {
         out.insert("metric_points".into(), e.metric_points);
         out.insert("scrape_errors".into(), e.scrape_errors);

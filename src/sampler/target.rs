@@ -34,6 +34,8 @@ pub struct Target {
     written_python_names: HashMap<i32, String>,
     /// Reads of Python names still to do at the next refreshes (a new thread was unnamed).
     unnamed_retries: u32,
+    /// Thread refreshes at which the interpreter's thread list could not be read at all.
+    pub thread_list_failures: u64,
 }
 
 /// Refreshes at which Python names are read again after a new thread was found unnamed.
@@ -59,6 +61,7 @@ impl Target {
             names_read: None,
             written_python_names: HashMap::new(),
             unnamed_retries: 0,
+            thread_list_failures: 0,
         }
     }
 
@@ -161,11 +164,31 @@ impl Target {
             .map(|t| (t.host_tid, t.comm.as_str()))
             .collect();
         let mut seen = HashMap::new();
-        if let Ok(list) = self.proc.threads_with_tids(&tasks) {
-            for (tstate, host) in list {
-                if let Some(h) = host {
-                    seen.insert(h, tstate);
+        match self.proc.threads_with_tids(&tasks) {
+            Ok(list) => {
+                for (tstate, host) in list {
+                    if let Some(h) = host {
+                        seen.insert(h, tstate);
+                    }
                 }
+            }
+            Err(_) => {
+                // The interpreter's thread list could not be read this time: that says
+                // nothing of its threads. Only those whose OS thread ended are gone (dropping
+                // the rest would stop sampling them until the next read succeeds).
+                self.thread_list_failures += 1;
+                let alive: std::collections::HashSet<i32> =
+                    tasks.iter().map(|t| t.host_tid).collect();
+                let gone: Vec<i32> = self
+                    .threads
+                    .keys()
+                    .filter(|t| !alive.contains(t))
+                    .copied()
+                    .collect();
+                for t in &gone {
+                    self.threads.remove(t);
+                }
+                return (vec![], gone);
             }
         }
         let mut tstates: Vec<u64> = seen.values().copied().collect();
