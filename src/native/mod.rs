@@ -655,14 +655,31 @@ impl ProcessNative {
         bp: u64,
         stack: &[u8],
     ) -> (Vec<FrameAddress>, bool) {
-        if ip != 0 && self.mapping(ip).is_none() && self.last_refresh.elapsed().as_millis() > 200 {
+        if ip == 0 {
+            return (Vec::new(), false);
+        }
+        let due = |p: &Self| p.last_refresh.elapsed().as_millis() > 200;
+        if self.mapping(ip).is_none() && due(self) {
             // An address in no known module: a library loaded since the last look.
             self.refresh(cache);
         }
-        let mut out = Vec::new();
-        if ip == 0 {
-            return (out, false);
+        let (out, complete) = self.walk(ip, sp, bp, stack);
+        // A return address in no known module (a library loaded since the process was
+        // mapped, met further out than the leaf): look again and walk again, once.
+        if !complete
+            && due(self)
+            && out
+                .iter()
+                .any(|f| self.mapping(f.address_for_lookup()).is_none())
+        {
+            self.refresh(cache);
+            return self.walk(ip, sp, bp, stack);
         }
+        (out, complete)
+    }
+
+    fn walk(&mut self, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> (Vec<FrameAddress>, bool) {
+        let mut out = Vec::new();
         let mut read = |addr: u64| -> Result<u64, ()> {
             let off = addr.checked_sub(sp).ok_or(())? as usize;
             let b = stack.get(off..off.checked_add(8).ok_or(())?).ok_or(())?;

@@ -39,9 +39,11 @@ pub struct BpfSource {
     native: Option<crate::native::NativeState>,
     /// Events waiting for their native frames' symbol tables (empty without `--native`).
     backlog: Backlog<Prepared>,
-    /// The longest one drain of the ring buffer took, and how long finishing waited for
-    /// symbol tables (counters `bpf_drain_max_ms`, `native_finish_wait_ms`).
-    drain_max_ns: u64,
+    /// The longest the drain spent on one event (a stall would show here: the drain runs
+    /// for as long as events keep coming, so its own length says little), and how long
+    /// finishing waited for symbol tables (counters `bpf_event_max_us`,
+    /// `native_finish_wait_ms`).
+    event_max_ns: u64,
     finish_wait_ns: u64,
 }
 
@@ -66,7 +68,7 @@ impl BpfSource {
             tracing,
             native,
             backlog: Backlog::new(BACKLOG_CAP),
-            drain_max_ns: 0,
+            event_max_ns: 0,
             finish_wait_ns: 0,
         })
     }
@@ -138,8 +140,8 @@ impl BpfSource {
     /// table: events whose native frames wait for one go to the backlog, applied in order
     /// once their modules' symbols are read.
     fn drain(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
-        let started = std::time::Instant::now();
         let mut err = None;
+        let mut event_max_ns = self.event_max_ns;
         let mut attach = Vec::new();
         let probes = &mut self.probes;
         let native = &mut self.native;
@@ -148,6 +150,8 @@ impl BpfSource {
             if err.is_some() {
                 return;
             }
+            let started = std::time::Instant::now();
+            let _timed = Timed(started, &mut event_max_ns);
             let Some((h, mut frames)) = abi::parse_event(bytes) else {
                 return;
             };
@@ -186,7 +190,7 @@ impl BpfSource {
                 apply_now = backlog.next(Prepared::ready, false);
             }
         });
-        self.drain_max_ns = self.drain_max_ns.max(started.elapsed().as_nanos() as u64);
+        self.event_max_ns = event_max_ns;
         for (pid, tid, codes) in attach {
             if let Some(t) = targets.get_mut(pid) {
                 self.probes.observe(&mut self.b, &t.proc, tid, &codes);
@@ -211,6 +215,15 @@ impl BpfSource {
             )?;
         }
         Ok(())
+    }
+}
+
+/// Keeps the longest time from its start to its drop (one event's handling).
+struct Timed<'a>(std::time::Instant, &'a mut u64);
+
+impl Drop for Timed<'_> {
+    fn drop(&mut self) {
+        *self.1 = (*self.1).max(self.0.elapsed().as_nanos() as u64);
     }
 }
 
@@ -520,7 +533,7 @@ impl Source for BpfSource {
         if !self.probes.is_empty() {
             super::probes::counters(Some(&self.probes), out);
         }
-        out.insert("bpf_drain_max_ms".into(), self.drain_max_ns / 1_000_000);
+        out.insert("bpf_event_max_us".into(), self.event_max_ns / 1_000);
         if let Some(n) = &self.native {
             n.counters(out);
             out.insert("native_deferred_events".into(), self.backlog.deferred);
