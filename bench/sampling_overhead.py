@@ -252,7 +252,7 @@ def wait_for_quiet(threshold, timeout):
             return load
 
 
-def spawn_measured(argv, log_path, rss_path):
+def spawn_measured(argv, log_path, rss_path, env=None):
     """Starts argv under GNU time, which forks it from a small process. ru_maxrss of a forked
     child counts the parent's RSS at fork (the kernel carries the pre-exec high-water mark over
     exec), so this script's own ~16 MiB would be reported for every profiler otherwise."""
@@ -260,7 +260,7 @@ def spawn_measured(argv, log_path, rss_path):
         argv = [GNU_TIME, "-f", "%M", "-o", rss_path] + argv
     log = open(log_path, "w")
     try:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:
         log.close()
 
@@ -294,7 +294,11 @@ def run_once(args, config, workdir, index):
             argv = config.argv_fn(target.pid, args.duration, out)
             rec["argv"] = argv
             t_spawn = time.monotonic_ns()
-            prof = spawn_measured(argv, log_path, rss_path)
+            env = None
+            if config.tool.startswith("enginescope"):
+                # The kernel times enginescope's BPF programs (run in the target's context).
+                env = dict(os.environ, ENGINESCOPE_BPF_STATS="1")
+            prof = spawn_measured(argv, log_path, rss_path, env)
             # A profiler that hangs is killed once the target's window is over, plus 10 s.
             killer = threading.Timer(window + 10, prof.kill)
             killer.start()
@@ -315,6 +319,19 @@ def run_once(args, config, workdir, index):
                 "out_bytes": os.path.getsize(out) if os.path.exists(out) else None,
             })
             rec["samples"], rec["errors"] = profiler_report(config, log_text, out)
+            if config.tool.startswith("enginescope") and prof.returncode == 0:
+                rep = subprocess.run([argv[0], "report", "-f", "json", out], capture_output=True, text=True)
+                try:
+                    counters = json.loads(rep.stdout).get("counters", {})
+                    if "bpf_prog_run_ns" in counters:
+                        rec["bpf_cpu_s"] = counters["bpf_prog_run_ns"] / 1e9
+                        rec["bpf_cpu_per_s"] = rec["bpf_cpu_s"] / wall
+                        rec["bpf_runs"] = counters.get("bpf_prog_runs")
+                    if "native_symbol_load_total_ms" in counters:
+                        # One-time: reading the target's symbol tables (part of cpu_s).
+                        rec["symbol_load_s"] = counters["native_symbol_load_total_ms"] / 1e3
+                except ValueError:
+                    pass
             if prof.returncode != 0:
                 # GNU time adds "Command exited with non-zero status N" after the tool's own words.
                 words = [l for l in log_text.splitlines() if not l.startswith("Command exited with")]
@@ -481,6 +498,12 @@ def cpu_cost_summary(configs, records):
         extra = r["target_cpu_ns_per_unit"] / ref[r["round"]] - 1
         target_extra = r["target_cpu_per_s"] * extra / (1 + extra)
         cost[(r["config"], r["round"])] = (r.get("cpu_per_s", 0.0) + target_extra, extra, r.get("cpu_per_s", 0.0))
+    # Measured directly: the profiler's CPU plus, for enginescope, its BPF programs' run time
+    # as the kernel counts it (BPF_ENABLE_STATS); a peer's in-target cost has no such counter.
+    direct = {}
+    for r in records:
+        if "cpu_per_s" in r:
+            direct[(r["config"], r["round"])] = (r["cpu_per_s"] + r.get("bpf_cpu_per_s", 0.0), r.get("bpf_cpu_per_s"))
     lines = ["", "Cost in CPU (medians over rounds, [interquartile range]): the target's CPU time per unit of work "
              "against its round's baselines, the profiler's own CPU, and their sum in cores (profiler CPU s/s "
              "+ the target's extra CPU s/s).", "",
@@ -518,6 +541,27 @@ def cpu_cost_summary(configs, records):
                                % (a, b, spread(ratios, 1, ".2f"), len(ratios), min(ratios), max(ratios)))
     if ratio_lines:
         lines += ["", "CPU cost ratios, each round's pair of runs divided, median [IQR]:", ""] + ratio_lines
+    lines += ["", "Measured CPU (medians [IQR]): the profiler process's CPU s/s plus, for enginescope, the run "
+              "time of its BPF programs (kernel BPF stats; these run in the target's context) per s.", "",
+              "| profiler | rate Hz | BPF programs s/s | profiler + BPF CPU s/s | runs |", "|---|---|---|---|---|"]
+    for c in configs:
+        mine = [v for (name, _), v in direct.items() if name == c.name]
+        if not mine:
+            continue
+        bpf = [m[1] for m in mine if m[1] is not None]
+        lines.append("| %s | %s | %s | %s | %d |" % (c.tool, "–" if c.rate is None else c.rate,
+                                                    spread(bpf) if bpf else "–", spread([m[0] for m in mine]), len(mine)))
+    ratio_lines = []
+    for a, b in pairs:
+        if a is None or b is None:
+            continue
+        rounds = sorted({rd for (n, rd) in direct if n == a} & {rd for (n, rd) in direct if n == b})
+        ratios = [direct[(a, rd)][0] / direct[(b, rd)][0] for rd in rounds if direct[(b, rd)][0] > 0]
+        if ratios:
+            ratio_lines.append("* %s / %s, per round: %s (%d rounds; min %.2f, max %.2f)"
+                               % (a, b, spread(ratios, 1, ".2f"), len(ratios), min(ratios), max(ratios)))
+    if ratio_lines:
+        lines += ["", "Measured CPU ratios, each round's pair of runs divided, median [IQR]:", ""] + ratio_lines
     return "\n".join(lines) + "\n"
 
 
