@@ -155,6 +155,8 @@ pub struct ElfModule {
     /// that drains the ring buffer, by [`SymbolLoader`], since a large library's table
     /// (libtorch_cpu: ~10^6 symbols) takes seconds to read.
     syms: std::sync::OnceLock<ModuleSymbols>,
+    /// Queued to the loader already (once per module).
+    queued: std::sync::atomic::AtomicBool,
     sections: HashMap<&'static str, (Range<u64>, Range<usize>)>,
     /// Executable PT_LOAD segments: (file offset, vaddr, filesz).
     loads: Vec<(u64, u64, u64)>,
@@ -277,6 +279,7 @@ impl ElfModule {
             map,
             root: root.to_string(),
             syms: std::sync::OnceLock::new(),
+            queued: std::sync::atomic::AtomicBool::new(false),
             sections,
             loads,
         })
@@ -493,7 +496,8 @@ pub struct LoadStats {
 
 /// Reads modules' symbol tables on a thread of its own (one, at a lower CPU priority), so
 /// that the thread draining the ring buffer never waits for a large library's table: each
-/// module is queued once, when first mapped (at attach, or a library loaded later).
+/// module is queued once, when a sample first has a frame in it (a process maps hundreds of
+/// libraries, most never sampled: reading all of them at attach would cost seconds of CPU).
 pub struct SymbolLoader {
     tx: std::sync::mpsc::Sender<Arc<ElfModule>>,
     thread: std::thread::JoinHandle<()>,
@@ -540,9 +544,13 @@ impl SymbolLoader {
         self.stats
     }
 
-    fn submit(&self, m: Arc<ElfModule>) {
+    /// Queue a module whose symbols are not read yet (once).
+    fn submit(&self, m: &Arc<ElfModule>) {
+        if m.symbols_ready() || m.queued.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         // A closed channel (thread gone) leaves the module to be read on demand.
-        let _ = self.tx.send(m);
+        let _ = self.tx.send(m.clone());
     }
 }
 
@@ -570,7 +578,7 @@ impl ProcessNative {
     }
 
     /// Re-read `/proc/PID/maps` and add new executable mappings (dlopen'ed extensions). New
-    /// modules are only mapped and indexed here; their symbols are queued to the loader.
+    /// modules are only mapped and indexed here (no symbol table is read).
     pub fn refresh(&mut self, cache: &mut ModuleCache) {
         self.last_refresh = std::time::Instant::now();
         let Ok(text) = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) else {
@@ -606,9 +614,6 @@ impl ProcessNative {
                     Ok(em) => {
                         let em = Arc::new(em);
                         cache.modules.insert(key, em.clone());
-                        if let Some(l) = &cache.loader {
-                            l.submit(em.clone());
-                        }
                         em
                     }
                     Err(e) => {
@@ -877,8 +882,7 @@ impl Native {
         }
     }
 
-    /// Map a process's modules now (at attach), so that their symbols start loading before
-    /// its first sample.
+    /// Map a process's modules now (at attach): the first samples need not wait for it.
     pub fn attach(&mut self, pid: i32) {
         if self.opts.user {
             let modules = &mut self.modules;
@@ -907,6 +911,13 @@ impl Native {
                 self.unwind_incomplete += 1;
             }
             out.user = addrs.into_iter().map(|a| p.raw_frame(a)).collect();
+            if let Some(l) = &modules.loader {
+                for f in &out.user {
+                    if let Some((m, _)) = &f.module {
+                        l.submit(m);
+                    }
+                }
+            }
         }
         out
     }
@@ -1162,7 +1173,7 @@ mod tests {
         assert_eq!(native.unnamed_not_loaded, 1);
     }
 
-    /// The loader thread reads the symbols of every module a process maps, once each.
+    /// The loader thread reads the symbols of each module queued to it, once each.
     #[test]
     fn loader_reads_symbols() {
         let mut cache = ModuleCache {
@@ -1171,7 +1182,15 @@ mod tests {
         };
         let _p = ProcessNative::new(std::process::id() as i32, &mut cache);
         assert!(!cache.modules.is_empty());
+        assert!(
+            cache.modules.values().all(|m| !m.symbols_ready()),
+            "mapping reads no symbol table"
+        );
         let loader = cache.loader.take().expect("loader thread");
+        for m in cache.modules.values() {
+            loader.submit(m);
+            loader.submit(m);
+        }
         // Closing waits for the queue to be worked off.
         let stats = loader.close();
         assert_eq!(
