@@ -188,16 +188,38 @@ def target_cpu_ns(pid):
     return total
 
 
+def workers_run_wait_ns(pid):
+    """(on-CPU ns, runnable-but-waiting ns) summed over the target's worker threads
+    (`cpu-worker-K`). A worker that never sleeps is always one of the two, unless it is
+    stopped: wall time minus both is the time a profiler held it stopped (ptrace), whatever
+    other load on the machine does (that only moves time from running to waiting)."""
+    run = wait = n = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                if not f.read().startswith("cpu-worker"):
+                    continue
+            with open("/proc/%d/task/%s/schedstat" % (pid, tid)) as f:
+                v = f.read().split()
+            run, wait, n = run + int(v[0]), wait + int(v[1]), n + 1
+        except (OSError, ValueError, IndexError):
+            pass
+    return run, wait, n
+
+
 class CpuLog(threading.Thread):
-    """Logs (CLOCK_MONOTONIC ns, target CPU ns) every 50 ms until the target exits."""
+    """Logs (CLOCK_MONOTONIC ns, target CPU ns) and the workers' run and wait time every 50 ms
+    until the target exits."""
     def __init__(self, pid):
         super().__init__(daemon=True)
-        self.pid, self.log, self.stop = pid, [], threading.Event()
+        self.pid, self.log, self.workers, self.stop = pid, [], [], threading.Event()
 
     def run(self):
         while not self.stop.is_set():
             try:
-                self.log.append((time.monotonic_ns(), target_cpu_ns(self.pid)))
+                t = time.monotonic_ns()
+                self.log.append((t, target_cpu_ns(self.pid)))
+                self.workers.append((t,) + workers_run_wait_ns(self.pid))
             except OSError:
                 return
             self.stop.wait(0.05)
@@ -371,6 +393,14 @@ def run_once(args, config, workdir, index):
                 cpu = interp(cpulog.log, hi) - interp(cpulog.log, lo)
                 rec["target_cpu_per_s"] = cpu / (hi - lo)
                 rec["target_cpu_ns_per_unit"] = cpu / units if units > 0 else None
+            # The share of wall time the workers were stopped (neither running nor runnable):
+            # a profiler's pauses. Only meaningful with --threads 1 (several workers also wait
+            # for the GIL, asleep).
+            w = [x for x in cpulog.workers if lo <= x[0] <= hi and x[3] > 0]
+            if len(w) >= 2 and w[-1][3] == w[0][3] and w[-1][0] > w[0][0]:
+                a, b = w[0], w[-1]
+                wall = (b[0] - a[0]) * b[3]
+                rec["stopped_frac"] = 1 - ((b[1] - a[1]) + (b[2] - a[2])) / wall
         return rec
     finally:
         if target.poll() is None:
@@ -541,6 +571,16 @@ def cpu_cost_summary(configs, records):
                                % (a, b, spread(ratios, 1, ".2f"), len(ratios), min(ratios), max(ratios)))
     if ratio_lines:
         lines += ["", "CPU cost ratios, each round's pair of runs divided, median [IQR]:", ""] + ratio_lines
+    stopped = {}
+    for r in records:
+        if "stopped_frac" in r:
+            stopped.setdefault(r["config"], []).append(r["stopped_frac"])
+    if stopped:
+        lines += ["", "Time the target's worker was stopped (neither running nor runnable, from its schedstat): "
+                  "a profiler's pauses, as % of wall time, median [IQR]:", ""]
+        for c in configs:
+            if c.name in stopped:
+                lines.append("* %s: %s %% (%d runs)" % (c.name, spread(stopped[c.name], 100, ".2f"), len(stopped[c.name])))
     lines += ["", "Measured CPU (medians [IQR]): the profiler process's CPU s/s plus, for enginescope, the run "
               "time of its BPF programs (kernel BPF stats; these run in the target's context) per s.", "",
               "| profiler | rate Hz | BPF programs s/s | profiler + BPF CPU s/s | runs |", "|---|---|---|---|---|"]
