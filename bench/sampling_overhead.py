@@ -17,6 +17,14 @@ profiler's whole life. Per run it measures:
   * profiler max RSS (ru_maxrss, via GNU time so that this script's RSS at fork is not counted);
   * samples and errors as the profiler reports them, and the CPU the rest of the machine used
     during the target's window (/proc/stat busy time minus target and profiler): noise.
+  * the target's CPU time per unit of work over the same span (schedstat of all its threads;
+    use --threads 1, else GIL hand-offs dominate it), and from it a CPU cost: profiler CPU s/s
+    plus the target's extra CPU s/s against its round's baselines;
+  * for enginescope, its BPF programs' run time (ENGINESCOPE_BPF_STATS=1, `bpf_prog_run_ns`
+    in the recording's counters): cost A = profiler CPU + BPF run time, per second;
+  * the share of wall time the target's workers were stopped, neither running nor runnable
+    (schedstat): a profiler's ptrace pauses (py-spy --native), with --threads 1.
+Ratios between configs are also taken per round (each round's pair of runs) and summarized.
 Before each run it waits until the rest of the machine is quiet (--quiet cores, default 0.2,
 over one second); a run during which the rest used more is discarded and run again (--retries).
 Configs run interleaved: each round runs every config once in a shuffled order (seeded), so
