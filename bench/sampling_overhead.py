@@ -17,6 +17,14 @@ profiler's whole life. Per run it measures:
   * profiler max RSS (ru_maxrss, via GNU time so that this script's RSS at fork is not counted);
   * samples and errors as the profiler reports them, and the CPU the rest of the machine used
     during the target's window (/proc/stat busy time minus target and profiler): noise.
+  * the target's CPU time per unit of work over the same span (schedstat of all its threads;
+    use --threads 1, else GIL hand-offs dominate it), and from it a CPU cost: profiler CPU s/s
+    plus the target's extra CPU s/s against its round's baselines;
+  * for enginescope, its BPF programs' run time (ENGINESCOPE_BPF_STATS=1, `bpf_prog_run_ns`
+    in the recording's counters): cost A = profiler CPU + BPF run time, per second;
+  * the share of wall time the target's workers were stopped, neither running nor runnable
+    (schedstat): a profiler's ptrace pauses (py-spy --native), with --threads 1.
+Ratios between configs are also taken per round (each round's pair of runs) and summarized.
 Before each run it waits until the rest of the machine is quiet (--quiet cores, default 0.2,
 over one second); a run during which the rest used more is discarded and run again (--retries).
 Configs run interleaved: each round runs every config once in a shuffled order (seeded), so
@@ -106,6 +114,10 @@ def build_configs(args):
                    lambda pid, d, out, r=rate: [austin, "-i", str(1000000 // r), "-p", str(pid), "-x", str(d),
                                                 "-o", out]),
         ]
+    # py-spy --native at its default rate (100 Hz): what its pauses cost as people run it.
+    configs.append(Config("py-spy --native (default rate)", "py-spy --native (default rate)", 100,
+                          lambda pid, d, out: [pyspy, "record", "--native", "--pid", str(pid), "--duration", str(d),
+                                               "--format", "raw", "-o", out]))
     return configs
 
 
@@ -170,6 +182,64 @@ def machine_busy_ticks():
     return sum(v) - v[3] - v[4]  # all but idle and iowait
 
 
+def target_cpu_ns(pid):
+    """CPU time of every thread of a live process, ns (schedstat: exact, not in ticks). This
+    kernel has no IRQ time accounting, so the BPF programs that run on the target's samples
+    and context switches are charged to it too."""
+    total = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/schedstat" % (pid, tid)) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def workers_run_wait_ns(pid):
+    """(on-CPU ns, runnable-but-waiting ns) summed over the target's worker threads
+    (`cpu-worker-K`). A worker that never sleeps is always one of the two, unless it is
+    stopped: wall time minus both is the time a profiler held it stopped (ptrace), whatever
+    other load on the machine does (that only moves time from running to waiting)."""
+    run = wait = n = 0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                if not f.read().startswith("cpu-worker"):
+                    continue
+            with open("/proc/%d/task/%s/schedstat" % (pid, tid)) as f:
+                v = f.read().split()
+            run, wait, n = run + int(v[0]), wait + int(v[1]), n + 1
+        except (OSError, ValueError, IndexError):
+            pass
+    return run, wait, n
+
+
+class CpuLog(threading.Thread):
+    """Logs (CLOCK_MONOTONIC ns, target CPU ns) and the workers' run and wait time every 50 ms
+    until the target exits."""
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.log, self.workers, self.stop = pid, [], [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                t = time.monotonic_ns()
+                self.log.append((t, target_cpu_ns(self.pid)))
+                self.workers.append((t,) + workers_run_wait_ns(self.pid))
+            except OSError:
+                return
+            self.stop.wait(0.05)
+
+
+def interp(series, t):
+    for (ta, va), (tb, vb) in zip(series, series[1:]):
+        if ta <= t <= tb:
+            return va + (vb - va) * (t - ta) / (tb - ta) if tb > ta else va
+    raise ValueError("time outside the series")
+
+
 def throughput(progress, t0, t1):
     """Units per second between t0 and t1 (ns), interpolating the target's progress log."""
     def at(t):
@@ -212,7 +282,7 @@ def wait_for_quiet(threshold, timeout):
             return load
 
 
-def spawn_measured(argv, log_path, rss_path):
+def spawn_measured(argv, log_path, rss_path, env=None):
     """Starts argv under GNU time, which forks it from a small process. ru_maxrss of a forked
     child counts the parent's RSS at fork (the kernel carries the pre-exec high-water mark over
     exec), so this script's own ~16 MiB would be reported for every profiler otherwise."""
@@ -220,7 +290,7 @@ def spawn_measured(argv, log_path, rss_path):
         argv = [GNU_TIME, "-f", "%M", "-o", rss_path] + argv
     log = open(log_path, "w")
     try:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     finally:
         log.close()
 
@@ -244,6 +314,8 @@ def run_once(args, config, workdir, index):
         if line != "READY":
             raise RuntimeError("target did not print READY (got %r)" % line)
         t_ready, busy0, tgt0 = time.monotonic_ns(), machine_busy_ticks(), proc_cpu_ticks(target.pid)
+        cpulog = CpuLog(target.pid)
+        cpulog.start()
         prof_cpu = 0.0
         if config.argv_fn is not None:
             out = os.path.join(workdir, "run%d.out" % index)
@@ -252,7 +324,11 @@ def run_once(args, config, workdir, index):
             argv = config.argv_fn(target.pid, args.duration, out)
             rec["argv"] = argv
             t_spawn = time.monotonic_ns()
-            prof = spawn_measured(argv, log_path, rss_path)
+            env = None
+            if config.tool.startswith("enginescope"):
+                # The kernel times enginescope's BPF programs (run in the target's context).
+                env = dict(os.environ, ENGINESCOPE_BPF_STATS="1")
+            prof = spawn_measured(argv, log_path, rss_path, env)
             # A profiler that hangs is killed once the target's window is over, plus 10 s.
             killer = threading.Timer(window + 10, prof.kill)
             killer.start()
@@ -273,11 +349,26 @@ def run_once(args, config, workdir, index):
                 "out_bytes": os.path.getsize(out) if os.path.exists(out) else None,
             })
             rec["samples"], rec["errors"] = profiler_report(config, log_text, out)
+            if config.tool.startswith("enginescope") and prof.returncode == 0:
+                rep = subprocess.run([argv[0], "report", "-f", "json", out], capture_output=True, text=True)
+                try:
+                    counters = json.loads(rep.stdout).get("counters", {})
+                    if "bpf_prog_run_ns" in counters:
+                        rec["bpf_cpu_s"] = counters["bpf_prog_run_ns"] / 1e9
+                        rec["bpf_cpu_per_s"] = rec["bpf_cpu_s"] / wall
+                        rec["bpf_runs"] = counters.get("bpf_prog_runs")
+                    if "native_symbol_load_total_ms" in counters:
+                        # One-time: reading the target's symbol tables (part of cpu_s).
+                        rec["symbol_load_s"] = counters["native_symbol_load_total_ms"] / 1e3
+                except ValueError:
+                    pass
             if prof.returncode != 0:
                 # GNU time adds "Command exited with non-zero status N" after the tool's own words.
                 words = [l for l in log_text.splitlines() if not l.startswith("Command exited with")]
                 rec["error"] = "exit %d: %s" % (prof.returncode, last_line("\n".join(words)))
         result_line = target.stdout.readline()
+        cpulog.stop.set()
+        cpulog.join()
         _, status, tru = os.wait4(target.pid, 0)
         target.returncode = os.waitstatus_to_exitcode(status)
         t_end, busy1 = time.monotonic_ns(), machine_busy_ticks()
@@ -290,14 +381,34 @@ def run_once(args, config, workdir, index):
         res = json.loads(result_line)
         prog = res["progress"]
         rec["window_iter_per_s"] = res["iterations_per_s"]
+        span = None
         if config.argv_fn is None:
             t0 = prog[0][0]
-            rec["iter_per_s"] = throughput(prog, t0, t0 + int(args.duration * 1e9))
+            span = (t0, t0 + int(args.duration * 1e9))
         elif "error" not in rec:
             end = prog[-1][0]
             if rec["exit_mono_ns"] > end:
                 rec["outlived_s"] = (rec["exit_mono_ns"] - end) / 1e9
-            rec["iter_per_s"] = throughput(prog, max(rec["spawn_mono_ns"], prog[0][0]), min(rec["exit_mono_ns"], end))
+            span = (max(rec["spawn_mono_ns"], prog[0][0]), min(rec["exit_mono_ns"], end))
+        if span is not None:
+            rec["iter_per_s"] = throughput(prog, *span)
+            # The target's CPU per unit of work over the same span: what sampling adds to the
+            # target's own work (BPF programs, cache disturbance), unlike throughput not moved
+            # by other load on the machine taking the target's core away.
+            lo, hi = max(span[0], cpulog.log[0][0]), min(span[1], cpulog.log[-1][0])
+            if hi > lo:
+                units = throughput(prog, lo, hi) * (hi - lo) / 1e9
+                cpu = interp(cpulog.log, hi) - interp(cpulog.log, lo)
+                rec["target_cpu_per_s"] = cpu / (hi - lo)
+                rec["target_cpu_ns_per_unit"] = cpu / units if units > 0 else None
+            # The share of wall time the workers were stopped (neither running nor runnable):
+            # a profiler's pauses. Only meaningful with --threads 1 (several workers also wait
+            # for the GIL, asleep).
+            w = [x for x in cpulog.workers if lo <= x[0] <= hi and x[3] > 0]
+            if len(w) >= 2 and w[-1][3] == w[0][3] and w[-1][0] > w[0][0]:
+                a, b = w[0], w[-1]
+                wall = (b[0] - a[0]) * b[3]
+                rec["stopped_frac"] = 1 - ((b[1] - a[1]) + (b[2] - a[2])) / wall
         return rec
     finally:
         if target.poll() is None:
@@ -409,6 +520,99 @@ def summarize(configs, records, args):
     return "\n".join(lines) + "\n"
 
 
+def cpu_cost_summary(configs, records):
+    """Cost in CPU: the profiler's CPU s/s plus the target's extra CPU s/s (its CPU per unit of
+    work against the mean of its round's baselines), and per-round ratios between configs."""
+    records = [r for r in records if not r.get("discarded") and "error" not in r]
+    ref = {}
+    for r in records:
+        if r["tool"] == "none" and r.get("target_cpu_ns_per_unit"):
+            ref.setdefault(r["round"], []).append(r["target_cpu_ns_per_unit"])
+    ref = {k: statistics.mean(v) for k, v in ref.items()}
+    cost = {}  # (config name, round) -> (cost, extra fraction, profiler cpu/s)
+    for r in records:
+        if r["round"] not in ref or not r.get("target_cpu_ns_per_unit"):
+            continue
+        extra = r["target_cpu_ns_per_unit"] / ref[r["round"]] - 1
+        target_extra = r["target_cpu_per_s"] * extra / (1 + extra)
+        cost[(r["config"], r["round"])] = (r.get("cpu_per_s", 0.0) + target_extra, extra, r.get("cpu_per_s", 0.0))
+    # Measured directly: the profiler's CPU plus, for enginescope, its BPF programs' run time
+    # as the kernel counts it (BPF_ENABLE_STATS); a peer's in-target cost has no such counter.
+    direct = {}
+    for r in records:
+        if "cpu_per_s" in r:
+            direct[(r["config"], r["round"])] = (r["cpu_per_s"] + r.get("bpf_cpu_per_s", 0.0), r.get("bpf_cpu_per_s"))
+    lines = ["", "Cost in CPU (medians over rounds, [interquartile range]): the target's CPU time per unit of work "
+             "against its round's baselines, the profiler's own CPU, and their sum in cores (profiler CPU s/s "
+             "+ the target's extra CPU s/s).", "",
+             "| profiler | rate Hz | target CPU per unit % | profiler CPU s/s | CPU cost, cores | runs |",
+             "|---|---|---|---|---|---|"]
+
+    def spread(v, scale=1.0, spec=".3f"):
+        v = [x * scale for x in v]
+        if len(v) < 2:
+            return format(v[0], spec) if v else "–"
+        q = quartiles(v)
+        return "%s [%s, %s]" % (format(statistics.median(v), spec), format(q[0], spec), format(q[2], spec))
+
+    for c in configs:
+        mine = [v for (name, _), v in cost.items() if name == c.name]
+        if not mine:
+            continue
+        lines.append("| %s | %s | %s | %s | %s | %d |" % (
+            c.tool, "–" if c.rate is None else c.rate, spread([m[1] for m in mine], 100, "+.1f"),
+            spread([m[2] for m in mine]), spread([m[0] for m in mine]), len(mine)))
+    pairs = []
+    by_tool = {(c.tool, c.rate): c.name for c in configs}
+    for rate in sorted({c.rate for c in configs if c.rate}):
+        pairs += [(by_tool.get(("enginescope --native", rate)), by_tool.get(("enginescope", rate))),
+                  (by_tool.get(("austin", rate)), by_tool.get(("enginescope --native", rate))),
+                  (by_tool.get(("py-spy --native", rate)), by_tool.get(("enginescope --native", rate)))]
+    ratio_lines = []
+    for a, b in pairs:
+        if a is None or b is None:
+            continue
+        rounds = sorted({rd for (n, rd) in cost if n == a} & {rd for (n, rd) in cost if n == b})
+        ratios = [cost[(a, rd)][0] / cost[(b, rd)][0] for rd in rounds if cost[(b, rd)][0] > 0]
+        if ratios:
+            ratio_lines.append("* %s / %s, per round: %s (%d rounds; min %.2f, max %.2f)"
+                               % (a, b, spread(ratios, 1, ".2f"), len(ratios), min(ratios), max(ratios)))
+    if ratio_lines:
+        lines += ["", "CPU cost ratios, each round's pair of runs divided, median [IQR]:", ""] + ratio_lines
+    stopped = {}
+    for r in records:
+        if "stopped_frac" in r:
+            stopped.setdefault(r["config"], []).append(r["stopped_frac"])
+    if stopped:
+        lines += ["", "Time the target's worker was stopped (neither running nor runnable, from its schedstat): "
+                  "a profiler's pauses, as % of wall time, median [IQR]:", ""]
+        for c in configs:
+            if c.name in stopped:
+                lines.append("* %s: %s %% (%d runs)" % (c.name, spread(stopped[c.name], 100, ".2f"), len(stopped[c.name])))
+    lines += ["", "Measured CPU (medians [IQR]): the profiler process's CPU s/s plus, for enginescope, the run "
+              "time of its BPF programs (kernel BPF stats; these run in the target's context) per s.", "",
+              "| profiler | rate Hz | BPF programs s/s | profiler + BPF CPU s/s | runs |", "|---|---|---|---|---|"]
+    for c in configs:
+        mine = [v for (name, _), v in direct.items() if name == c.name]
+        if not mine:
+            continue
+        bpf = [m[1] for m in mine if m[1] is not None]
+        lines.append("| %s | %s | %s | %s | %d |" % (c.tool, "–" if c.rate is None else c.rate,
+                                                    spread(bpf) if bpf else "–", spread([m[0] for m in mine]), len(mine)))
+    ratio_lines = []
+    for a, b in pairs:
+        if a is None or b is None:
+            continue
+        rounds = sorted({rd for (n, rd) in direct if n == a} & {rd for (n, rd) in direct if n == b})
+        ratios = [direct[(a, rd)][0] / direct[(b, rd)][0] for rd in rounds if direct[(b, rd)][0] > 0]
+        if ratios:
+            ratio_lines.append("* %s / %s, per round: %s (%d rounds; min %.2f, max %.2f)"
+                               % (a, b, spread(ratios, 1, ".2f"), len(ratios), min(ratios), max(ratios)))
+    if ratio_lines:
+        lines += ["", "Measured CPU ratios, each round's pair of runs divided, median [IQR]:", ""] + ratio_lines
+    return "\n".join(lines) + "\n"
+
+
 def describe_machine(args):
     ver = subprocess.run([args.python, "-c", "import sys; print(sys.version.split()[0])"],
                          capture_output=True, text=True).stdout.strip()
@@ -435,7 +639,8 @@ def main():
     ap.add_argument("--enginescope", default=os.path.join(ROOT, "target/release/enginescope"))
     ap.add_argument("--peers", default="/opt/es-peers", help="venv with py-spy==0.4.3 and austin-dist<4")
     ap.add_argument("--only", help="comma-separated tools to run (none is always run): "
-                                   "enginescope,py-spy,py-spy --nonblocking,austin")
+                                   "enginescope,enginescope --native,py-spy,py-spy --native,"
+                                   "py-spy --native (default rate),py-spy --nonblocking,austin")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle")
     ap.add_argument("--baselines", type=int, default=2, help="baseline runs per round")
     ap.add_argument("--from-json", help="do not run: summarize the runs saved by --json (pass the same "
@@ -466,7 +671,7 @@ def main():
             mine = [r for r in saved["records"] if r["config"] == c.name]
             errors = [r["error"] for r in mine if "error" in r]
             c.error = errors[-1] if errors else (None if mine else "no runs in %s" % args.from_json)
-        print(summarize(configs, saved["records"], args))
+        print(summarize(configs, saved["records"], args) + cpu_cost_summary(configs, saved["records"]))
         return
     ensure_peers(args.peers)
     workdir = tempfile.mkdtemp(prefix="es-bench-overhead-")
@@ -510,14 +715,15 @@ def main():
                     c.error = rec["error"]
                     print("  round %d %-28s FAILED: %s" % (rnd + 1, c.name, rec["error"]), file=sys.stderr)
                 else:
-                    print("  round %d %-28s %8.0f units/s  other %.2f cores%s" % (
-                        rnd + 1, c.name, rec["iter_per_s"], rec["other_cpu_per_s"],
+                    print("  round %d %-28s %8.0f units/s  %s ns CPU/unit  other %.2f cores%s" % (
+                        rnd + 1, c.name, rec["iter_per_s"], fmt(rec.get("target_cpu_ns_per_unit"), ".0f"),
+                        rec["other_cpu_per_s"],
                         "" if c.argv_fn is None else "  cpu %.3f s/s  rss %.1f MiB" % (rec["cpu_per_s"], rec["maxrss_mib"])),
                         file=sys.stderr)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    table = summarize(configs, records, args)
+    table = summarize(configs, records, args) + cpu_cost_summary(configs, records)
     print(table)
     if args.json:
         with open(args.json, "w") as f:

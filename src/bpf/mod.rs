@@ -39,6 +39,8 @@ pub struct BpfSampler {
     targets: BpfHashMap<MapData, u32, EsTarget>,
     threads: BpfHashMap<MapData, u32, EsThread>,
     counters: PerCpuArray<MapData, u64>,
+    /// Held while the kernel times BPF programs (`ENGINESCOPE_BPF_STATS=1`: benchmarks).
+    stats: Option<std::os::fd::OwnedFd>,
 }
 
 impl BpfSampler {
@@ -123,12 +125,20 @@ impl BpfSampler {
         let targets = BpfHashMap::try_from(bpf.take_map("targets").context("no targets map")?)?;
         let threads = BpfHashMap::try_from(bpf.take_map("threads").context("no threads map")?)?;
         let counters = PerCpuArray::try_from(bpf.take_map("counters").context("no counters map")?)?;
+        // Benchmarks: have the kernel time every BPF program run (BPF_ENABLE_STATS, for as
+        // long as the fd is held; it adds two clock reads per run), so that what sampling
+        // costs in the target's context is measured, not guessed (`bpf_prog_run_ns`).
+        let stats = std::env::var("ENGINESCOPE_BPF_STATS")
+            .is_ok_and(|v| !v.is_empty() && v != "0")
+            .then(|| aya::sys::enable_stats(aya::sys::Stats::RunTime).ok())
+            .flatten();
         Ok(BpfSampler {
             bpf,
             ring,
             targets,
             threads,
             counters,
+            stats,
         })
     }
 
@@ -315,9 +325,10 @@ impl BpfSampler {
         n
     }
 
-    /// Counters summed over CPUs, by name.
+    /// Counters summed over CPUs, by name; with `ENGINESCOPE_BPF_STATS=1`, also the time
+    /// and runs of this sampler's programs as the kernel counted them.
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
-        abi::COUNTER_NAMES
+        let mut out: Vec<(&'static str, u64)> = abi::COUNTER_NAMES
             .iter()
             .enumerate()
             .map(|(i, name)| {
@@ -328,7 +339,19 @@ impl BpfSampler {
                     .unwrap_or(0);
                 (*name, v)
             })
-            .collect()
+            .collect();
+        if self.stats.is_some() {
+            let (mut ns, mut runs) = (0u64, 0u64);
+            for (_, prog) in self.bpf.programs() {
+                if let Ok(info) = prog.info() {
+                    ns += info.run_time().as_nanos() as u64;
+                    runs += info.run_count();
+                }
+            }
+            out.push(("bpf_prog_run_ns", ns));
+            out.push(("bpf_prog_runs", runs));
+        }
+        out
     }
 
     /// Keep the object alive (programs and links are owned by it).

@@ -20,6 +20,7 @@
 //! read. Everything read from the target or its files is untrusted: lookups are bounded and
 //! failures give fewer frames, never an error that stops recording.
 
+pub mod backlog;
 pub mod merge;
 
 use std::collections::HashMap;
@@ -148,16 +149,28 @@ pub struct ElfModule {
     pub path: String,
     pub build_id: String,
     map: Arc<memmap2::Mmap>,
-    /// Function symbols sorted by address: (start svma, size, name).
-    symbols: Vec<(u64, u64, Arc<str>)>,
-    /// Where the symbols came from: `symtab`, `dynsym`, `debug file`, or `none`.
-    pub symbol_source: &'static str,
-    /// Address ranges (svma) of the evaluation loop (its hot and `.cold` parts), when this is
-    /// the interpreter core.
-    pub eval_ranges: Vec<Range<u64>>,
+    /// The target's root directory (`/proc/PID/root`), for a separate debug file.
+    root: String,
+    /// The symbol table, read on first need ([`ElfModule::load_symbols`]): off the thread
+    /// that drains the ring buffer, by [`SymbolLoader`], since a large library's table
+    /// (libtorch_cpu: ~10^6 symbols) takes seconds to read.
+    syms: std::sync::OnceLock<ModuleSymbols>,
+    /// Queued to the loader already (once per module).
+    queued: std::sync::atomic::AtomicBool,
     sections: HashMap<&'static str, (Range<u64>, Range<usize>)>,
     /// Executable PT_LOAD segments: (file offset, vaddr, filesz).
     loads: Vec<(u64, u64, u64)>,
+}
+
+/// One module's symbols, read from its file.
+pub struct ModuleSymbols {
+    /// Function symbols sorted by address: (start svma, size, name).
+    symbols: Vec<(u64, u64, Arc<str>)>,
+    /// Where the symbols came from: `symtab`, `dynsym`, `debug file`, or `none`.
+    pub source: &'static str,
+    /// Address ranges (svma) of the evaluation loop (its hot and `.cold` parts), when this is
+    /// the interpreter core.
+    pub eval_ranges: Vec<Range<u64>>,
 }
 
 const UNWIND_SECTIONS: [&str; 5] = [
@@ -214,8 +227,10 @@ fn read_symbols(file: &object::File<'_>, dynamic: bool) -> Vec<(u64, u64, Arc<st
 }
 
 impl ElfModule {
-    /// Map and index `file` (opened by the caller), mapped in the target as `path`. `root` is
-    /// the target's root directory (`/proc/PID/root`) for debug files.
+    /// Map `file` (opened by the caller), mapped in the target as `path`, and index its
+    /// unwind sections; cheap (section and program headers only): the symbol table is read
+    /// later ([`ElfModule::load_symbols`]). `root` is the target's root directory
+    /// (`/proc/PID/root`) for debug files.
     pub fn open(file: &std::fs::File, path: &str, root: &str) -> anyhow::Result<ElfModule> {
         // SAFETY: the file is opened read-only and mapped privately; a library replaced on
         // disk while mapped would change bytes under us, which the parsers treat as untrusted
@@ -230,41 +245,6 @@ impl ElfModule {
             .flatten()
             .map(|b| b.iter().map(|x| format!("{x:02x}")).collect::<String>())
             .unwrap_or_default();
-        let mut symbols = read_symbols(&obj, false);
-        let mut source = "symtab";
-        if symbols.is_empty() && build_id.len() > 2 {
-            // A separate debug file by build-id, in the target's root first.
-            for base in [
-                format!("{root}/usr/lib/debug"),
-                "/usr/lib/debug".to_string(),
-            ] {
-                let p = format!(
-                    "{base}/.build-id/{}/{}.debug",
-                    &build_id[..2],
-                    &build_id[2..]
-                );
-                if let Ok(f) = std::fs::File::open(&p) {
-                    // SAFETY: as above.
-                    if let Ok(m) = unsafe { memmap2::Mmap::map(&f) } {
-                        if let Ok(dbg) = object::File::parse(&m[..]) {
-                            symbols = read_symbols(&dbg, false);
-                            if !symbols.is_empty() {
-                                source = "debug file";
-                                break;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        if symbols.is_empty() {
-            symbols = read_symbols(&obj, true);
-            source = "dynsym";
-        }
-        if symbols.is_empty() {
-            source = "none";
-        }
-        symbols.sort_unstable_by_key(|s| s.0);
         let mut sections = HashMap::new();
         for name in UNWIND_SECTIONS {
             if let Some(s) = obj.section_by_name(name) {
@@ -293,6 +273,73 @@ impl ElfModule {
             }
             _ => Vec::new(),
         };
+        Ok(ElfModule {
+            path: path.to_string(),
+            build_id,
+            map,
+            root: root.to_string(),
+            syms: std::sync::OnceLock::new(),
+            queued: std::sync::atomic::AtomicBool::new(false),
+            sections,
+            loads,
+        })
+    }
+
+    /// Whether the symbol table has been read (naming this module's frames will not wait).
+    pub fn symbols_ready(&self) -> bool {
+        self.syms.get().is_some()
+    }
+
+    /// The symbol table, read now if nobody has (a caller racing the loader waits for it).
+    pub fn load_symbols(&self) -> &ModuleSymbols {
+        self.syms.get_or_init(|| self.read_symbol_table())
+    }
+
+    fn read_symbol_table(&self) -> ModuleSymbols {
+        let Ok(obj) = object::File::parse(&self.map[..]) else {
+            return ModuleSymbols {
+                symbols: Vec::new(),
+                source: "none",
+                eval_ranges: Vec::new(),
+            };
+        };
+        let build_id = &self.build_id;
+        let root = &self.root;
+        let mut symbols = read_symbols(&obj, false);
+        let mut source = "symtab";
+        if symbols.is_empty() && build_id.len() > 2 {
+            // A separate debug file by build-id, in the target's root first.
+            for base in [
+                format!("{root}/usr/lib/debug"),
+                "/usr/lib/debug".to_string(),
+            ] {
+                let p = format!(
+                    "{base}/.build-id/{}/{}.debug",
+                    &build_id[..2],
+                    &build_id[2..]
+                );
+                if let Ok(f) = std::fs::File::open(&p) {
+                    // SAFETY: as in `open`.
+                    if let Ok(m) = unsafe { memmap2::Mmap::map(&f) } {
+                        if let Ok(dbg) = object::File::parse(&m[..]) {
+                            symbols = read_symbols(&dbg, false);
+                            if !symbols.is_empty() {
+                                source = "debug file";
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if symbols.is_empty() {
+            symbols = read_symbols(&obj, true);
+            source = "dynsym";
+        }
+        if symbols.is_empty() {
+            source = "none";
+        }
+        symbols.sort_unstable_by_key(|s| s.0);
         let mut eval_ranges: Vec<Range<u64>> = symbols
             .iter()
             .filter(|s| clean_c_name(&s.2) == "_PyEval_EvalFrameDefault")
@@ -303,8 +350,9 @@ impl ElfModule {
             // small entry part; a PGO/LTO build moves the loop's body to a separate, unnamed
             // code range. It is the largest function in the binary by far (75-85 KiB against
             // < 40 KiB for any other in 3.13-3.15), so take the largest .eh_frame_hdr entry.
-            if let Some((svma, range)) = sections.get(".eh_frame_hdr") {
-                if let Some(r) = map
+            if let Some((svma, range)) = self.sections.get(".eh_frame_hdr") {
+                if let Some(r) = self
+                    .map
                     .get(range.clone())
                     .and_then(|b| largest_fde(b, svma.start))
                 {
@@ -312,22 +360,18 @@ impl ElfModule {
                 }
             }
         }
-        Ok(ElfModule {
-            path: path.to_string(),
-            build_id,
-            map,
+        ModuleSymbols {
             symbols,
-            symbol_source: source,
+            source,
             eval_ranges,
-            sections,
-            loads,
-        })
+        }
     }
 
-    /// The function containing `svma`: (start, name).
+    /// The function containing `svma`: (start, name). Reads the symbol table if not yet read.
     pub fn symbol(&self, svma: u64) -> Option<(u64, &Arc<str>)> {
-        let i = self.symbols.partition_point(|s| s.0 <= svma);
-        let (start, size, name) = self.symbols.get(i.checked_sub(1)?)?;
+        let symbols = &self.load_symbols().symbols;
+        let i = symbols.partition_point(|s| s.0 <= svma);
+        let (start, size, name) = symbols.get(i.checked_sub(1)?)?;
         // Sized symbols must contain the address; unsized ones reach to the next symbol.
         if *size > 0 && svma >= start + size {
             return None;
@@ -430,24 +474,92 @@ struct Mapped {
     module: Arc<ElfModule>,
 }
 
-/// One process's modules, unwinder and symbol cache.
+/// One process's modules and unwinder.
 pub struct ProcessNative {
     pid: i32,
     maps_text: String,
     mapped: Vec<Mapped>,
     unwinder: UnwinderX86_64<Section>,
     cache: CacheX86_64,
-    /// avma → frame (per process: addresses are the process's own).
-    symbols: HashMap<u64, (Frame, NativeFrameInfo, bool)>,
     last_refresh: std::time::Instant,
     /// Modules that could not be opened (path → why), reported once in counters.
     pub unreadable: HashMap<String, String>,
 }
 
-/// ELF modules shared between processes, by (device, inode).
+/// How long symbol tables took to read, for the counters.
+#[derive(Default)]
+pub struct LoadStats {
+    pub loads: std::sync::atomic::AtomicU64,
+    pub total_ns: std::sync::atomic::AtomicU64,
+    pub max_ns: std::sync::atomic::AtomicU64,
+}
+
+/// Reads modules' symbol tables on a thread of its own (one, at a lower CPU priority), so
+/// that the thread draining the ring buffer never waits for a large library's table: each
+/// module is queued once, when a sample first has a frame in it (a process maps hundreds of
+/// libraries, most never sampled: reading all of them at attach would cost seconds of CPU).
+pub struct SymbolLoader {
+    tx: std::sync::mpsc::Sender<Arc<ElfModule>>,
+    thread: std::thread::JoinHandle<()>,
+    pub stats: Arc<LoadStats>,
+}
+
+impl SymbolLoader {
+    /// Start the thread; `None` when it cannot be started (symbols are then read on demand).
+    pub fn spawn() -> Option<Self> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<ElfModule>>();
+        let stats = Arc::new(LoadStats::default());
+        let st = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("es-symbols".into())
+            .spawn(move || {
+                // SAFETY: plain syscalls on this thread's own id; a failure leaves the
+                // default priority.
+                unsafe {
+                    let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                    libc::setpriority(libc::PRIO_PROCESS, tid, 10);
+                }
+                // Ends when the sender is dropped (the recording's native state goes).
+                for m in rx {
+                    if m.symbols_ready() {
+                        continue;
+                    }
+                    let t = std::time::Instant::now();
+                    m.load_symbols();
+                    let ns = t.elapsed().as_nanos() as u64;
+                    st.loads.fetch_add(1, Relaxed);
+                    st.total_ns.fetch_add(ns, Relaxed);
+                    st.max_ns.fetch_max(ns, Relaxed);
+                }
+            })
+            .ok()?;
+        Some(SymbolLoader { tx, thread, stats })
+    }
+
+    /// Stop taking modules, wait for the queued ones to be read, and return the figures.
+    pub fn close(self) -> Arc<LoadStats> {
+        drop(self.tx);
+        let _ = self.thread.join();
+        self.stats
+    }
+
+    /// Queue a module whose symbols are not read yet (once).
+    fn submit(&self, m: &Arc<ElfModule>) {
+        if m.symbols_ready() || m.queued.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
+        // A closed channel (thread gone) leaves the module to be read on demand.
+        let _ = self.tx.send(m.clone());
+    }
+}
+
+/// ELF modules shared between processes, by (device, inode), and the loader that reads their
+/// symbols in the background (none: read on first use, on the caller's thread).
 #[derive(Default)]
 pub struct ModuleCache {
     modules: HashMap<(u64, u64), Arc<ElfModule>>,
+    pub loader: Option<SymbolLoader>,
 }
 
 impl ProcessNative {
@@ -458,7 +570,6 @@ impl ProcessNative {
             mapped: Vec::new(),
             unwinder: UnwinderX86_64::new(),
             cache: CacheX86_64::new(),
-            symbols: HashMap::new(),
             last_refresh: std::time::Instant::now(),
             unreadable: HashMap::new(),
         };
@@ -466,7 +577,8 @@ impl ProcessNative {
         p
     }
 
-    /// Re-read `/proc/PID/maps` and add new executable mappings (dlopen'ed extensions).
+    /// Re-read `/proc/PID/maps` and add new executable mappings (dlopen'ed extensions). New
+    /// modules are only mapped and indexed here (no symbol table is read).
     pub fn refresh(&mut self, cache: &mut ModuleCache) {
         self.last_refresh = std::time::Instant::now();
         let Ok(text) = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) else {
@@ -530,7 +642,6 @@ impl ProcessNative {
         self.unwinder = unwinder;
         self.mapped = mapped;
         self.maps_text = text;
-        self.symbols.clear();
     }
 
     fn mapping(&self, avma: u64) -> Option<&Mapped> {
@@ -549,14 +660,31 @@ impl ProcessNative {
         bp: u64,
         stack: &[u8],
     ) -> (Vec<FrameAddress>, bool) {
-        if ip != 0 && self.mapping(ip).is_none() && self.last_refresh.elapsed().as_millis() > 200 {
+        if ip == 0 {
+            return (Vec::new(), false);
+        }
+        let due = |p: &Self| p.last_refresh.elapsed().as_millis() > 200;
+        if self.mapping(ip).is_none() && due(self) {
             // An address in no known module: a library loaded since the last look.
             self.refresh(cache);
         }
-        let mut out = Vec::new();
-        if ip == 0 {
-            return (out, false);
+        let (out, complete) = self.walk(ip, sp, bp, stack);
+        // A return address in no known module (a library loaded since the process was
+        // mapped, met further out than the leaf): look again and walk again, once.
+        if !complete
+            && due(self)
+            && out
+                .iter()
+                .any(|f| self.mapping(f.address_for_lookup()).is_none())
+        {
+            self.refresh(cache);
+            return self.walk(ip, sp, bp, stack);
         }
+        (out, complete)
+    }
+
+    fn walk(&mut self, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> (Vec<FrameAddress>, bool) {
+        let mut out = Vec::new();
         let mut read = |addr: u64| -> Result<u64, ()> {
             let off = addr.checked_sub(sp).ok_or(())? as usize;
             let b = stack.get(off..off.checked_add(8).ok_or(())?).ok_or(())?;
@@ -581,63 +709,121 @@ impl ProcessNative {
         (out, complete)
     }
 
-    /// Name one user address: (frame, info, whether it is the evaluation loop).
-    pub fn frame(&mut self, addr: FrameAddress) -> (Frame, NativeFrameInfo, bool) {
+    /// One user address, not yet named: its module and address in the module's file.
+    pub fn raw_frame(&self, addr: FrameAddress) -> RawFrame {
         let look = addr.address_for_lookup();
-        if let Some(hit) = self.symbols.get(&look) {
-            return hit.clone();
+        RawFrame {
+            addr: look,
+            module: self
+                .mapping(look)
+                .map(|m| (m.module.clone(), look.wrapping_sub(m.bias))),
         }
-        let r = match self.mapping(look) {
-            Some(m) => {
-                let svma = look.wrapping_sub(m.bias);
-                let module = &m.module;
-                let is_eval = module.eval_ranges.iter().any(|r| r.contains(&svma));
-                // Code with no symbol (a stripped library's local functions): one frame per
-                // module, so that it adds up in a flamegraph; the address stays in the info.
-                let (start, function) = match module.symbol(svma) {
-                    Some((s, n)) => (s, demangle(n)),
-                    None => (svma, NO_SYMBOL.to_string()),
-                };
-                (
-                    Frame {
-                        function,
-                        file: module.path.clone(),
-                        line: None,
-                    },
-                    NativeFrameInfo {
-                        kind: FRAME_NATIVE,
-                        addr: start,
-                        module: module.path.clone(),
-                        build_id: module.build_id.clone(),
-                    },
-                    is_eval,
-                )
-            }
-            None => (
+    }
+
+    /// Name one user address now (reading its module's symbols if need be): (frame, info,
+    /// whether it is the evaluation loop).
+    pub fn frame(&self, addr: FrameAddress) -> (Frame, NativeFrameInfo, bool) {
+        name_frame(&self.raw_frame(addr), true)
+    }
+
+    /// Whether any module has a known evaluation loop (mixed stacks can be merged); reads
+    /// the symbol tables not yet read.
+    pub fn has_eval_loop(&self) -> bool {
+        self.mapped
+            .iter()
+            .any(|m| !m.module.load_symbols().eval_ranges.is_empty())
+    }
+}
+
+/// A user frame unwound but not yet named: the address (for lookup: a return address less
+/// one), and the module mapped there with the address in the module's own address space.
+#[derive(Clone)]
+pub struct RawFrame {
+    pub addr: u64,
+    module: Option<(Arc<ElfModule>, u64)>,
+}
+
+impl RawFrame {
+    /// Whether naming it will not wait for a symbol table.
+    pub fn ready(&self) -> bool {
+        self.module.as_ref().is_none_or(|(m, _)| m.symbols_ready())
+    }
+}
+
+/// The function name given a frame whose module's symbols were still being read when it had
+/// to be written (a backlog over its bound).
+pub const SYMBOLS_NOT_LOADED: &str = "<symbols not loaded>";
+
+/// Name a raw frame: (frame, info, whether it is the evaluation loop). With `wait` false, a
+/// module whose symbols are not read yet gives [`SYMBOLS_NOT_LOADED`] instead of waiting.
+fn name_frame(raw: &RawFrame, wait: bool) -> (Frame, NativeFrameInfo, bool) {
+    let look = raw.addr;
+    match &raw.module {
+        Some((module, svma)) => {
+            let svma = *svma;
+            let syms = match module.syms.get() {
+                Some(s) => Some(s),
+                None if wait => Some(module.load_symbols()),
+                None => None,
+            };
+            let (start, function, is_eval) = match syms {
+                Some(syms) => {
+                    let is_eval = syms.eval_ranges.iter().any(|r| r.contains(&svma));
+                    // Code with no symbol (a stripped library's local functions): one frame
+                    // per module, so that it adds up in a flamegraph; the address stays in
+                    // the info.
+                    match module.symbol(svma) {
+                        Some((s, n)) => (s, demangle(n), is_eval),
+                        None => (svma, NO_SYMBOL.to_string(), is_eval),
+                    }
+                }
+                None => (svma, SYMBOLS_NOT_LOADED.to_string(), false),
+            };
+            (
                 Frame {
-                    function: format!("0x{look:x}"),
-                    file: "[unknown]".to_string(),
+                    function,
+                    file: module.path.clone(),
                     line: None,
                 },
                 NativeFrameInfo {
                     kind: FRAME_NATIVE,
-                    addr: look,
-                    module: "[unknown]".to_string(),
-                    build_id: String::new(),
+                    addr: start,
+                    module: module.path.clone(),
+                    build_id: module.build_id.clone(),
                 },
-                false,
-            ),
-        };
-        if self.symbols.len() > 1 << 18 {
-            self.symbols.clear();
+                is_eval,
+            )
         }
-        self.symbols.insert(look, r.clone());
-        r
+        None => (
+            Frame {
+                function: format!("0x{look:x}"),
+                file: "[unknown]".to_string(),
+                line: None,
+            },
+            NativeFrameInfo {
+                kind: FRAME_NATIVE,
+                addr: look,
+                module: "[unknown]".to_string(),
+                build_id: String::new(),
+            },
+            false,
+        ),
     }
+}
 
-    /// Whether any module has a known evaluation loop (mixed stacks can be merged).
-    pub fn has_eval_loop(&self) -> bool {
-        self.mapped.iter().any(|m| !m.module.eval_ranges.is_empty())
+/// One native stack, unwound but its user frames not yet named (their modules' symbols may
+/// still be loading): kernel frames (named), user frames innermost first.
+#[derive(Clone, Default)]
+pub struct RawNative {
+    pub kernel: Vec<(Frame, NativeFrameInfo)>,
+    pub user: Vec<RawFrame>,
+    pub complete: bool,
+}
+
+impl RawNative {
+    /// Whether every user frame can be named without waiting.
+    pub fn ready(&self) -> bool {
+        self.user.iter().all(RawFrame::ready)
     }
 }
 
@@ -657,11 +843,16 @@ pub struct Native {
     pub kernel: KernelSymbols,
     pub modules: ModuleCache,
     pub procs: HashMap<i32, ProcessNative>,
+    /// Named user frames by (module, address in it): a module stays in [`ModuleCache`] for
+    /// the recording's life, so its address is a stable key.
+    names: HashMap<(usize, u64), (Frame, NativeFrameInfo, bool)>,
     /// Health counters (`native_*`).
     pub unwound: u64,
     pub unwind_incomplete: u64,
     pub merged: u64,
     pub merge_fallback: u64,
+    /// User frames written as [`SYMBOLS_NOT_LOADED`].
+    pub unnamed_not_loaded: u64,
 }
 
 impl Native {
@@ -673,18 +864,37 @@ impl Native {
             } else {
                 KernelSymbols { syms: Vec::new() }
             },
-            modules: ModuleCache::default(),
+            modules: ModuleCache {
+                modules: HashMap::new(),
+                loader: if opts.user {
+                    SymbolLoader::spawn()
+                } else {
+                    None
+                },
+            },
             procs: HashMap::new(),
+            names: HashMap::new(),
             unwound: 0,
             unwind_incomplete: 0,
             merged: 0,
             merge_fallback: 0,
+            unnamed_not_loaded: 0,
         }
     }
 
-    /// Resolve one NATIVE_STACK record of process `pid`.
-    pub fn resolve(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack) -> NativeFrames {
-        let mut out = NativeFrames::default();
+    /// Map a process's modules now (at attach): the first samples need not wait for it.
+    pub fn attach(&mut self, pid: i32) {
+        if self.opts.user {
+            let modules = &mut self.modules;
+            self.procs
+                .entry(pid)
+                .or_insert_with(|| ProcessNative::new(pid, modules));
+        }
+    }
+
+    /// Unwind one NATIVE_STACK record of process `pid` (no symbol table is read here).
+    pub fn unwind_raw(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack) -> RawNative {
+        let mut out = RawNative::default();
         for (i, &a) in rec.kernel.iter().enumerate() {
             out.kernel.push(self.kernel.frame(a, i > 0));
         }
@@ -700,11 +910,54 @@ impl Native {
             if !complete {
                 self.unwind_incomplete += 1;
             }
-            for a in addrs {
-                out.user.push(p.frame(a));
+            out.user = addrs.into_iter().map(|a| p.raw_frame(a)).collect();
+            if let Some(l) = &modules.loader {
+                for f in &out.user {
+                    if let Some((m, _)) = &f.module {
+                        l.submit(m);
+                    }
+                }
             }
         }
         out
+    }
+
+    /// Name a raw stack's user frames; `wait`: read symbol tables not yet read (else those
+    /// frames are [`SYMBOLS_NOT_LOADED`]).
+    pub fn name(&mut self, raw: &RawNative, wait: bool) -> NativeFrames {
+        let mut user = Vec::with_capacity(raw.user.len());
+        for f in &raw.user {
+            let key = f
+                .module
+                .as_ref()
+                .map(|(m, svma)| (Arc::as_ptr(m) as usize, *svma));
+            if let Some(hit) = key.and_then(|k| self.names.get(&k)) {
+                user.push(hit.clone());
+                continue;
+            }
+            let ready = f.ready();
+            let named = name_frame(f, wait);
+            if !ready && !wait {
+                self.unnamed_not_loaded += 1;
+            } else if let Some(k) = key {
+                if self.names.len() > 1 << 18 {
+                    self.names.clear();
+                }
+                self.names.insert(k, named.clone());
+            }
+            user.push(named);
+        }
+        NativeFrames {
+            kernel: raw.kernel.clone(),
+            user,
+            complete: raw.complete,
+        }
+    }
+
+    /// Resolve one NATIVE_STACK record of process `pid` now (reading symbols if need be).
+    pub fn resolve(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack) -> NativeFrames {
+        let raw = self.unwind_raw(pid, rec);
+        self.name(&raw, true)
     }
 
     pub fn forget(&mut self, pid: i32) {
@@ -712,12 +965,29 @@ impl Native {
     }
 
     pub fn counters(&self, c: &mut std::collections::BTreeMap<String, u64>) {
+        use std::sync::atomic::Ordering::Relaxed;
         c.insert("native_unwound".into(), self.unwound);
         c.insert("native_unwind_incomplete".into(), self.unwind_incomplete);
         c.insert("native_merged".into(), self.merged);
         c.insert("native_merge_fallback".into(), self.merge_fallback);
         let unreadable: usize = self.procs.values().map(|p| p.unreadable.len()).sum();
         c.insert("native_unreadable_modules".into(), unreadable as u64);
+        c.insert(
+            "native_frames_symbols_not_loaded".into(),
+            self.unnamed_not_loaded,
+        );
+        if let Some(l) = &self.modules.loader {
+            let s = &l.stats;
+            c.insert("native_symbol_loads".into(), s.loads.load(Relaxed));
+            c.insert(
+                "native_symbol_load_total_ms".into(),
+                s.total_ns.load(Relaxed) / 1_000_000,
+            );
+            c.insert(
+                "native_symbol_load_max_ms".into(),
+                s.max_ns.load(Relaxed) / 1_000_000,
+            );
+        }
     }
 }
 
@@ -765,22 +1035,27 @@ impl NativeState {
         }
     }
 
-    /// The merged stack for an event of `tid` at `time_ns` (None: no native record for it).
-    /// `python` and `entry` are its resolved Python frames and their entry marks.
-    pub fn mixed(
-        &mut self,
-        pid: i32,
-        tid: i32,
-        time_ns: u64,
-        python: &[Frame],
-        entry: &[bool],
-    ) -> Option<merge::Mixed> {
+    /// The native record sent with an event of `tid` at `time_ns`, unwound (None: no
+    /// native record for it). Called as the event is drained: records pair in order.
+    pub fn take(&mut self, pid: i32, tid: i32, time_ns: u64) -> Option<RawNative> {
         let n = self.pending.remove(&tid)?;
         if n.time_ns != time_ns {
             self.unpaired += 1;
             return None;
         }
-        let frames = self.native.resolve(pid, &n);
+        Some(self.native.unwind_raw(pid, &n))
+    }
+
+    /// The merged stack of an event: its Python frames (`python`, with their entry marks)
+    /// and its native record named (`wait`: reading symbol tables not yet read).
+    pub fn mixed(
+        &mut self,
+        raw: &RawNative,
+        python: &[Frame],
+        entry: &[bool],
+        wait: bool,
+    ) -> merge::Mixed {
+        let frames = self.native.name(raw, wait);
         let (m, kind) = merge::merge(python, entry, &frames);
         match kind {
             merge::MergeKind::Exact => self.native.merged += 1,
@@ -789,7 +1064,7 @@ impl NativeState {
             }
             merge::MergeKind::NativeOnly => {}
         }
-        Some(m)
+        m
     }
 
     pub fn counters(&self, c: &mut std::collections::BTreeMap<String, u64>) {
@@ -852,10 +1127,76 @@ mod tests {
         let addr = es_marker_function as *const () as u64;
         std::hint::black_box(es_marker_function(1));
         let mut cache = ModuleCache::default();
-        let mut p = ProcessNative::new(std::process::id() as i32, &mut cache);
+        let p = ProcessNative::new(std::process::id() as i32, &mut cache);
         let (f, info, eval) = p.frame(FrameAddress::from_instruction_pointer(addr + 1));
         assert!(f.function.contains("es_marker_function"), "{f:?} {info:?}");
         assert_eq!(info.kind, FRAME_NATIVE);
         assert!(!eval);
+    }
+
+    /// Mapping a process reads no symbol table: a frame unwound before its module's symbols
+    /// are read stays raw (module, address) and is named once they are, the same as at once.
+    #[test]
+    fn raw_frames_wait_for_symbols() {
+        #[inline(never)]
+        fn es_marker_later(x: u64) -> u64 {
+            std::hint::black_box(x.wrapping_mul(37))
+        }
+        let addr = es_marker_later as *const () as u64;
+        std::hint::black_box(es_marker_later(1));
+        let mut cache = ModuleCache::default();
+        let p = ProcessNative::new(std::process::id() as i32, &mut cache);
+        let raw = RawNative {
+            kernel: Vec::new(),
+            user: vec![p.raw_frame(FrameAddress::from_instruction_pointer(addr))],
+            complete: true,
+        };
+        assert!(!raw.ready(), "no symbol table is read when mapping");
+        let mut native = Native::new(NativeOptions::default());
+        let early = native.name(&raw, false);
+        assert_eq!(early.user[0].0.function, SYMBOLS_NOT_LOADED);
+        assert_eq!(native.unnamed_not_loaded, 1);
+        // Read (what the loader thread does), then named without waiting.
+        if let Some((m, _)) = &raw.user[0].module {
+            m.load_symbols();
+        }
+        assert!(raw.ready());
+        let named = native.name(&raw, false);
+        assert!(
+            named.user[0].0.function.contains("es_marker_later"),
+            "{:?}",
+            named.user[0]
+        );
+        // Raw: the address itself; named: its function's start, in the same module.
+        assert!(named.user[0].1.addr <= early.user[0].1.addr);
+        assert_eq!(named.user[0].1.module, early.user[0].1.module);
+        assert_eq!(native.unnamed_not_loaded, 1);
+    }
+
+    /// The loader thread reads the symbols of each module queued to it, once each.
+    #[test]
+    fn loader_reads_symbols() {
+        let mut cache = ModuleCache {
+            modules: HashMap::new(),
+            loader: SymbolLoader::spawn(),
+        };
+        let _p = ProcessNative::new(std::process::id() as i32, &mut cache);
+        assert!(!cache.modules.is_empty());
+        assert!(
+            cache.modules.values().all(|m| !m.symbols_ready()),
+            "mapping reads no symbol table"
+        );
+        let loader = cache.loader.take().expect("loader thread");
+        for m in cache.modules.values() {
+            loader.submit(m);
+            loader.submit(m);
+        }
+        // Closing waits for the queue to be worked off.
+        let stats = loader.close();
+        assert_eq!(
+            stats.loads.load(std::sync::atomic::Ordering::Relaxed),
+            cache.modules.len() as u64
+        );
+        assert!(cache.modules.values().all(|m| m.symbols_ready()));
     }
 }

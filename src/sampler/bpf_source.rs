@@ -12,7 +12,9 @@ use super::target::{Target, Targets};
 use super::Pipeline;
 use crate::bpf::abi::{self, kind};
 use crate::bpf::{BpfSampler, EsThread};
-use crate::cpython::PythonProcess;
+use crate::cpython::{Frame, PythonProcess};
+use crate::native::backlog::Backlog;
+use crate::native::RawNative;
 use crate::record::flags;
 use crate::sys::monotonic_ns;
 
@@ -35,7 +37,19 @@ pub struct BpfSource {
     tracing: BpfTracing,
     /// Symbolization and pairing of native-stack records, when asked for.
     native: Option<crate::native::NativeState>,
+    /// Events waiting for their native frames' symbol tables (empty without `--native`).
+    backlog: Backlog<Prepared>,
+    /// The longest the drain spent on one event (a stall would show here: the drain runs
+    /// for as long as events keep coming, so its own length says little), and how long
+    /// finishing waited for symbol tables (counters `bpf_event_max_us`,
+    /// `native_finish_wait_ms`).
+    event_max_ns: u64,
+    finish_wait_ns: u64,
 }
+
+/// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
+/// holds its resolved Python frames and up to ~100 native addresses, a few KiB).
+const BACKLOG_CAP: usize = 50_000;
 
 impl BpfSource {
     /// Load and attach the BPF programs.
@@ -53,6 +67,9 @@ impl BpfSource {
             probes,
             tracing,
             native,
+            backlog: Backlog::new(BACKLOG_CAP),
+            event_max_ns: 0,
+            finish_wait_ns: 0,
         })
     }
 
@@ -70,6 +87,10 @@ impl BpfSource {
         }
         if self.tracing.native.user {
             fl |= abi::TARGET_USTACK;
+        }
+        if let Some(n) = self.native.as_mut() {
+            // Map its modules now: their symbol tables load while it runs.
+            n.native.attach(t.pid);
         }
         let mut cfg = t.bpf_config(fl)?;
         if self.tracing.gc {
@@ -115,16 +136,22 @@ impl BpfSource {
         Ok(())
     }
 
-    /// Resolve and record every event waiting in the ring buffer.
+    /// Resolve and record every event waiting in the ring buffer. Never reads a symbol
+    /// table: events whose native frames wait for one go to the backlog, applied in order
+    /// once their modules' symbols are read.
     fn drain(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
         let mut err = None;
+        let mut event_max_ns = self.event_max_ns;
         let mut attach = Vec::new();
         let probes = &mut self.probes;
         let native = &mut self.native;
+        let backlog = &mut self.backlog;
         self.b.drain(usize::MAX, |bytes| {
             if err.is_some() {
                 return;
             }
+            let started = std::time::Instant::now();
+            let _timed = Timed(started, &mut event_max_ns);
             let Some((h, mut frames)) = abi::parse_event(bytes) else {
                 return;
             };
@@ -146,100 +173,209 @@ impl BpfSource {
                     attach.push((pid, tid, codes));
                 }
             }
-            let ev = Event {
-                h: &h,
-                frames: &frames,
-                entry: &entry,
-                bytes,
+            let Some(p) = prepare(t, native.as_mut(), &h, &frames, entry, bytes) else {
+                return;
             };
-            if let Err(e) = record_event(t, probes, native.as_mut(), pipe, &ev) {
-                err = Some(e);
+            let ready = p.ready();
+            let mut apply_now = backlog.admit(p, ready).map(|p| (p, true));
+            loop {
+                let Some((p, ready)) = apply_now.take() else {
+                    break;
+                };
+                if let Err(e) = apply(p, probes, native.as_mut(), pipe, ready) {
+                    err = Some(e);
+                    return;
+                }
+                // Over its bound, the backlog gives its oldest back.
+                apply_now = backlog.next(Prepared::ready, false);
             }
         });
+        self.event_max_ns = event_max_ns;
         for (pid, tid, codes) in attach {
             if let Some(t) = targets.get_mut(pid) {
                 self.probes.observe(&mut self.b, &t.proc, tid, &codes);
             }
         }
-        err.map_or(Ok(()), Err)
+        if let Some(e) = err {
+            return Err(e);
+        }
+        self.apply_backlog(pipe, false)
+    }
+
+    /// Apply the waiting events whose symbols are read (`all`: every one, reading the
+    /// symbol tables still unread).
+    fn apply_backlog(&mut self, pipe: &mut Pipeline, all: bool) -> anyhow::Result<()> {
+        while let Some((p, ready)) = self.backlog.next(Prepared::ready, all) {
+            apply(
+                p,
+                &mut self.probes,
+                self.native.as_mut(),
+                pipe,
+                ready || all,
+            )?;
+        }
+        Ok(())
     }
 }
 
-/// One ring-buffer event as parsed: header, Python frames with their entry marks, raw bytes.
-struct Event<'a> {
-    h: &'a abi::EsEventHeader,
-    frames: &'a [abi::EsFrame],
-    entry: &'a [bool],
-    bytes: &'a [u8],
+/// Keeps the longest time from its start to its drop (one event's handling).
+struct Timed<'a>(std::time::Instant, &'a mut u64);
+
+impl Drop for Timed<'_> {
+    fn drop(&mut self) {
+        *self.1 = (*self.1).max(self.0.elapsed().as_nanos() as u64);
+    }
 }
 
-/// The stack id of an event: its Python frames merged with the native record sent with it
-/// when native stacks are recorded (else the Python frames alone); and whether it was merged.
-fn event_stack(
-    native: Option<&mut crate::native::NativeState>,
-    pipe: &mut Pipeline,
+/// A ring-buffer event resolved as far as it can be while draining: the Python frames read
+/// from the target now (its code objects may be gone later), the native stack unwound, its
+/// names left for when its modules' symbols are read.
+struct Prepared {
     pid: i32,
-    ev: &Event<'_>,
-    python: &[crate::cpython::Frame],
-) -> anyhow::Result<(u32, bool)> {
-    let tid = ev.h.tid as i32;
-    match native.and_then(|n| n.mixed(pid, tid, ev.h.time_ns, python, ev.entry)) {
-        Some(m) => Ok((pipe.writer.intern_mixed(&m)?, true)),
-        None => Ok((pipe.writer.intern_stack(python)?, false)),
+    tid: i32,
+    time_ns: u64,
+    flags: u8,
+    body: Body,
+}
+
+enum Body {
+    /// A sample, or a blocking switch-out (`switch_out`), with its stack.
+    Stack {
+        switch_out: bool,
+        python: Vec<Frame>,
+        entry: Vec<bool>,
+        native: Option<RawNative>,
+    },
+    /// A preempted switch-out without a stack walk.
+    Preempted,
+    SwitchIn,
+    GilWaitStart {
+        holder_tid: i32,
+        python: Vec<Frame>,
+    },
+    GilWaitEnd,
+    GcEdge(i64, abi::GcStats),
+    ProbeHit(u64, abi::ProbeFrame),
+}
+
+impl Prepared {
+    /// Whether it can be written without waiting for a symbol table.
+    fn ready(&self) -> bool {
+        match &self.body {
+            Body::Stack {
+                native: Some(n), ..
+            } => n.ready(),
+            _ => true,
+        }
     }
 }
 
-/// One ring-buffer event of target `t`, resolved and written.
-fn record_event(
+/// Resolve what must be read now of one event of target `t` (None: nothing to record).
+fn prepare(
     t: &mut Target,
-    probes: &mut Probes,
     native: Option<&mut crate::native::NativeState>,
-    pipe: &mut Pipeline,
-    ev: &Event<'_>,
-) -> anyhow::Result<()> {
-    let (h, frames, bytes) = (ev.h, ev.frames, ev.bytes);
+    h: &abi::EsEventHeader,
+    frames: &[abi::EsFrame],
+    entry: Vec<bool>,
+    bytes: &[u8],
+) -> Option<Prepared> {
     let (pid, tid) = (h.tgid as i32, h.tid as i32);
-    match h.kind {
-        kind::SAMPLE => {
-            let resolved = t.resolve(tid, frames);
-            let (s, nf) = event_stack(native, pipe, pid, ev, &resolved)?;
-            let fl = sample_flags(h.flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
-            pipe.sample(pid, tid, h.time_ns, s, fl)?;
-            probes.stack(pid, tid, h.time_ns, &resolved, false, pipe)
+    let body = match h.kind {
+        kind::SAMPLE | kind::SWITCH_OUT
+            if !(h.kind == kind::SWITCH_OUT
+                && frames.is_empty()
+                && h.flags & abi::ev::PREEMPTED != 0) =>
+        {
+            let python = t.resolve(tid, frames);
+            Body::Stack {
+                switch_out: h.kind == kind::SWITCH_OUT,
+                native: native.and_then(|n| n.take(pid, tid, h.time_ns)),
+                python,
+                entry,
+            }
         }
-        kind::PROBE_HIT => match abi::parse_probe_frame(bytes) {
-            Some(frame) => probes.hit(pid, tid, h.time_ns, h.ip, frame, pipe),
-            None => Ok(()),
-        },
-        kind::SWITCH_OUT if frames.is_empty() && h.flags & abi::ev::PREEMPTED != 0 => {
-            // Still runnable (preempted, yielded): no stack walked; its latest known one.
-            let s = pipe.last_stack(pid, tid);
-            pipe.switch_out(pid, tid, h.time_ns, s, true);
-            Ok(())
-        }
-        kind::SWITCH_OUT => {
-            let resolved = t.resolve(tid, frames);
-            let (s, _) = event_stack(native, pipe, pid, ev, &resolved)?;
-            pipe.switch_out(pid, tid, h.time_ns, s, h.flags & abi::ev::PREEMPTED != 0);
-            probes.stack(pid, tid, h.time_ns, &resolved, true, pipe)
-        }
-        kind::SWITCH_IN => pipe.switch_in(pid, tid, h.time_ns),
+        // Still runnable (preempted, yielded): no stack walked.
+        kind::SWITCH_OUT => Body::Preempted,
+        kind::PROBE_HIT => Body::ProbeHit(h.ip, abi::parse_probe_frame(bytes)?),
+        kind::SWITCH_IN => Body::SwitchIn,
         kind::GIL_WAIT_START => {
             let holder_tid = t.tid_of_tstate(h.ip).unwrap_or(0);
             // The frames are the holder's stack: code objects first met here belong to the
             // holder's thread (0: unknown, no probe is set from them).
-            let resolved = t.resolve(holder_tid, frames);
-            let s = pipe.writer.intern_stack(&resolved)?;
-            let switch_wait = h.flags & abi::ev::SWITCH_WAIT != 0;
-            pipe.gil_wait_start(pid, tid, h.time_ns, holder_tid, s, switch_wait);
+            Body::GilWaitStart {
+                holder_tid,
+                python: t.resolve(holder_tid, frames),
+            }
+        }
+        kind::GIL_WAIT_END => Body::GilWaitEnd,
+        kind::GC_EDGE => Body::GcEdge(h.ip as i64, abi::parse_gc_stats(bytes)?),
+        _ => return None,
+    };
+    Some(Prepared {
+        pid,
+        tid,
+        time_ns: h.time_ns,
+        flags: h.flags,
+        body,
+    })
+}
+
+/// Write one prepared event. `wait`: name native frames even if that means reading a symbol
+/// table now (else frames of modules not read yet are written as not loaded).
+fn apply(
+    p: Prepared,
+    probes: &mut Probes,
+    native: Option<&mut crate::native::NativeState>,
+    pipe: &mut Pipeline,
+    wait: bool,
+) -> anyhow::Result<()> {
+    let Prepared {
+        pid,
+        tid,
+        time_ns,
+        flags: ev_flags,
+        body,
+    } = p;
+    match body {
+        Body::Stack {
+            switch_out,
+            python,
+            entry,
+            native: raw,
+        } => {
+            // Python frames merged with the native record sent with the event, when native
+            // stacks are recorded (else the Python frames alone).
+            let (s, nf) = match (native, raw) {
+                (Some(n), Some(raw)) => {
+                    let m = n.mixed(&raw, &python, &entry, wait);
+                    (pipe.writer.intern_mixed(&m)?, true)
+                }
+                _ => (pipe.writer.intern_stack(&python)?, false),
+            };
+            if switch_out {
+                pipe.switch_out(pid, tid, time_ns, s, ev_flags & abi::ev::PREEMPTED != 0);
+            } else {
+                let fl = sample_flags(ev_flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
+                pipe.sample(pid, tid, time_ns, s, fl)?;
+            }
+            probes.stack(pid, tid, time_ns, &python, switch_out, pipe)
+        }
+        Body::Preempted => {
+            // Its latest known stack.
+            let s = pipe.last_stack(pid, tid);
+            pipe.switch_out(pid, tid, time_ns, s, true);
             Ok(())
         }
-        kind::GIL_WAIT_END => pipe.gil_wait_end(pid, tid, h.time_ns).map(|_| ()),
-        kind::GC_EDGE => match abi::parse_gc_stats(bytes) {
-            Some(st) => pipe.gc_edge(pid, tid, h.time_ns, h.ip as i64, st),
-            None => Ok(()),
-        },
-        _ => Ok(()),
+        Body::ProbeHit(ip, frame) => probes.hit(pid, tid, time_ns, ip, frame, pipe),
+        Body::SwitchIn => pipe.switch_in(pid, tid, time_ns),
+        Body::GilWaitStart { holder_tid, python } => {
+            let s = pipe.writer.intern_stack(&python)?;
+            let switch_wait = ev_flags & abi::ev::SWITCH_WAIT != 0;
+            pipe.gil_wait_start(pid, tid, time_ns, holder_tid, s, switch_wait);
+            Ok(())
+        }
+        Body::GilWaitEnd => pipe.gil_wait_end(pid, tid, time_ns).map(|_| ()),
+        Body::GcEdge(value, st) => pipe.gc_edge(pid, tid, time_ns, value, st),
     }
 }
 
@@ -377,8 +513,12 @@ impl Source for BpfSource {
             self.b.remove_target(t.pid as u32);
         }
         let drained = self.drain(targets, pipe);
+        // What still waits for symbols: read them now (the target is no longer sampled).
+        let t = std::time::Instant::now();
+        let waited = self.apply_backlog(pipe, true);
+        self.finish_wait_ns = t.elapsed().as_nanos() as u64;
         let closed = self.probes.close(Some(&mut self.b), pipe);
-        drained.and(closed)
+        drained.and(waited).and(closed)
     }
 
     fn counters(&self, pipe: &Pipeline, out: &mut BTreeMap<String, u64>) {
@@ -393,8 +533,16 @@ impl Source for BpfSource {
         if !self.probes.is_empty() {
             super::probes::counters(Some(&self.probes), out);
         }
+        out.insert("bpf_event_max_us".into(), self.event_max_ns / 1_000);
         if let Some(n) = &self.native {
             n.counters(out);
+            out.insert("native_deferred_events".into(), self.backlog.deferred);
+            out.insert("native_backlog_max".into(), self.backlog.max_len);
+            out.insert("native_backlog_overflow".into(), self.backlog.overflow);
+            out.insert(
+                "native_finish_wait_ms".into(),
+                self.finish_wait_ns / 1_000_000,
+            );
         }
     }
 }
