@@ -4,7 +4,11 @@
 //! (its selector reads the clock around each wait). `report --from/--to` over its window must
 //! list the process in `api_server_stalls.servers` with its main thread as the loop thread and
 //! match every true stall longer than 150 ms to exactly one reported stall, start and duration
-//! within ±10% or ±2 sampling periods.
+//! within ±10% or ±2 sampling periods, and name the asyncio task that ran in each (task name,
+//! coroutine, await chain) as the workload's own record does (`asyncio.current_task()` and the
+//! coroutine frames, read inside the render). While it records, after the window, the workload
+//! holds its loop in one more task (`dump-probe`): `dump` (text and `--json`) must show the main
+//! thread running that task and its chain.
 
 mod common;
 
@@ -30,7 +34,19 @@ fn check(label: &str) {
             "10",
             "--go-fifo",
             "{dir}/go",
+            "--hold-fifo",
+            "{dir}/held",
+            "--release",
+            "{dir}/release",
         ],
+    );
+    let held = w.dir.join("held");
+    let c = std::ffi::CString::new(held.to_string_lossy().as_bytes()).unwrap();
+    // SAFETY: mkfifo(3) on a NUL-terminated path we own.
+    assert_eq!(
+        unsafe { libc::mkfifo(c.as_ptr(), 0o666) },
+        0,
+        "mkfifo {held:?}"
     );
     let out = w.dir.join("run.esrec");
     let out_s = out.to_string_lossy().into_owned();
@@ -46,9 +62,65 @@ fn check(label: &str) {
         &out_s,
     ]);
     w.go();
+    // The workload opens the FIFO for writing once its window is over and its loop runs
+    // `dump-probe`, which keeps it busy until `release` exists.
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(std::fs::File::open(&held).unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "HOLDING", "{label}");
+    let dump_json = enginescope(&["dump", "--pid", &pid, "--json"]);
+    let dump_text = enginescope(&["dump", "--pid", &pid]);
+    std::fs::write(w.dir.join("release"), b"").unwrap();
     let (ok, _, err) = rec.wait();
     assert!(ok, "{label}: record failed: {err}");
     let truth = read_json(&w.dir.join("truth.json"));
+    // dump: the main thread runs the hold task, awaiting the chain the workload recorded.
+    let hold = &truth["hold"];
+    let want_chain: Vec<&str> = hold["chain"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    assert!(
+        dump_json.status.success(),
+        "{label}: dump --json: {}",
+        String::from_utf8_lossy(&dump_json.stderr)
+    );
+    let d: Value = serde_json::from_slice(&dump_json.stdout).unwrap();
+    let main = d["threads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tid"].as_i64() == Some(i64::from(w.pid)))
+        .unwrap_or_else(|| panic!("{label}: the main thread in dump --json: {d}"));
+    let task = &main["asyncio_task"];
+    assert_eq!(task["name"], hold["task"], "{label}: dump's task: {main}");
+    assert_eq!(
+        task["coro"], hold["coro"],
+        "{label}: dump's coroutine: {main}"
+    );
+    let got_chain: Vec<&str> = task["chain"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{label}: a chain in {main}"))
+        .iter()
+        .filter_map(|c| c.as_str())
+        .collect();
+    assert_eq!(got_chain, want_chain, "{label}: dump's await chain");
+    let text = String::from_utf8_lossy(&dump_text.stdout);
+    let want_line = format!(
+        "asyncio task \"{}\" ({}), awaiting: {}",
+        hold["task"].as_str().unwrap(),
+        hold["coro"].as_str().unwrap(),
+        want_chain.join(" -> ")
+    );
+    assert!(
+        text.contains(&want_line),
+        "{label}: dump's text shows {want_line:?}:\n{text}"
+    );
     let r = enginescope::record::read_recording(&out).unwrap();
     let base = r.meta.start_mono_ns;
     let w0 = truth["window"]["start_mono_ns"].as_u64().unwrap();
@@ -73,11 +145,14 @@ fn check(label: &str) {
         .unwrap_or_else(|| panic!("{label}: the asyncio process is in servers: {st}"));
     assert_eq!(server["main_tid"].as_i64(), Some(i64::from(w.pid)));
     let period = 1_000_000_000 / u64::from(r.meta.rate_hz);
-    let reported: Vec<(u64, u64)> = st["stalls"]
+    let reported_stalls: Vec<&Value> = st["stalls"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|s| s["pid"].as_i64() == Some(i64::from(w.pid)))
+        .collect();
+    let reported: Vec<(u64, u64)> = reported_stalls
+        .iter()
         .map(|s| {
             (
                 w0 + (s["start_s"].as_f64().unwrap() * 1e9) as u64,
@@ -85,9 +160,13 @@ fn check(label: &str) {
             )
         })
         .collect();
-    let long: Vec<(u64, u64)> = truth["stalls"]
+    let long_truth: Vec<&Value> = truth["stalls"]
         .as_array()
         .unwrap()
+        .iter()
+        .filter(|s| s["dur_ns"].as_u64().unwrap() >= MUST_REPORT_NS)
+        .collect();
+    let long: Vec<(u64, u64)> = long_truth
         .iter()
         .map(|s| {
             (
@@ -95,17 +174,17 @@ fn check(label: &str) {
                 s["dur_ns"].as_u64().unwrap(),
             )
         })
-        .filter(|&(_, d)| d >= MUST_REPORT_NS)
         .collect();
     assert!(
         long.len() >= 8,
         "{label}: at least 8 of the 10 requests stalled the loop over 150 ms: {long:?}"
     );
-    for &(a, d) in &long {
-        let m: Vec<&(u64, u64)> = reported
-            .iter()
-            .filter(|&&(x, y)| x < a + d && a < x + y)
+    let mut named = 0;
+    for (k, &(a, d)) in long.iter().enumerate() {
+        let idx: Vec<usize> = (0..reported.len())
+            .filter(|&i| reported[i].0 < a + d && a < reported[i].0 + reported[i].1)
             .collect();
+        let m: Vec<&(u64, u64)> = idx.iter().map(|&i| &reported[i]).collect();
         assert_eq!(
             m.len(),
             1,
@@ -122,9 +201,25 @@ fn check(label: &str) {
             (m[0].0 - w0) as f64 / 1e9,
             m[0].1 as f64 / 1e6
         );
+        // The task that ran: name, coroutine and await chain as the workload recorded them.
+        let t = &long_truth[k];
+        let got = &reported_stalls[idx[0]]["task"];
+        assert!(
+            !t["task"].as_str().unwrap_or("").is_empty(),
+            "{label}: the workload names the task of its stall at +{:.3} s: {t}",
+            (a - w0) as f64 / 1e9
+        );
+        assert_eq!(
+            (&got["name"], &got["coro"], &got["chain"]),
+            (&t["task"], &t["coro"], &t["chain"]),
+            "{label}: the task of the stall at +{:.3} s ({:.1} ms): reported {got}, true {t}",
+            (a - w0) as f64 / 1e9,
+            d as f64 / 1e6
+        );
+        named += 1;
     }
     eprintln!(
-        "{label}: {} true stalls over 150 ms, {} reported, all matched",
+        "{label}: {} true stalls over 150 ms, {} reported, all matched, {named} named by their task; dump: {want_line}",
         long.len(),
         reported.len()
     );

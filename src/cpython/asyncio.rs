@@ -188,6 +188,8 @@ pub struct AsyncioTasks {
     dict_type: u64,
     /// 3.14+: the `.AsyncioDebug` offsets, once found.
     pub debug: Option<AsyncioDebug>,
+    /// When they were last looked for (not found: `_asyncio` not imported yet).
+    debug_looked: Option<std::time::Instant>,
     /// Reads that failed (an implausible object, an unreadable address).
     pub errors: u64,
 }
@@ -223,7 +225,25 @@ fn type_name(mem: &dyn MemorySource, obj: u64) -> Result<String, ObjectError> {
     Ok(s.to_string())
 }
 
+/// While the `.AsyncioDebug` section is not found, it is looked for again at most this often
+/// (each look reads `/proc/PID/maps` and ELF section headers).
+pub const DEBUG_LOOKUP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl AsyncioTasks {
+    /// 3.14+: find the `.AsyncioDebug` offsets of process `pid` if not known yet (at most every
+    /// [`DEBUG_LOOKUP_EVERY`]).
+    pub fn find_debug(&mut self, pid: i32) {
+        if self.debug.is_some()
+            || self
+                .debug_looked
+                .is_some_and(|t| t.elapsed() < DEBUG_LOOKUP_EVERY)
+        {
+            return;
+        }
+        self.debug_looked = Some(std::time::Instant::now());
+        self.debug = find_asyncio_debug(pid);
+    }
+
     /// 3.10–3.13: the task object each loop thread is running, by thread ident
     /// (`PyThreadState.thread_id`), from the main interpreter `interp`'s
     /// `asyncio.tasks._current_tasks`. Empty when asyncio is not imported or nothing runs.

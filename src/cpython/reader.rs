@@ -636,9 +636,7 @@ impl PythonProcess {
     ) -> HashMap<u64, u64> {
         let mut out = HashMap::new();
         if self.version.minor >= 14 {
-            if tasks.debug.is_none() {
-                tasks.debug = super::asyncio::find_asyncio_debug(self.pid);
-            }
+            tasks.find_debug(self.pid);
             for &t in tstates {
                 if let Some(task) = tasks.current_of_tstate(self.mem.as_ref(), t) {
                     out.insert(t, task);

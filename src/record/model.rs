@@ -257,6 +257,17 @@ pub struct NativeFrameInfo {
     pub build_id: String,
 }
 
+/// The asyncio task an event-loop thread runs from `t_ns` on (`task` None: none), as the
+/// recorder read it (record 18): written when it changes.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct TaskChange {
+    pub t_ns: u64,
+    pub pid: i32,
+    pub tid: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<crate::cpython::asyncio::RunningTask>,
+}
+
 /// A recording, fully read.
 #[derive(Debug, Clone, Default)]
 pub struct Recording {
@@ -280,6 +291,8 @@ pub struct Recording {
     pub scrape_errors: Vec<ScrapeError>,
     pub probes: Vec<ProbeInfo>,
     pub calls: Vec<FunctionCall>,
+    /// Running asyncio tasks of event-loop threads, as they changed (in time order).
+    pub task_changes: Vec<TaskChange>,
     /// Failure-path and health counters (last value written wins).
     pub counters: BTreeMap<String, u64>,
     /// Present when the recorder finished cleanly.

@@ -7,6 +7,9 @@
 //!   left, unless engines are followed (`--vllm`: an engine may start more);
 //! * engine metrics: what the scraper sent, written as it comes;
 //! * rediscovery (every 2 s, `--vllm`): engine processes that started are attached;
+//! * asyncio tasks (every 20 ms): the task each event-loop thread runs, read from the target's
+//!   memory (src/cpython/asyncio.rs), written when it changes (record 18): a loop stall is one
+//!   task step, so a stall of at least a few reads' length is named by the task that ran;
 //! * flush (every 200 ms) and rotation (the agent).
 
 use std::collections::BTreeMap;
@@ -23,6 +26,20 @@ use crate::sys::monotonic_ns;
 
 const THREADS_EVERY: Duration = Duration::from_millis(100);
 const FLUSH_EVERY: Duration = Duration::from_millis(200);
+/// How often the running asyncio task of each thread is read: a few reads per thread, and a
+/// stack walk of the threads that run one (a loop stall over 100 ms is read five times).
+pub const TASKS_EVERY: Duration = Duration::from_millis(20);
+
+/// What the recorder knows of one target's asyncio tasks.
+#[derive(Default)]
+struct TaskWatch {
+    reader: crate::cpython::asyncio::AsyncioTasks,
+    /// Names of the chains' frames (its own: the sources' symbolizer attributes new code to
+    /// the thread being resolved).
+    sym: crate::cpython::symbols::Symbolizer,
+    /// The task last written per thread.
+    last: std::collections::HashMap<i32, crate::cpython::asyncio::RunningTask>,
+}
 
 pub struct Recorder<'a> {
     pub opts: &'a RecordOptions,
@@ -34,6 +51,8 @@ pub struct Recorder<'a> {
     /// Counters of targets that exited and were dropped, so that totals never go back.
     exited_unresolved_frames: u64,
     exited_code_rereads: u64,
+    /// Per target pid.
+    tasks: std::collections::HashMap<i32, TaskWatch>,
 }
 
 impl<'a> Recorder<'a> {
@@ -53,6 +72,7 @@ impl<'a> Recorder<'a> {
             rotator,
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
+            tasks: std::collections::HashMap::new(),
         }
     }
 
@@ -92,6 +112,7 @@ impl<'a> Recorder<'a> {
         let mut next = Instant::now();
         let mut last_threads = Instant::now();
         let mut last_flush = Instant::now();
+        let mut last_tasks = Instant::now();
         loop {
             if self.opts.stop.is_stopped() {
                 return Ok("stopped by signal".into());
@@ -114,6 +135,10 @@ impl<'a> Recorder<'a> {
                 if self.targets.is_empty() && self.engines.is_none() {
                     return Ok("all targets exited".into());
                 }
+            }
+            if last_tasks.elapsed() >= TASKS_EVERY {
+                last_tasks = Instant::now();
+                self.sync_tasks()?;
             }
             if let Some(e) = self.engines.as_mut() {
                 e.poll_metrics(&mut self.pipe)?;
@@ -153,6 +178,41 @@ impl<'a> Recorder<'a> {
         Ok(())
     }
 
+    /// Read the running asyncio task of every thread and write the changes.
+    fn sync_tasks(&mut self) -> anyhow::Result<()> {
+        for t in self.targets.iter_mut() {
+            let w = self.tasks.entry(t.pid).or_default();
+            let mut tstates: Vec<(i32, u64)> =
+                t.threads.iter().map(|(&tid, &(ts, _))| (tid, ts)).collect();
+            tstates.sort_unstable();
+            let addrs: Vec<u64> = tstates.iter().map(|&(_, ts)| ts).collect();
+            let running = t.proc.running_tasks(&mut w.reader, &addrs);
+            let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
+            for (tid, ts) in tstates {
+                let task = running.get(&ts).and_then(|&task| {
+                    t.proc
+                        .describe_running_task(&mut w.reader, &mut w.sym, ts, task)
+                });
+                if task.as_ref() == w.last.get(&tid) {
+                    continue;
+                }
+                match &task {
+                    Some(k) => w.last.insert(tid, k.clone()),
+                    None => w.last.remove(&tid),
+                };
+                self.pipe.writer.task_change(&crate::record::TaskChange {
+                    t_ns: now,
+                    pid: t.pid,
+                    tid,
+                    task,
+                })?;
+            }
+            // Threads gone.
+            w.last.retain(|tid, _| t.threads.contains_key(tid));
+        }
+        Ok(())
+    }
+
     fn drop_exited_targets(&mut self) -> anyhow::Result<()> {
         let exited: Vec<i32> = self
             .targets
@@ -173,6 +233,7 @@ impl<'a> Recorder<'a> {
         self.source
             .remove_targets(&mut self.targets, exited, &mut self.pipe)?;
         for t in self.targets.remove(exited) {
+            self.tasks.remove(&t.pid);
             self.exited_unresolved_frames += t.sym.unresolved_frames;
             self.exited_code_rereads += t.sym.code_rereads;
             if !quiet {
@@ -248,29 +309,40 @@ impl<'a> Recorder<'a> {
         };
         let (source, targets, engines) = (&self.source, &self.targets, &self.engines);
         let exited = (self.exited_unresolved_frames, self.exited_code_rereads);
+        let task_errors = self.tasks.values().map(|w| w.reader.errors).sum::<u64>();
         r.periodic(&mut self.pipe, &|p, r| {
-            counters(
+            let mut c = counters(
                 source.as_ref(),
                 targets,
                 engines.as_ref(),
                 exited,
                 p,
                 Some(r),
-            )
+            );
+            c.insert("asyncio_task_read_errors".into(), task_errors);
+            c
         })
     }
 
     /// The recording's failure-path and health counters now (docs/recording-format.md,
     /// record 8).
     pub fn counters(&self) -> BTreeMap<String, u64> {
-        counters(
+        let mut c = counters(
             self.source.as_ref(),
             &self.targets,
             self.engines.as_ref(),
             (self.exited_unresolved_frames, self.exited_code_rereads),
             &self.pipe,
             self.rotator.as_ref(),
-        )
+        );
+        c.insert("asyncio_task_read_errors".into(), self.task_read_errors());
+        c
+    }
+
+    /// Failed reads of running asyncio tasks (implausible objects, unreadable addresses) of
+    /// the targets still attached.
+    fn task_read_errors(&self) -> u64 {
+        self.tasks.values().map(|w| w.reader.errors).sum()
     }
 
     /// Stop the source and the scraper, write what they have left and close the intervals

@@ -196,6 +196,57 @@ pub struct Stall {
     pub dominant_stack: Vec<String>,
     /// Share of the stall's samples on that stack, 0..1.
     pub dominant_share: f64,
+    /// The asyncio task that ran during the stall (a stall is one task step, or callbacks
+    /// outside any task): the one the recorder saw running longest within it (record 18).
+    /// Absent when it saw none there, and in recordings without task reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<crate::cpython::asyncio::RunningTask>,
+    /// Share of the stall the recorder saw that task running, 0..1 (its reads are
+    /// [`TASKS_EVERY`](crate::sampler::recorder::TASKS_EVERY) apart, so a stall's first read
+    /// comes up to that late).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_share: Option<f64>,
+}
+
+/// The task a thread ran longest in `[begin, end)` and the share of that time, from its task
+/// changes `changes` (sorted by time; each holds until the next).
+pub fn task_during(
+    changes: &[&crate::record::TaskChange],
+    begin: u64,
+    end: u64,
+) -> Option<(crate::cpython::asyncio::RunningTask, f64)> {
+    if end <= begin {
+        return None;
+    }
+    // The change in force at `begin` is the last one at or before it.
+    let first = changes
+        .partition_point(|c| c.t_ns <= begin)
+        .saturating_sub(1);
+    let mut by: Vec<(&crate::cpython::asyncio::RunningTask, u64)> = Vec::new();
+    for (i, c) in changes.iter().enumerate().skip(first) {
+        if c.t_ns >= end {
+            break;
+        }
+        let until = changes.get(i + 1).map_or(u64::MAX, |n| n.t_ns);
+        let ov = until.min(end).saturating_sub(c.t_ns.max(begin));
+        let Some(task) = &c.task else { continue };
+        if ov == 0 {
+            continue;
+        }
+        match by.iter_mut().find(|(t, _)| *t == task) {
+            Some(e) => e.1 += ov,
+            None => by.push((task, ov)),
+        }
+    }
+    // Longest; ties to the first seen.
+    let best = by.iter().fold(
+        None::<&(&crate::cpython::asyncio::RunningTask, u64)>,
+        |b, e| match b {
+            Some(x) if x.1 >= e.1 => Some(x),
+            _ => Some(e),
+        },
+    )?;
+    Some((best.0.clone(), best.1 as f64 / (end - begin) as f64))
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -553,6 +604,12 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             } else {
                 u64::MAX
             };
+            let mut changes: Vec<&crate::record::TaskChange> = rec
+                .task_changes
+                .iter()
+                .filter(|c| c.pid == pid && c.tid == tid)
+                .collect();
+            changes.sort_by_key(|c| c.t_ns);
             for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
                 let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
                     continue;
@@ -619,7 +676,15 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                         .map(frame_label)
                         .collect(),
                     dominant_share: dom_n as f64 / n as f64,
+                    task: None,
+                    task_share: None,
                 });
+                if let Some((task, share)) = task_during(&changes, begin, end) {
+                    if let Some(last) = out.stalls.last_mut() {
+                        last.task = Some(task);
+                        last.task_share = Some(share);
+                    }
+                }
                 row.stalls += 1;
                 row.stalled_s += dur as f64 / 1e9;
                 row.longest_ms = row.longest_ms.max(dur as f64 / 1e6);
