@@ -218,6 +218,27 @@ fn check(label: &str) {
         );
         named += 1;
     }
+    // The markdown report's stall table names the same tasks (each row of this process).
+    let o = enginescope(&["report", &out_s, "--from", &from, "--to", &to]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let md = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        md.contains("asyncio task (await chain)"),
+        "{label}: the markdown stall table has the task column:\n{md}"
+    );
+    for t in &long_truth {
+        let chain: Vec<&str> = t["chain"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c.as_str())
+            .collect();
+        let cell = format!("{} ({})", t["task"].as_str().unwrap(), chain.join(" → "));
+        assert!(
+            md.contains(&cell),
+            "{label}: markdown names {cell:?}:\n{md}"
+        );
+    }
     eprintln!(
         "{label}: {} true stalls over 150 ms, {} reported, all matched, {named} named by their task; dump: {want_line}",
         long.len(),
@@ -237,6 +258,26 @@ fn asyncio_server_stalls_pyenv_312() {
 }
 
 #[test]
+fn asyncio_server_stalls_pyenv_311() {
+    check("pyenv-3.11");
+}
+
+#[test]
+fn asyncio_server_stalls_pyenv_313() {
+    check("pyenv-3.13");
+}
+
+#[test]
+fn asyncio_server_stalls_sid_313() {
+    check("sid-3.13");
+}
+
+#[test]
 fn asyncio_server_stalls_sid_314() {
     check("sid-3.14");
+}
+
+#[test]
+fn asyncio_server_stalls_sid_315() {
+    check("sid-3.15");
 }

@@ -927,6 +927,70 @@ mod tests {
         assert!(rd.recording.frame_native.is_empty());
     }
 
+    /// Record 18: task changes read back in order; a rotation carries the tasks in progress
+    /// (not the threads that ran none) into the new segment at time 0.
+    #[test]
+    fn task_changes_roundtrip_and_rotate() {
+        use crate::cpython::asyncio::RunningTask;
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
+        let meta = Meta::default();
+        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        w.process(&ProcessInfo {
+            pid: 7,
+            ..Default::default()
+        })
+        .unwrap();
+        for tid in [7, 8] {
+            w.thread(&ThreadInfo {
+                pid: 7,
+                tid,
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        let task = RunningTask {
+            name: "handler-1".into(),
+            coro: "handle_request".into(),
+            chain: vec!["handle_request".into(), "render_response".into()],
+        };
+        let changes = [
+            TaskChange {
+                t_ns: 10,
+                pid: 7,
+                tid: 7,
+                task: Some(task.clone()),
+            },
+            TaskChange {
+                t_ns: 20,
+                pid: 7,
+                tid: 8,
+                task: Some(task.clone()),
+            },
+            TaskChange {
+                t_ns: 30,
+                pid: 7,
+                tid: 8,
+                task: None,
+            },
+        ];
+        for c in &changes {
+            w.task_change(c).unwrap();
+        }
+        w.flush().unwrap();
+        assert_eq!(read_recording(&a).unwrap().task_changes, changes);
+        w.rotate(&b, &meta, &EndInfo::default(), &|_, _| true)
+            .unwrap();
+        w.finish(&EndInfo::default()).unwrap();
+        assert_eq!(
+            read_recording(&b).unwrap().task_changes,
+            vec![TaskChange {
+                t_ns: 0,
+                ..changes[0].clone()
+            }]
+        );
+    }
+
     #[test]
     fn roundtrip_and_truncation() {
         let dir = tempfile::tempdir().unwrap();

@@ -705,6 +705,45 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
 mod tests {
     use super::*;
 
+    #[test]
+    fn task_during_a_stall_is_the_longest_running() {
+        use crate::cpython::asyncio::RunningTask;
+        use crate::record::TaskChange;
+        let task = |n: &str| RunningTask {
+            name: n.into(),
+            coro: "handle_request".into(),
+            chain: vec!["handle_request".into()],
+        };
+        let at = |t_ns: u64, k: Option<&str>| TaskChange {
+            t_ns,
+            pid: 1,
+            tid: 1,
+            task: k.map(task),
+        };
+        let c = [
+            at(0, Some("a")),
+            at(100, None),
+            at(120, Some("b")),
+            at(300, None),
+            at(400, Some("a")),
+        ];
+        let refs: Vec<&TaskChange> = c.iter().collect();
+        // b ran 180 of [110, 310): 90%; a 0.
+        let (t, share) = task_during(&refs, 110, 310).unwrap();
+        assert_eq!(t.name, "b");
+        assert!((share - 0.9).abs() < 1e-9, "{share}");
+        // Summed per task: b (180) beats a (10 before 100, 50 from 400).
+        let (t, _) = task_during(&refs, 90, 450).unwrap();
+        assert_eq!(t.name, "b");
+        let (t, share) = task_during(&refs, 50, 130).unwrap();
+        assert_eq!((t.name.as_str(), share), ("a", 50.0 / 80.0));
+        // The last change holds on; nothing running, or no changes: none.
+        assert_eq!(task_during(&refs, 1000, 2000).unwrap().1, 1.0);
+        assert!(task_during(&refs, 301, 399).is_none());
+        assert!(task_during(&[], 0, 10).is_none());
+        assert!(task_during(&refs, 10, 10).is_none());
+    }
+
     fn f(function: &str, file: &str) -> Frame {
         Frame {
             function: function.into(),
