@@ -2,7 +2,7 @@
 stall the loop with `json.dumps` of large responses, timed by the loop itself.
 
 Usage: asyncio_stalls.py --truth PATH [--requests N] [--go-fifo PATH] [--seed S]
-                         [--hold-fifo PATH --release PATH]
+                         [--hold-fifo PATH --release PATH] [--uvloop]
 
 The main thread runs an asyncio loop. After GO, `main` answers --requests requests one at a
 time, 0.2-0.4 s apart (idle in between, so no two stalls run into each other however slow the
@@ -12,6 +12,10 @@ machine): each a task named `handler-N` (asyncio task names) whose coroutine
 clock around every wait (`TimedSelector`), so each stall's start and length are exact; a busy
 stretch the loop did not leave for a wait of at least 1 ms is one stall.
 
+With --uvloop the loop is uvloop's (`uvloop.run`), whose poll cannot be timed from Python:
+`stalls` is then empty, and `renders` (every `json.dumps` of a response, timed around the call,
+with its task) is the truth to compare with.
+
 With --hold-fifo, after the window the loop runs one more task, `dump-probe`
 (`hold_for_dump` awaiting `spin_until_released`), which writes HOLDING to that FIFO and then
 keeps the loop busy until the file --release exists (at most 60 s): a moment at which a `dump`
@@ -19,6 +23,7 @@ must show that task and chain.
 
 Truth JSON: {"pid", "python", "window": {"start_mono_ns", "end_mono_ns"},
   "stalls": [{"start_mono_ns", "dur_ns", "task", "coro", "chain"}],
+  "renders": [{"start_mono_ns", "dur_ns", "task", "coro", "chain"}],
   "hold": {"task", "coro", "chain"} (with --hold-fifo)}  (busy stretches >= 20 ms inside the
   window; `task` is the name of the handler task that rendered in it, "" if none, `coro` its
   coroutine's qualified name and `chain` the await chain that ran the render, outermost first,
@@ -60,6 +65,7 @@ class Monitor:
         self.cur = None
         self.stretches = []
         self.tasks_in = []  # (task name, coroutine, chain) that rendered in the current stretch
+        self.renders = []  # (start, end, (task name, coroutine, chain)) of every render
 
     def on_wait(self, t0, t1, timeout):
         if self.last_end is not None:
@@ -113,8 +119,12 @@ def await_chain():
 
 
 async def render_response(mon, name, rows):
+    t0 = mono()
     body = json.dumps(payload(rows))
-    mon.tasks_in.append(await_chain())
+    t1 = mono()
+    who = await_chain()
+    mon.tasks_in.append(who)
+    mon.renders.append((t0, t1, who))
     return len(body)
 
 
@@ -173,19 +183,27 @@ def run():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--hold-fifo")
     ap.add_argument("--release")
+    ap.add_argument("--uvloop", action="store_true")
     args = ap.parse_args()
     mon = Monitor()
-    loop = asyncio.SelectorEventLoop(TimedSelector(mon.on_wait))
-    start, end, hold = loop.run_until_complete(main(args, mon))
-    loop.close()
+    if args.uvloop:
+        import uvloop
+        start, end, hold = uvloop.run(main(args, mon))
+    else:
+        loop = asyncio.SelectorEventLoop(TimedSelector(mon.on_wait))
+        start, end, hold = loop.run_until_complete(main(args, mon))
+        loop.close()
     stalls = []
     for a, b, t in mon.stretches:
         if start <= a and b <= end:
             name, coro, chain = t[0] if t else ("", "", [])
             stalls.append({"start_mono_ns": a, "dur_ns": b - a, "task": name, "coro": coro,
                            "chain": chain})
+    renders = [{"start_mono_ns": a, "dur_ns": b - a, "task": t[0], "coro": t[1], "chain": t[2]}
+               for a, b, t in mon.renders if start <= a and b <= end]
     doc = {"pid": os.getpid(), "python": sys.version,
-           "window": {"start_mono_ns": start, "end_mono_ns": end}, "stalls": stalls}
+           "window": {"start_mono_ns": start, "end_mono_ns": end}, "stalls": stalls,
+           "renders": renders}
     if hold is not None:
         doc["hold"] = hold
     tmp = args.truth + ".tmp"

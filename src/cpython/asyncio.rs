@@ -7,7 +7,8 @@
 //!   `_current_tasks` (the same object: `_enter_task`/`_leave_task` add and delete the entry
 //!   around each step, so it holds a loop only while one of its tasks runs). A loop's thread is
 //!   its `_thread_id` attribute (set by `run_forever` from `threading.get_ident()`, the
-//!   `PyThreadState.thread_id` of the thread).
+//!   `PyThreadState.thread_id` of the thread); a loop without one (uvloop's, a C field) is the
+//!   one a thread state holds as its running loop ([`AsyncioTasks::running_loops`]).
 //! * 3.14+: the thread state's `asyncio_running_task` (what `python -m asyncio ps/pstree` and
 //!   3.15's `profiling.sampling --async-aware` read), at the offset the `_asyncio` module
 //!   publishes in its `.AsyncioDebug` section (`_Py_AsyncioModuleDebugOffsets`: in the
@@ -29,7 +30,7 @@
 //! them, else through the C layout (unit-tested, not run live). On 3.14+ pure-Python tasks set
 //! no thread-state field and are not seen. uvloop: its tasks are asyncio's C tasks, so 3.14+
 //! sees them; on 3.10–3.13 a uvloop loop keeps its thread id in a C field, not an attribute,
-//! so its thread is not found (not run live: uvloop is not installed here).
+//! and is placed through the thread's running loop (checked live with uvloop 0.23 on 3.11).
 
 use std::collections::HashMap;
 
@@ -178,6 +179,15 @@ pub struct RunningTask {
     pub chain: Vec<String>,
 }
 
+/// What `_current_tasks` holds (3.10–3.13).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CurrentTasks {
+    /// Task by the thread ident of its loop (`loop._thread_id`).
+    pub by_ident: HashMap<u64, u64>,
+    /// `(loop, task)` of loops without a readable `_thread_id` (uvloop).
+    pub unplaced: Vec<(u64, u64)>,
+}
+
 /// Reads running asyncio tasks, keeping what it found between reads.
 #[derive(Default)]
 pub struct AsyncioTasks {
@@ -244,15 +254,16 @@ impl AsyncioTasks {
         self.debug = find_asyncio_debug(pid);
     }
 
-    /// 3.10–3.13: the task object each loop thread is running, by thread ident
-    /// (`PyThreadState.thread_id`), from the main interpreter `interp`'s
-    /// `asyncio.tasks._current_tasks`. Empty when asyncio is not imported or nothing runs.
+    /// 3.10–3.13: the task object each loop thread is running, from the main interpreter
+    /// `interp`'s `asyncio.tasks._current_tasks`: by thread ident for loops with a `_thread_id`
+    /// attribute (asyncio's own), and the `(loop, task)` pairs of loops without one (uvloop),
+    /// for [`Self::running_loops`] to place. Empty when asyncio is not imported or nothing runs.
     pub fn current_by_ident(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
         interp: u64,
-    ) -> Result<HashMap<u64, u64>, ObjectError> {
+    ) -> Result<CurrentTasks, ObjectError> {
         let still =
             |a: u64| self.dict_type != 0 && mem.read_u64(a + 8).is_ok_and(|t| t == self.dict_type);
         let dict = match self.current_tasks.filter(|&a| still(a)) {
@@ -263,7 +274,7 @@ impl AsyncioTasks {
                     self.attrs
                         .module_global(mem, o, interp, "asyncio.tasks", "_current_tasks")?
                 else {
-                    return Ok(HashMap::new());
+                    return Ok(CurrentTasks::default());
                 };
                 if mem.read_u64(object("_current_tasks", d)? + 8)? != dict_type {
                     return Err(garbage("asyncio.tasks._current_tasks", d, "not a dict"));
@@ -273,17 +284,85 @@ impl AsyncioTasks {
                 d
             }
         };
-        let mut out = HashMap::new();
+        let mut out = CurrentTasks::default();
         for (lp, task) in dict_items(mem, o, dict)?.into_iter().take(MAX_LOOPS) {
-            // One loop we cannot place (uvloop: no `_thread_id` attribute) hides no other.
-            let Ok(Some(id)) = self.attrs.attribute(mem, o, lp, "_thread_id") else {
-                continue;
+            let ident = match self.attrs.attribute(mem, o, lp, "_thread_id") {
+                Ok(Some(id)) => read_u64_int(mem, o, id).ok(),
+                _ => None,
             };
-            if let Ok(ident) = read_u64_int(mem, o, id) {
-                out.insert(ident, task);
+            match ident {
+                Some(i) => {
+                    out.by_ident.insert(i, task);
+                }
+                None => out.unplaced.push((lp, task)),
             }
         }
         Ok(out)
+    }
+
+    /// 3.10–3.13: the loop objects a thread state may be running, where `_asyncio` keeps its
+    /// running loop (`get_running_loop()`): 3.10/3.11 the thread state's dict
+    /// (`PyThreadState.dict`, at 152/128) maps `__asyncio_running_event_loop__` to a
+    /// `_RunningLoopHolder` whose `rl_loop` follows its head; 3.12 maps it to the loop itself
+    /// (dict at 112); 3.13 keeps it in `_PyThreadStateImpl.asyncio_running_loop`, which moved
+    /// between patch releases (304 in 3.13.0, 312 in 3.13.18): both words are returned. The
+    /// caller compares them with a loop of `_current_tasks`, so a wrong guess matches nothing.
+    pub fn running_loops(
+        &mut self,
+        mem: &dyn MemorySource,
+        o: &Offsets,
+        minor: u8,
+        tstate: u64,
+    ) -> Vec<u64> {
+        let dict_at = match minor {
+            10 => 152,
+            11 => 128,
+            12 => 112,
+            13 => {
+                return [304u64, 312]
+                    .iter()
+                    .filter_map(|&off| mem.read_u64(tstate.checked_add(off)?).ok())
+                    .filter(|&l| l != 0)
+                    .collect();
+            }
+            _ => return Vec::new(),
+        };
+        let found = (|| -> Result<Option<u64>, ObjectError> {
+            let Some(at) = tstate.checked_add(dict_at) else {
+                return Ok(None);
+            };
+            let dict = mem.read_u64(at)?;
+            if dict == 0
+                || self.dict_type == 0
+                || mem.read_u64(object("dict", dict)? + 8)? != self.dict_type
+            {
+                return Ok(None);
+            }
+            let Some(v) = self.attrs.lookup(
+                mem,
+                o,
+                dict_items(mem, o, dict)?,
+                "__asyncio_running_event_loop__",
+            )?
+            else {
+                return Ok(None);
+            };
+            if minor >= 12 {
+                return Ok(Some(v));
+            }
+            if type_name(mem, v)? != "_RunningLoopHolder" {
+                return Err(garbage("running loop holder", v, "type"));
+            }
+            Ok(Some(mem.read_u64(v + 16)?))
+        })();
+        match found {
+            Ok(Some(l)) if l != 0 => vec![l],
+            Ok(_) => Vec::new(),
+            Err(_) => {
+                self.errors += 1;
+                Vec::new()
+            }
+        }
     }
 
     /// 3.14+: the task a thread state is running (0: none).
@@ -474,7 +553,7 @@ mod tests {
         lt[off..off + 8].copy_from_slice(&16u64.to_le_bytes());
         h.mem.map(loop_t, lt);
         let lp = h.put(Heap::words(&[1, loop_t, loop_dict, 0]));
-        // A second loop without `_thread_id` (uvloop): skipped.
+        // A second loop without `_thread_id` (uvloop): left to place.
         let lp2 = h.put(Heap::words(&[1, loop_t, 0, 0]));
         let current = h.dict(dict_t, &[(lp2, t), (lp, t)], 0);
         let k_ct = h.str("_current_tasks");
@@ -489,7 +568,52 @@ mod tests {
         let mut r = AsyncioTasks::default();
         for _ in 0..2 {
             let got = r.current_by_ident(&h.mem, &o, interp_at).unwrap();
-            assert_eq!(got, HashMap::from([(0x7f00_dead_b000u64, t)]));
+            assert_eq!(got.by_ident, HashMap::from([(0x7f00_dead_b000u64, t)]));
+            assert_eq!(got.unplaced, vec![(lp2, t)]);
+        }
+    }
+
+    /// uvloop's loops have no `_thread_id`: a thread's running loop places them (3.10/3.11 a
+    /// `_RunningLoopHolder` in the thread state's dict, 3.12 the loop itself, 3.13 a field).
+    #[test]
+    fn running_loops_of_a_thread_state() {
+        for minor in [11u8, 12, 13] {
+            let o = if minor == 11 { PY311 } else { PY312 };
+            let mut h = Heap::new(o.clone());
+            let dict_t = h.put(vec![0u8; 512]);
+            let lp = h.put(vec![0u8; 64]);
+            let holder_t = ty(&mut h, "_RunningLoopHolder");
+            let holder = h.put(Heap::words(&[1, holder_t, lp]));
+            let k = h.str("__asyncio_running_event_loop__");
+            let v = if minor == 11 { holder } else { lp };
+            let d = h.dict(dict_t, &[(k, v)], 1);
+            let mut ts = vec![0u8; 1024];
+            let at: usize = match minor {
+                11 => 128,
+                12 => 112,
+                _ => 312,
+            };
+            ts[at..at + 8].copy_from_slice(&(if minor == 13 { lp } else { d }).to_le_bytes());
+            let tstate = h.put(ts);
+            let mut r = AsyncioTasks {
+                dict_type: dict_t,
+                ..Default::default()
+            };
+            assert!(
+                r.running_loops(&h.mem, &o, minor, tstate).contains(&lp),
+                "3.{minor}"
+            );
+            assert_eq!(r.errors, 0);
+            // A holder of the wrong type is an error, not a loop.
+            if minor == 11 {
+                set_type(&mut h, holder, dict_t);
+                let mut r = AsyncioTasks {
+                    dict_type: dict_t,
+                    ..Default::default()
+                };
+                assert!(r.running_loops(&h.mem, &o, minor, tstate).is_empty());
+                assert_eq!(r.errors, 1);
+            }
         }
     }
 
@@ -583,6 +707,8 @@ mod tests {
                 })
                 .collect();
             let _ = coroutine_frames(&mem, &l, &frames);
+            r.dict_type = bases[round % 5];
+            let _ = r.running_loops(&mem, &o, 10 + (round % 4) as u8, bases[round % 7]);
         }
     }
 }

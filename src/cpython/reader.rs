@@ -655,12 +655,22 @@ impl PythonProcess {
                 return out;
             }
         };
-        if by_ident.is_empty() {
-            return out;
-        }
         for &t in tstates {
-            if let Some(&task) = self.thread_ident(t).and_then(|i| by_ident.get(&i)) {
+            if let Some(&task) = self.thread_ident(t).and_then(|i| by_ident.by_ident.get(&i)) {
                 out.insert(t, task);
+            }
+        }
+        // Loops without `_thread_id` (uvloop): the thread whose running loop it is.
+        for &(lp, task) in &by_ident.unplaced {
+            for &t in tstates {
+                if !out.contains_key(&t)
+                    && tasks
+                        .running_loops(self.mem.as_ref(), &self.offsets, self.version.minor, t)
+                        .contains(&lp)
+                {
+                    out.insert(t, task);
+                    break;
+                }
             }
         }
         out
