@@ -253,9 +253,12 @@ fn check_interp(i: &Interp, uvloop: bool) {
         );
     }
     eprintln!(
-        "{label}: {} true stalls over 150 ms, {} reported, all matched, {named} named by their task; dump: {want_line}",
+        "{label}: {} true stalls over 150 ms, {} reported, all matched, {named} named by their task; dump: {want_line}; task reads: {} in {} µs, {} errors",
         long.len(),
-        reported.len()
+        reported.len(),
+        r.counters.get("asyncio_task_reads").copied().unwrap_or(0),
+        r.counters.get("asyncio_task_read_us").copied().unwrap_or(0),
+        r.counters.get("asyncio_task_read_errors").copied().unwrap_or(0),
     );
 }
 

@@ -12,7 +12,7 @@
 //!   task step, so a stall of at least a few reads' length is named by the task that ran;
 //! * flush (every 200 ms) and rotation (the agent).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use super::engines::EngineSession;
@@ -39,6 +39,9 @@ struct TaskWatch {
     sym: crate::cpython::symbols::Symbolizer,
     /// The task last written per thread.
     last: std::collections::HashMap<i32, crate::cpython::asyncio::RunningTask>,
+    /// Reads done (one per target per [`TASKS_EVERY`]) and the time they took, ns.
+    reads: u64,
+    read_ns: u64,
 }
 
 pub struct Recorder<'a> {
@@ -52,7 +55,9 @@ pub struct Recorder<'a> {
     exited_unresolved_frames: u64,
     exited_code_rereads: u64,
     /// Per target pid.
-    tasks: std::collections::HashMap<i32, TaskWatch>,
+    tasks: HashMap<i32, TaskWatch>,
+    /// Task-read counters of targets that exited (errors, reads, ns).
+    exited_task_reads: [u64; 3],
 }
 
 impl<'a> Recorder<'a> {
@@ -73,6 +78,7 @@ impl<'a> Recorder<'a> {
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
             tasks: std::collections::HashMap::new(),
+            exited_task_reads: [0; 3],
         }
     }
 
@@ -182,6 +188,7 @@ impl<'a> Recorder<'a> {
     fn sync_tasks(&mut self) -> anyhow::Result<()> {
         for t in self.targets.iter_mut() {
             let w = self.tasks.entry(t.pid).or_default();
+            let t0 = Instant::now();
             let mut tstates: Vec<(i32, u64)> =
                 t.threads.iter().map(|(&tid, &(ts, _))| (tid, ts)).collect();
             tstates.sort_unstable();
@@ -209,6 +216,8 @@ impl<'a> Recorder<'a> {
             }
             // Threads gone.
             w.last.retain(|tid, _| t.threads.contains_key(tid));
+            w.reads += 1;
+            w.read_ns += t0.elapsed().as_nanos() as u64;
         }
         Ok(())
     }
@@ -233,7 +242,15 @@ impl<'a> Recorder<'a> {
         self.source
             .remove_targets(&mut self.targets, exited, &mut self.pipe)?;
         for t in self.targets.remove(exited) {
-            self.tasks.remove(&t.pid);
+            if let Some(w) = self.tasks.remove(&t.pid) {
+                for (total, v) in
+                    self.exited_task_reads
+                        .iter_mut()
+                        .zip([w.reader.errors, w.reads, w.read_ns])
+                {
+                    *total += v;
+                }
+            }
             self.exited_unresolved_frames += t.sym.unresolved_frames;
             self.exited_code_rereads += t.sym.code_rereads;
             if !quiet {
@@ -304,12 +321,12 @@ impl<'a> Recorder<'a> {
     }
 
     fn rotate_if_due(&mut self) -> anyhow::Result<()> {
+        let task_counters = task_counters(&self.tasks, self.exited_task_reads);
         let Some(r) = self.rotator.as_mut() else {
             return Ok(());
         };
         let (source, targets, engines) = (&self.source, &self.targets, &self.engines);
         let exited = (self.exited_unresolved_frames, self.exited_code_rereads);
-        let task_errors = self.tasks.values().map(|w| w.reader.errors).sum::<u64>();
         r.periodic(&mut self.pipe, &|p, r| {
             let mut c = counters(
                 source.as_ref(),
@@ -319,7 +336,7 @@ impl<'a> Recorder<'a> {
                 p,
                 Some(r),
             );
-            c.insert("asyncio_task_read_errors".into(), task_errors);
+            c.extend(task_counters.iter().map(|(k, v)| (k.to_string(), *v)));
             c
         })
     }
@@ -335,14 +352,12 @@ impl<'a> Recorder<'a> {
             &self.pipe,
             self.rotator.as_ref(),
         );
-        c.insert("asyncio_task_read_errors".into(), self.task_read_errors());
+        c.extend(
+            task_counters(&self.tasks, self.exited_task_reads)
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v)),
+        );
         c
-    }
-
-    /// Failed reads of running asyncio tasks (implausible objects, unreadable addresses) of
-    /// the targets still attached.
-    fn task_read_errors(&self) -> u64 {
-        self.tasks.values().map(|w| w.reader.errors).sum()
     }
 
     /// Stop the source and the scraper, write what they have left and close the intervals
@@ -354,6 +369,24 @@ impl<'a> Recorder<'a> {
         }
         self.pipe.close(end_ns)
     }
+}
+
+/// Of the targets attached and `exited`: failed reads of running asyncio tasks (implausible objects,
+/// unreadable addresses), the reads done (one per target every [`TASKS_EVERY`]) and the time
+/// they took, µs.
+fn task_counters(tasks: &HashMap<i32, TaskWatch>, exited: [u64; 3]) -> [(&'static str, u64); 3] {
+    let sum = |f: fn(&TaskWatch) -> u64| tasks.values().map(f).sum::<u64>();
+    [
+        (
+            "asyncio_task_read_errors",
+            exited[0] + sum(|w| w.reader.errors),
+        ),
+        ("asyncio_task_reads", exited[1] + sum(|w| w.reads)),
+        (
+            "asyncio_task_read_us",
+            (exited[2] + sum(|w| w.read_ns)) / 1000,
+        ),
+    ]
 }
 
 /// The counters of every part: the source's, the symbolizers' (targets alive and exited:
