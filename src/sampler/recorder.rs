@@ -7,12 +7,11 @@
 //!   left, unless engines are followed (`--vllm`: an engine may start more);
 //! * engine metrics: what the scraper sent, written as it comes;
 //! * rediscovery (every 2 s, `--vllm`): engine processes that started are attached;
-//! * asyncio tasks (every 20 ms): the task each event-loop thread runs, read from the target's
-//!   memory (src/cpython/asyncio.rs), written when it changes (record 18): a loop stall is one
-//!   task step, so a stall of at least a few reads' length is named by the task that ran;
+//! * asyncio tasks: what each target's task reader (src/sampler/tasks.rs, a thread per target)
+//!   sent, written as it comes (record 18);
 //! * flush (every 200 ms) and rotation (the agent).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use super::engines::EngineSession;
@@ -26,24 +25,6 @@ use crate::sys::monotonic_ns;
 
 const THREADS_EVERY: Duration = Duration::from_millis(100);
 const FLUSH_EVERY: Duration = Duration::from_millis(200);
-/// How often the running asyncio task of each thread is read: a few reads per thread, and a
-/// stack walk of the threads that run one (a loop stall over 100 ms is read five times).
-pub const TASKS_EVERY: Duration = Duration::from_millis(20);
-
-/// What the recorder knows of one target's asyncio tasks.
-#[derive(Default)]
-struct TaskWatch {
-    reader: crate::cpython::asyncio::AsyncioTasks,
-    /// Names of the chains' frames (its own: the sources' symbolizer attributes new code to
-    /// the thread being resolved).
-    sym: crate::cpython::symbols::Symbolizer,
-    /// The task last written per thread.
-    last: std::collections::HashMap<i32, crate::cpython::asyncio::RunningTask>,
-    /// Reads done (one per target per [`TASKS_EVERY`]) and the time they took, ns.
-    reads: u64,
-    read_ns: u64,
-}
-
 pub struct Recorder<'a> {
     pub opts: &'a RecordOptions,
     pub targets: Targets,
@@ -54,10 +35,8 @@ pub struct Recorder<'a> {
     /// Counters of targets that exited and were dropped, so that totals never go back.
     exited_unresolved_frames: u64,
     exited_code_rereads: u64,
-    /// Per target pid.
-    tasks: HashMap<i32, TaskWatch>,
-    /// Task-read counters of targets that exited (errors, reads, ns).
-    exited_task_reads: [u64; 3],
+    /// The running asyncio tasks of the targets.
+    tasks: super::tasks::TaskReaders,
 }
 
 impl<'a> Recorder<'a> {
@@ -77,8 +56,7 @@ impl<'a> Recorder<'a> {
             rotator,
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
-            tasks: std::collections::HashMap::new(),
-            exited_task_reads: [0; 3],
+            tasks: super::tasks::TaskReaders::default(),
         }
     }
 
@@ -118,7 +96,6 @@ impl<'a> Recorder<'a> {
         let mut next = Instant::now();
         let mut last_threads = Instant::now();
         let mut last_flush = Instant::now();
-        let mut last_tasks = Instant::now();
         loop {
             if self.opts.stop.is_stopped() {
                 return Ok("stopped by signal".into());
@@ -142,10 +119,7 @@ impl<'a> Recorder<'a> {
                     return Ok("all targets exited".into());
                 }
             }
-            if last_tasks.elapsed() >= TASKS_EVERY {
-                last_tasks = Instant::now();
-                self.sync_tasks()?;
-            }
+            self.tasks.drain(&mut self.pipe.writer)?;
             if let Some(e) = self.engines.as_mut() {
                 e.poll_metrics(&mut self.pipe)?;
             }
@@ -162,6 +136,7 @@ impl<'a> Recorder<'a> {
     fn sync_threads(&mut self) -> anyhow::Result<()> {
         let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
         for t in self.targets.iter_mut() {
+            self.tasks.watch(t.pid, self.pipe.start_ns);
             let (changed, gone) = t.refresh_threads();
             let tstates: Vec<(i32, u64)> = changed.iter().map(|&(tid, ts, _)| (tid, ts)).collect();
             self.source.threads_changed(t.pid, &tstates, &gone)?;
@@ -180,44 +155,6 @@ impl<'a> Recorder<'a> {
                     python_name,
                 })?;
             }
-        }
-        Ok(())
-    }
-
-    /// Read the running asyncio task of every thread and write the changes.
-    fn sync_tasks(&mut self) -> anyhow::Result<()> {
-        for t in self.targets.iter_mut() {
-            let w = self.tasks.entry(t.pid).or_default();
-            let t0 = Instant::now();
-            let mut tstates: Vec<(i32, u64)> =
-                t.threads.iter().map(|(&tid, &(ts, _))| (tid, ts)).collect();
-            tstates.sort_unstable();
-            let addrs: Vec<u64> = tstates.iter().map(|&(_, ts)| ts).collect();
-            let running = t.proc.running_tasks(&mut w.reader, &addrs);
-            let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
-            for (tid, ts) in tstates {
-                let task = running.get(&ts).and_then(|&task| {
-                    t.proc
-                        .describe_running_task(&mut w.reader, &mut w.sym, ts, task)
-                });
-                if task.as_ref() == w.last.get(&tid) {
-                    continue;
-                }
-                match &task {
-                    Some(k) => w.last.insert(tid, k.clone()),
-                    None => w.last.remove(&tid),
-                };
-                self.pipe.writer.task_change(&crate::record::TaskChange {
-                    t_ns: now,
-                    pid: t.pid,
-                    tid,
-                    task,
-                })?;
-            }
-            // Threads gone.
-            w.last.retain(|tid, _| t.threads.contains_key(tid));
-            w.reads += 1;
-            w.read_ns += t0.elapsed().as_nanos() as u64;
         }
         Ok(())
     }
@@ -241,16 +178,8 @@ impl<'a> Recorder<'a> {
     fn drop_exited(&mut self, exited: &[i32], quiet: bool) -> anyhow::Result<()> {
         self.source
             .remove_targets(&mut self.targets, exited, &mut self.pipe)?;
+        self.tasks.stop(exited, &mut self.pipe.writer)?;
         for t in self.targets.remove(exited) {
-            if let Some(w) = self.tasks.remove(&t.pid) {
-                for (total, v) in
-                    self.exited_task_reads
-                        .iter_mut()
-                        .zip([w.reader.errors, w.reads, w.read_ns])
-                {
-                    *total += v;
-                }
-            }
             self.exited_unresolved_frames += t.sym.unresolved_frames;
             self.exited_code_rereads += t.sym.code_rereads;
             if !quiet {
@@ -321,7 +250,7 @@ impl<'a> Recorder<'a> {
     }
 
     fn rotate_if_due(&mut self) -> anyhow::Result<()> {
-        let task_counters = task_counters(&self.tasks, self.exited_task_reads);
+        let task_counters = self.tasks.counters();
         let Some(r) = self.rotator.as_mut() else {
             return Ok(());
         };
@@ -353,7 +282,8 @@ impl<'a> Recorder<'a> {
             self.rotator.as_ref(),
         );
         c.extend(
-            task_counters(&self.tasks, self.exited_task_reads)
+            self.tasks
+                .counters()
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v)),
         );
@@ -364,29 +294,12 @@ impl<'a> Recorder<'a> {
     /// still open at `end_ns`.
     pub fn finish(&mut self, end_ns: u64) -> anyhow::Result<()> {
         self.source.finish(&mut self.targets, &mut self.pipe)?;
+        self.tasks.finish(&mut self.pipe.writer)?;
         if let Some(e) = self.engines.as_mut() {
             e.finish(&mut self.pipe)?;
         }
         self.pipe.close(end_ns)
     }
-}
-
-/// Of the targets attached and `exited`: failed reads of running asyncio tasks (implausible objects,
-/// unreadable addresses), the reads done (one per target every [`TASKS_EVERY`]) and the time
-/// they took, µs.
-fn task_counters(tasks: &HashMap<i32, TaskWatch>, exited: [u64; 3]) -> [(&'static str, u64); 3] {
-    let sum = |f: fn(&TaskWatch) -> u64| tasks.values().map(f).sum::<u64>();
-    [
-        (
-            "asyncio_task_read_errors",
-            exited[0] + sum(|w| w.reader.errors),
-        ),
-        ("asyncio_task_reads", exited[1] + sum(|w| w.reads)),
-        (
-            "asyncio_task_read_us",
-            (exited[2] + sum(|w| w.read_ns)) / 1000,
-        ),
-    ]
 }
 
 /// The counters of every part: the source's, the symbolizers' (targets alive and exited:

@@ -202,7 +202,7 @@ pub struct Stall {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task: Option<crate::cpython::asyncio::RunningTask>,
     /// Share of the stall the recorder saw that task running, 0..1 (its reads are
-    /// [`TASKS_EVERY`](crate::sampler::recorder::TASKS_EVERY) apart, so a stall's first read
+    /// [`TASKS_EVERY`](crate::sampler::tasks::TASKS_EVERY) apart, so a stall's first read
     /// comes up to that late).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task_share: Option<f64>,
