@@ -222,10 +222,28 @@ fn check_interp(i: &Interp, uvloop: bool) {
             "{label}: the workload names the task of its stall at +{:.3} s: {t}",
             (a - w0) as f64 / 1e9
         );
+        // What the recorder read around the stall (ms from its start), for a failure.
+        let near: Vec<String> = r
+            .task_changes
+            .iter()
+            .filter(|c| {
+                c.pid == w.pid
+                    && c.t_ns + 1_000_000_000 > a - base
+                    && c.t_ns < a - base + d + 1_000_000_000
+            })
+            .map(|c| {
+                format!(
+                    "{:+.1} {} (prev seen {:?})",
+                    (c.t_ns as f64 - (a - base) as f64) / 1e6,
+                    c.task.as_ref().map_or("-", |k| k.name.as_str()),
+                    c.prev_seen_ns.map(|p| (p as f64 - (a - base) as f64) / 1e6)
+                )
+            })
+            .collect();
         assert_eq!(
             (&got["name"], &got["coro"], &got["chain"]),
             (&t["task"], &t["coro"], &t["chain"]),
-            "{label}: the task of the stall at +{:.3} s ({:.1} ms): reported {got}, true {t}",
+            "{label}: the task of the stall at +{:.3} s ({:.1} ms): reported {got}, true {t}; task reads around it (ms from its start): {near:?}",
             (a - w0) as f64 / 1e9,
             d as f64 / 1e6
         );

@@ -960,18 +960,21 @@ mod tests {
                 pid: 7,
                 tid: 7,
                 task: Some(task.clone()),
+                prev_seen_ns: None,
             },
             TaskChange {
                 t_ns: 20,
                 pid: 7,
                 tid: 8,
                 task: Some(task.clone()),
+                prev_seen_ns: None,
             },
             TaskChange {
                 t_ns: 30,
                 pid: 7,
                 tid: 8,
                 task: None,
+                prev_seen_ns: Some(15),
             },
         ];
         for c in &changes {

@@ -266,6 +266,10 @@ pub struct TaskChange {
     pub tid: i32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub task: Option<crate::cpython::asyncio::RunningTask>,
+    /// When the thread's previous state was last read (the reads between `prev_seen_ns` and
+    /// `t_ns` did not happen: a reader held off the CPU). Absent: the previous read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prev_seen_ns: Option<u64>,
 }
 
 /// A recording, fully read.

@@ -168,6 +168,8 @@ fn read_loop(
     let mut reader = AsyncioTasks::default();
     let mut sym = Symbolizer::new();
     let mut last: HashMap<i32, RunningTask> = HashMap::new();
+    // When the previous read was made (its states held then).
+    let mut prev_read: Option<u64> = None;
     // (host tid, thread state), sorted.
     let mut threads: Vec<(i32, u64)> = Vec::new();
     let mut threads_read: Option<Instant> = None;
@@ -190,10 +192,19 @@ fn read_loop(
         let tstates: Vec<u64> = threads.iter().map(|&(_, ts)| ts).collect();
         let running = proc.running_tasks(&mut reader, &tstates);
         let now = monotonic_ns().saturating_sub(start_ns);
+        // Threads that ran a task and are gone from the list: none from now on.
+        let mut states: Vec<(i32, Option<RunningTask>)> = last
+            .keys()
+            .filter(|&&tid| threads.binary_search_by_key(&tid, |&(t, _)| t).is_err())
+            .map(|&tid| (tid, None))
+            .collect();
         for &(tid, ts) in &threads {
             let task = running
                 .get(&ts)
                 .and_then(|&task| proc.describe_running_task(&mut reader, &mut sym, ts, task));
+            states.push((tid, task));
+        }
+        for (tid, task) in states {
             if task.as_ref() == last.get(&tid) {
                 continue;
             }
@@ -202,6 +213,9 @@ fn read_loop(
                 pid,
                 tid,
                 task: task.clone(),
+                // Only when reads were missed: the previous one over two periods ago.
+                prev_seen_ns: prev_read
+                    .filter(|&p| now.saturating_sub(p) > 2 * TASKS_EVERY.as_nanos() as u64),
             };
             match tx.try_send(change) {
                 Ok(()) => match task {
@@ -213,7 +227,7 @@ fn read_loop(
                 Err(mpsc::TrySendError::Disconnected(_)) => return,
             };
         }
-        last.retain(|tid, _| threads.binary_search_by_key(tid, |&(t, _)| t).is_ok());
+        prev_read = Some(now);
         counters.reads.fetch_add(1, Ordering::Relaxed);
         counters
             .read_ns

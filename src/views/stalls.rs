@@ -209,7 +209,8 @@ pub struct Stall {
 }
 
 /// The task a thread ran longest in `[begin, end)` and the share of that time, from its task
-/// changes `changes` (sorted by time; each holds until the next).
+/// changes `changes` (sorted by time; each holds until the next, or, where the reader missed
+/// reads before the next, until it last saw it).
 pub fn task_during(
     changes: &[&crate::record::TaskChange],
     begin: u64,
@@ -227,7 +228,11 @@ pub fn task_during(
         if c.t_ns >= end {
             break;
         }
-        let until = changes.get(i + 1).map_or(u64::MAX, |n| n.t_ns);
+        // Until the next change, or where the reader last saw this state when it missed reads
+        // before the next (unknown in between: not counted).
+        let until = changes
+            .get(i + 1)
+            .map_or(u64::MAX, |n| n.prev_seen_ns.unwrap_or(n.t_ns).max(c.t_ns));
         let ov = until.min(end).saturating_sub(c.t_ns.max(begin));
         let Some(task) = &c.task else { continue };
         if ov == 0 {
@@ -719,6 +724,7 @@ mod tests {
             pid: 1,
             tid: 1,
             task: k.map(task),
+            prev_seen_ns: None,
         };
         let c = [
             at(0, Some("a")),
@@ -742,6 +748,18 @@ mod tests {
         assert!(task_during(&refs, 301, 399).is_none());
         assert!(task_during(&[], 0, 10).is_none());
         assert!(task_during(&refs, 10, 10).is_none());
+        // A reader held off the CPU: a was last seen at 20, then b at 500. A stall in
+        // [100, 400) is unknown, not a's.
+        let c = [
+            at(0, Some("a")),
+            TaskChange {
+                prev_seen_ns: Some(20),
+                ..at(500, Some("b"))
+            },
+        ];
+        let refs: Vec<&TaskChange> = c.iter().collect();
+        assert!(task_during(&refs, 100, 400).is_none());
+        assert_eq!(task_during(&refs, 10, 600).unwrap().0.name, "b");
     }
 
     fn f(function: &str, file: &str) -> Frame {
