@@ -401,6 +401,22 @@ impl Recording {
         for t in &mut self.threads {
             t.t_ns = t.t_ns.saturating_sub(from_ns);
         }
+        // Task changes are states that hold until the next: each thread's change in force at
+        // `from_ns` is kept (from 0), then those inside the range.
+        let mut in_force: BTreeMap<(i32, i32), TaskChange> = BTreeMap::new();
+        let mut inside_changes = Vec::new();
+        for c in std::mem::take(&mut self.task_changes) {
+            if c.t_ns <= from_ns {
+                in_force.insert((c.pid, c.tid), c);
+            } else if c.t_ns < to_ns {
+                inside_changes.push(c);
+            }
+        }
+        self.task_changes = in_force.into_values().chain(inside_changes).collect();
+        for c in &mut self.task_changes {
+            c.t_ns = c.t_ns.saturating_sub(from_ns);
+            c.prev_seen_ns = c.prev_seen_ns.map(|p| p.saturating_sub(from_ns));
+        }
         for p in &mut self.probes {
             p.t_ns = p.t_ns.saturating_sub(from_ns);
         }

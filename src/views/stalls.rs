@@ -710,6 +710,45 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
 mod tests {
     use super::*;
 
+    /// `report --from/--to` trims the recording: task changes shift with the samples (they
+    /// did not, and stalls were named by the task running `--from` earlier), and the change in
+    /// force at `--from` is kept.
+    #[test]
+    fn trimmed_recordings_keep_task_times() {
+        use crate::cpython::asyncio::RunningTask;
+        use crate::record::TaskChange;
+        let change = |t_ns: u64, name: Option<&str>| TaskChange {
+            t_ns,
+            pid: 1,
+            tid: 1,
+            task: name.map(|n| RunningTask {
+                name: n.into(),
+                coro: "c".into(),
+                chain: vec![],
+            }),
+            prev_seen_ns: None,
+        };
+        let mut rec = Recording {
+            task_changes: vec![
+                change(100, Some("a")),
+                change(200, None),
+                change(300, Some("b")),
+                change(400, None),
+                change(900, Some("c")),
+            ],
+            ..Default::default()
+        };
+        rec.trim(250, 800);
+        let got: Vec<(u64, Option<&str>)> = rec
+            .task_changes
+            .iter()
+            .map(|c| (c.t_ns, c.task.as_ref().map(|t| t.name.as_str())))
+            .collect();
+        assert_eq!(got, vec![(0, None), (50, Some("b")), (150, None)]);
+        let refs: Vec<&TaskChange> = rec.task_changes.iter().collect();
+        assert_eq!(task_during(&refs, 40, 160).unwrap().0.name, "b");
+    }
+
     #[test]
     fn task_during_a_stall_is_the_longest_running() {
         use crate::cpython::asyncio::RunningTask;
