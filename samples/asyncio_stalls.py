@@ -2,6 +2,7 @@
 stall the loop with `json.dumps` of large responses, timed by the loop itself.
 
 Usage: asyncio_stalls.py --truth PATH [--requests N] [--go-fifo PATH] [--seed S]
+                         [--hold-fifo PATH --release PATH] [--uvloop]
 
 The main thread runs an asyncio loop. After GO, `main` answers --requests requests one at a
 time, 0.2-0.4 s apart (idle in between, so no two stalls run into each other however slow the
@@ -11,12 +12,26 @@ machine): each a task named `handler-N` (asyncio task names) whose coroutine
 clock around every wait (`TimedSelector`), so each stall's start and length are exact; a busy
 stretch the loop did not leave for a wait of at least 1 ms is one stall.
 
+With --uvloop the loop is uvloop's (`uvloop.run`), whose poll cannot be timed from Python:
+`stalls` is then empty, and `renders` (every `json.dumps` of a response, timed around the call,
+with its task) is the truth to compare with.
+
+With --hold-fifo, after the window the loop runs one more task, `dump-probe`
+(`hold_for_dump` awaiting `spin_until_released`), which writes HOLDING to that FIFO and then
+keeps the loop busy until the file --release exists (at most 60 s): a moment at which a `dump`
+must show that task and chain.
+
 Truth JSON: {"pid", "python", "window": {"start_mono_ns", "end_mono_ns"},
-  "stalls": [{"start_mono_ns", "dur_ns", "task", "coro"}]}  (busy stretches >= 20 ms inside the
-  window; `task` is the name of the handler task that rendered in it, "" if none).
+  "stalls": [{"start_mono_ns", "dur_ns", "task", "coro", "chain"}],
+  "renders": [{"start_mono_ns", "dur_ns", "task", "coro", "chain"}],
+  "hold": {"task", "coro", "chain"} (with --hold-fifo)}  (busy stretches >= 20 ms inside the
+  window; `task` is the name of the handler task that rendered in it, "" if none, `coro` its
+  coroutine's qualified name and `chain` the await chain that ran the render, outermost first,
+  as the coroutines themselves report it: `sys._getframe` names of the awaiting frames).
 """
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import random
@@ -49,8 +64,8 @@ class Monitor:
         self.last_end = None
         self.cur = None
         self.stretches = []
-        self.current_task = ""
-        self.tasks_in = []  # task names that rendered in the current stretch
+        self.tasks_in = []  # (task name, coroutine, chain) that rendered in the current stretch
+        self.renders = []  # (start, end, (task name, coroutine, chain)) of every render
 
     def on_wait(self, t0, t1, timeout):
         if self.last_end is not None:
@@ -85,9 +100,31 @@ def calibrate():
     return n / max(best / 1e6, 0.01)
 
 
+def await_chain():
+    """The running task's name, its coroutine's qualified name and the coroutine frames on this
+    thread's stack from the task's coroutine to the caller, outermost first (asyncio's own
+    record of what runs: `current_task()` and the frames' code)."""
+    task = asyncio.current_task()
+    coro = task.get_coro()
+    chain = []
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_flags & inspect.CO_COROUTINE:
+            chain.append(getattr(f.f_code, "co_qualname", f.f_code.co_name))
+        if f.f_code is coro.cr_code:
+            break
+        f = f.f_back
+    chain.reverse()
+    return task.get_name(), coro.__qualname__, chain
+
+
 async def render_response(mon, name, rows):
+    t0 = mono()
     body = json.dumps(payload(rows))
-    mon.tasks_in.append(name)
+    t1 = mono()
+    who = await_chain()
+    mon.tasks_in.append(who)
+    mon.renders.append((t0, t1, who))
     return len(body)
 
 
@@ -111,7 +148,30 @@ async def main(args, mon):
         rows = int(per_ms * rng.uniform(150, 400))
         await asyncio.create_task(handle_request(mon, name, rows), name=name)
     await asyncio.sleep(0.05)
-    return start, mono()
+    end = mono()
+    hold = None
+    if args.hold_fifo:
+        hold = await asyncio.create_task(hold_for_dump(args), name="dump-probe")
+    return start, end, hold
+
+
+async def spin_until_released(args):
+    """Keep the loop busy (this task running) until the release file exists."""
+    deadline = mono() + 60_000_000_000
+    x = 0
+    while not os.path.exists(args.release) and mono() < deadline:
+        for _ in range(1000):
+            x += 1
+    return x
+
+
+async def hold_for_dump(args):
+    with open(args.hold_fifo, "w") as f:
+        f.write("HOLDING\n")
+    hold = await_chain()
+    await spin_until_released(args)
+    name, coro, chain = hold
+    return {"task": name, "coro": coro, "chain": chain + ["spin_until_released"]}
 
 
 def run():
@@ -121,16 +181,31 @@ def run():
                     help="requests answered in the window (each one stall)")
     ap.add_argument("--go-fifo")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--hold-fifo")
+    ap.add_argument("--release")
+    ap.add_argument("--uvloop", action="store_true")
     args = ap.parse_args()
     mon = Monitor()
-    loop = asyncio.SelectorEventLoop(TimedSelector(mon.on_wait))
-    start, end = loop.run_until_complete(main(args, mon))
-    loop.close()
-    stalls = [{"start_mono_ns": a, "dur_ns": b - a, "task": t[0] if t else "",
-               "coro": "handle_request"}
-              for a, b, t in mon.stretches if start <= a and b <= end]
+    if args.uvloop:
+        import uvloop
+        start, end, hold = uvloop.run(main(args, mon))
+    else:
+        loop = asyncio.SelectorEventLoop(TimedSelector(mon.on_wait))
+        start, end, hold = loop.run_until_complete(main(args, mon))
+        loop.close()
+    stalls = []
+    for a, b, t in mon.stretches:
+        if start <= a and b <= end:
+            name, coro, chain = t[0] if t else ("", "", [])
+            stalls.append({"start_mono_ns": a, "dur_ns": b - a, "task": name, "coro": coro,
+                           "chain": chain})
+    renders = [{"start_mono_ns": a, "dur_ns": b - a, "task": t[0], "coro": t[1], "chain": t[2]}
+               for a, b, t in mon.renders if start <= a and b <= end]
     doc = {"pid": os.getpid(), "python": sys.version,
-           "window": {"start_mono_ns": start, "end_mono_ns": end}, "stalls": stalls}
+           "window": {"start_mono_ns": start, "end_mono_ns": end}, "stalls": stalls,
+           "renders": renders}
+    if hold is not None:
+        doc["hold"] = hold
     tmp = args.truth + ".tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)

@@ -85,6 +85,19 @@ pub fn to_text(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
             _ => String::new(),
         };
         let _ = writeln!(out, "\nThread {tid} \"{}\"{os}{flags}", t.name);
+        if let Some(task) = &t.asyncio_task {
+            let _ = writeln!(
+                out,
+                "    asyncio task \"{}\" ({}), awaiting: {}",
+                task.name,
+                task.coro,
+                if task.chain.is_empty() {
+                    "?".to_string()
+                } else {
+                    task.chain.join(" -> ")
+                }
+            );
+        }
         if t.frames.is_empty() {
             let _ = writeln!(out, "    (no Python frames)");
         }

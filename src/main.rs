@@ -405,6 +405,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 &mut snap,
                 &mut enginescope::cpython::threading::ThreadNames::default(),
             );
+            p.name_tasks(
+                &mut snap,
+                &mut enginescope::cpython::asyncio::AsyncioTasks::default(),
+            );
             let ms = t0.elapsed().as_secs_f64() * 1000.0;
             if json {
                 println!("{}", dump::to_json(&p, &snap, ms));

@@ -1,5 +1,6 @@
 //! Reading CPython from outside: binaries, versions, offsets, objects, frames.
 
+pub mod asyncio;
 pub mod binary;
 pub mod linetable;
 pub mod memory;

@@ -83,6 +83,10 @@ pub struct ThreadSnapshot {
     /// Set when the walk stopped early; the frames before it are still right.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
+    /// The asyncio task this thread was running (a thread running an event loop, inside one
+    /// of its tasks' steps); absent when none or not readable (src/cpython/asyncio.rs).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub asyncio_task: Option<super::asyncio::RunningTask>,
     /// Address of the `PyThreadState`.
     #[serde(skip)]
     pub tstate: u64,
@@ -486,6 +490,7 @@ impl PythonProcess {
                     holds_gil: t.holds_gil,
                     gc_collecting: t.gc_collecting,
                     error: t.error,
+                    asyncio_task: None,
                     tstate: t.tstate,
                 }
             })
@@ -615,6 +620,97 @@ impl PythonProcess {
             if let Some(n) = by_tstate.get(&t.tstate) {
                 t.python_name = Some(n.clone());
                 t.name = n.clone();
+            }
+        }
+    }
+}
+
+impl PythonProcess {
+    /// The asyncio task object each of these thread states is running (see
+    /// src/cpython/asyncio.rs for where each version keeps it). Errors are counted in `tasks`,
+    /// never fatal.
+    pub fn running_tasks(
+        &self,
+        tasks: &mut super::asyncio::AsyncioTasks,
+        tstates: &[u64],
+    ) -> HashMap<u64, u64> {
+        let mut out = HashMap::new();
+        if self.version.minor >= 14 {
+            tasks.find_debug(self.pid);
+            for &t in tstates {
+                if let Some(task) = tasks.current_of_tstate(self.mem.as_ref(), t) {
+                    out.insert(t, task);
+                }
+            }
+            return out;
+        }
+        let Ok(main) = self.main_interpreter() else {
+            tasks.errors += 1;
+            return out;
+        };
+        let by_ident = match tasks.current_by_ident(self.mem.as_ref(), &self.offsets, main) {
+            Ok(m) => m,
+            Err(_) => {
+                tasks.errors += 1;
+                return out;
+            }
+        };
+        for &t in tstates {
+            if let Some(&task) = self.thread_ident(t).and_then(|i| by_ident.by_ident.get(&i)) {
+                out.insert(t, task);
+            }
+        }
+        // Loops without `_thread_id` (uvloop): the thread whose running loop it is.
+        for &(lp, task) in &by_ident.unplaced {
+            for &t in tstates {
+                if !out.contains_key(&t)
+                    && tasks
+                        .running_loops(self.mem.as_ref(), &self.offsets, self.version.minor, t)
+                        .contains(&lp)
+                {
+                    out.insert(t, task);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// The task `task` that thread state `tstate` runs, with its await chain from the thread's
+    /// stack (walked now, names through `sym`). `None` (counted in `tasks`) when unreadable.
+    pub fn describe_running_task(
+        &self,
+        tasks: &mut super::asyncio::AsyncioTasks,
+        sym: &mut Symbolizer,
+        tstate: u64,
+        task: u64,
+    ) -> Option<super::asyncio::RunningTask> {
+        let layout = super::asyncio::TaskLayout::for_version(self.version.minor)?;
+        let (name, coro) = match tasks.describe(self.mem.as_ref(), &self.offsets, &layout, task) {
+            Ok(x) => x,
+            Err(_) => {
+                tasks.errors += 1;
+                return None;
+            }
+        };
+        let (raw, _) = self.walk_raw(tstate);
+        let coros = super::asyncio::coroutine_frames(self.mem.as_ref(), &layout, &raw);
+        let chain = sym
+            .resolve(self.mem.as_ref(), &self.offsets, &coros)
+            .into_iter()
+            .map(|f| f.function)
+            .collect();
+        Some(super::asyncio::RunningTask { name, coro, chain })
+    }
+
+    /// Give the threads of a snapshot that run an asyncio task that task and its chain.
+    pub fn name_tasks(&self, snap: &mut Snapshot, tasks: &mut super::asyncio::AsyncioTasks) {
+        let tstates: Vec<u64> = snap.threads.iter().map(|t| t.tstate).collect();
+        let running = self.running_tasks(tasks, &tstates);
+        let mut sym = Symbolizer::new();
+        for t in &mut snap.threads {
+            if let Some(&task) = running.get(&t.tstate) {
+                t.asyncio_task = self.describe_running_task(tasks, &mut sym, t.tstate, task);
             }
         }
     }

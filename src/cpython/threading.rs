@@ -29,7 +29,7 @@ pub const MAX_NAMED_THREADS: usize = 4096;
 /// Highest user-space address on x86-64 and aarch64 (with 5-level paging: 57 bits).
 const MAX_USER_ADDR: u64 = 1 << 57;
 
-fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError {
+pub(crate) fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError {
     ObjectError::Garbage {
         what,
         addr,
@@ -37,7 +37,7 @@ fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError
     }
 }
 
-fn object(what: &'static str, addr: u64) -> Result<u64, ObjectError> {
+pub(crate) fn object(what: &'static str, addr: u64) -> Result<u64, ObjectError> {
     if addr == 0 || addr >= MAX_USER_ADDR || !addr.is_multiple_of(8) {
         return Err(garbage(what, addr, "not an object address"));
     }
@@ -169,6 +169,15 @@ pub fn read_u64_int(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<u6
     u64::try_from(v).map_err(|_| garbage("int", addr, "over 64 bits"))
 }
 
+/// Reads attributes and module globals of objects in the target, keeping the addresses of the
+/// interned key strings it met (keys compare by address first). Shared by the thread-name and
+/// asyncio-task readers.
+#[derive(Default)]
+pub struct Attrs {
+    /// Interned key strings met: text → address.
+    interned: HashMap<&'static str, u64>,
+}
+
 /// Reads Python thread names, keeping what it found between reads.
 #[derive(Default)]
 pub struct ThreadNames {
@@ -176,8 +185,7 @@ pub struct ThreadNames {
     active: Option<u64>,
     /// The type of `sys.modules` (`dict`), to check objects against.
     dict_type: u64,
-    /// Interned key strings met: text → address (keys compare by address first).
-    interned: HashMap<&'static str, u64>,
+    attrs: Attrs,
     /// Reads so far that found no `threading` module (not imported yet, or unreadable).
     pub misses: u64,
     /// Reads that failed (an implausible object, an unreadable address).
@@ -218,7 +226,7 @@ impl ThreadNames {
             let Ok(ident) = read_u64_int(mem, o, key) else {
                 continue;
             };
-            if let Ok(Some(name)) = self.attribute_str(mem, o, thread, "_name") {
+            if let Ok(Some(name)) = self.attrs.attribute_str(mem, o, thread, "_name") {
                 out.insert(ident, name);
             }
         }
@@ -236,34 +244,55 @@ impl ThreadNames {
         o: &Offsets,
         interp: u64,
     ) -> Result<Option<u64>, ObjectError> {
-        let Some(modules_off) = o.interp_modules else {
+        let Some((dict_type, active)) =
+            self.attrs
+                .module_global(mem, o, interp, "threading", "_active")?
+        else {
             return Ok(None);
         };
-        let modules = mem.read_u64(interp + modules_off)?;
-        if modules == 0 {
-            return Ok(None);
-        }
-        let modules = object("sys.modules", modules)?;
-        self.dict_type = mem.read_u64(modules + 8)?;
-        let Some(module) = self.lookup(mem, o, dict_items(mem, o, modules)?, "threading")? else {
-            return Ok(None);
-        };
-        let md_dict = object(
-            "module dict",
-            mem.read_u64(object("module", module)? + MODULE_MD_DICT)?,
-        )?;
-        let Some(active) = self.lookup(mem, o, dict_items(mem, o, md_dict)?, "_active")? else {
-            return Ok(None);
-        };
+        self.dict_type = dict_type;
         if !self.still_dict(mem, active) {
             return Err(garbage("threading._active", active, "not a dict"));
         }
         Ok(Some(active))
     }
+}
+
+impl Attrs {
+    /// `(type of sys.modules, sys.modules[module].__dict__[name])` of an interpreter, `None`
+    /// when the module is not imported or has no such global.
+    pub fn module_global(
+        &mut self,
+        mem: &dyn MemorySource,
+        o: &Offsets,
+        interp: u64,
+        module: &'static str,
+        name: &'static str,
+    ) -> Result<Option<(u64, u64)>, ObjectError> {
+        let Some(modules_off) = o.interp_modules else {
+            return Ok(None);
+        };
+        let modules = mem.read_u64(interp.wrapping_add(modules_off))?;
+        if modules == 0 {
+            return Ok(None);
+        }
+        let modules = object("sys.modules", modules)?;
+        let dict_type = mem.read_u64(modules + 8)?;
+        let Some(m) = self.lookup(mem, o, dict_items(mem, o, modules)?, module)? else {
+            return Ok(None);
+        };
+        let md_dict = object(
+            "module dict",
+            mem.read_u64(object("module", m)? + MODULE_MD_DICT)?,
+        )?;
+        Ok(self
+            .lookup(mem, o, dict_items(mem, o, md_dict)?, name)?
+            .map(|v| (dict_type, v)))
+    }
 
     /// The value of the str key `name` among `items`: by the interned key's address when it
     /// is known, else by reading keys of the right length.
-    fn lookup(
+    pub fn lookup(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -289,13 +318,28 @@ impl ThreadNames {
     }
 
     /// An instance attribute that holds a str (`None` when absent).
-    fn attribute_str(
+    pub fn attribute_str(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
         obj: u64,
         name: &'static str,
     ) -> Result<Option<String>, ObjectError> {
+        match self.attribute(mem, o, obj, name)? {
+            Some(v) => Ok(Some(read_unicode(mem, o, v)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The object an instance attribute refers to (`None` when absent or the instance has no
+    /// dict).
+    pub fn attribute(
+        &mut self,
+        mem: &dyn MemorySource,
+        o: &Offsets,
+        obj: u64,
+        name: &'static str,
+    ) -> Result<Option<u64>, ObjectError> {
         let obj = object("object", obj)?;
         let ty = object("type", mem.read_u64(obj + 8)?)?;
         let flags = mem.read_u64(ty + TYPE_FLAGS)?;
@@ -353,10 +397,7 @@ impl ThreadNames {
                 }
             }
         };
-        match self.lookup(mem, o, items, name)? {
-            Some(v) => Ok(Some(read_unicode(mem, o, v)?)),
-            None => Ok(None),
-        }
+        self.lookup(mem, o, items, name)
     }
 
     /// Items of an instance whose values are not in a dict: names from the class's shared
@@ -377,36 +418,36 @@ impl ThreadNames {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cpython::memory::FakeMemory;
     use crate::cpython::offsets::{PY310, PY311, PY312};
 
     /// A tiny heap in fake memory for building CPython objects of one layout.
-    struct Heap {
-        mem: FakeMemory,
-        next: u64,
-        o: Offsets,
+    pub(crate) struct Heap {
+        pub mem: FakeMemory,
+        pub next: u64,
+        pub o: Offsets,
     }
 
     impl Heap {
-        fn new(o: Offsets) -> Self {
+        pub(crate) fn new(o: Offsets) -> Self {
             Heap {
                 mem: FakeMemory::new(),
                 next: 0x10_0000,
                 o,
             }
         }
-        fn put(&mut self, bytes: Vec<u8>) -> u64 {
+        pub(crate) fn put(&mut self, bytes: Vec<u8>) -> u64 {
             let at = self.next;
             self.next += (bytes.len() as u64 + 64 + 15) & !15;
             self.mem.map(at, bytes);
             at
         }
-        fn words(words: &[u64]) -> Vec<u8> {
+        pub(crate) fn words(words: &[u64]) -> Vec<u8> {
             words.iter().flat_map(|w| w.to_le_bytes()).collect()
         }
-        fn str(&mut self, s: &str) -> u64 {
+        pub(crate) fn str(&mut self, s: &str) -> u64 {
             let o = &self.o;
             let mut b = vec![0u8; o.unicode_ascii_size as usize];
             b[o.unicode_length as usize..o.unicode_length as usize + 8]
@@ -418,7 +459,7 @@ mod tests {
             b.push(0);
             self.put(b)
         }
-        fn int(&mut self, v: u64) -> u64 {
+        pub(crate) fn int(&mut self, v: u64) -> u64 {
             let digits: Vec<u32> = (0..3)
                 .map(|i| ((v >> (30 * i)) & ((1 << 30) - 1)) as u32)
                 .collect();
@@ -432,7 +473,7 @@ mod tests {
         }
         /// Keys object holding `keys` (kind: 0 general with hashes, 1 unicode), values in the
         /// entries (or zero for split use).
-        fn keys(&mut self, items: &[(u64, u64)], kind: u8) -> u64 {
+        pub(crate) fn keys(&mut self, items: &[(u64, u64)], kind: u8) -> u64 {
             let mut b;
             match self.o.dict_keys {
                 DictKeysLayout::Py310 => {
@@ -459,7 +500,7 @@ mod tests {
             }
             self.put(b)
         }
-        fn dict(&mut self, ty: u64, items: &[(u64, u64)], kind: u8) -> u64 {
+        pub(crate) fn dict(&mut self, ty: u64, items: &[(u64, u64)], kind: u8) -> u64 {
             let keys = self.keys(items, kind);
             self.put(Self::words(&[1, ty, items.len() as u64, 0, keys, 0]))
         }

@@ -35,6 +35,7 @@ mod tag {
     pub const SCRAPE_ERROR: u8 = 15;
     pub const PROBE: u8 = 16;
     pub const CALL: u8 = 17;
+    pub const TASK: u8 = 18;
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -139,6 +140,8 @@ struct Carried {
     /// `probe_ids` mapping them to this file's.
     probes: Vec<ProbeInfo>,
     probe_ids: HashMap<u32, u32>,
+    /// The task each event-loop thread runs (threads running none left out).
+    tasks: std::collections::BTreeMap<(i32, i32), TaskChange>,
 }
 
 /// The stack table of a finished segment, to carry the stacks that open intervals still refer
@@ -283,6 +286,17 @@ impl RecordingWriter {
                     },
                 )?;
             }
+            c.tasks
+                .retain(|&(pid, tid), _| c.threads.contains_key(&(pid, tid)));
+            for t in c.tasks.values() {
+                self.json(
+                    tag::TASK,
+                    &TaskChange {
+                        t_ns: 0,
+                        ..t.clone()
+                    },
+                )?;
+            }
             c.probes.retain(|p| c.processes.contains_key(&p.pid));
             c.probe_ids.clear();
             for (local, p) in c.probes.iter().enumerate() {
@@ -341,6 +355,18 @@ impl RecordingWriter {
             c.threads.insert((t.pid, t.tid), t.clone());
         }
         self.json(tag::THREAD, t)
+    }
+
+    /// An event-loop thread's running task changed (record 18).
+    pub fn task_change(&mut self, t: &TaskChange) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            if t.task.is_some() {
+                c.tasks.insert((t.pid, t.tid), t.clone());
+            } else {
+                c.tasks.remove(&(t.pid, t.tid));
+            }
+        }
+        self.json(tag::TASK, t)
     }
 
     pub fn counters(&mut self, c: &std::collections::BTreeMap<String, u64>) -> anyhow::Result<()> {
@@ -669,6 +695,7 @@ impl RecordingReader {
             }
             tag::PROCESS => r.processes.push(serde_json::from_slice(p)?),
             tag::THREAD => r.threads.push(serde_json::from_slice(p)?),
+            tag::TASK => r.task_changes.push(serde_json::from_slice(p)?),
             tag::COUNTERS => {
                 let m: std::collections::BTreeMap<String, u64> = serde_json::from_slice(p)?;
                 r.counters.extend(m);
@@ -898,6 +925,73 @@ mod tests {
         rd.feed(&file).unwrap();
         assert_eq!(rd.recording.frames.len(), 1);
         assert!(rd.recording.frame_native.is_empty());
+    }
+
+    /// Record 18: task changes read back in order; a rotation carries the tasks in progress
+    /// (not the threads that ran none) into the new segment at time 0.
+    #[test]
+    fn task_changes_roundtrip_and_rotate() {
+        use crate::cpython::asyncio::RunningTask;
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
+        let meta = Meta::default();
+        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        w.process(&ProcessInfo {
+            pid: 7,
+            ..Default::default()
+        })
+        .unwrap();
+        for tid in [7, 8] {
+            w.thread(&ThreadInfo {
+                pid: 7,
+                tid,
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        let task = RunningTask {
+            name: "handler-1".into(),
+            coro: "handle_request".into(),
+            chain: vec!["handle_request".into(), "render_response".into()],
+        };
+        let changes = [
+            TaskChange {
+                t_ns: 10,
+                pid: 7,
+                tid: 7,
+                task: Some(task.clone()),
+                prev_seen_ns: None,
+            },
+            TaskChange {
+                t_ns: 20,
+                pid: 7,
+                tid: 8,
+                task: Some(task.clone()),
+                prev_seen_ns: None,
+            },
+            TaskChange {
+                t_ns: 30,
+                pid: 7,
+                tid: 8,
+                task: None,
+                prev_seen_ns: Some(15),
+            },
+        ];
+        for c in &changes {
+            w.task_change(c).unwrap();
+        }
+        w.flush().unwrap();
+        assert_eq!(read_recording(&a).unwrap().task_changes, changes);
+        w.rotate(&b, &meta, &EndInfo::default(), &|_, _| true)
+            .unwrap();
+        w.finish(&EndInfo::default()).unwrap();
+        assert_eq!(
+            read_recording(&b).unwrap().task_changes,
+            vec![TaskChange {
+                t_ns: 0,
+                ..changes[0].clone()
+            }]
+        );
     }
 
     #[test]

@@ -257,6 +257,21 @@ pub struct NativeFrameInfo {
     pub build_id: String,
 }
 
+/// The asyncio task an event-loop thread runs from `t_ns` on (`task` None: none), as the
+/// recorder read it (record 18): written when it changes.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct TaskChange {
+    pub t_ns: u64,
+    pub pid: i32,
+    pub tid: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<crate::cpython::asyncio::RunningTask>,
+    /// When the thread's previous state was last read (the reads between `prev_seen_ns` and
+    /// `t_ns` did not happen: a reader held off the CPU). Absent: the previous read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prev_seen_ns: Option<u64>,
+}
+
 /// A recording, fully read.
 #[derive(Debug, Clone, Default)]
 pub struct Recording {
@@ -280,6 +295,8 @@ pub struct Recording {
     pub scrape_errors: Vec<ScrapeError>,
     pub probes: Vec<ProbeInfo>,
     pub calls: Vec<FunctionCall>,
+    /// Running asyncio tasks of event-loop threads, as they changed (in time order).
+    pub task_changes: Vec<TaskChange>,
     /// Failure-path and health counters (last value written wins).
     pub counters: BTreeMap<String, u64>,
     /// Present when the recorder finished cleanly.
@@ -383,6 +400,22 @@ impl Recording {
         }
         for t in &mut self.threads {
             t.t_ns = t.t_ns.saturating_sub(from_ns);
+        }
+        // Task changes are states that hold until the next: each thread's change in force at
+        // `from_ns` is kept (from 0), then those inside the range.
+        let mut in_force: BTreeMap<(i32, i32), TaskChange> = BTreeMap::new();
+        let mut inside_changes = Vec::new();
+        for c in std::mem::take(&mut self.task_changes) {
+            if c.t_ns <= from_ns {
+                in_force.insert((c.pid, c.tid), c);
+            } else if c.t_ns < to_ns {
+                inside_changes.push(c);
+            }
+        }
+        self.task_changes = in_force.into_values().chain(inside_changes).collect();
+        for c in &mut self.task_changes {
+            c.t_ns = c.t_ns.saturating_sub(from_ns);
+            c.prev_seen_ns = c.prev_seen_ns.map(|p| p.saturating_sub(from_ns));
         }
         for p in &mut self.probes {
             p.t_ns = p.t_ns.saturating_sub(from_ns);

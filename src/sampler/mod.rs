@@ -16,6 +16,7 @@ pub mod recorder;
 pub mod sink;
 pub mod source;
 pub mod target;
+pub mod tasks;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -7,6 +7,8 @@
 //!   left, unless engines are followed (`--vllm`: an engine may start more);
 //! * engine metrics: what the scraper sent, written as it comes;
 //! * rediscovery (every 2 s, `--vllm`): engine processes that started are attached;
+//! * asyncio tasks: what each target's task reader (src/sampler/tasks.rs, a thread per target)
+//!   sent, written as it comes (record 18);
 //! * flush (every 200 ms) and rotation (the agent).
 
 use std::collections::BTreeMap;
@@ -23,7 +25,6 @@ use crate::sys::monotonic_ns;
 
 const THREADS_EVERY: Duration = Duration::from_millis(100);
 const FLUSH_EVERY: Duration = Duration::from_millis(200);
-
 pub struct Recorder<'a> {
     pub opts: &'a RecordOptions,
     pub targets: Targets,
@@ -34,6 +35,8 @@ pub struct Recorder<'a> {
     /// Counters of targets that exited and were dropped, so that totals never go back.
     exited_unresolved_frames: u64,
     exited_code_rereads: u64,
+    /// The running asyncio tasks of the targets.
+    tasks: super::tasks::TaskReaders,
 }
 
 impl<'a> Recorder<'a> {
@@ -53,6 +56,7 @@ impl<'a> Recorder<'a> {
             rotator,
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
+            tasks: super::tasks::TaskReaders::default(),
         }
     }
 
@@ -115,6 +119,7 @@ impl<'a> Recorder<'a> {
                     return Ok("all targets exited".into());
                 }
             }
+            self.tasks.drain(&mut self.pipe.writer)?;
             if let Some(e) = self.engines.as_mut() {
                 e.poll_metrics(&mut self.pipe)?;
             }
@@ -131,6 +136,7 @@ impl<'a> Recorder<'a> {
     fn sync_threads(&mut self) -> anyhow::Result<()> {
         let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
         for t in self.targets.iter_mut() {
+            self.tasks.watch(t.pid, self.pipe.start_ns);
             let (changed, gone) = t.refresh_threads();
             let tstates: Vec<(i32, u64)> = changed.iter().map(|&(tid, ts, _)| (tid, ts)).collect();
             self.source.threads_changed(t.pid, &tstates, &gone)?;
@@ -172,6 +178,7 @@ impl<'a> Recorder<'a> {
     fn drop_exited(&mut self, exited: &[i32], quiet: bool) -> anyhow::Result<()> {
         self.source
             .remove_targets(&mut self.targets, exited, &mut self.pipe)?;
+        self.tasks.stop(exited, &mut self.pipe.writer)?;
         for t in self.targets.remove(exited) {
             self.exited_unresolved_frames += t.sym.unresolved_frames;
             self.exited_code_rereads += t.sym.code_rereads;
@@ -243,40 +250,51 @@ impl<'a> Recorder<'a> {
     }
 
     fn rotate_if_due(&mut self) -> anyhow::Result<()> {
+        let task_counters = self.tasks.counters();
         let Some(r) = self.rotator.as_mut() else {
             return Ok(());
         };
         let (source, targets, engines) = (&self.source, &self.targets, &self.engines);
         let exited = (self.exited_unresolved_frames, self.exited_code_rereads);
         r.periodic(&mut self.pipe, &|p, r| {
-            counters(
+            let mut c = counters(
                 source.as_ref(),
                 targets,
                 engines.as_ref(),
                 exited,
                 p,
                 Some(r),
-            )
+            );
+            c.extend(task_counters.iter().map(|(k, v)| (k.to_string(), *v)));
+            c
         })
     }
 
     /// The recording's failure-path and health counters now (docs/recording-format.md,
     /// record 8).
     pub fn counters(&self) -> BTreeMap<String, u64> {
-        counters(
+        let mut c = counters(
             self.source.as_ref(),
             &self.targets,
             self.engines.as_ref(),
             (self.exited_unresolved_frames, self.exited_code_rereads),
             &self.pipe,
             self.rotator.as_ref(),
-        )
+        );
+        c.extend(
+            self.tasks
+                .counters()
+                .iter()
+                .map(|(k, v)| (k.to_string(), *v)),
+        );
+        c
     }
 
     /// Stop the source and the scraper, write what they have left and close the intervals
     /// still open at `end_ns`.
     pub fn finish(&mut self, end_ns: u64) -> anyhow::Result<()> {
         self.source.finish(&mut self.targets, &mut self.pipe)?;
+        self.tasks.finish(&mut self.pipe.writer)?;
         if let Some(e) = self.engines.as_mut() {
             e.finish(&mut self.pipe)?;
         }

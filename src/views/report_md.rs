@@ -517,8 +517,18 @@ impl Report {
         if st.stalls.is_empty() {
             return;
         }
-        let _ = writeln!(s, "\n| pid | start s | duration ms | samples | GIL wait ms | blocked ms | serialization | dominant stack (innermost first) | share |");
-        let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|---:|---|---:|");
+        // The asyncio task column only when the recorder read tasks (record 18).
+        let tasks = st.stalls.iter().any(|x| x.task.is_some());
+        let _ = writeln!(
+            s,
+            "\n| pid | start s | duration ms | samples | GIL wait ms | blocked ms | serialization | dominant stack (innermost first) | share |{}",
+            if tasks { " asyncio task (await chain) |" } else { "" }
+        );
+        let _ = writeln!(
+            s,
+            "|---:|---:|---:|---:|---:|---:|---:|---|---:|{}",
+            if tasks { "---|" } else { "" }
+        );
         for x in st.stalls.iter().take(MD_STALLS) {
             let mut frames: Vec<&str> = x
                 .dominant_stack
@@ -531,7 +541,7 @@ impl Report {
             }
             let _ = writeln!(
                 s,
-                "| {} | {:.3} | {:.1} | {} | {:.1} | {:.1} | {:.1}% | {} | {:.1}% |",
+                "| {} | {:.3} | {:.1} | {} | {:.1} | {:.1} | {:.1}% | {} | {:.1}% |{}",
                 x.pid,
                 x.start_s,
                 x.duration_ms,
@@ -540,7 +550,20 @@ impl Report {
                 x.blocked_ms,
                 x.serialization_share * 100.0,
                 md(&frames.join(" ← ")),
-                x.dominant_share * 100.0
+                x.dominant_share * 100.0,
+                match (&x.task, tasks) {
+                    (Some(t), _) => format!(
+                        " {} ({}) |",
+                        md(&t.name),
+                        md(&if t.chain.is_empty() {
+                            t.coro.clone()
+                        } else {
+                            t.chain.join(" → ")
+                        })
+                    ),
+                    (None, true) => " |".to_string(),
+                    (None, false) => String::new(),
+                }
             );
         }
         if st.stalls.len() > MD_STALLS {

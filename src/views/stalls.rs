@@ -196,6 +196,62 @@ pub struct Stall {
     pub dominant_stack: Vec<String>,
     /// Share of the stall's samples on that stack, 0..1.
     pub dominant_share: f64,
+    /// The asyncio task that ran during the stall (a stall is one task step, or callbacks
+    /// outside any task): the one the recorder saw running longest within it (record 18).
+    /// Absent when it saw none there, and in recordings without task reads.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<crate::cpython::asyncio::RunningTask>,
+    /// Share of the stall the recorder saw that task running, 0..1 (its reads are
+    /// [`TASKS_EVERY`](crate::sampler::tasks::TASKS_EVERY) apart, so a stall's first read
+    /// comes up to that late).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task_share: Option<f64>,
+}
+
+/// The task a thread ran longest in `[begin, end)` and the share of that time, from its task
+/// changes `changes` (sorted by time; each holds until the next, or, where the reader missed
+/// reads before the next, until it last saw it).
+pub fn task_during(
+    changes: &[&crate::record::TaskChange],
+    begin: u64,
+    end: u64,
+) -> Option<(crate::cpython::asyncio::RunningTask, f64)> {
+    if end <= begin {
+        return None;
+    }
+    // The change in force at `begin` is the last one at or before it.
+    let first = changes
+        .partition_point(|c| c.t_ns <= begin)
+        .saturating_sub(1);
+    let mut by: Vec<(&crate::cpython::asyncio::RunningTask, u64)> = Vec::new();
+    for (i, c) in changes.iter().enumerate().skip(first) {
+        if c.t_ns >= end {
+            break;
+        }
+        // Until the next change, or where the reader last saw this state when it missed reads
+        // before the next (unknown in between: not counted).
+        let until = changes
+            .get(i + 1)
+            .map_or(u64::MAX, |n| n.prev_seen_ns.unwrap_or(n.t_ns).max(c.t_ns));
+        let ov = until.min(end).saturating_sub(c.t_ns.max(begin));
+        let Some(task) = &c.task else { continue };
+        if ov == 0 {
+            continue;
+        }
+        match by.iter_mut().find(|(t, _)| *t == task) {
+            Some(e) => e.1 += ov,
+            None => by.push((task, ov)),
+        }
+    }
+    // Longest; ties to the first seen.
+    let best = by.iter().fold(
+        None::<&(&crate::cpython::asyncio::RunningTask, u64)>,
+        |b, e| match b {
+            Some(x) if x.1 >= e.1 => Some(x),
+            _ => Some(e),
+        },
+    )?;
+    Some((best.0.clone(), best.1 as f64 / (end - begin) as f64))
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -553,6 +609,12 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
             } else {
                 u64::MAX
             };
+            let mut changes: Vec<&crate::record::TaskChange> = rec
+                .task_changes
+                .iter()
+                .filter(|c| c.pid == pid && c.tid == tid)
+                .collect();
+            changes.sort_by_key(|c| c.t_ns);
             for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
                 let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
                     continue;
@@ -619,7 +681,15 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
                         .map(frame_label)
                         .collect(),
                     dominant_share: dom_n as f64 / n as f64,
+                    task: None,
+                    task_share: None,
                 });
+                if let Some((task, share)) = task_during(&changes, begin, end) {
+                    if let Some(last) = out.stalls.last_mut() {
+                        last.task = Some(task);
+                        last.task_share = Some(share);
+                    }
+                }
                 row.stalls += 1;
                 row.stalled_s += dur as f64 / 1e9;
                 row.longest_ms = row.longest_ms.max(dur as f64 / 1e6);
@@ -639,6 +709,97 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `report --from/--to` trims the recording: task changes shift with the samples (they
+    /// did not, and stalls were named by the task running `--from` earlier), and the change in
+    /// force at `--from` is kept.
+    #[test]
+    fn trimmed_recordings_keep_task_times() {
+        use crate::cpython::asyncio::RunningTask;
+        use crate::record::TaskChange;
+        let change = |t_ns: u64, name: Option<&str>| TaskChange {
+            t_ns,
+            pid: 1,
+            tid: 1,
+            task: name.map(|n| RunningTask {
+                name: n.into(),
+                coro: "c".into(),
+                chain: vec![],
+            }),
+            prev_seen_ns: None,
+        };
+        let mut rec = Recording {
+            task_changes: vec![
+                change(100, Some("a")),
+                change(200, None),
+                change(300, Some("b")),
+                change(400, None),
+                change(900, Some("c")),
+            ],
+            ..Default::default()
+        };
+        rec.trim(250, 800);
+        let got: Vec<(u64, Option<&str>)> = rec
+            .task_changes
+            .iter()
+            .map(|c| (c.t_ns, c.task.as_ref().map(|t| t.name.as_str())))
+            .collect();
+        assert_eq!(got, vec![(0, None), (50, Some("b")), (150, None)]);
+        let refs: Vec<&TaskChange> = rec.task_changes.iter().collect();
+        assert_eq!(task_during(&refs, 40, 160).unwrap().0.name, "b");
+    }
+
+    #[test]
+    fn task_during_a_stall_is_the_longest_running() {
+        use crate::cpython::asyncio::RunningTask;
+        use crate::record::TaskChange;
+        let task = |n: &str| RunningTask {
+            name: n.into(),
+            coro: "handle_request".into(),
+            chain: vec!["handle_request".into()],
+        };
+        let at = |t_ns: u64, k: Option<&str>| TaskChange {
+            t_ns,
+            pid: 1,
+            tid: 1,
+            task: k.map(task),
+            prev_seen_ns: None,
+        };
+        let c = [
+            at(0, Some("a")),
+            at(100, None),
+            at(120, Some("b")),
+            at(300, None),
+            at(400, Some("a")),
+        ];
+        let refs: Vec<&TaskChange> = c.iter().collect();
+        // b ran 180 of [110, 310): 90%; a 0.
+        let (t, share) = task_during(&refs, 110, 310).unwrap();
+        assert_eq!(t.name, "b");
+        assert!((share - 0.9).abs() < 1e-9, "{share}");
+        // Summed per task: b (180) beats a (10 before 100, 50 from 400).
+        let (t, _) = task_during(&refs, 90, 450).unwrap();
+        assert_eq!(t.name, "b");
+        let (t, share) = task_during(&refs, 50, 130).unwrap();
+        assert_eq!((t.name.as_str(), share), ("a", 50.0 / 80.0));
+        // The last change holds on; nothing running, or no changes: none.
+        assert_eq!(task_during(&refs, 1000, 2000).unwrap().1, 1.0);
+        assert!(task_during(&refs, 301, 399).is_none());
+        assert!(task_during(&[], 0, 10).is_none());
+        assert!(task_during(&refs, 10, 10).is_none());
+        // A reader held off the CPU: a was last seen at 20, then b at 500. A stall in
+        // [100, 400) is unknown, not a's.
+        let c = [
+            at(0, Some("a")),
+            TaskChange {
+                prev_seen_ns: Some(20),
+                ..at(500, Some("b"))
+            },
+        ];
+        let refs: Vec<&TaskChange> = c.iter().collect();
+        assert!(task_during(&refs, 100, 400).is_none());
+        assert_eq!(task_during(&refs, 10, 600).unwrap().0.name, "b");
+    }
 
     fn f(function: &str, file: &str) -> Frame {
         Frame {
