@@ -1,16 +1,19 @@
 //! The CPython frame/thread/code-object walker over fake memory built from the input
 //! (fuzz/src/fakeproc.rs): interpreters, thread states, frames, code objects, strings, line
-//! tables, the GIL and GC state, the 3.10 pthread tid search, and the exact-probe planner's
-//! bytecode read, all through `MemorySource` on untrusted bytes.
+//! tables, the GIL and GC state, the 3.10 pthread tid search, Python thread names (`threading`)
+//! and asyncio's running tasks (dict and object walks), and the exact-probe planner's bytecode
+//! read, all through `MemorySource` on untrusted bytes.
 #![no_main]
 
 use std::collections::HashMap;
 
+use enginescope::cpython::asyncio::{parse_asyncio_debug, AsyncioTasks};
 use enginescope::cpython::binary::InterpreterBinary;
 use enginescope::cpython::objects::read_code;
 use enginescope::cpython::offsets::{read_debug_offsets, Offsets};
 use enginescope::cpython::reader::detect_version;
 use enginescope::cpython::symbols::Symbolizer;
+use enginescope::cpython::threading::ThreadNames;
 use enginescope::cpython::version::PyVersion;
 use enginescope::cpython::PythonProcess;
 use enginescope::procinfo::TaskInfo;
@@ -79,10 +82,25 @@ fuzz_target!(|data: &[u8]| {
         let _ = p.gc_collecting(interp);
         if let Ok(ts) = p.thread_states(interp) {
             let mut sym = Symbolizer::new();
-            for t in ts.into_iter().take(8) {
+            for &t in ts.iter().take(8) {
                 let (raw, _) = p.walk_raw(t);
                 let frames = sym.resolve(p.mem.as_ref(), &p.offsets, &raw);
                 assert!(frames.len() <= raw.len());
+            }
+            // Python thread names: `sys.modules` → `threading._active`, dict walks.
+            let _ = p.python_thread_names(&mut ThreadNames::default());
+            // asyncio's running tasks: 3.10–3.13 through `asyncio.tasks._current_tasks` and
+            // the loops' attributes, 3.14+ through the `.AsyncioDebug` offsets (taken from
+            // the input here: looking for them reads the real /proc/PID/maps).
+            let mut at = AsyncioTasks::default();
+            at.debug = parse_asyncio_debug(data.get(..104).unwrap_or(data));
+            if p.version.minor < 14 || at.debug.is_some() {
+                let running = p.running_tasks(&mut at, &ts);
+                for (&t, &task) in running.iter().take(8) {
+                    if let Some(r) = p.describe_running_task(&mut at, &mut sym, t, task) {
+                        assert!(r.chain.len() <= enginescope::cpython::asyncio::MAX_CHAIN);
+                    }
+                }
             }
         }
     }
