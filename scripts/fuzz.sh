@@ -50,7 +50,7 @@ case ${1:-} in
   list) printf '%s\n' "${TARGETS[@]}" ;;
   run)
     [ $# -ge 3 ] || { echo "usage: $0 run TARGET SECONDS [libFuzzer flags]" >&2; exit 2; }
-    [ -x "$BIN/$2" ] || build
+    build # a no-op when the targets are up to date; a stale binary would fuzz old code
     t=$2 s=$3
     shift 3
     run "$t" "$s" "$@"

@@ -573,7 +573,7 @@ impl PythonProcess {
 impl PythonProcess {
     /// The thread's ident (`PyThreadState.thread_id`: `threading.get_ident()`, `pthread_self`).
     pub fn thread_ident(&self, tstate: u64) -> Option<u64> {
-        self.read(tstate + self.offsets.tstate_thread_id)
+        self.read(tstate.wrapping_add(self.offsets.tstate_thread_id))
             .ok()
             .filter(|&i| i != 0)
     }
@@ -881,6 +881,13 @@ mod tests {
         p.binary.runtime_addr = u64::MAX - 1;
         assert!(p.interpreters().is_err());
         assert!(detect_version(p.mem.as_ref(), &p.binary).is_none());
+        // A wild thread state's ident (found by the walker fuzz target once asyncio's task
+        // reads asked for it: `running_tasks` → `thread_ident`).
+        for wild in [u64::MAX, u64::MAX - 7] {
+            assert_eq!(p.thread_ident(wild), None);
+            let mut tasks = super::super::asyncio::AsyncioTasks::default();
+            assert!(p.running_tasks(&mut tasks, &[wild]).is_empty());
+        }
     }
 
     #[test]

@@ -306,7 +306,7 @@ impl Attrs {
         }
         for (key, value) in items {
             // The length first: one read rules out most keys.
-            if mem.read_u64(key + o.unicode_length).ok() != Some(name.len() as u64) {
+            if mem.read_u64(key.wrapping_add(o.unicode_length)).ok() != Some(name.len() as u64) {
                 continue;
             }
             if read_unicode(mem, o, key).is_ok_and(|s| s == name) {
@@ -412,7 +412,7 @@ impl Attrs {
         let Some(off) = o.heaptype_cached_keys else {
             return Ok(Vec::new());
         };
-        let keys = object("shared keys", mem.read_u64(ty + off)?)?;
+        let keys = object("shared keys", mem.read_u64(ty.wrapping_add(off))?)?;
         keys_items(mem, o, keys, Some(values))
     }
 }
