@@ -7,8 +7,9 @@ Usage: asyncio_stalls.py --truth PATH [--requests N] [--go-fifo PATH] [--seed S]
 The main thread runs an asyncio loop. After GO, `main` answers --requests requests one at a
 time, 0.2-0.4 s apart (idle in between, so no two stalls run into each other however slow the
 machine): each a task named `handler-N` (asyncio task names) whose coroutine
-`handle_request` awaits `render_response`, which runs `json.dumps` of a response sized to take
-150-400 ms of CPU (calibrated at start): a stall of the loop. The loop's selector reads the
+`handle_request` awaits `render_response`, which runs `json.dumps` of response pieces (~10 ms
+each, sized at start) until the thread has spent 150-400 ms of CPU: a stall of the loop at least
+that long on any machine. The loop's selector reads the
 clock around every wait (`TimedSelector`), so each stall's start and length are exact; a busy
 stretch the loop did not leave for a wait of at least 1 ms is one stall.
 
@@ -118,18 +119,24 @@ def await_chain():
     return task.get_name(), coro.__qualname__, chain
 
 
-async def render_response(mon, name, rows):
+async def render_response(mon, name, cpu_ns, chunk_rows):
+    """Render JSON pieces of `chunk_rows` rows (~10 ms each) until this thread has spent
+    `cpu_ns` of CPU: a stall of at least that length whatever the machine's speed or the
+    calibration's error (the response's size is what varies)."""
     t0 = mono()
-    body = json.dumps(payload(rows))
+    c0 = tcpu()
+    size = 0
+    while tcpu() - c0 < cpu_ns:
+        size += len(json.dumps(payload(chunk_rows)))
     t1 = mono()
     who = await_chain()
     mon.tasks_in.append(who)
     mon.renders.append((t0, t1, who))
-    return len(body)
+    return size
 
 
-async def handle_request(mon, name, rows):
-    return await render_response(mon, name, rows)
+async def handle_request(mon, name, cpu_ns, chunk_rows):
+    return await render_response(mon, name, cpu_ns, chunk_rows)
 
 
 async def main(args, mon):
@@ -145,8 +152,10 @@ async def main(args, mon):
         # each other however slow the machine is.
         await asyncio.sleep(rng.uniform(0.2, 0.4))
         name = "handler-%d" % n
-        rows = int(per_ms * rng.uniform(150, 400))
-        await asyncio.create_task(handle_request(mon, name, rows), name=name)
+        cpu_ns = int(rng.uniform(150, 400) * 1e6)
+        await asyncio.create_task(
+            handle_request(mon, name, cpu_ns, max(1, int(per_ms * 10))), name=name
+        )
     await asyncio.sleep(0.05)
     end = mono()
     hold = None
