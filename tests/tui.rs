@@ -571,7 +571,11 @@ fn fleet_view_in_a_real_terminal() {
             })
             .collect()
     };
-    let s = t.wait_for("the fleet table", |s| s.contains("Fleet: 8 engines"));
+    // tmux may be read while a frame is half written (the header new, rows still coming):
+    // wait for the whole table, then check it.
+    let s = t.wait_for("the fleet table", |s| {
+        s.contains("Fleet: 8 engines") && engines_in_order(s).len() == 8
+    });
     show("fleet by gen tok/s", &s);
     assert_eq!(
         engines_in_order(&s),
@@ -601,10 +605,20 @@ fn fleet_view_in_a_real_terminal() {
         row(&s, "engine0")
     );
     t.keys(&["s"]);
-    let s = t.wait_for("sorted by KV", |s| s.contains("sort: KV"));
+    // A frame is written as a diff: the header may show the new order before the rows do,
+    // so the wait is for the rows too (a wrong order times out with the screen shown).
+    let s = t.wait_for("sorted by KV", |s| {
+        s.contains("sort: KV")
+            && engines_in_order(s).len() == 8
+            && engines_in_order(s)[0] == "engine0"
+    });
     assert_eq!(engines_in_order(&s)[0], "engine0", "{s}");
     t.keys(&["r"]);
-    let s = t.wait_for("reversed", |s| s.contains("sort: KV ↑"));
+    let s = t.wait_for("reversed", |s| {
+        s.contains("sort: KV ↑")
+            && engines_in_order(s).len() == 8
+            && engines_in_order(s)[0] == "engine7"
+    });
     show("fleet by KV, ascending", &s);
     assert_eq!(engines_in_order(&s)[0], "engine7", "{s}");
     t.keys(&["q"]);
