@@ -530,10 +530,6 @@ impl Source for BpfSource {
             "gc_watch_attach_failures".into(),
             self.probes.gc_attach_failures,
         );
-        out.insert(
-            "offcpu_ended_by_sample".into(),
-            pipe.written.offcpu_ended_by_sample,
-        );
         if !self.probes.is_empty() {
             super::probes::counters(Some(&self.probes), out);
         }

@@ -46,9 +46,6 @@ pub struct Written {
     pub offcpu: u64,
     pub gil_waits: u64,
     pub gc_pauses: u64,
-    /// Off-CPU intervals ended by a sample of the thread instead of its switch-in (which never
-    /// came): a thread that is sampled is on a CPU, so it switched in at the latest then.
-    pub offcpu_ended_by_sample: u64,
 }
 
 pub struct Pipeline<W: Sink = RecordingWriter> {
@@ -92,30 +89,10 @@ impl<W: Sink> Pipeline<W> {
         stack: u32,
         fl: u8,
     ) -> anyhow::Result<()> {
-        let t = self.rel(t_ns);
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
         tl.last_stack = stack;
-        // A switch-out still open at a later sample lost its switch-in (the event never came):
-        // the thread runs now, so it was off CPU at most until this sample. Without this the
-        // next switch-out replaced the open one and the interval vanished: a blocked loop
-        // thread's idle wait read as CPU time and two loop stalls as one.
-        if let Some((start, out_stack, preempted)) = tl.pending_out {
-            if t > start {
-                tl.pending_out = None;
-                self.written.offcpu += 1;
-                self.written.offcpu_ended_by_sample += 1;
-                self.writer.offcpu(&OffCpu {
-                    pid,
-                    tid,
-                    start_ns: start,
-                    dur_ns: t - start,
-                    stack: out_stack,
-                    preempted,
-                })?;
-            }
-        }
         self.sample_weighted(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
     }
 
@@ -449,31 +426,6 @@ mod tests {
                 _ => None,
             })
             .collect()
-    }
-
-    #[test]
-    fn a_lost_switch_in_ends_at_the_next_sample() {
-        let mut p = pipe();
-        let t0 = p.start_ns;
-        // Blocked at 10 ms; its switch-in never comes; sampled running at 300 ms, then
-        // preempted at 400 ms and back at 401 ms.
-        p.switch_out(1, 10, t0 + 10 * MS, 8, false);
-        p.sample(1, 10, t0 + 300 * MS, 7, 0).unwrap();
-        p.switch_out(1, 10, t0 + 400 * MS, 7, true);
-        p.switch_in(1, 10, t0 + 401 * MS).unwrap();
-        // A sample before the switch-out it follows in the stream (another CPU): no effect.
-        p.switch_out(1, 11, t0 + 20 * MS, 9, false);
-        p.sample(1, 11, t0 + 19 * MS, 9, 0).unwrap();
-        p.switch_in(1, 11, t0 + 30 * MS).unwrap();
-        assert_eq!(
-            offcpu(&p.writer),
-            [
-                (10, 10 * MS, 290 * MS, 8, false),
-                (10, 400 * MS, MS, 7, true),
-                (11, 20 * MS, 10 * MS, 9, false)
-            ]
-        );
-        assert_eq!(p.written.offcpu_ended_by_sample, 1);
     }
 
     #[test]
