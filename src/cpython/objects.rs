@@ -173,12 +173,13 @@ pub fn read_code(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<CodeI
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::cpython::memory::FakeMemory;
     use crate::cpython::offsets::{PY310, PY312};
 
-    fn ascii_str(o: &Offsets, s: &str) -> Vec<u8> {
+    /// A compact ASCII `str` object's bytes (refcount and type left 0).
+    pub(crate) fn ascii_str(o: &Offsets, s: &str) -> Vec<u8> {
         let mut b = vec![0u8; o.unicode_ascii_size as usize];
         b[o.unicode_length as usize..o.unicode_length as usize + 8]
             .copy_from_slice(&(s.len() as u64).to_le_bytes());

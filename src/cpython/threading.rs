@@ -448,15 +448,7 @@ pub(crate) mod tests {
             words.iter().flat_map(|w| w.to_le_bytes()).collect()
         }
         pub(crate) fn str(&mut self, s: &str) -> u64 {
-            let o = &self.o;
-            let mut b = vec![0u8; o.unicode_ascii_size as usize];
-            b[o.unicode_length as usize..o.unicode_length as usize + 8]
-                .copy_from_slice(&(s.len() as u64).to_le_bytes());
-            let state: u32 = (1 << 2) | (1 << 5) | (1 << 6);
-            b[o.unicode_state as usize..o.unicode_state as usize + 4]
-                .copy_from_slice(&state.to_le_bytes());
-            b.extend_from_slice(s.as_bytes());
-            b.push(0);
+            let b = crate::cpython::objects::tests::ascii_str(&self.o, s);
             self.put(b)
         }
         pub(crate) fn int(&mut self, v: u64) -> u64 {
