@@ -131,6 +131,17 @@ fn check_interp(i: &Interp, uvloop: bool) {
         "{label}: dump's text shows {want_line:?}:\n{text}"
     );
     let r = enginescope::record::read_recording(&out).unwrap();
+    // The failure paths of off-CPU pairing and thread tracking (shown with --nocapture).
+    eprintln!(
+        "{label}: {:?}",
+        r.counters
+            .iter()
+            .filter(|(k, _)| k.starts_with("offcpu_")
+                || k.starts_with("thread")
+                || k.starts_with("events_unparsed")
+                || k.contains("lost"))
+            .collect::<Vec<_>>()
+    );
     let base = r.meta.start_mono_ns;
     let w0 = truth["window"]["start_mono_ns"].as_u64().unwrap();
     let w1 = truth["window"]["end_mono_ns"].as_u64().unwrap();

@@ -45,6 +45,8 @@ pub struct BpfSource {
     /// `native_finish_wait_ms`).
     event_max_ns: u64,
     finish_wait_ns: u64,
+    /// Ring-buffer records too short or of an unknown layout (counter `events_unparsed`).
+    unparsed: u64,
 }
 
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
@@ -69,6 +71,7 @@ impl BpfSource {
             native,
             backlog: Backlog::new(BACKLOG_CAP),
             event_max_ns: 0,
+            unparsed: 0,
             finish_wait_ns: 0,
         })
     }
@@ -142,6 +145,7 @@ impl BpfSource {
     fn drain(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
         let mut err = None;
         let mut event_max_ns = self.event_max_ns;
+        let mut unparsed = 0u64;
         let mut attach = Vec::new();
         let probes = &mut self.probes;
         let native = &mut self.native;
@@ -153,6 +157,7 @@ impl BpfSource {
             let started = std::time::Instant::now();
             let _timed = Timed(started, &mut event_max_ns);
             let Some((h, mut frames)) = abi::parse_event(bytes) else {
+                unparsed += 1;
                 return;
             };
             let pid = h.tgid as i32;
@@ -191,6 +196,7 @@ impl BpfSource {
             }
         });
         self.event_max_ns = event_max_ns;
+        self.unparsed += unparsed;
         for (pid, tid, codes) in attach {
             if let Some(t) = targets.get_mut(pid) {
                 self.probes.observe(&mut self.b, &t.proc, tid, &codes);
@@ -353,7 +359,7 @@ fn apply(
                 _ => (pipe.writer.intern_stack(&python)?, false),
             };
             if switch_out {
-                pipe.switch_out(pid, tid, time_ns, s, ev_flags & abi::ev::PREEMPTED != 0);
+                pipe.switch_out(pid, tid, time_ns, s, ev_flags & abi::ev::PREEMPTED != 0)?;
             } else {
                 let fl = sample_flags(ev_flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
                 pipe.sample(pid, tid, time_ns, s, fl)?;
@@ -363,8 +369,7 @@ fn apply(
         Body::Preempted => {
             // Its latest known stack.
             let s = pipe.last_stack(pid, tid);
-            pipe.switch_out(pid, tid, time_ns, s, true);
-            Ok(())
+            pipe.switch_out(pid, tid, time_ns, s, true)
         }
         Body::ProbeHit(ip, frame) => probes.hit(pid, tid, time_ns, ip, frame, pipe),
         Body::SwitchIn => pipe.switch_in(pid, tid, time_ns),
@@ -527,6 +532,14 @@ impl Source for BpfSource {
         }
         out.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
         out.insert(
+            "offcpu_switch_ins_missed".into(),
+            pipe.written.switch_ins_missed,
+        );
+        out.insert(
+            "offcpu_switch_ins_unpaired".into(),
+            pipe.written.switch_ins_unpaired,
+        );
+        out.insert(
             "gc_watch_attach_failures".into(),
             self.probes.gc_attach_failures,
         );
@@ -534,6 +547,7 @@ impl Source for BpfSource {
             super::probes::counters(Some(&self.probes), out);
         }
         out.insert("bpf_event_max_us".into(), self.event_max_ns / 1_000);
+        out.insert("events_unparsed".into(), self.unparsed);
         if let Some(n) = &self.native {
             n.counters(out);
             out.insert("native_deferred_events".into(), self.backlog.deferred);

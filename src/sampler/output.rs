@@ -240,8 +240,10 @@ mod tests {
         let ms = 1_000_000;
         let running = pipe.writer.intern_stack(&[frame("spin")]).unwrap();
         pipe.sample(me, tid, t0 + 50 * ms, running, 0).unwrap();
-        pipe.switch_out(me, tid, t0 + 100 * ms, blocked, false);
-        pipe.switch_out(dead.0, dead.1, t0 + 150 * ms, blocked, false);
+        pipe.switch_out(me, tid, t0 + 100 * ms, blocked, false)
+            .unwrap();
+        pipe.switch_out(dead.0, dead.1, t0 + 150 * ms, blocked, false)
+            .unwrap();
         pipe.gil_wait_start(me, tid, t0 + 200 * ms, 1, holder, false);
         let stats0 = abi::GcStats::default();
         pipe.gc_edge(me, tid, t0 + 300 * ms, 1, stats0).unwrap();
@@ -261,9 +263,10 @@ mod tests {
         // names the same frames in the new segment.
         pipe.switch_in(me, tid, rot + 5 * ms).unwrap();
         let last = pipe.last_stack(me, tid);
-        pipe.switch_out(me, tid, rot + 10 * ms, last, true);
+        pipe.switch_out(me, tid, rot + 10 * ms, last, true).unwrap();
         pipe.switch_in(me, tid, rot + 20 * ms).unwrap();
-        pipe.switch_out(me, tid, rot + 20 * ms, last, false);
+        pipe.switch_out(me, tid, rot + 20 * ms, last, false)
+            .unwrap();
         let end = rot + 50 * ms;
         let stats1 = abi::GcStats {
             collections: [1, 1, 0],

@@ -46,6 +46,11 @@ pub struct Written {
     pub offcpu: u64,
     pub gil_waits: u64,
     pub gc_pauses: u64,
+    /// Off-CPU intervals whose switch-in the kernel did not trace, ended at the first sign
+    /// that the thread ran again (see [`Pipeline::end_missed_switch_in`]).
+    pub switch_ins_missed: u64,
+    /// Switch-ins of a thread already seen with no switch-out before them.
+    pub switch_ins_unpaired: u64,
 }
 
 pub struct Pipeline<W: Sink = RecordingWriter> {
@@ -89,6 +94,7 @@ impl<W: Sink> Pipeline<W> {
         stack: u32,
         fl: u8,
     ) -> anyhow::Result<()> {
+        self.end_missed_switch_in(pid, tid, t_ns)?;
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
@@ -150,7 +156,15 @@ impl<W: Sink> Pipeline<W> {
         })
     }
 
-    pub fn switch_out(&mut self, pid: i32, tid: i32, t_ns: u64, stack: u32, preempted: bool) {
+    pub fn switch_out(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        stack: u32,
+        preempted: bool,
+    ) -> anyhow::Result<()> {
+        self.end_missed_switch_in(pid, tid, t_ns)?;
         let t = self.rel(t_ns);
         if let Some(w) = self.gil_waits.get_mut(&(pid, tid)) {
             w.waiter_stack.get_or_insert(stack);
@@ -162,6 +176,36 @@ impl<W: Sink> Pipeline<W> {
             tl.last_stack = stack;
         }
         tl.pending_out = Some((t, stack, preempted));
+        Ok(())
+    }
+
+    /// The thread is on CPU at `t_ns` (sampled, or switching out): an interval still open
+    /// means the kernel traced no switch-in for it. On this machine's kernel (6.18, measured
+    /// with ftrace's own `sched_switch` events beside the BPF program's) about one switch-in
+    /// in a hundred of a thread competing for its CPU has no `sched_switch` event: the thread
+    /// is switched out twice in a row, and sampled on CPU in between. Left open, the interval
+    /// would be overwritten by the next switch-out and lost (an event loop's idle wait gone,
+    /// two stalls merged into one). It ends here instead, the first sign that the thread ran
+    /// again: at most the thread's CPU time since the untraced switch-in too late (under one
+    /// sampling period when a sample is the sign). Counted in `offcpu_switch_ins_missed`.
+    fn end_missed_switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
+        let Some(tl) = self.timelines.get_mut(&(pid, tid)) else {
+            return Ok(());
+        };
+        let Some((start, stack, preempted)) = tl.pending_out.take() else {
+            return Ok(());
+        };
+        let t = self.rel(t_ns);
+        self.written.switch_ins_missed += 1;
+        self.written.offcpu += 1;
+        self.writer.offcpu(&OffCpu {
+            pid,
+            tid,
+            start_ns: start,
+            dur_ns: t.saturating_sub(start),
+            stack,
+            preempted,
+        })
     }
 
     pub fn switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
@@ -173,7 +217,12 @@ impl<W: Sink> Pipeline<W> {
             (Some((start, stack, preempted)), _) => Some((start, stack, preempted)),
             // Blocked since before the recording started: off CPU from the start.
             (None, Some(stack)) if first => Some((0, stack, false)),
-            _ => None,
+            _ => {
+                if !first {
+                    self.written.switch_ins_unpaired += 1;
+                }
+                None
+            }
         };
         if let Some((start, stack, preempted)) = iv {
             self.written.offcpu += 1;
@@ -433,12 +482,12 @@ mod tests {
         let mut p = pipe();
         let t0 = p.start_ns;
         p.sample(1, 10, t0 + 5 * MS, 7, 0).unwrap();
-        p.switch_out(1, 10, t0 + 10 * MS, 8, false);
+        p.switch_out(1, 10, t0 + 10 * MS, 8, false).unwrap();
         p.switch_in(1, 10, t0 + 25 * MS).unwrap();
         // Preempted: no stack walked; the last known stack stands for it.
         let last = p.last_stack(1, 10);
         assert_eq!(last, 8);
-        p.switch_out(1, 10, t0 + 30 * MS, last, true);
+        p.switch_out(1, 10, t0 + 30 * MS, last, true).unwrap();
         p.switch_in(1, 10, t0 + 31 * MS).unwrap();
         // A switch-in with no switch-out before it (attached while running): nothing.
         p.switch_in(1, 11, t0 + 40 * MS).unwrap();
@@ -454,6 +503,32 @@ mod tests {
         }
     }
 
+    /// The kernel sometimes traces no switch-in (see `end_missed_switch_in`): the interval
+    /// ends at the thread's next sample or switch-out instead of being overwritten.
+    #[test]
+    fn a_missed_switch_in_ends_at_the_next_sign_of_running() {
+        let mut p = pipe();
+        let t0 = p.start_ns;
+        // Blocked at 10 ms, woken without a traced switch-in, sampled at 300 ms.
+        p.switch_out(1, 10, t0 + 10 * MS, 8, false).unwrap();
+        p.sample(1, 10, t0 + 300 * MS, 7, 0).unwrap();
+        // Preempted at 310 ms, back on CPU untraced, switched out again at 312 ms, and this
+        // time its switch-in is traced.
+        p.switch_out(1, 10, t0 + 310 * MS, 7, true).unwrap();
+        p.switch_out(1, 10, t0 + 312 * MS, 9, false).unwrap();
+        p.switch_in(1, 10, t0 + 320 * MS).unwrap();
+        assert_eq!(
+            offcpu(&p.writer),
+            [
+                (10, 10 * MS, 290 * MS, 8, false),
+                (10, 310 * MS, 2 * MS, 7, true),
+                (10, 312 * MS, 8 * MS, 9, false)
+            ]
+        );
+        assert_eq!(p.written.switch_ins_missed, 2);
+        assert_eq!(p.written.switch_ins_unpaired, 0);
+    }
+
     #[test]
     fn blocked_since_start_and_open_at_close() {
         let mut p = pipe();
@@ -465,7 +540,7 @@ mod tests {
         }
         p.switch_in(1, 20, t0 + 12 * MS).unwrap();
         p.sample(1, 22, t0 + 13 * MS, 5, 0).unwrap();
-        p.switch_out(1, 23, t0 + 14 * MS, 6, false);
+        p.switch_out(1, 23, t0 + 14 * MS, 6, false).unwrap();
         p.close(t0 + 50 * MS).unwrap();
         assert_eq!(
             offcpu(&p.writer),
@@ -482,8 +557,8 @@ mod tests {
         let mut p = pipe();
         let t0 = p.start_ns;
         p.gil_wait_start(1, 10, t0 + MS, 11, 40, true);
-        p.switch_out(1, 10, t0 + 2 * MS, 41, false);
-        p.switch_out(1, 10, t0 + 3 * MS, 42, false);
+        p.switch_out(1, 10, t0 + 2 * MS, 41, false).unwrap();
+        p.switch_out(1, 10, t0 + 3 * MS, 42, false).unwrap();
         assert!(p.gil_wait_end(1, 10, t0 + 6 * MS).unwrap());
         assert!(!p.gil_wait_end(1, 10, t0 + 7 * MS).unwrap(), "none open");
         p.gil_wait_start(1, 12, t0 + 8 * MS, 10, 43, false);
