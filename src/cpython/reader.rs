@@ -60,6 +60,9 @@ fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
 /// produces; the file format does not depend on the reader.
 pub use crate::record::Frame;
 
+/// Thread states, each with its host thread id when it was matched to a task.
+pub type ThreadTids = Vec<(u64, Option<i32>)>;
+
 /// One thread as read at one moment.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ThreadSnapshot {
@@ -215,29 +218,30 @@ impl PythonProcess {
     /// it are returned; [`Self::thread_list`] also says what failed.
     pub fn thread_states(&self, interp: u64) -> Result<Vec<u64>, ReadError> {
         match self.thread_list(interp) {
-            (list, Some(e)) if list.is_empty() => Err(e),
-            (list, _) => Ok(list),
+            (list, Some(e), _) if list.is_empty() => Err(e),
+            (list, _, _) => Ok(list),
         }
     }
 
-    /// The thread states readable from the list head, and the read error that ended the walk
-    /// early, if one did.
-    pub fn thread_list(&self, interp: u64) -> (Vec<u64>, Option<ReadError>) {
+    /// The thread states readable from the list head, the read error that ended the walk
+    /// early, if one did, and whether the walk reached the list's end (no read error, no
+    /// cycle, not cut at [`MAX_THREADS`]).
+    pub fn thread_list(&self, interp: u64) -> (Vec<u64>, Option<ReadError>, bool) {
         let o = &self.offsets;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
         let mut t = match self.read(interp.wrapping_add(o.interp_threads_head)) {
             Ok(t) => t,
-            Err(e) => return (out, Some(e)),
+            Err(e) => return (out, Some(e), false),
         };
         while t != 0 && out.len() < MAX_THREADS && seen.insert(t) {
             out.push(t);
             t = match self.read(t.wrapping_add(o.tstate_next)) {
                 Ok(n) => n,
-                Err(e) => return (out, Some(e)),
+                Err(e) => return (out, Some(e), false),
             };
         }
-        (out, None)
+        (out, None, t == 0)
     }
 
     /// Address of the `_gil_runtime_state` an interpreter uses (0 if none).
@@ -284,21 +288,27 @@ impl PythonProcess {
     }
 
     /// Every thread state with its host thread id, where it can be matched to a task.
-    pub fn threads_with_tids(
-        &self,
-        tasks: &[TaskInfo],
-    ) -> Result<Vec<(u64, Option<i32>)>, ReadError> {
+    /// Every interpreter's thread states, each with its host thread id when it is one of
+    /// `tasks`, and whether every list was read to its end (when not, a thread missing from
+    /// the result may still be there).
+    pub fn threads_with_tids(&self, tasks: &[TaskInfo]) -> Result<(ThreadTids, bool), ReadError> {
         let by_ns = procinfo::by_ns_tid(tasks);
         let mut out = Vec::new();
+        let mut complete = true;
         for interp in self.interpreters()? {
-            for t in self.thread_states(interp)? {
+            let (list, err, whole) = self.thread_list(interp);
+            match err {
+                Some(e) if list.is_empty() => return Err(e),
+                _ => complete &= whole,
+            }
+            for t in list {
                 let host = self
                     .ns_tid(t, tasks)
                     .and_then(|n| by_ns.get(&n).map(|t| t.host_tid));
                 out.push((t, host));
             }
         }
-        Ok(out)
+        Ok((out, complete))
     }
 
     pub fn gc_collecting(&self, interp: u64) -> Result<bool, ReadError> {
@@ -528,7 +538,7 @@ impl PythonProcess {
             .interpreters()
             .map_err(|e| map_read(pid, "reading the interpreter list", e))?;
         for interp in interps {
-            let (tstates, list_error) = self.thread_list(interp);
+            let (tstates, list_error, _) = self.thread_list(interp);
             match list_error {
                 Some(e) if tstates.is_empty() => {
                     return Err(map_read(pid, "reading the thread list", e))
@@ -845,9 +855,10 @@ mod tests {
         assert!(s.threads[2].error.is_some());
         assert_eq!(s.read_errors, 2);
         assert_eq!(p.thread_states(INTERP).unwrap(), vec![t2, t1, 0xdead_0000]);
-        assert_eq!(p.threads_with_tids(&[]).unwrap().len(), 3);
-        let (list, err) = p.thread_list(INTERP);
-        assert_eq!((list.len(), err.is_some()), (3, true));
+        let (with_tids, complete) = p.threads_with_tids(&[]).unwrap();
+        assert_eq!((with_tids.len(), complete), (3, false));
+        let (list, err, whole) = p.thread_list(INTERP);
+        assert_eq!((list.len(), err.is_some(), whole), (3, true, false));
     }
 
     /// Found by the `walker` fuzz target (issue 15): pointers read from the target near the

@@ -326,6 +326,17 @@ fn counters(
         "thread_list_read_failures".into(),
         targets.iter().map(|t| t.thread_list_failures).sum::<u64>(),
     );
+    out.insert(
+        "thread_list_partial_reads".into(),
+        targets
+            .iter()
+            .map(|t| t.thread_list_partial_reads)
+            .sum::<u64>(),
+    );
+    out.insert(
+        "threads_kept_unlisted".into(),
+        targets.iter().map(|t| t.threads_kept_unlisted).sum::<u64>(),
+    );
     if let Some(e) = engines {
         out.insert("metric_points".into(), e.metric_points);
         out.insert("scrape_errors".into(), e.scrape_errors);

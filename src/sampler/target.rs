@@ -36,6 +36,14 @@ pub struct Target {
     unnamed_retries: u32,
     /// Thread refreshes at which the interpreter's thread list could not be read at all.
     pub thread_list_failures: u64,
+    /// Thread refreshes whose read of the thread list ended early (a read error, a cycle):
+    /// known threads missing from it were kept.
+    pub thread_list_partial_reads: u64,
+    /// Known Python threads missing from a thread list read to its end while their OS thread
+    /// still ran and their thread state still named them, kept for that refresh.
+    pub threads_kept_unlisted: u64,
+    /// Threads kept so at the last refresh: missing again, they are gone.
+    unlisted: std::collections::HashSet<i32>,
 }
 
 /// Refreshes at which Python names are read again after a new thread was found unnamed.
@@ -62,6 +70,9 @@ impl Target {
             written_python_names: HashMap::new(),
             unnamed_retries: 0,
             thread_list_failures: 0,
+            thread_list_partial_reads: 0,
+            threads_kept_unlisted: 0,
+            unlisted: Default::default(),
         }
     }
 
@@ -165,12 +176,13 @@ impl Target {
             .collect();
         let mut seen = HashMap::new();
         match self.proc.threads_with_tids(&tasks) {
-            Ok(list) => {
+            Ok((list, complete)) => {
                 for (tstate, host) in list {
                     if let Some(h) = host {
                         seen.insert(h, tstate);
                     }
                 }
+                self.keep_unlisted(&tasks, &mut seen, complete);
             }
             Err(_) => {
                 // The interpreter's thread list could not be read this time: that says
@@ -265,6 +277,49 @@ impl Target {
             self.threads.remove(t);
         }
         (changed, gone)
+    }
+
+    /// Add to `seen` the known Python threads missing from this read of the thread list that
+    /// may still be there: dropping one stops its off-CPU tracing and sampling until the next
+    /// refresh, losing its intervals (a loop thread's idle wait, merging two stalls). Kept are
+    /// those whose OS thread still runs, when the read ended early (`!complete`); after a read
+    /// to the list's end, for one refresh, those whose thread state still names them (a walk
+    /// racing the removal of another thread state can follow a stale pointer that reads as
+    /// the list's end, and the main thread, the list's tail, is then missing).
+    fn keep_unlisted(
+        &mut self,
+        tasks: &[procinfo::TaskInfo],
+        seen: &mut HashMap<i32, u64>,
+        complete: bool,
+    ) {
+        if !complete {
+            self.thread_list_partial_reads += 1;
+        }
+        let by_host: HashMap<i32, i32> = tasks.iter().map(|t| (t.host_tid, t.ns_tid)).collect();
+        let mut unlisted = std::collections::HashSet::new();
+        for (&tid, &(tstate, _)) in &self.threads {
+            if seen.contains_key(&tid) {
+                continue;
+            }
+            let Some(&ns) = by_host.get(&tid) else {
+                continue; // its OS thread ended
+            };
+            let keep = if complete {
+                !self.unlisted.contains(&tid) && self.proc.ns_tid(tstate, tasks) == Some(ns)
+            } else {
+                true
+            };
+            if keep {
+                seen.insert(tid, tstate);
+                if complete {
+                    self.threads_kept_unlisted += 1;
+                    unlisted.insert(tid);
+                } else if self.unlisted.contains(&tid) {
+                    unlisted.insert(tid);
+                }
+            }
+        }
+        self.unlisted = unlisted;
     }
 
     /// The thread whose `PyThreadState` is at `tstate`.
@@ -389,6 +444,61 @@ mod tests {
             instr_offset: 4,
             code_id: abi::code_id(first, name),
         }
+    }
+
+    /// A Python thread missing from a read of the thread list while its OS thread runs is
+    /// kept: always when the read ended early, for one refresh when the read reached the end
+    /// and its thread state still names it; never once its OS thread ended.
+    #[test]
+    fn unlisted_threads_are_kept_while_they_may_still_be_there() {
+        let o = &PY312;
+        let mut f = Fake::new();
+        let main_ts = f.thread(0, 0);
+        let other_ts = f.thread(0, main_ts);
+        let freed_ts = f.thread(0, 0);
+        let nt = o.tstate_native_thread_id.unwrap();
+        f.mem.put_u64(main_ts + nt, 100);
+        f.mem.put_u64(other_ts + nt, 101);
+        f.mem.put_u64(freed_ts + nt, 7); // reused: names another thread now
+        let mut t = Target::new(f.process(other_ts));
+        for (tid, ts) in [
+            (100, main_ts),
+            (101, other_ts),
+            (102, freed_ts),
+            (103, main_ts),
+        ] {
+            t.threads.insert(tid, (ts, "python3".into()));
+        }
+        let task = |tid: i32| procinfo::TaskInfo {
+            host_tid: tid,
+            ns_tid: tid,
+            comm: "python3".into(),
+        };
+        // Thread 103's OS thread ended.
+        let tasks = [task(100), task(101), task(102)];
+        let read = |t: &mut Target, complete: bool| {
+            let mut seen = HashMap::from([(101, other_ts)]);
+            t.keep_unlisted(&tasks, &mut seen, complete);
+            let mut tids: Vec<i32> = seen.into_keys().collect();
+            tids.sort_unstable();
+            tids
+        };
+        assert_eq!(
+            read(&mut t, true),
+            [100, 101],
+            "kept once: it still names itself"
+        );
+        assert_eq!(read(&mut t, true), [101], "missing again: gone");
+        assert_eq!(
+            read(&mut t, false),
+            [100, 101, 102],
+            "a partial read says nothing"
+        );
+        assert_eq!(read(&mut t, true), [100, 101]);
+        assert_eq!(
+            (t.threads_kept_unlisted, t.thread_list_partial_reads),
+            (2, 1)
+        );
     }
 
     #[test]

@@ -190,7 +190,7 @@ fn read_loop(
             let Ok(tasks) = crate::procinfo::tasks(pid) else {
                 return; // exited
             };
-            if let Ok(list) = proc.threads_with_tids(&tasks) {
+            if let Ok((list, _)) = proc.threads_with_tids(&tasks) {
                 threads = list
                     .into_iter()
                     .filter_map(|(ts, tid)| Some((tid?, ts)))
