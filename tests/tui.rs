@@ -765,3 +765,46 @@ fn live_dashboard_restores_the_terminal_on_sigint() {
     assert_programs_released(&held);
     t.assert_terminal_restored(&w.dir);
 }
+
+/// A dashboard whose terminal goes away (its tmux server killed, as when an ssh session
+/// drops) ends by itself: a hung-up tty reads as always ready and empty, and `top` once spun
+/// on it at full CPU for as long as it was left, deaf to SIGTERM.
+#[test]
+fn dashboard_exits_when_its_terminal_hangs_up() {
+    let Some(t) = Tmux::start(160, 40) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let rec = dir.path().join("engine.esrec");
+    write_engine_recording(&rec);
+    t.keys(&[
+        &format!(
+            "{} top --replay {}",
+            env!("CARGO_BIN_EXE_enginescope"),
+            rec.display()
+        ),
+        "Enter",
+    ]);
+    t.wait_for("the thread table", |s| s.contains("PID/TID"));
+    let pid = top_pid(t.shell_pid()).expect("the top process");
+    drop(t); // kill-server: the pane's terminal hangs up
+    let alive = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit_once(')')
+                    .and_then(|(_, r)| r.split_whitespace().next().map(|st| st != "Z"))
+            })
+            .unwrap_or(false)
+    };
+    let t0 = Instant::now();
+    while alive() && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let still = alive();
+    if still {
+        // SAFETY: kill(2) on the top process this test started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert!(!still, "top still runs 20 s after its terminal hung up");
+}

@@ -529,6 +529,7 @@ fn tui_loop(
     let mut last_trim = Instant::now();
     let mut dirty = true;
     let mut recorder_noted = false;
+    let mut more_events = false;
     loop {
         if terminal::signalled().is_some() {
             return Ok(());
@@ -571,7 +572,19 @@ fn tui_loop(
         let timeout = next_tick
             .saturating_duration_since(Instant::now())
             .min(Duration::from_millis(100));
-        if !event::poll(timeout).context("reading the terminal")? {
+        // After an event crossterm may hold more, parsed from the same read: ask it first.
+        let wait = if more_events {
+            Duration::ZERO
+        } else {
+            match terminal::wait_input(timeout) {
+                Some(terminal::Input::HungUp) => return Ok(()),
+                Some(terminal::Input::Idle) => continue,
+                Some(terminal::Input::Ready) => Duration::ZERO,
+                None => timeout,
+            }
+        };
+        more_events = event::poll(wait).context("reading the terminal")?;
+        if !more_events {
             continue;
         }
         match event::read().context("reading the terminal")? {

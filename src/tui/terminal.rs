@@ -55,6 +55,49 @@ pub fn signalled() -> Option<i32> {
     }
 }
 
+/// What came on the terminal while [`wait_input`] waited.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Bytes to read: crossterm's `event::poll(0)` parses them.
+    Ready,
+    Idle,
+    /// The terminal hung up (its window closed, the tmux server or the ssh session gone).
+    HungUp,
+}
+
+/// Wait up to `timeout` for input on the terminal, or its hang-up; None when stdin is not a
+/// terminal (crossterm then reads /dev/tty itself: wait with `event::poll`).
+///
+/// Why not `event::poll` alone: a hung-up tty reads as always ready with nothing in it, and
+/// crossterm's reader loops on that end-of-file inside `event::poll` forever, at full CPU,
+/// deaf to stop signals (seen: a `top` left behind by a killed tmux server spinning for half
+/// an hour). No SIGHUP need come: a process outside the tty's foreground group gets none.
+/// `poll(2)` tells a hang-up apart (POLLHUP), so crossterm is asked only when there is
+/// something to read. (A hang-up in the microseconds between this wait and crossterm's read
+/// is still crossterm's to handle.)
+pub fn wait_input(timeout: std::time::Duration) -> Option<Input> {
+    // SAFETY: isatty and poll on fd 0 with a valid pollfd.
+    unsafe {
+        if libc::isatty(libc::STDIN_FILENO) != 1 {
+            return None;
+        }
+        let mut fd = libc::pollfd {
+            fd: libc::STDIN_FILENO,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        Some(match libc::poll(&mut fd, 1, ms) {
+            n if n > 0 && fd.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0 => {
+                Input::HungUp
+            }
+            n if n > 0 => Input::Ready,
+            // 0: timed out; <0: interrupted (a signal, e.g. SIGWINCH): look again later.
+            _ => Input::Idle,
+        })
+    }
+}
+
 /// Leave the alternate screen, show the cursor, leave raw mode. Safe to call more than once
 /// and from a panic hook.
 pub fn restore() {
