@@ -12,6 +12,11 @@
 //!   started later, must be attached by rediscovery, the metrics must be in the file while it
 //!   records, and its report's generation rate over the load's window must agree with
 //!   load.py's within ±10 % too (same server, same load: no extra server start).
+//! * `kv wall`: a server with a KV cache of 24 blocks (3,072 tokens) under 16 concurrent
+//!   700-token requests: requests queue while the cache is full and the engine preempts
+//!   (the server's own counters and load.py's scrapes say so); `report` must name the engine
+//!   in a `kv_memory_wall` finding over the load, with the preemptions the server counted.
+//!   The other servers here (a KV cache of 4,096 blocks) must have no such finding.
 //! * `offline`: a script calling `LLM(...)` (a READY line, then it waits on stdin) must be
 //!   found as an `offline_llm` engine with its engine core and worker and no metrics URL.
 //!
@@ -397,6 +402,11 @@ fn start_server_with<T: Send + 'static>(
 /// The server's own `vllm:generation_tokens_total` (summed over its label sets), read from its
 /// /metrics page with curl: the truth the recording's scraped counter is compared with.
 fn generation_tokens(port: u16) -> f64 {
+    server_counter(port, "vllm:generation_tokens_total")
+}
+
+/// A counter of the server's own /metrics page, summed over its label sets.
+fn server_counter(port: u16, name: &str) -> f64 {
     let out = Command::new("curl")
         .args(["-sf", "--max-time", "60"])
         .arg(format!("http://127.0.0.1:{port}/metrics"))
@@ -410,7 +420,7 @@ fn generation_tokens(port: u16) -> f64 {
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| {
-            l.strip_prefix("vllm:generation_tokens_total")
+            l.strip_prefix(name)
                 .is_some_and(|rest| rest.starts_with(['{', ' ']))
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -812,6 +822,14 @@ fn serve_discovery_and_scraped_throughput() {
         .expect("engine in the report");
     let report_gen = eng["gen_tok_s"]["mean"].as_f64().expect("gen_tok_s.mean");
     let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
+    // A KV cache of thousands of blocks under this load is no wall.
+    assert!(
+        !report["fleet_findings"]
+            .as_array()
+            .is_some_and(|v| v.iter().any(|f| f["kind"] == "kv_memory_wall")),
+        "a KV wall where there is none: {}",
+        report["fleet_findings"]
+    );
     eprintln!(
         "report (--from {from:.1} --to {to:.1}): gen tok/s {report_gen:.1}; load.py client {client}; KV {} running {}",
         eng["kv_usage"], eng["running"]
@@ -1190,4 +1208,129 @@ fn two_servers_under_different_load() {
     assert_ne!(t.max_engine, t.min_engine, "{t:?}");
     let p90 = |id: &str| rows.iter().find(|r| r.id == id).and_then(|r| r.ttft_ms.p90);
     assert!(p90(&t.max_engine) >= p90(&t.min_engine), "{t:?}");
+}
+
+/// A KV memory wall on a real engine: a KV cache of 24 blocks (3,072 tokens, 3 requests of
+/// 1,024) under 16 concurrent requests of 700 tokens. The truth is the server's own: its
+/// preemption counter rose during the load (vLLM preempts a running request only when it
+/// runs out of KV blocks), and load.py's scrapes saw requests waiting and the cache full.
+#[test]
+fn kv_memory_wall_is_named() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let srv = start_server_with(
+        &[
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "24",
+            "--max-model-len",
+            "1024",
+        ],
+        |_| (),
+    )
+    .0;
+    first_completion(srv.port);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("kv.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = common::Recorder::start(&[
+        "--vllm",
+        "--no-default-probes",
+        "--rate",
+        "19",
+        "-o",
+        &out_s,
+    ]);
+    let rec_pid = recorder.child.id() as i32;
+    let start = enginescope::sys::monotonic_ns();
+    follow_until(&out_path, "a scrape", Duration::from_secs(60), |r| {
+        scrapes_after(r, srv.pid, start) >= 1
+    });
+    let before = server_counter(srv.port, "vllm:num_preemptions_total");
+    let out = Command::new(venv().join("bin/python"))
+        .arg(harness().join("load.py"))
+        .args(["--port", &srv.port.to_string(), "-c", "16"])
+        .args(["--max-tokens", "700", "--duration", "25", "--grace", "0"])
+        .output()
+        .expect("run load.py");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "load.py: {text}");
+    let line = text.lines().last().unwrap_or("").replace("NaN", "null");
+    let res: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"));
+    let load_end = enginescope::sys::monotonic_ns();
+    follow_until(
+        &out_path,
+        "3 scrapes after the load",
+        Duration::from_secs(60),
+        |r| scrapes_after(r, srv.pid, load_end) >= 3,
+    );
+    let preempted = server_counter(srv.port, "vllm:num_preemptions_total") - before;
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let (ok, _, log) = recorder.wait();
+    assert!(ok, "record --vllm failed:\n{log}");
+    eprintln!(
+        "kv wall truth: {preempted} preemptions by the server's counter; load.py saw waiting up \
+         to {}, KV usage up to {}, running up to {}",
+        res["max_waiting"], res["max_kv_cache_usage_perc"], res["max_running"]
+    );
+    // The premise: a wall happened.
+    assert!(
+        preempted > 0.0
+            && res["max_waiting"].as_f64().unwrap_or(0.0) > 0.0
+            && res["max_kv_cache_usage_perc"].as_f64().unwrap_or(0.0) >= 0.95,
+        "no KV wall to find: {res}"
+    );
+    let rep = common::enginescope(&["report", &out_s, "--format", "json"]);
+    assert!(
+        rep.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rep.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&rep.stdout).expect("report json");
+    let eng = report["engines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["api_server_pid"] == srv.pid)
+        .expect("engine in the report");
+    let id = eng["id"].as_str().expect("engine id");
+    // The recording's increase of the counter is the server's: scraped before and after.
+    assert_eq!(
+        eng["preemptions"].as_f64(),
+        Some(preempted),
+        "the report's preemptions: {eng}"
+    );
+    let walls: Vec<&serde_json::Value> = report["fleet_findings"]
+        .as_array()
+        .map(|v| v.iter().filter(|f| f["kind"] == "kv_memory_wall").collect())
+        .unwrap_or_default();
+    eprintln!("findings: {walls:?}");
+    let rec_start = enginescope::record::read_recording(&out_path)
+        .expect("read the recording")
+        .meta
+        .start_mono_ns;
+    let load_from = load_end
+        .saturating_sub(25_000_000_000)
+        .saturating_sub(rec_start) as f64
+        / 1e9;
+    let load_to = load_end.saturating_sub(rec_start) as f64 / 1e9;
+    // One finding of this engine covering most of the load (its windows are 10 s: the first
+    // and last may hold idle time).
+    let covered: f64 = walls
+        .iter()
+        .filter(|f| f["engine"] == id)
+        .map(|f| {
+            let (a, b) = (f["start_s"].as_f64().unwrap(), f["end_s"].as_f64().unwrap());
+            (b.min(load_to) - a.max(load_from)).max(0.0)
+        })
+        .sum();
+    assert!(
+        covered >= 0.5 * (load_to - load_from),
+        "kv_memory_wall findings of {id} cover {covered:.1} s of the load's {:.1} s: {walls:?}",
+        load_to - load_from
+    );
 }
