@@ -274,21 +274,8 @@ impl MemoryRecorder {
         let from = format!("{:.3}", load_start.saturating_sub(base) as f64 / 1e9);
         let to = format!("{:.3}", load_end.saturating_sub(base) as f64 / 1e9);
         let path = self.path.to_string_lossy().into_owned();
-        let out = common::enginescope(&[
-            "report", &path, "--format", "json", "--from", &from, "--to", &to,
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("report json");
-        let eng = v["engines"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|x| x["api_server_pid"] == api)
-            .expect("engine in the memory report");
+        let v = json_report(&path, Some((&from, &to)));
+        let eng = engine_of(&v, api);
         let gen = eng["gen_tok_s"]["mean"].as_f64().expect("gen_tok_s.mean");
         let samples = rec.samples.iter().filter(|s| s.pid == api).count();
         eprintln!(
@@ -403,6 +390,35 @@ fn start_server_with<T: Send + 'static>(
 /// /metrics page with curl: the truth the recording's scraped counter is compared with.
 fn generation_tokens(port: u16) -> f64 {
     server_counter(port, "vllm:generation_tokens_total")
+}
+
+/// `report --format json` of a recording, over `--from`/`--to` when given.
+fn json_report(path: &str, range: Option<(&str, &str)>) -> serde_json::Value {
+    let mut args = vec!["report", path, "--format", "json"];
+    if let Some((from, to)) = range {
+        args.extend(["--from", from, "--to", to]);
+    }
+    let out = common::enginescope(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("report json")
+}
+
+/// The report's engine whose API server is `api`.
+fn engine_of(report: &serde_json::Value, api: i32) -> &serde_json::Value {
+    report["engines"]
+        .as_array()
+        .and_then(|v| v.iter().find(|x| x["api_server_pid"] == api))
+        .unwrap_or_else(|| panic!("engine {api} in the report: {}", report["engines"]))
+}
+
+/// `record --vllm` of every engine's metrics and threads at 19 Hz without probes, into `out`,
+/// until SIGINT.
+fn record_vllm_metrics(out: &str) -> common::Recorder {
+    common::Recorder::start(&["--vllm", "--no-default-probes", "--rate", "19", "-o", out])
 }
 
 /// A counter of the server's own /metrics page, summed over its label sets.
@@ -798,28 +814,8 @@ fn serve_discovery_and_scraped_throughput() {
     // The report over the load's window: its generation rate against load.py's own.
     let from = (load_start.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
     let to = (load_end.saturating_sub(rec.meta.start_mono_ns)) as f64 / 1e9;
-    let out = common::enginescope(&[
-        "report",
-        &out_s,
-        "--format",
-        "json",
-        "--from",
-        &format!("{from:.3}"),
-        "--to",
-        &format!("{to:.3}"),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("report json");
-    let eng = report["engines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["api_server_pid"] == srv.pid)
-        .expect("engine in the report");
+    let report = json_report(&out_s, Some((&format!("{from:.3}"), &format!("{to:.3}"))));
+    let eng = engine_of(&report, srv.pid);
     let report_gen = eng["gen_tok_s"]["mean"].as_f64().expect("gen_tok_s.mean");
     let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client");
     // A KV cache of thousands of blocks under this load is no wall.
@@ -1073,14 +1069,7 @@ fn two_servers_under_different_load() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("two.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
-    let recorder = common::Recorder::start(&[
-        "--vllm",
-        "--no-default-probes",
-        "--rate",
-        "19",
-        "-o",
-        &out_s,
-    ]);
+    let recorder = record_vllm_metrics(&out_s);
     let rec_pid = recorder.child.id() as i32;
     // The truth is each server's own token counter, read directly before the load (once the
     // recording has scraped both engines: the counters are flat until the load starts) and
@@ -1235,14 +1224,7 @@ fn kv_memory_wall_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("kv.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
-    let recorder = common::Recorder::start(&[
-        "--vllm",
-        "--no-default-probes",
-        "--rate",
-        "19",
-        "-o",
-        &out_s,
-    ]);
+    let recorder = record_vllm_metrics(&out_s);
     let rec_pid = recorder.child.id() as i32;
     let start = enginescope::sys::monotonic_ns();
     follow_until(&out_path, "a scrape", Duration::from_secs(60), |r| {
@@ -1284,19 +1266,8 @@ fn kv_memory_wall_is_named() {
             && res["max_kv_cache_usage_perc"].as_f64().unwrap_or(0.0) >= 0.95,
         "no KV wall to find: {res}"
     );
-    let rep = common::enginescope(&["report", &out_s, "--format", "json"]);
-    assert!(
-        rep.status.success(),
-        "{}",
-        String::from_utf8_lossy(&rep.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&rep.stdout).expect("report json");
-    let eng = report["engines"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|x| x["api_server_pid"] == srv.pid)
-        .expect("engine in the report");
+    let report = json_report(&out_s, None);
+    let eng = engine_of(&report, srv.pid);
     let id = eng["id"].as_str().expect("engine id");
     // The recording's increase of the counter is the server's: scraped before and after.
     assert_eq!(

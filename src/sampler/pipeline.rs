@@ -197,12 +197,24 @@ impl<W: Sink> Pipeline<W> {
         };
         let t = self.rel(t_ns);
         self.written.switch_ins_missed += 1;
+        self.write_offcpu(pid, tid, (start, t), stack, preempted)
+    }
+
+    /// Write the off-CPU interval `[start, end)` (relative times).
+    fn write_offcpu(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        (start, end): (u64, u64),
+        stack: u32,
+        preempted: bool,
+    ) -> anyhow::Result<()> {
         self.written.offcpu += 1;
         self.writer.offcpu(&OffCpu {
             pid,
             tid,
             start_ns: start,
-            dur_ns: t.saturating_sub(start),
+            dur_ns: end.saturating_sub(start),
             stack,
             preempted,
         })
@@ -224,18 +236,12 @@ impl<W: Sink> Pipeline<W> {
                 None
             }
         };
-        if let Some((start, stack, preempted)) = iv {
-            self.written.offcpu += 1;
-            self.writer.offcpu(&OffCpu {
-                pid,
-                tid,
-                start_ns: start,
-                dur_ns: t.saturating_sub(start),
-                stack,
-                preempted,
-            })?;
+        match iv {
+            Some((start, stack, preempted)) => {
+                self.write_offcpu(pid, tid, (start, t), stack, preempted)
+            }
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Remember a thread's stack at start: if its first event is a switch-in, it was off CPU
@@ -368,15 +374,7 @@ impl<W: Sink> Pipeline<W> {
         }
         open.sort_by_key(|x| (x.0, x.1));
         for (pid, tid, start, stack, preempted) in open {
-            self.written.offcpu += 1;
-            self.writer.offcpu(&OffCpu {
-                pid,
-                tid,
-                start_ns: start,
-                dur_ns: end.saturating_sub(start),
-                stack,
-                preempted,
-            })?;
+            self.write_offcpu(pid, tid, (start, end), stack, preempted)?;
         }
         Ok(())
     }
