@@ -200,6 +200,11 @@ pub struct AsyncioTasks {
     pub debug: Option<AsyncioDebug>,
     /// When they were last looked for (not found: `_asyncio` not imported yet).
     debug_looked: Option<std::time::Instant>,
+    /// 3.10–3.13: when `asyncio.tasks._current_tasks` was last looked for and not found
+    /// (asyncio not imported): looked for again at most every [`DEBUG_LOOKUP_EVERY`]. Each
+    /// look walks `sys.modules`, a few hundred reads of the target's memory: at every read
+    /// (50 a second) that was most of the recorder's own CPU for a process without asyncio.
+    current_tasks_missing: Option<std::time::Instant>,
     /// Reads that failed (an implausible object, an unreadable address).
     pub errors: u64,
 }
@@ -235,8 +240,9 @@ fn type_name(mem: &dyn MemorySource, obj: u64) -> Result<String, ObjectError> {
     Ok(s.to_string())
 }
 
-/// While the `.AsyncioDebug` section is not found, it is looked for again at most this often
-/// (each look reads `/proc/PID/maps` and ELF section headers).
+/// While the `.AsyncioDebug` section (3.14+) or `asyncio.tasks._current_tasks` (3.10–3.13) is
+/// not found, it is looked for again at most this often (each look reads `/proc/PID/maps` and
+/// ELF section headers, or walks `sys.modules`): a loop started later is found within it.
 pub const DEBUG_LOOKUP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl AsyncioTasks {
@@ -270,12 +276,20 @@ impl AsyncioTasks {
             Some(a) => a,
             None => {
                 self.current_tasks = None;
+                if self
+                    .current_tasks_missing
+                    .is_some_and(|t| t.elapsed() < DEBUG_LOOKUP_EVERY)
+                {
+                    return Ok(CurrentTasks::default());
+                }
                 let Some((dict_type, d)) =
                     self.attrs
                         .module_global(mem, o, interp, "asyncio.tasks", "_current_tasks")?
                 else {
+                    self.current_tasks_missing = Some(std::time::Instant::now());
                     return Ok(CurrentTasks::default());
                 };
+                self.current_tasks_missing = None;
                 if mem.read_u64(object("_current_tasks", d)? + 8)? != dict_type {
                     return Err(garbage("asyncio.tasks._current_tasks", d, "not a dict"));
                 }
