@@ -258,7 +258,8 @@ static __always_inline void record_native(void *ctx, __u32 slot, const struct es
     n->ustack_len = 0;
     n->nkernel = 0;
     n->pad = 0;
-    if (t->flags & ES_TARGET_KSTACK) {
+    /* A sample taken in user mode (uregs) has no kernel stack. */
+    if ((t->flags & ES_TARGET_KSTACK) && !uregs) {
         long got = bpf_get_stack(ctx, n->kstack, sizeof(n->kstack), 0);
         if (got < 0)
             count(ES_C_KSTACK_ERR);

@@ -1117,10 +1117,12 @@ pub struct NativeState {
     window_changes: Vec<(i32, u32)>,
 }
 
-/// How much of a thread's user stack the kernel copies: twice the most its unwinds read over
-/// the last one to two [`WINDOW_EPOCH`]s of records, from 2 KiB up in powers of two; all of it
-/// (16 KiB) after an unwind that wanted more than was copied. Most stacks need 1-2 KiB, and
-/// the copy (in the kernel, then through the ring buffer) is most of a native stack's cost.
+/// How much of a thread's user stack the kernel copies: 1.5 times the most its unwinds read
+/// over the last one to two [`WINDOW_EPOCH`]s of records ([`window_for`]); after an unwind
+/// that wanted more than was copied (that sample loses its outermost native frames), sized
+/// for twice the copy. The first record of a thread copies all 16 KiB. Most stacks need 1-2
+/// KiB, and the copy (in the kernel, then through the ring buffer) was most of what a native
+/// stack cost.
 #[derive(Debug, Default, Clone, Copy)]
 struct ThreadWindow {
     /// What the kernel copies now (0 = all).
@@ -1133,13 +1135,14 @@ struct ThreadWindow {
 /// Records per epoch of [`ThreadWindow`].
 const WINDOW_EPOCH: u32 = 256;
 
-/// The window (0 = all) for unwinds that read at most `peak` bytes.
+/// The window (0 = all) for unwinds that read at most `peak` bytes: half as much again and
+/// 256 bytes more, in whole KiB.
 pub fn window_for(peak: usize) -> u32 {
     let w = peak
-        .saturating_mul(2)
-        .checked_next_power_of_two()
-        .unwrap_or(USTACK_WINDOW_MAX)
-        .clamp(2048, USTACK_WINDOW_MAX);
+        .saturating_add(peak / 2)
+        .saturating_add(256)
+        .div_ceil(1024)
+        .saturating_mul(1024);
     if w >= USTACK_WINDOW_MAX {
         0
     } else {
@@ -1148,13 +1151,15 @@ pub fn window_for(peak: usize) -> u32 {
 }
 
 impl ThreadWindow {
-    /// Account one unwind; the new window when it changes.
-    fn observe(&mut self, used: usize, past_end: bool) -> Option<u32> {
-        self.peak = if past_end {
-            USTACK_WINDOW_MAX
+    /// Account one unwind that read `used` bytes of the `copied`; `past_end`: it wanted
+    /// more (the next windows are sized for twice what was copied).
+    fn observe(&mut self, used: usize, copied: usize, past_end: bool) -> Option<u32> {
+        let need = if past_end {
+            copied.saturating_mul(2).max(used)
         } else {
-            self.peak.max(used)
+            used
         };
+        self.peak = self.peak.max(need);
         self.n += 1;
         if self.n >= WINDOW_EPOCH {
             self.prev_peak = self.peak;
@@ -1211,7 +1216,7 @@ impl NativeState {
             if self.native.opts.user && n.ip != 0 {
                 let tid = n.tid as i32;
                 let w = self.windows.entry(tid).or_default();
-                if let Some(set) = w.observe(raw.used, raw.past_end) {
+                if let Some(set) = w.observe(raw.used, n.stack.len(), raw.past_end) {
                     self.window_changes.push((tid, set));
                 }
             }
@@ -1344,6 +1349,28 @@ impl NativeState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stack_windows() {
+        assert_eq!(window_for(0), 1024);
+        assert_eq!(window_for(800), 2048);
+        assert_eq!(window_for(1300), 3072);
+        assert_eq!(window_for(11_000), 0, "all of it");
+        let mut w = ThreadWindow::default();
+        // A thread starts with all 16 KiB; its first unwind sizes the window.
+        assert_eq!(w.observe(900, USTACK_WINDOW_MAX, false), Some(2048));
+        assert_eq!(w.observe(700, 2048, false), None);
+        // Deeper for once: ran past the 2 KiB copied, so the next ones are sized for 4 KiB.
+        assert_eq!(w.observe(2048, 2048, true), Some(7168));
+        // The peak is kept for one to two epochs, then the window shrinks back.
+        let mut last = None;
+        for _ in 0..2 * WINDOW_EPOCH {
+            if let Some(s) = w.observe(900, 7168, false) {
+                last = Some(s);
+            }
+        }
+        assert_eq!(last, Some(2048));
+    }
 
     #[test]
     fn kallsyms_lookup() {
