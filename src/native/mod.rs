@@ -79,15 +79,20 @@ impl KernelSymbols {
     pub fn parse(text: &str) -> Self {
         let mut syms = Vec::with_capacity(text.len() / 48);
         let mut names = String::with_capacity(text.len() / 3);
-        for l in text.lines() {
-            let mut it = l.split([' ', '\t']).filter(|w| !w.is_empty());
-            let (Some(addr), Some(kind), Some(name)) = (it.next(), it.next(), it.next()) else {
+        let sep = |c: char| c == ' ' || c == '\t';
+        for l in text.split('\n') {
+            // `ADDR T NAME`: the type is the one byte between the first two spaces.
+            let Some((addr, rest)) = l.split_once(' ') else {
                 continue;
             };
-            if !matches!(kind, "t" | "T" | "w" | "W") || name.starts_with("__pfx_") {
+            if !matches!(rest.as_bytes(), [b't' | b'T' | b'w' | b'W', b' ', ..]) {
                 continue;
             }
-            let Ok(addr) = u64::from_str_radix(addr, 16) else {
+            let name = rest[2..].split(sep).next().unwrap_or("");
+            if name.is_empty() || name.starts_with("__pfx_") {
+                continue;
+            }
+            let Ok(addr) = u64::from_str_radix(addr.trim(), 16) else {
                 continue;
             };
             let (Ok(start), Ok(len)) = (u32::try_from(names.len()), u32::try_from(name.len()))
@@ -1112,6 +1117,10 @@ pub struct NativeState {
     mixed_generation: u64,
     key: Vec<u64>,
     pub mixed_hits: u64,
+    /// The function (start; `u64::MAX`: none) containing a user address and whether it is
+    /// the evaluation loop, by (module, address in it): a symbol table's binary search misses
+    /// the cache at each step, a few per frame.
+    functions: HashMap<(usize, u64), (u64, bool)>,
     /// The user stack window of each thread, and the changes the kernel has yet to be told.
     windows: HashMap<i32, ThreadWindow>,
     window_changes: Vec<(i32, u32)>,
@@ -1174,6 +1183,9 @@ impl ThreadWindow {
     }
 }
 
+/// User addresses whose function is remembered at most (then forgotten all at once).
+const FUNCTIONS_MAX: usize = 1 << 18;
+
 /// Distinct mixed stacks remembered at most (then forgotten all at once; each is a few hundred
 /// bytes).
 const MIXED_CACHE_MAX: usize = 1 << 16;
@@ -1188,6 +1200,7 @@ impl NativeState {
             mixed_generation: 0,
             key: Vec::new(),
             mixed_hits: 0,
+            functions: HashMap::new(),
             windows: HashMap::new(),
             window_changes: Vec::new(),
         }
@@ -1307,13 +1320,24 @@ impl NativeState {
                 // and whether it is the evaluation loop.
                 match &f.module {
                     Some((m, svma)) => {
-                        let is_eval = m
-                            .load_symbols()
-                            .eval_ranges
-                            .iter()
-                            .any(|r| r.contains(svma));
-                        let start = m.symbol(*svma).map_or(u64::MAX, |(s, _)| s);
-                        key.extend([Arc::as_ptr(m) as usize as u64, start, is_eval as u64]);
+                        let ptr = Arc::as_ptr(m) as usize;
+                        let (start, is_eval) = match self.functions.get(&(ptr, *svma)) {
+                            Some(&v) => v,
+                            None => {
+                                let is_eval = m
+                                    .load_symbols()
+                                    .eval_ranges
+                                    .iter()
+                                    .any(|r| r.contains(svma));
+                                let start = m.symbol(*svma).map_or(u64::MAX, |(s, _)| s);
+                                if self.functions.len() >= FUNCTIONS_MAX {
+                                    self.functions.clear();
+                                }
+                                self.functions.insert((ptr, *svma), (start, is_eval));
+                                (start, is_eval)
+                            }
+                        };
+                        key.extend([ptr as u64, start, is_eval as u64]);
                     }
                     None => key.extend([0, f.addr, 0]),
                 }
