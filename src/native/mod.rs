@@ -1141,6 +1141,10 @@ struct ThreadWindow {
     n: u32,
 }
 
+/// Threads whose window is remembered at most (then forgotten all at once: each starts over
+/// at its current window, re-sent only when it changes).
+const WINDOWS_MAX: usize = 1 << 15;
+
 /// Records per epoch of [`ThreadWindow`].
 const WINDOW_EPOCH: u32 = 256;
 
@@ -1228,6 +1232,11 @@ impl NativeState {
             let raw = self.native.unwind_raw(pid, &n);
             if self.native.opts.user && n.ip != 0 {
                 let tid = n.tid as i32;
+                // Bounded: threads without a Python thread state (not in the kernel's thread
+                // map, so never told a window) are never reported gone.
+                if self.windows.len() >= WINDOWS_MAX && !self.windows.contains_key(&tid) {
+                    self.windows.clear();
+                }
                 let w = self.windows.entry(tid).or_default();
                 if let Some(set) = w.observe(raw.used, n.stack.len(), raw.past_end) {
                     self.window_changes.push((tid, set));
