@@ -236,10 +236,11 @@ static __always_inline void submit(struct es_event *ev)
 /* Kernel stack and the user stack window of the current thread, as a record sent right before
  * the sample / switch-out that carries the same tid and time. `uregs` are the user registers
  * when the caller has them (a sample taken in user mode), else NULL: they are then read from
- * the task's saved user registers (the kernel entry frame). */
+ * the task's saved user registers (the kernel entry frame). `window`: bytes of user stack to
+ * copy (the thread's ustack_window; 0 = all). */
 static __always_inline void record_native(void *ctx, __u32 slot, const struct es_target *t, __u32 tgid,
                                           __u32 tid, __u64 time_ns, const struct pt_regs *uregs,
-                                          int blocked)
+                                          int blocked, __u32 window)
 {
     struct es_native *n = bpf_map_lookup_elem(&native_scratch, &slot);
     if (!n)
@@ -257,7 +258,8 @@ static __always_inline void record_native(void *ctx, __u32 slot, const struct es
     n->ustack_len = 0;
     n->nkernel = 0;
     n->pad = 0;
-    if (t->flags & ES_TARGET_KSTACK) {
+    /* A sample taken in user mode (uregs) has no kernel stack. */
+    if ((t->flags & ES_TARGET_KSTACK) && !uregs) {
         long got = bpf_get_stack(ctx, n->kstack, sizeof(n->kstack), 0);
         if (got < 0)
             count(ES_C_KSTACK_ERR);
@@ -281,14 +283,39 @@ static __always_inline void record_native(void *ctx, __u32 slot, const struct es
         n->bp = r.rbp;
         __u64 sp = r.rsp;
         __u32 len = 0;
-        if (sp) {
+        /* A window sized from this thread's earlier unwinds (most need 1-2 KiB of the 16):
+         * copying less is most of what a native stack costs here and in user space. A
+         * thread blocking in a system call is a few native frames below its evaluation
+         * loop: at most 4 KiB (a deeper one gets its innermost frames, and the Python frames
+         * above them). */
+        __u64 want = window ? window : ES_USTACK_MAX;
+        if (blocked && want > 4096)
+            want = 4096;
+        if (want < 64)
+            want = 64;
+        if (sp && want < ES_USTACK_MAX) {
+            /* Hide want's range from the compiler so that the mask the verifier needs stays. */
+            asm volatile("" : "+r"(want));
+            want &= ES_USTACK_MAX - 1;
+            if (bpf_probe_read_user(n->ustack, want, (void *)sp) == 0) {
+                len = want;
+            } else {
+                /* Crossing the stack's end: up to the end of sp's page (stacks end on a
+                 * page boundary), or of the next one. */
+                __u64 rest = 4096 - (sp & 4095);
+                __u64 two = rest + 4096;
+                asm volatile("" : "+r"(two));
+                two &= ES_USTACK_MAX - 1;
+                if (two < want && bpf_probe_read_user(n->ustack, two, (void *)sp) == 0)
+                    len = two;
+                else if (rest < want && rest <= 4096 &&
+                         bpf_probe_read_user(n->ustack, rest, (void *)sp) == 0)
+                    len = rest;
+            }
+        } else if (sp) {
             /* The stack's top is not known: try a full window, then smaller ones, then up
-             * to the end of sp's page (stacks end on a page boundary). A thread blocking in
-             * a system call is a few native frames below its evaluation loop: 4 KiB (a deeper
-             * one gets its innermost frames, and the Python frames above them). */
-            if (blocked && bpf_probe_read_user(n->ustack, 4096, (void *)sp) == 0)
-                len = 4096;
-            else if (!blocked && bpf_probe_read_user(n->ustack, ES_USTACK_MAX, (void *)sp) == 0)
+             * to the end of sp's page. */
+            if (bpf_probe_read_user(n->ustack, ES_USTACK_MAX, (void *)sp) == 0)
                 len = ES_USTACK_MAX;
             else if (bpf_probe_read_user(n->ustack, 12288, (void *)sp) == 0)
                 len = 12288;
@@ -321,8 +348,10 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
     if (!ev)
         return;
     __u64 now = bpf_ktime_get_ns();
+    struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (t->flags & (ES_TARGET_KSTACK | ES_TARGET_USTACK))
-        record_native(ctx, slot, t, tgid, tid, now, uregs, kind == ES_EV_SWITCH_OUT);
+        record_native(ctx, slot, t, tgid, tid, now, uregs, kind == ES_EV_SWITCH_OUT,
+                      th && th->tgid == tgid ? th->ustack_window : 0);
     ev->h.kind = kind;
     ev->h.tgid = tgid;
     ev->h.tid = tid;
@@ -331,7 +360,6 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
     ev->h.ip = ip;
     ev->h.nframes = 0;
     __u8 flags = extra_flags;
-    struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (!th || th->tgid != tgid) {
         count(ES_C_NO_TSTATE);
         flags |= ES_EV_NO_TSTATE;

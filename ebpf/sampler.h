@@ -51,7 +51,9 @@ struct es_target {
 struct es_thread {
     __u64 tstate;
     __u32 tgid;
-    __u32 pad;
+    __u32 ustack_window;         /* bytes of user stack to copy (ES_TARGET_USTACK), sized by
+                                  * user space from what this thread's unwinds read; 0 = all
+                                  * (ES_USTACK_MAX) */
 };
 
 /* One Python frame as the kernel saw it: raw facts, resolved by user space. */

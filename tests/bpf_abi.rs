@@ -27,7 +27,7 @@ int main(void) {
   F(es_target, gil_size); F(es_target, gc_stats_stride); F(es_target, gc_stats_addr);
   S(es_gc_edge); F(es_gc_edge, collections); F(es_gc_edge, collected);
   S(es_probe_hit); F(es_probe_hit, frame); F(es_probe_hit, previous); F(es_probe_hit, code); F(es_probe_hit, value);
-  S(es_thread); F(es_thread, tgid);
+  S(es_thread); F(es_thread, tgid); F(es_thread, ustack_window);
   S(es_frame); F(es_frame, instr_offset); F(es_frame, code_id);
   S(es_event_header); F(es_event_header, flags); F(es_event_header, nframes);
   F(es_event_header, tgid); F(es_event_header, tid); F(es_event_header, cpu);
@@ -129,6 +129,10 @@ int main(void) {
         ("es_probe_hit.value", size_of::<EsEventHeader>() + 24),
         ("es_thread", size_of::<EsThread>()),
         ("es_thread.tgid", offset_of!(EsThread, tgid)),
+        (
+            "es_thread.ustack_window",
+            offset_of!(EsThread, ustack_window),
+        ),
         ("es_frame", size_of::<EsFrame>()),
         ("es_frame.instr_offset", offset_of!(EsFrame, instr_offset)),
         ("es_frame.code_id", offset_of!(EsFrame, code_id)),

@@ -55,7 +55,8 @@ pub const TARGET_USTACK: u32 = 16;
 pub struct EsThread {
     pub tstate: u64,
     pub tgid: u32,
-    pub pad: u32,
+    /// Bytes of user stack the kernel copies with a native stack (0 = all).
+    pub ustack_window: u32,
 }
 
 /// `struct es_frame`.
@@ -152,23 +153,35 @@ pub const NATIVE_NKERNEL: usize = 52;
 pub const NATIVE_KSTACK: usize = 56;
 pub const NATIVE_USTACK: usize = NATIVE_KSTACK + 8 * MAX_KFRAMES;
 
-/// A NATIVE_STACK record: kernel return addresses, user registers and stack bytes.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NativeStack {
+/// A NATIVE_STACK record: kernel return addresses, user registers and stack bytes, borrowed
+/// from the ring buffer (the stack window is unwound in place, never copied).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NativeStack<'a> {
     pub tid: u32,
     pub time_ns: u64,
     /// User registers at the sample (0 = unknown).
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
-    /// Kernel return addresses, innermost first.
-    pub kernel: Vec<u64>,
+    /// Kernel return addresses, innermost first, as 8-byte little-endian words.
+    kernel_bytes: &'a [u8],
     /// User stack bytes from `sp` upwards.
-    pub stack: Vec<u8>,
+    pub stack: &'a [u8],
+}
+
+impl NativeStack<'_> {
+    /// Kernel return addresses, innermost first.
+    pub fn kernel(&self) -> impl ExactSizeIterator<Item = u64> + '_ {
+        self.kernel_bytes.chunks_exact(8).map(|c| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            u64::from_le_bytes(w)
+        })
+    }
 }
 
 /// Parse a NATIVE_STACK record; `None` when malformed.
-pub fn parse_native(bytes: &[u8]) -> Option<NativeStack> {
+pub fn parse_native(bytes: &[u8]) -> Option<NativeStack<'_>> {
     let u64_at = |o: usize| -> Option<u64> {
         Some(u64::from_le_bytes(bytes.get(o..o + 8)?.try_into().ok()?))
     };
@@ -186,17 +199,15 @@ pub fn parse_native(bytes: &[u8]) -> Option<NativeStack> {
     ) as usize)
         .min(MAX_KFRAMES);
     let ulen = (u32_at(NATIVE_USTACK_LEN)? as usize).min(USTACK_MAX);
-    let kernel = (0..nk)
-        .map(|i| u64_at(NATIVE_KSTACK + 8 * i))
-        .collect::<Option<Vec<u64>>>()?;
-    let stack = bytes.get(NATIVE_USTACK..NATIVE_USTACK + ulen)?.to_vec();
+    let kernel_bytes = bytes.get(NATIVE_KSTACK..NATIVE_KSTACK + 8 * nk)?;
+    let stack = bytes.get(NATIVE_USTACK..NATIVE_USTACK + ulen)?;
     Some(NativeStack {
         tid: u32_at(8)?,
         time_ns: u64_at(16)?,
         ip: u64_at(24)?,
         sp: u64_at(NATIVE_SP)?,
         bp: u64_at(NATIVE_BP)?,
-        kernel,
+        kernel_bytes,
         stack,
     })
 }

@@ -310,6 +310,19 @@ impl BpfSampler {
             .context("updating the threads map")
     }
 
+    /// Set how much user stack the kernel copies for thread `tid` (0 = all); nothing for a
+    /// thread not in the map (gone).
+    pub fn set_thread_window(&mut self, tid: u32, window: u32) -> anyhow::Result<()> {
+        let Ok(mut t) = self.threads.get(&tid, 0) else {
+            return Ok(());
+        };
+        if t.ustack_window == window {
+            return Ok(());
+        }
+        t.ustack_window = window;
+        self.set_thread(tid, &t)
+    }
+
     pub fn remove_thread(&mut self, tid: u32) {
         let _ = self.threads.remove(&tid);
     }

@@ -51,7 +51,9 @@ impl NativeOptions {
 
 /// `/proc/kallsyms`, sorted, text symbols only.
 pub struct KernelSymbols {
-    syms: Vec<(u64, String)>,
+    /// (address, name's range in `names`), sorted by address.
+    syms: Vec<(u64, u32, u32)>,
+    names: String,
 }
 
 impl KernelSymbols {
@@ -62,23 +64,50 @@ impl KernelSymbols {
         Self::parse(&text)
     }
 
+    /// An empty table (kernel frames are not named).
+    pub fn empty() -> Self {
+        KernelSymbols {
+            syms: Vec::new(),
+            names: String::new(),
+        }
+    }
+
+    /// Parse kallsyms text (`ADDR TYPE NAME [MODULE]` lines). Read at every start with kernel
+    /// stacks (~120,000 lines here), so by hand, with the names in one string. The
+    /// `__pfx_` padding symbols (16 bytes before each function, never executed) are left
+    /// out: half the lines.
     pub fn parse(text: &str) -> Self {
-        let mut syms: Vec<(u64, String)> = text
-            .lines()
-            .filter_map(|l| {
-                let mut it = l.split_whitespace();
-                let addr = u64::from_str_radix(it.next()?, 16).ok()?;
-                let kind = it.next()?;
-                let name = it.next()?;
-                if addr == 0 || !matches!(kind, "t" | "T" | "w" | "W") {
-                    return None;
-                }
-                Some((addr, name.to_string()))
-            })
-            .collect();
+        let mut syms = Vec::with_capacity(text.len() / 48);
+        let mut names = String::with_capacity(text.len() / 3);
+        let sep = |c: char| c == ' ' || c == '\t';
+        for l in text.split('\n') {
+            // `ADDR T NAME`: the type is the one byte between the first two spaces.
+            let Some((addr, rest)) = l.split_once(' ') else {
+                continue;
+            };
+            if !matches!(rest.as_bytes(), [b't' | b'T' | b'w' | b'W', b' ', ..]) {
+                continue;
+            }
+            let name = rest[2..].split(sep).next().unwrap_or("");
+            if name.is_empty() || name.starts_with("__pfx_") {
+                continue;
+            }
+            let Ok(addr) = u64::from_str_radix(addr.trim(), 16) else {
+                continue;
+            };
+            let (Ok(start), Ok(len)) = (u32::try_from(names.len()), u32::try_from(name.len()))
+            else {
+                break;
+            };
+            if addr == 0 {
+                continue;
+            }
+            names.push_str(name);
+            syms.push((addr, start, len));
+        }
         syms.sort_unstable_by_key(|s| s.0);
         syms.dedup_by_key(|s| s.0);
-        KernelSymbols { syms }
+        KernelSymbols { syms, names }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -88,12 +117,16 @@ impl KernelSymbols {
     /// The symbol containing `addr` and its start address.
     pub fn lookup(&self, addr: u64) -> Option<(u64, &str)> {
         let i = self.syms.partition_point(|s| s.0 <= addr);
-        let (start, name) = self.syms.get(i.checked_sub(1)?)?;
+        let &(start, from, len) = self.syms.get(i.checked_sub(1)?)?;
         // Past the last text symbol is not kernel text we can name.
         if i == self.syms.len() && addr - start > 1 << 20 {
             return None;
         }
-        Some((*start, name.as_str()))
+        let name = self
+            .names
+            .get(from as usize..from as usize + len as usize)
+            .unwrap_or("");
+        Some((start, name))
     }
 
     /// A kernel frame for a return address (the call is the byte before it) or the IP.
@@ -650,8 +683,7 @@ impl ProcessNative {
         (avma < m.range.end).then_some(m)
     }
 
-    /// Unwind the user stack: addresses innermost first (the IP, then return addresses), and
-    /// whether the unwind reached the stack's root.
+    /// Unwind the user stack from the copied window `stack` (the bytes from `sp` up).
     pub fn unwind(
         &mut self,
         cache: &mut ModuleCache,
@@ -659,35 +691,51 @@ impl ProcessNative {
         sp: u64,
         bp: u64,
         stack: &[u8],
-    ) -> (Vec<FrameAddress>, bool) {
+    ) -> Walked {
         if ip == 0 {
-            return (Vec::new(), false);
+            return Walked {
+                frames: Vec::new(),
+                complete: false,
+                used: 0,
+                past_end: false,
+            };
         }
         let due = |p: &Self| p.last_refresh.elapsed().as_millis() > 200;
         if self.mapping(ip).is_none() && due(self) {
             // An address in no known module: a library loaded since the last look.
             self.refresh(cache);
         }
-        let (out, complete) = self.walk(ip, sp, bp, stack);
+        let walked = self.walk(ip, sp, bp, stack);
         // A return address in no known module (a library loaded since the process was
         // mapped, met further out than the leaf): look again and walk again, once.
-        if !complete
+        if !walked.complete
             && due(self)
-            && out
+            && walked
+                .frames
                 .iter()
                 .any(|f| self.mapping(f.address_for_lookup()).is_none())
         {
             self.refresh(cache);
             return self.walk(ip, sp, bp, stack);
         }
-        (out, complete)
+        walked
     }
 
-    fn walk(&mut self, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> (Vec<FrameAddress>, bool) {
+    fn walk(&mut self, ip: u64, sp: u64, bp: u64, stack: &[u8]) -> Walked {
         let mut out = Vec::new();
+        // The deepest byte of the window the unwind read, and whether it wanted one past it.
+        let mut used = 0usize;
+        let mut past_end = false;
         let mut read = |addr: u64| -> Result<u64, ()> {
             let off = addr.checked_sub(sp).ok_or(())? as usize;
-            let b = stack.get(off..off.checked_add(8).ok_or(())?).ok_or(())?;
+            let end = off.checked_add(8).ok_or(())?;
+            let Some(b) = stack.get(off..end) else {
+                if off < USTACK_WINDOW_MAX {
+                    past_end = true;
+                }
+                return Err(());
+            };
+            used = used.max(end);
             Ok(u64::from_le_bytes(b.try_into().map_err(|_| ())?))
         };
         let regs = UnwindRegsX86_64::new(ip, sp, bp);
@@ -706,7 +754,12 @@ impl ProcessNative {
                 Err(_) => break,
             }
         }
-        (out, complete)
+        Walked {
+            frames: out,
+            complete,
+            used,
+            past_end,
+        }
     }
 
     /// One user address, not yet named: its module and address in the module's file.
@@ -733,6 +786,21 @@ impl ProcessNative {
             .iter()
             .any(|m| !m.module.load_symbols().eval_ranges.is_empty())
     }
+}
+
+/// The largest user stack window the kernel side copies (`ES_USTACK_MAX`).
+pub const USTACK_WINDOW_MAX: usize = crate::bpf::abi::USTACK_MAX;
+
+/// One user stack unwind.
+pub struct Walked {
+    /// Addresses innermost first (the IP, then return addresses).
+    pub frames: Vec<FrameAddress>,
+    /// The unwind reached the stack's root.
+    pub complete: bool,
+    /// Bytes of the window the unwind read (up to the deepest word).
+    pub used: usize,
+    /// It stopped wanting a word past the end of the window (a larger one would go on).
+    pub past_end: bool,
 }
 
 /// A user frame unwound but not yet named: the address (for lookup: a return address less
@@ -811,13 +879,16 @@ fn name_frame(raw: &RawFrame, wait: bool) -> (Frame, NativeFrameInfo, bool) {
     }
 }
 
-/// One native stack, unwound but its user frames not yet named (their modules' symbols may
-/// still be loading): kernel frames (named), user frames innermost first.
+/// One native stack, unwound but not yet named (its modules' symbols may still be loading):
+/// kernel return addresses and user frames, innermost first.
 #[derive(Clone, Default)]
 pub struct RawNative {
-    pub kernel: Vec<(Frame, NativeFrameInfo)>,
+    pub kernel: Vec<u64>,
     pub user: Vec<RawFrame>,
     pub complete: bool,
+    /// Bytes of the stack window the unwind read, and whether it wanted more than was copied.
+    pub used: usize,
+    pub past_end: bool,
 }
 
 impl RawNative {
@@ -849,6 +920,11 @@ pub struct Native {
     /// Health counters (`native_*`).
     pub unwound: u64,
     pub unwind_incomplete: u64,
+    /// Unwinds that stopped wanting stack beyond the copied window.
+    pub unwind_past_window: u64,
+    /// User stack bytes copied by the kernel, and read by the unwinds, in all.
+    pub window_bytes: u64,
+    pub window_used_bytes: u64,
     pub merged: u64,
     pub merge_fallback: u64,
     /// User frames written as [`SYMBOLS_NOT_LOADED`].
@@ -862,7 +938,7 @@ impl Native {
             kernel: if opts.kernel {
                 KernelSymbols::load()
             } else {
-                KernelSymbols { syms: Vec::new() }
+                KernelSymbols::empty()
             },
             modules: ModuleCache {
                 modules: HashMap::new(),
@@ -876,6 +952,9 @@ impl Native {
             names: HashMap::new(),
             unwound: 0,
             unwind_incomplete: 0,
+            unwind_past_window: 0,
+            window_bytes: 0,
+            window_used_bytes: 0,
             merged: 0,
             merge_fallback: 0,
             unnamed_not_loaded: 0,
@@ -893,24 +972,31 @@ impl Native {
     }
 
     /// Unwind one NATIVE_STACK record of process `pid` (no symbol table is read here).
-    pub fn unwind_raw(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack) -> RawNative {
-        let mut out = RawNative::default();
-        for (i, &a) in rec.kernel.iter().enumerate() {
-            out.kernel.push(self.kernel.frame(a, i > 0));
-        }
+    pub fn unwind_raw(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack<'_>) -> RawNative {
+        let mut out = RawNative {
+            kernel: rec.kernel().collect(),
+            ..RawNative::default()
+        };
         if self.opts.user && rec.ip != 0 {
             let modules = &mut self.modules;
             let p = self
                 .procs
                 .entry(pid)
                 .or_insert_with(|| ProcessNative::new(pid, modules));
-            let (addrs, complete) = p.unwind(modules, rec.ip, rec.sp, rec.bp, &rec.stack);
-            out.complete = complete;
+            let w = p.unwind(modules, rec.ip, rec.sp, rec.bp, rec.stack);
+            out.complete = w.complete;
+            out.used = w.used;
+            out.past_end = w.past_end;
             self.unwound += 1;
-            if !complete {
+            if !w.complete {
                 self.unwind_incomplete += 1;
+                if w.past_end {
+                    self.unwind_past_window += 1;
+                }
             }
-            out.user = addrs.into_iter().map(|a| p.raw_frame(a)).collect();
+            self.window_bytes += rec.stack.len() as u64;
+            self.window_used_bytes += w.used as u64;
+            out.user = w.frames.into_iter().map(|a| p.raw_frame(a)).collect();
             if let Some(l) = &modules.loader {
                 for f in &out.user {
                     if let Some((m, _)) = &f.module {
@@ -948,14 +1034,19 @@ impl Native {
             user.push(named);
         }
         NativeFrames {
-            kernel: raw.kernel.clone(),
+            kernel: raw
+                .kernel
+                .iter()
+                .enumerate()
+                .map(|(i, &a)| self.kernel.frame(a, i > 0))
+                .collect(),
             user,
             complete: raw.complete,
         }
     }
 
     /// Resolve one NATIVE_STACK record of process `pid` now (reading symbols if need be).
-    pub fn resolve(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack) -> NativeFrames {
+    pub fn resolve(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack<'_>) -> NativeFrames {
         let raw = self.unwind_raw(pid, rec);
         self.name(&raw, true)
     }
@@ -968,6 +1059,9 @@ impl Native {
         use std::sync::atomic::Ordering::Relaxed;
         c.insert("native_unwound".into(), self.unwound);
         c.insert("native_unwind_incomplete".into(), self.unwind_incomplete);
+        c.insert("native_unwind_past_window".into(), self.unwind_past_window);
+        c.insert("native_window_bytes".into(), self.window_bytes);
+        c.insert("native_window_used_bytes".into(), self.window_used_bytes);
         c.insert("native_merged".into(), self.merged);
         c.insert("native_merge_fallback".into(), self.merge_fallback);
         let unreadable: usize = self.procs.values().map(|p| p.unreadable.len()).sum();
@@ -1013,9 +1107,92 @@ pub fn entry_marks(frames: &mut [crate::bpf::abi::EsFrame], minor: u8) -> Vec<bo
 /// sample or switch-out they belong to (the next record of the same thread, same time).
 pub struct NativeState {
     pub native: Native,
-    pending: HashMap<i32, crate::bpf::abi::NativeStack>,
+    /// Unwound records by thread, with their time.
+    pending: HashMap<i32, (u64, RawNative)>,
     pub unpaired: u64,
+    /// Mixed stacks already written, by what they were made from ([`mixed_key`]), within
+    /// writer generation `mixed_generation`: a stack seen before is neither named, merged
+    /// nor interned again.
+    mixed: HashMap<Vec<u64>, (u32, merge::MergeKind)>,
+    mixed_generation: u64,
+    key: Vec<u64>,
+    pub mixed_hits: u64,
+    /// The function (start; `u64::MAX`: none) containing a user address and whether it is
+    /// the evaluation loop, by (module, address in it): a symbol table's binary search misses
+    /// the cache at each step, a few per frame.
+    functions: HashMap<(usize, u64), (u64, bool)>,
+    /// The user stack window of each thread, and the changes the kernel has yet to be told.
+    windows: HashMap<i32, ThreadWindow>,
+    window_changes: Vec<(i32, u32)>,
 }
+
+/// How much of a thread's user stack the kernel copies: 1.5 times the most its unwinds read
+/// over the last one to two [`WINDOW_EPOCH`]s of records ([`window_for`]); after an unwind
+/// that wanted more than was copied (that sample loses its outermost native frames), sized
+/// for twice the copy. The first record of a thread copies all 16 KiB. Most stacks need 1-2
+/// KiB, and the copy (in the kernel, then through the ring buffer) was most of what a native
+/// stack cost.
+#[derive(Debug, Default, Clone, Copy)]
+struct ThreadWindow {
+    /// What the kernel copies now (0 = all).
+    set: u32,
+    peak: usize,
+    prev_peak: usize,
+    n: u32,
+}
+
+/// Threads whose window is remembered at most (then forgotten all at once: each starts over
+/// at its current window, re-sent only when it changes).
+const WINDOWS_MAX: usize = 1 << 15;
+
+/// Records per epoch of [`ThreadWindow`].
+const WINDOW_EPOCH: u32 = 256;
+
+/// The window (0 = all) for unwinds that read at most `peak` bytes: half as much again and
+/// 256 bytes more, in whole KiB.
+pub fn window_for(peak: usize) -> u32 {
+    let w = peak
+        .saturating_add(peak / 2)
+        .saturating_add(256)
+        .div_ceil(1024)
+        .saturating_mul(1024);
+    if w >= USTACK_WINDOW_MAX {
+        0
+    } else {
+        w as u32
+    }
+}
+
+impl ThreadWindow {
+    /// Account one unwind that read `used` bytes of the `copied`; `past_end`: it wanted
+    /// more (the next windows are sized for twice what was copied).
+    fn observe(&mut self, used: usize, copied: usize, past_end: bool) -> Option<u32> {
+        let need = if past_end {
+            copied.saturating_mul(2).max(used)
+        } else {
+            used
+        };
+        self.peak = self.peak.max(need);
+        self.n += 1;
+        if self.n >= WINDOW_EPOCH {
+            self.prev_peak = self.peak;
+            self.peak = 0;
+            self.n = 0;
+        }
+        let want = window_for(self.peak.max(self.prev_peak));
+        (want != self.set).then(|| {
+            self.set = want;
+            want
+        })
+    }
+}
+
+/// User addresses whose function is remembered at most (then forgotten all at once).
+const FUNCTIONS_MAX: usize = 1 << 18;
+
+/// Distinct mixed stacks remembered at most (then forgotten all at once; each is a few hundred
+/// bytes).
+const MIXED_CACHE_MAX: usize = 1 << 16;
 
 impl NativeState {
     pub fn new(opts: NativeOptions) -> Self {
@@ -1023,13 +1200,53 @@ impl NativeState {
             native: Native::new(opts),
             pending: HashMap::new(),
             unpaired: 0,
+            mixed: HashMap::new(),
+            mixed_generation: 0,
+            key: Vec::new(),
+            mixed_hits: 0,
+            functions: HashMap::new(),
+            windows: HashMap::new(),
+            window_changes: Vec::new(),
         }
     }
 
-    /// Keep a NATIVE_STACK record until its event arrives.
-    pub fn stash(&mut self, bytes: &[u8]) {
+    /// Window changes for the kernel: (tid, bytes of user stack to copy, 0 = all).
+    pub fn take_window_changes(&mut self) -> Vec<(i32, u32)> {
+        std::mem::take(&mut self.window_changes)
+    }
+
+    /// The window thread `tid` has now (0 = all), for a thread entry written afresh.
+    pub fn window_of(&self, tid: i32) -> u32 {
+        self.windows.get(&tid).map_or(0, |w| w.set)
+    }
+
+    /// A thread gone: forget its window.
+    pub fn thread_gone(&mut self, tid: i32) {
+        self.windows.remove(&tid);
+    }
+
+    /// Unwind a NATIVE_STACK record of process `pid` straight from the ring buffer and keep
+    /// it until its event arrives.
+    pub fn stash(&mut self, pid: i32, bytes: &[u8]) {
         if let Some(n) = crate::bpf::abi::parse_native(bytes) {
-            if self.pending.insert(n.tid as i32, n).is_some() {
+            let raw = self.native.unwind_raw(pid, &n);
+            if self.native.opts.user && n.ip != 0 {
+                let tid = n.tid as i32;
+                // Bounded: threads without a Python thread state (not in the kernel's thread
+                // map, so never told a window) are never reported gone.
+                if self.windows.len() >= WINDOWS_MAX && !self.windows.contains_key(&tid) {
+                    self.windows.clear();
+                }
+                let w = self.windows.entry(tid).or_default();
+                if let Some(set) = w.observe(raw.used, n.stack.len(), raw.past_end) {
+                    self.window_changes.push((tid, set));
+                }
+            }
+            if self
+                .pending
+                .insert(n.tid as i32, (n.time_ns, raw))
+                .is_some()
+            {
                 self.unpaired += 1;
             }
         }
@@ -1037,13 +1254,13 @@ impl NativeState {
 
     /// The native record sent with an event of `tid` at `time_ns`, unwound (None: no
     /// native record for it). Called as the event is drained: records pair in order.
-    pub fn take(&mut self, pid: i32, tid: i32, time_ns: u64) -> Option<RawNative> {
-        let n = self.pending.remove(&tid)?;
-        if n.time_ns != time_ns {
+    pub fn take(&mut self, tid: i32, time_ns: u64) -> Option<RawNative> {
+        let (t, raw) = self.pending.remove(&tid)?;
+        if t != time_ns {
             self.unpaired += 1;
             return None;
         }
-        Some(self.native.unwind_raw(pid, &n))
+        Some(raw)
     }
 
     /// The merged stack of an event: its Python frames (`python`, with their entry marks)
@@ -1057,6 +1274,11 @@ impl NativeState {
     ) -> merge::Mixed {
         let frames = self.native.name(raw, wait);
         let (m, kind) = merge::merge(python, entry, &frames);
+        self.count_merge(kind);
+        m
+    }
+
+    fn count_merge(&mut self, kind: merge::MergeKind) {
         match kind {
             merge::MergeKind::Exact => self.native.merged += 1,
             merge::MergeKind::Partial | merge::MergeKind::LeafOnly => {
@@ -1064,12 +1286,96 @@ impl NativeState {
             }
             merge::MergeKind::NativeOnly => {}
         }
-        m
+    }
+
+    /// The id in `writer` of the merged stack of an event (as [`Self::mixed`], interned). A
+    /// stack made from the same Python frames, entry marks, kernel functions and user
+    /// addresses as one written before gets that one's id without being named again.
+    pub fn mixed_stack(
+        &mut self,
+        writer: &mut crate::record::format::RecordingWriter,
+        raw: &RawNative,
+        python: &[Frame],
+        entry: &[bool],
+        wait: bool,
+    ) -> anyhow::Result<u32> {
+        // Names are final only once every module's symbols are read.
+        let cacheable = raw.ready();
+        if cacheable {
+            if self.mixed_generation != writer.generation() {
+                self.mixed.clear();
+                self.mixed_generation = writer.generation();
+            }
+            let mut key = std::mem::take(&mut self.key);
+            key.clear();
+            key.push(python.len() as u64);
+            for (i, f) in python.iter().enumerate() {
+                let e = entry.get(i).copied().unwrap_or(false) as u64;
+                key.push(u64::from(writer.frame_id(f)?) << 1 | e);
+            }
+            key.push(raw.kernel.len() as u64);
+            for (i, &a) in raw.kernel.iter().enumerate() {
+                // The function, not the return address: the same stack from other call sites.
+                let look = if i > 0 { a.saturating_sub(1) } else { a };
+                match self.native.kernel.lookup(look) {
+                    Some((start, _)) => key.push(start),
+                    None => key.extend([0, a]),
+                }
+            }
+            key.push(raw.user.len() as u64);
+            for f in &raw.user {
+                // What naming reads: the module, the function containing the address (the
+                // same for every address in it; none: one `<no symbol>` frame per module)
+                // and whether it is the evaluation loop.
+                match &f.module {
+                    Some((m, svma)) => {
+                        let ptr = Arc::as_ptr(m) as usize;
+                        let (start, is_eval) = match self.functions.get(&(ptr, *svma)) {
+                            Some(&v) => v,
+                            None => {
+                                let is_eval = m
+                                    .load_symbols()
+                                    .eval_ranges
+                                    .iter()
+                                    .any(|r| r.contains(svma));
+                                let start = m.symbol(*svma).map_or(u64::MAX, |(s, _)| s);
+                                if self.functions.len() >= FUNCTIONS_MAX {
+                                    self.functions.clear();
+                                }
+                                self.functions.insert((ptr, *svma), (start, is_eval));
+                                (start, is_eval)
+                            }
+                        };
+                        key.extend([ptr as u64, start, is_eval as u64]);
+                    }
+                    None => key.extend([0, f.addr, 0]),
+                }
+            }
+            if let Some(&(id, kind)) = self.mixed.get(&key) {
+                self.mixed_hits += 1;
+                self.count_merge(kind);
+                self.key = key;
+                return Ok(id);
+            }
+            let frames = self.native.name(raw, wait);
+            let (m, kind) = merge::merge(python, entry, &frames);
+            self.count_merge(kind);
+            let id = writer.intern_mixed(&m)?;
+            if self.mixed.len() >= MIXED_CACHE_MAX {
+                self.mixed.clear();
+            }
+            self.mixed.insert(key.clone(), (id, kind));
+            self.key = key;
+            return Ok(id);
+        }
+        let m = self.mixed(raw, python, entry, wait);
+        writer.intern_mixed(&m)
     }
 
     pub fn counters(&self, c: &mut std::collections::BTreeMap<String, u64>) {
         self.native.counters(c);
         c.insert("native_unpaired".into(), self.unpaired);
+        c.insert("native_mixed_cache_hits".into(), self.mixed_hits);
     }
 }
 
@@ -1078,9 +1384,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn stack_windows() {
+        assert_eq!(window_for(0), 1024);
+        assert_eq!(window_for(800), 2048);
+        assert_eq!(window_for(1300), 3072);
+        assert_eq!(window_for(11_000), 0, "all of it");
+        let mut w = ThreadWindow::default();
+        // A thread starts with all 16 KiB; its first unwind sizes the window.
+        assert_eq!(w.observe(900, USTACK_WINDOW_MAX, false), Some(2048));
+        assert_eq!(w.observe(700, 2048, false), None);
+        // Deeper for once: ran past the 2 KiB copied, so the next ones are sized for 4 KiB.
+        assert_eq!(w.observe(2048, 2048, true), Some(7168));
+        // The peak is kept for one to two epochs, then the window shrinks back.
+        let mut last = None;
+        for _ in 0..2 * WINDOW_EPOCH {
+            if let Some(s) = w.observe(900, 7168, false) {
+                last = Some(s);
+            }
+        }
+        assert_eq!(last, Some(2048));
+    }
+
+    #[test]
     fn kallsyms_lookup() {
         let k = KernelSymbols::parse(
-            "ffffffff81000000 T _stext\nffffffff81001000 t futex_wait\n0000000000000000 T hidden\nffffffff81002000 D data\nffffffff81003000 T do_epoll_wait\n",
+            "ffffffff81000000 T _stext\nffffffff81001000 t futex_wait\n0000000000000000 T hidden\nffffffff81002000 D data\nffffffff81002ff0 t __pfx_do_epoll_wait\nffffffff81003000 T do_epoll_wait\nffffffff81004000 t mod_fn\t[kvm]\n",
+        );
+        assert_eq!(k.lookup(0xffffffff81004001).unwrap().1, "mod_fn");
+        assert_eq!(
+            k.lookup(0xffffffff81002ff8).unwrap().1,
+            "futex_wait",
+            "padding symbols are left out"
         );
         assert_eq!(k.lookup(0xffffffff81001010).unwrap().1, "futex_wait");
         assert_eq!(k.lookup(0xffffffff81002010).unwrap().1, "futex_wait");
@@ -1150,6 +1484,7 @@ mod tests {
             kernel: Vec::new(),
             user: vec![p.raw_frame(FrameAddress::from_instruction_pointer(addr))],
             complete: true,
+            ..RawNative::default()
         };
         assert!(!raw.ready(), "no symbol table is read when mapping");
         let mut native = Native::new(NativeOptions::default());

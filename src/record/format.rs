@@ -121,6 +121,8 @@ pub struct RecordingWriter {
     last_sample_ns: u64,
     /// Set for a rotating recording: the tables a new segment starts with.
     carried: Option<Carried>,
+    /// Rotations so far: frame and stack ids are only valid within one generation.
+    generation: u64,
 }
 
 /// The latest description of everything a segment's events refer to (other than frames and
@@ -180,6 +182,7 @@ impl RecordingWriter {
             samples: 0,
             last_sample_ns: 0,
             carried: None,
+            generation: 0,
         };
         w.header(meta)?;
         Ok(w)
@@ -237,6 +240,7 @@ impl RecordingWriter {
         let mut stacks: Vec<(u32, Vec<u32>)> = self.stacks.drain().map(|(s, id)| (id, s)).collect();
         stacks.sort_unstable_by_key(|(id, _)| *id);
         let stacks: Vec<Vec<u32>> = stacks.into_iter().map(|(_, s)| s).collect();
+        self.generation += 1;
         self.samples = 0;
         self.last_sample_ns = 0;
         self.header(meta)?;
@@ -371,6 +375,18 @@ impl RecordingWriter {
 
     pub fn counters(&mut self, c: &std::collections::BTreeMap<String, u64>) -> anyhow::Result<()> {
         self.json(tag::COUNTERS, c)
+    }
+
+    /// Frame and stack ids given before a rotation are not valid after it: a caller that
+    /// keeps ids keeps them with this.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The id of a frame, writing its definition the first time (as [`Self::intern_stack`]
+    /// does for each of its frames).
+    pub fn frame_id(&mut self, f: &Frame) -> anyhow::Result<u32> {
+        self.intern_frame(f)
     }
 
     fn intern_frame(&mut self, f: &Frame) -> anyhow::Result<u32> {

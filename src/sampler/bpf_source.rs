@@ -56,9 +56,11 @@ const BACKLOG_CAP: usize = 50_000;
 impl BpfSource {
     /// Load and attach the BPF programs.
     pub fn start(rate_hz: u32, tracing: BpfTracing, probes: Probes) -> anyhow::Result<Self> {
-        // Native stacks send up to ~17 KiB per sample and switch-out: a 32 MiB ring buffer
-        // holds ~2,000 of them, 1-2 s at 1 kHz on 2 CPUs, for a drain held up by a busy host.
-        let ring = tracing.native.user.then_some(32 << 20);
+        // Native stacks send 0.6 KiB plus each thread's stack window (2-4 KiB for most, up
+        // to 16 KiB) per sample and blocking switch-out: 16 MiB holds ~3,000 typical ones
+        // (1.5 s at 1 kHz on 2 CPUs; ~1,000 of the largest) for a drain held up by a busy
+        // host. (Creating the ring clears its pages: ~2 ms per MiB here.)
+        let ring = tracing.native.user.then_some(16 << 20);
         let b = BpfSampler::start_sized(rate_hz, tracing.offcpu, tracing.gil, ring)?;
         let native = tracing
             .native
@@ -167,7 +169,7 @@ impl BpfSource {
             };
             if h.kind == kind::NATIVE_STACK {
                 if let Some(n) = native.as_mut() {
-                    n.stash(bytes);
+                    n.stash(pid, bytes);
                 }
                 return;
             }
@@ -197,6 +199,13 @@ impl BpfSource {
         });
         self.event_max_ns = event_max_ns;
         self.unparsed += unparsed;
+        if let Some(n) = self.native.as_mut() {
+            for (tid, window) in n.take_window_changes() {
+                // A failed update leaves the thread's previous window: costlier or shorter
+                // stacks, never a wrong one.
+                let _ = self.b.set_thread_window(tid as u32, window);
+            }
+        }
         for (pid, tid, codes) in attach {
             if let Some(t) = targets.get_mut(pid) {
                 self.probes.observe(&mut self.b, &t.proc, tid, &codes);
@@ -295,7 +304,7 @@ fn prepare(
             let python = t.resolve(tid, frames);
             Body::Stack {
                 switch_out: h.kind == kind::SWITCH_OUT,
-                native: native.and_then(|n| n.take(pid, tid, h.time_ns)),
+                native: native.and_then(|n| n.take(tid, h.time_ns)),
                 python,
                 entry,
             }
@@ -352,10 +361,10 @@ fn apply(
             // Python frames merged with the native record sent with the event, when native
             // stacks are recorded (else the Python frames alone).
             let (s, nf) = match (native, raw) {
-                (Some(n), Some(raw)) => {
-                    let m = n.mixed(&raw, &python, &entry, wait);
-                    (pipe.writer.intern_mixed(&m)?, true)
-                }
+                (Some(n), Some(raw)) => (
+                    n.mixed_stack(&mut pipe.writer, &raw, &python, &entry, wait)?,
+                    true,
+                ),
                 _ => (pipe.writer.intern_stack(&python)?, false),
             };
             if switch_out {
@@ -461,18 +470,22 @@ impl Source for BpfSource {
         gone: &[i32],
     ) -> anyhow::Result<()> {
         for &(tid, tstate) in changed {
+            let ustack_window = self.native.as_ref().map_or(0, |n| n.window_of(tid));
             self.b.set_thread(
                 tid as u32,
                 &EsThread {
                     tstate,
                     tgid: pid as u32,
-                    pad: 0,
+                    ustack_window,
                 },
             )?;
             self.probes.thread_added(&mut self.b, pid, tid);
         }
         for &tid in gone {
             self.b.remove_thread(tid as u32);
+            if let Some(n) = self.native.as_mut() {
+                n.thread_gone(tid);
+            }
             self.probes.thread_gone(&mut self.b, tid);
         }
         Ok(())
@@ -573,7 +586,7 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
             &EsThread {
                 tstate,
                 tgid: pid as u32,
-                pad: 0,
+                ustack_window: 0,
             },
         )?;
     }
