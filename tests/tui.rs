@@ -392,6 +392,12 @@ fn top_pid(shell: i32) -> Option<i32> {
     })
 }
 
+/// The header's window length (`window 2.5 s`), in seconds.
+fn window_secs(screen: &str) -> Option<f64> {
+    let rest = screen.split("window ").nth(1)?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
 /// Print a screen for the test log (the views as a person sees them).
 fn show(what: &str, screen: &str) {
     eprintln!("----- {what} -----\n{}", screen.trim_end());
@@ -735,7 +741,11 @@ fn live_dashboard_keys_and_quit() {
     let s = t.wait_for("the metrics view", |s| s.contains("No engine metrics"));
     show("metrics (live, no engine)", &s);
     t.keys(&["Tab", "Tab"]);
-    t.wait_for("the thread table", |s| s.contains("PID/TID"));
+    // Pause only once the window holds 2 s: keys are handled at once, and a dashboard paused
+    // in its first half second held one sample of mix-cpu (hot_b), not its 70/30 split.
+    t.wait_for("the thread table over 2 s", |s| {
+        s.contains("PID/TID") && window_secs(s).is_some_and(|w| w >= 2.0)
+    });
     t.keys(&["p"]);
     let s = t.wait_for("pause", |s| s.contains("PAUSED"));
     show("paused", &s);
