@@ -296,6 +296,15 @@ fn start_server_with<T: Send + 'static>(
     args: &[&str],
     on_spawn: impl FnOnce(i32) -> T + Send + 'static,
 ) -> (Server, std::thread::JoinHandle<T>) {
+    start_server_env(args, &[], on_spawn)
+}
+
+/// [`start_server_with`] with extra environment variables for the server.
+fn start_server_env<T: Send + 'static>(
+    args: &[&str],
+    env: &[(&str, &str)],
+    on_spawn: impl FnOnce(i32) -> T + Send + 'static,
+) -> (Server, std::thread::JoinHandle<T>) {
     let port = free_port();
     let logdir = tempfile::tempdir().expect("tempdir");
     let timers = logdir.path().join("timers");
@@ -335,6 +344,7 @@ fn start_server_with<T: Send + 'static>(
         .env("ES_TIMERS_DIR", &timers)
         .env("VENV", venv())
         .env("READY_TIMEOUT", "400")
+        .envs(env.iter().copied())
         .stderr(Stdio::inherit())
         .output()
         .expect("run serve.sh");
@@ -1058,8 +1068,13 @@ fn two_servers_under_different_load() {
     let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
     // Eager: no torch.compile, so no start-up compile and no shared compile cache (another
     // `vllm serve` compiling into ~/.cache/vllm at the same time left a torn .so there once).
-    let busy = start_server_with(&["--enforce-eager"], |_| ()).0;
-    let light = start_server_with(&["--enforce-eager"], |_| ()).0;
+    // Each worker's OpenMP thread on a core of its own: vLLM binds it to the last core but one
+    // by default, the same core 0 in both servers here, and one worker starving the other's
+    // to no generated token at all in 20 s was seen (a CI run: the light server's counter
+    // never rose).
+    let bind = |core: &'static str| [("VLLM_CPU_OMP_THREADS_BIND", core)];
+    let busy = start_server_env(&["--enforce-eager"], &bind("0"), |_| ()).0;
+    let light = start_server_env(&["--enforce-eager"], &bind("1"), |_| ()).0;
     // Ready means generating: a fresh API server does lazy work on its first completion
     // (imports, tokenizer set-up); on a starved machine that once took the whole 20 s window
     // of the busy server (0 tokens, max_running 1). One request each first.
