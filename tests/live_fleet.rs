@@ -262,7 +262,7 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
     assert_eq!(t.max_engine, ids[skewed], "{t:?}");
     let sel = Selection::all(&rec);
     let tl = timeline::build(&rec, &sel, &ix, &ids, &w, 50.0);
-    let found = fleet::findings(&rec, &rows, &tl.windows, &w);
+    let found = fleet::findings(&rec, &ix, &rows, &tl.windows, &w);
     for f in &found {
         eprintln!("finding: {f:?}");
     }

@@ -323,6 +323,24 @@ impl Tmux {
         }
     }
 
+    /// Write a recording named `name` with `write` into a new directory and run `top
+    /// --replay` on it in the pane from there; the shell prints `TOP-EXIT=N` after it.
+    fn replay(&self, name: &str, write: fn(&Path)) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = dir.path().join(name);
+        write(&rec);
+        self.keys(&[
+            &format!(
+                "cd {} && {} top --replay {}; echo TOP-EXIT=$?",
+                dir.path().display(),
+                env!("CARGO_BIN_EXE_enginescope"),
+                rec.display()
+            ),
+            "Enter",
+        ]);
+        dir
+    }
+
     /// PID of the shell in the pane.
     fn shell_pid(&self) -> i32 {
         self.run(&["display-message", "-p", "-t", "main", "#{pane_pid}"])
@@ -408,18 +426,7 @@ fn replay_dashboard_in_a_real_terminal() {
     let Some(t) = Tmux::start(160, 40) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let rec = dir.path().join("engine.esrec");
-    write_engine_recording(&rec);
-    t.keys(&[
-        &format!(
-            "cd {} && {} top --replay {}; echo TOP-EXIT=$?",
-            dir.path().display(),
-            env!("CARGO_BIN_EXE_enginescope"),
-            rec.display()
-        ),
-        "Enter",
-    ]);
+    let dir = t.replay("engine.esrec", write_engine_recording);
     // Jump to the end at once (] moves one window forward) so the figures are complete.
     t.wait_for("the thread table", |s| {
         s.contains("PID/TID") && s.contains("aux-writer")
@@ -552,18 +559,7 @@ fn fleet_view_in_a_real_terminal() {
     let Some(t) = Tmux::start(140, 30) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let rec = dir.path().join("fleet.esrec");
-    write_fleet_recording(&rec);
-    t.keys(&[
-        &format!(
-            "cd {} && {} top --replay {}; echo TOP-EXIT=$?",
-            dir.path().display(),
-            env!("CARGO_BIN_EXE_enginescope"),
-            rec.display()
-        ),
-        "Enter",
-    ]);
+    let dir = t.replay("fleet.esrec", write_fleet_recording);
     // No samples in this recording: the thread view waits for them; the header is up.
     t.wait_for("the dashboard", |s| s.contains("Threads │ Metrics"));
     t.keys(&["]"]);
@@ -784,17 +780,7 @@ fn dashboard_exits_when_its_terminal_hangs_up() {
     let Some(t) = Tmux::start(160, 40) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let rec = dir.path().join("engine.esrec");
-    write_engine_recording(&rec);
-    t.keys(&[
-        &format!(
-            "{} top --replay {}",
-            env!("CARGO_BIN_EXE_enginescope"),
-            rec.display()
-        ),
-        "Enter",
-    ]);
+    let _dir = t.replay("engine.esrec", write_engine_recording);
     t.wait_for("the thread table", |s| s.contains("PID/TID"));
     let pid = top_pid(t.shell_pid()).expect("the top process");
     drop(t); // kill-server: the pane's terminal hangs up

@@ -287,7 +287,6 @@ impl PythonProcess {
             })
     }
 
-    /// Every thread state with its host thread id, where it can be matched to a task.
     /// Every interpreter's thread states, each with its host thread id when it is one of
     /// `tasks`, and whether every list was read to its end (when not, a thread missing from
     /// the result may still be there).

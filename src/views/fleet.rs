@@ -135,6 +135,7 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 /// Every finding, by kind then engine then time.
 pub fn findings(
     rec: &Recording,
+    ix: &MetricIndex,
     rows: &[EngineRow],
     windows: &[WindowRow],
     w: &Windows,
@@ -146,7 +147,6 @@ pub fn findings(
     let span = |(a, b): (usize, usize)| (w.bounds(a).0, w.bounds(b).1);
     let n = windows.len().min(w.count);
 
-    let ix = MetricIndex::new(rec);
     for &id in &ids {
         let running_pts = ix.gauge(id, &names::RUNNING);
         let kv_pts = ix.gauge(id, &names::KV_CACHE_USAGE);
@@ -278,6 +278,7 @@ mod tests {
     #[test]
     fn detectors_name_the_engine() {
         const S: u64 = 1_000_000_000;
+        let rec = Recording::default();
         let w = Windows::new(10 * S, 40 * S);
         // e0: normal (running 8). e1: KV wall in windows 1-2. e2: waiting alone in window 3.
         let windows: Vec<WindowRow> = (0..4)
@@ -304,7 +305,7 @@ mod tests {
         rows[0].ttft_ms.p90 = Some(40.0);
         rows[1].ttft_ms.p90 = Some(50.0);
         rows[2].ttft_ms.p90 = Some(320.0);
-        let f = findings(&Recording::default(), &rows, &windows, &w);
+        let f = findings(&rec, &MetricIndex::new(&rec), &rows, &windows, &w);
         let got: Vec<(&str, &str, f64, f64)> = f
             .iter()
             .map(|x| (x.kind.as_str(), x.engine.as_str(), x.start_s, x.end_s))
@@ -332,8 +333,10 @@ mod tests {
         rows[2].ttft_ms.p90 = Some(3.0);
         rows[0].ttft_ms.p90 = Some(1.0);
         rows[1].ttft_ms.p90 = Some(1.0);
-        assert!(!findings(&Recording::default(), &rows, &windows, &w)
-            .iter()
-            .any(|x| x.kind == "ttft_outlier"));
+        assert!(
+            !findings(&rec, &MetricIndex::new(&rec), &rows, &windows, &w)
+                .iter()
+                .any(|x| x.kind == "ttft_outlier")
+        );
     }
 }

@@ -760,7 +760,7 @@ impl Report {
             engine_imbalance: engines::imbalance(&engine_rows),
             rank_imbalance: engines::imbalance(&rank_rows),
             engine_ranks: rank_rows,
-            fleet_findings: super::fleet::findings(rec, &engine_rows, &tl.windows, &windows),
+            fleet_findings: super::fleet::findings(rec, &ix, &engine_rows, &tl.windows, &windows),
             engines: engine_rows,
             function_latency,
             window_s: tl.window_s,
