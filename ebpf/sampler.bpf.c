@@ -450,8 +450,18 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
 }
 
 #define ES_NR_FUTEX 202 /* x86-64 */
-/* Offset of `di` (first syscall argument) in the kernel's x86-64 struct pt_regs. */
+/* Offsets of `di` and `si` (first and second syscall arguments) in the kernel's x86-64
+ * struct pt_regs. */
 #define ES_PT_REGS_DI 112
+#define ES_PT_REGS_SI 104
+/* futex(2) operations (linux/futex.h): the command is op without FUTEX_PRIVATE_FLAG (128) and
+ * FUTEX_CLOCK_REALTIME (256). */
+#define ES_FUTEX_CMD_MASK 127
+#define ES_FUTEX_WAIT 0
+#define ES_FUTEX_LOCK_PI 6
+#define ES_FUTEX_WAIT_BITSET 9
+#define ES_FUTEX_WAIT_REQUEUE_PI 11
+#define ES_FUTEX_LOCK_PI2 13
 
 SEC("tp_btf/sys_enter")
 int BPF_PROG(on_sys_enter, void *regs, long id)
@@ -463,9 +473,22 @@ int BPF_PROG(on_sys_enter, void *regs, long id)
     const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
     if (!t || !(t->flags & ES_TARGET_GIL) || !t->gil_addr)
         return 0;
-    __u64 uaddr = 0;
-    if (bpf_probe_read_kernel(&uaddr, sizeof(uaddr), (char *)regs + ES_PT_REGS_DI))
+    __u64 uaddr = 0, op = 0;
+    if (bpf_probe_read_kernel(&uaddr, sizeof(uaddr), (char *)regs + ES_PT_REGS_DI) ||
+        bpf_probe_read_kernel(&op, sizeof(op), (char *)regs + ES_PT_REGS_SI))
         return 0;
+    /* Only the operations that block: a FUTEX_WAKE (a thread dropping the GIL signals the
+     * condition, unlocks a contended mutex) is not a wait. */
+    switch (op & ES_FUTEX_CMD_MASK) {
+    case ES_FUTEX_WAIT:
+    case ES_FUTEX_LOCK_PI:
+    case ES_FUTEX_WAIT_BITSET:
+    case ES_FUTEX_WAIT_REQUEUE_PI:
+    case ES_FUTEX_LOCK_PI2:
+        break;
+    default:
+        return 0;
+    }
     __u64 off = uaddr - t->gil_addr;
     if (off < t->gil_cond_off || off >= t->gil_size)
         return 0;
@@ -494,6 +517,27 @@ int BPF_PROG(on_sys_enter, void *regs, long id)
     }
     if (!locked)
         holder = 0;
+    /* Blocked on one of the GIL's mutexes rather than on a condition variable: what blocks the
+     * waiter is that mutex's owner (a thread dropping or taking the GIL, often while `locked`
+     * says free or names the waiter itself), found by the owner's tid that glibc keeps in
+     * pthread_mutex_t.__owner (offset 8). An owner that is not a known thread of this process
+     * (no owner any more, another C library's layout) leaves the GIL's holder as it was. */
+    __u32 moff = 0;
+    if (t->gil_mutex_off) {
+        if (off >= t->gil_switch_mutex_off)
+            moff = t->gil_switch_mutex_off;
+        else if (off >= t->gil_mutex_off && off < t->gil_switch_off)
+            moff = t->gil_mutex_off;
+    }
+    if (moff) {
+        __u32 owner = 0;
+        bpf_probe_read_user(&owner, sizeof(owner), (void *)(t->gil_addr + moff + 8));
+        struct es_thread *o = owner && owner != tid ? bpf_map_lookup_elem(&threads, &owner) : 0;
+        if (o && o->tgid == tgid && o->tstate) {
+            holder = o->tstate;
+            count(ES_C_GIL_MUTEX_OWNER);
+        }
+    }
     ev->h.ip = holder;
     if (holder)
         flags |= walk_stack(t, holder, ev) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);

@@ -39,6 +39,8 @@ struct es_target {
     __u32 gil_size;             /* sizeof(struct _gil_runtime_state) */
     __u32 gc_stats_stride;      /* sizeof(struct gc_generation_stats) */
     __u64 gc_stats_addr;        /* &gcstate->generation_stats[0] (collections, collected); 0 = unknown */
+    __u32 gil_mutex_off;        /* offsetof(mutex), a glibc pthread_mutex_t; 0 = unknown */
+    __u32 gil_switch_mutex_off; /* offsetof(switch_mutex) */
 };
 
 #define ES_TARGET_OFFCPU 1      /* trace sched_switch for this process */
@@ -169,6 +171,7 @@ enum es_counter {
     ES_C_NATIVE_STACKS,      /* native-stack records sent */
     ES_C_USTACK_READ_ERR,    /* user stack window unreadable (no native frames beyond the leaf) */
     ES_C_KSTACK_ERR,         /* bpf_get_stack (kernel) failed */
+    ES_C_GIL_MUTEX_OWNER,    /* GIL waits on a GIL mutex blamed on the mutex's owner */
     ES_C_COUNT,
 };
 

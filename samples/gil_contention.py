@@ -87,6 +87,18 @@ total's random error is about std * sqrt(steps); `error_s` is three times that p
 wait at each window edge, where steps count pro rata (`error_excl_runq_s` the same with the
 extra without its run-queue part, a few times smaller).
 
+Steal and preemption. A thread's CPU clock stops while its vCPU is stolen by the hypervisor
+(this VM: 0.1-0.6 s of steal over both CPUs in a 5 s window) or while it sits preempted in the
+run queue, so wall - CPU counts both as waits although nothing was waited for. A wait for the GIL
+blocks the thread (a futex wait: a voluntary context switch, getrusage's ru_nvcsw), so each step
+also records its compute's and its sleep's voluntary switches (`compute_blocks`,
+`sleep_blocks`), and `gil_wait_blocked_s` counts a step's compute only when it blocked and its
+sleep only when it blocked more than the sleep's own once: steal and preemption in parts of a
+step that never waited are out, and so is the calibration's bias there. It still counts the
+run-queue delay after a wake-up, which a futex timing counts too (upper end);
+`gil_wait_lower_s` is it less all of the window's run-queue time (lower end). `steal_s` is the
+machine's steal over the window, all CPUs together (/proc/stat).
+
 Measured on the 2-core VM (CPython 3.10-3.15; 10 s windows on 3.12.1 and sid 3.14.10, other
 work running, one core often busy): the launcher waits a quarter of the window (gil_wait_s
 2.3-2.7 s of 10 s; 60-64 contended steps/s with a median wait of 4.8-5.0 ms, the switch
@@ -110,8 +122,9 @@ Truth JSON (window figures only; steps and puts that straddle an edge count pro 
   {"pid", "python", "switch_interval_s", "window": {"start_mono_ns", "end_mono_ns"},
    "threads": [{"native_id", "name" (its role), "python_name", "wall_s", "cpu_s", "offcpu_s",
                 "runq_s", "active_cpu_s" (--gate; null for the main thread)}],
+   "steal_s",
    "launcher": {"native_id", "steps", "steps_per_s", "gil_wait_s", "gil_wait_excl_runq_s",
-                "gil_wait_upper_s",
+                "gil_wait_upper_s", "gil_wait_blocked_s", "gil_wait_lower_s",
                 "runq_s", "wait_in_compute_s", "wait_after_sleep_s", "wait_elsewhere_s",
                 "gil_wait_share" (of the window), "wait_per_step_ms_mean", "error_s",
                 "error_excl_runq_s", "contended_steps" (wait > 0.5 ms),
@@ -193,6 +206,27 @@ def runq_ns(native_id):
         return None
 
 
+def steal_ns():
+    """Time the hypervisor ran something else while this machine's CPUs had work (the `steal`
+    column of /proc/stat, all CPUs together), ns; None where unavailable. A thread's CPU clock
+    does not advance while its vCPU is stolen, so wall - CPU counts it although the thread was
+    not waiting for anything."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000000000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def blocks():
+    """This thread's voluntary context switches so far (it blocked: a sleep, a futex wait on the
+    GIL); -1 where unavailable."""
+    if resource is None:
+        return -1
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+
+
 def preemptions():
     """This thread's involuntary context switches so far (getrusage keeps the GIL, so reading
     it changes nothing in the contention); -1 where unavailable."""
@@ -256,6 +290,7 @@ class Worker:
         self.x = 1
 
     def execute_model(self, cpu_ns, sleep_s):
+        va = blocks()
         a = mono(); ca = tcpu()
         end = ca + cpu_ns
         x = self.x
@@ -264,9 +299,11 @@ class Worker:
                 x = (x * 31 + i) % 1000003
         self.x = x
         b = mono(); cb = tcpu()
+        vb = blocks()
         time.sleep(sleep_s)
         c = mono(); cc = tcpu()
-        return a, ca, b, cb, c, cc
+        vc = blocks()
+        return a, ca, b, cb, c, cc, va, vb, vc
 
 
 def hold_window(deadline_ns):
@@ -363,12 +400,16 @@ def thread_main(rec, loop):
 
 def step_rows(calls):
     """Per step (execute_model start to the next start): start, compute wall/CPU, sleep
-    wall/CPU, step wall/CPU, requested sleep, preemptions, run-queue time (ns; None unknown)."""
+    wall/CPU, step wall/CPU, requested sleep, preemptions, run-queue time (ns; None unknown),
+    voluntary context switches in the compute and in the sleep (-1 unknown)."""
     rows = []
-    for (p, q, a, ca, b, cb, c, cc), nxt in zip(calls, calls[1:]):
+    for (p, q, a, ca, b, cb, c, cc, va, vb, vc), nxt in zip(calls, calls[1:]):
         pre = -1 if p < 0 else nxt[0] - p
         rq = None if q is None or nxt[1] is None else nxt[1] - q
-        rows.append((a, b - a, cb - ca, c - b, cc - cb, nxt[2] - a, nxt[3] - ca, SLEEP_NS, pre, rq))
+        vcomp = -1 if va < 0 else vb - va
+        vsleep = -1 if vb < 0 else vc - vb
+        rows.append((a, b - a, cb - ca, c - b, cc - cb, nxt[2] - a, nxt[3] - ca, SLEEP_NS, pre, rq,
+                     vcomp, vsleep))
     return rows
 
 
@@ -406,6 +447,7 @@ def launcher_doc(rec, start, end, runq_window):
     steps = 0.0
     wait = wait_compute = wait_sleep = 0.0
     clean_steps = clean_wait = 0.0
+    blocked_wait = 0.0
     preempted = 0
     rows = []
     contended = []
@@ -417,6 +459,12 @@ def launcher_doc(rec, start, end, runq_window):
         w = r[5] - r[6] - r[7] - extra_m
         wc = r[1] - r[2] - comp_m
         ws = r[3] - r[4] - r[7] - sleep_m
+        # A wait for the GIL blocks the thread (a futex wait: a voluntary context switch); a
+        # part of the step in which the thread never blocked (the compute with none, the sleep
+        # with only its own) waited for nothing, whatever its wall - CPU says: that is time
+        # the thread was runnable or its vCPU was stolen by the hypervisor.
+        wb = w - (0 if r[10] != 0 else wc) - (0 if r[11] < 0 or r[11] > 1 else ws)
+        blocked_wait += wb * f
         steps += f
         wait += w * f
         wait_compute += wc * f
@@ -430,7 +478,7 @@ def launcher_doc(rec, start, end, runq_window):
         if w > CONTENDED_NS and f == 1.0:
             contended.append(w)
         rows.append([r[0], r[1], r[2], r[3], r[4], r[5], r[6], int(round(w)), int(round(wc)),
-                     int(round(ws)), r[8], round(f, 6)])
+                     int(round(ws)), r[8], round(f, 6), r[10], r[11]])
     window_s = (end - start) / 1e9
     # Run-queue time beyond the wake-up latency the calibrated extra already holds.
     runq_extra = None
@@ -440,10 +488,11 @@ def launcher_doc(rec, start, end, runq_window):
     # window's run-queue time taken out. Robust to the machine's load changing between the
     # calibration and the window; the upper bound counts all of the window's run-queue time as
     # wake-up latency after GIL handoffs (which a futex timing includes).
-    excl_s = upper_s = None
+    excl_s = upper_s = lower_s = None
     if runq_extra is not None:
         excl_s = round((wait - runq_extra) / 1e9, 6)
         upper_s = round((wait - runq_extra + runq_window) / 1e9, 6)
+        lower_s = round((blocked_wait - runq_window) / 1e9, 6)
     error_ns = 3 * extra_sd * steps ** 0.5 + 2 * max_step_wait
     error_nq_ns = 3 * extra_nq_sd * steps ** 0.5 + 2 * max_step_wait
     contended.sort()
@@ -463,6 +512,8 @@ def launcher_doc(rec, start, end, runq_window):
         "gil_wait_s": round(wait / 1e9, 6),
         "gil_wait_excl_runq_s": excl_s,
         "gil_wait_upper_s": upper_s,
+        "gil_wait_blocked_s": round(blocked_wait / 1e9, 6),
+        "gil_wait_lower_s": lower_s,
         "runq_s": None if runq_window is None else round(runq_window / 1e9, 6),
         "wait_in_compute_s": round(wait_compute / 1e9, 6),
         "wait_after_sleep_s": round(wait_sleep / 1e9, 6),
@@ -492,7 +543,7 @@ def launcher_doc(rec, start, end, runq_window):
         "step_columns": ["start_ns", "compute_wall_ns", "compute_cpu_ns", "sleep_wall_ns",
                          "sleep_cpu_ns", "step_wall_ns", "step_cpu_ns", "gil_wait_ns",
                          "wait_in_compute_ns", "wait_after_sleep_ns", "preemptions",
-                         "in_window"],
+                         "in_window", "compute_blocks", "sleep_blocks"],
         "steps_list": rows,
     }
 
@@ -597,10 +648,12 @@ def main():
     start = mono()
     cpu0 = read_clocks(recs)
     rq0 = read_runq(recs)
+    st0 = steal_ns()
     WINDOW.set()
     hold_window(start + int(args.duration * 1e9))
     cpu1 = read_clocks(recs)
     rq1 = read_runq(recs)
+    st1 = steal_ns()
     end = mono()
 
     STOP.set()
@@ -634,6 +687,7 @@ def main():
         "python": sys.version.split()[0],
         "switch_interval_s": sys.getswitchinterval(),
         "window": {"start_mono_ns": start, "end_mono_ns": end},
+        "steal_s": None if st0 is None or st1 is None else round((st1 - st0) / 1e9, 6),
         "threads": threads,
         "launcher": launcher_doc(launcher, start, end, lrq),
         "writer": wdoc,

@@ -41,6 +41,9 @@ pub struct EsTarget {
     pub gil_size: u32,
     pub gc_stats_stride: u32,
     pub gc_stats_addr: u64,
+    /// Offset of the GIL's `mutex` (a glibc `pthread_mutex_t`, owner tid at +8); 0 = unknown.
+    pub gil_mutex_off: u32,
+    pub gil_switch_mutex_off: u32,
 }
 
 pub const TARGET_OFFCPU: u32 = 1;
@@ -143,6 +146,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_native_stacks",
     "bpf_ustack_read_errors",
     "bpf_kstack_errors",
+    "bpf_gil_waits_on_mutex_owner",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).
@@ -220,7 +224,7 @@ unsafe impl aya::Pod for EsThread {}
 
 const _: () = {
     use std::mem::{offset_of, size_of};
-    assert!(size_of::<EsTarget>() == 136);
+    assert!(size_of::<EsTarget>() == 144);
     assert!(offset_of!(EsTarget, gil_addr) == 104);
     assert!(offset_of!(EsTarget, gc_stats_addr) == 128);
     assert!(offset_of!(EsTarget, code_name) == 96);

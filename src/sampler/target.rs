@@ -155,6 +155,8 @@ impl Target {
             gil_cond_off: 32,
             gil_switch_off: 120,
             gil_size: 208,
+            gil_mutex_off: 80,
+            gil_switch_mutex_off: 168,
             gc_stats_stride: 24,
             gc_stats_addr: o
                 .gc_generation_stats
