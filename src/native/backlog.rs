@@ -39,14 +39,19 @@ impl<T> Backlog<T> {
         self.q.is_empty()
     }
 
-    /// Take an event in: returned to be applied now when nothing waits and it is `ready`,
-    /// else queued behind the others.
-    pub fn admit(&mut self, item: T, ready: bool) -> Option<T> {
+    /// Take an event in: returned to be applied now (ready) when nothing waits and it is
+    /// `ready`, else queued behind the others; the queue then over its bound gives its oldest
+    /// back at once, unready (one drain can bring tens of thousands of events).
+    pub fn admit(&mut self, item: T, ready: bool) -> Option<(T, bool)> {
         if self.q.is_empty() && ready {
-            return Some(item);
+            return Some((item, true));
         }
         self.q.push_back(item);
         self.deferred += 1;
+        if self.q.len() > self.cap {
+            self.overflow += 1;
+            return self.q.pop_front().map(|t| (t, false));
+        }
         self.max_len = self.max_len.max(self.q.len() as u64);
         None
     }
@@ -74,7 +79,11 @@ mod tests {
     #[test]
     fn keeps_order_behind_a_waiting_event() {
         let mut b = Backlog::new(10);
-        assert_eq!(b.admit(1, true), Some(1), "nothing waits: applied at once");
+        assert_eq!(
+            b.admit(1, true),
+            Some((1, true)),
+            "nothing waits: applied at once"
+        );
         assert_eq!(b.admit(2, false), None);
         assert_eq!(b.admit(3, true), None, "ready, but behind a waiting event");
         let ready = |loaded: bool| move |x: &i32| *x != 2 || loaded;
@@ -82,22 +91,25 @@ mod tests {
         assert_eq!(b.next(ready(true), false), Some((2, true)));
         assert_eq!(b.next(ready(true), false), Some((3, true)));
         assert!(b.next(ready(true), false).is_none());
-        assert_eq!(b.admit(4, true), Some(4));
+        assert_eq!(b.admit(4, true), Some((4, true)));
         assert_eq!((b.deferred, b.max_len, b.overflow), (2, 2, 0));
     }
 
     #[test]
     fn bounded_and_drained_at_finish() {
         let mut b = Backlog::new(2);
-        for i in 0..4 {
-            assert_eq!(b.admit(i, false), None);
-        }
+        assert_eq!(b.admit(0, false), None);
+        assert_eq!(b.admit(1, false), None);
+        // Over the bound: the oldest goes out unready as the newest comes in.
+        assert_eq!(b.admit(2, false), Some((0, false)));
+        assert_eq!(b.admit(3, false), Some((1, false)));
         let never = |_: &i32| false;
-        // Over the bound: the oldest goes out unready until the bound holds.
-        assert_eq!(b.next(never, false), Some((0, false)));
-        assert_eq!(b.next(never, false), Some((1, false)));
         assert!(b.next(never, false).is_none());
-        assert_eq!(b.overflow, 2);
+        assert_eq!(
+            (b.overflow, b.max_len),
+            (2, 2),
+            "never more than the bound waits"
+        );
         // Finishing: everything, in order.
         assert_eq!(b.next(never, true), Some((2, false)));
         assert_eq!(b.next(never, true), Some((3, false)));

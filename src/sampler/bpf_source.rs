@@ -52,6 +52,9 @@ pub struct BpfSource {
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
 /// holds its resolved Python frames and up to ~100 native addresses, a few KiB).
 const BACKLOG_CAP: usize = 50_000;
+/// Events waiting for symbols beyond which the symbol loader stops running at a low priority
+/// (a few seconds of events).
+const BACKLOG_HURRY: usize = 5_000;
 
 impl BpfSource {
     /// Load and attach the BPF programs.
@@ -184,7 +187,7 @@ impl BpfSource {
                 return;
             };
             let ready = p.ready();
-            let mut apply_now = backlog.admit(p, ready).map(|p| (p, true));
+            let mut apply_now = backlog.admit(p, ready);
             loop {
                 let Some((p, ready)) = apply_now.take() else {
                     break;
@@ -199,6 +202,11 @@ impl BpfSource {
         });
         self.event_max_ns = event_max_ns;
         self.unparsed += unparsed;
+        if self.backlog.len() > BACKLOG_HURRY {
+            if let Some(n) = &self.native {
+                n.native.hurry_symbols();
+            }
+        }
         if let Some(n) = self.native.as_mut() {
             for (tid, window) in n.take_window_changes() {
                 // A failed update leaves the thread's previous window: costlier or shorter
