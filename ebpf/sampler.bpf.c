@@ -15,9 +15,14 @@
 char LICENSE[] SEC("license") = "Dual MIT/GPL";
 
 /* Only the fields we read; CO-RE relocates them against the running kernel's BTF. */
+struct sched_entity {
+    __u64 sum_exec_runtime;
+} __attribute__((preserve_access_index));
+
 struct task_struct {
     int pid;
     int tgid;
+    struct sched_entity se;
 } __attribute__((preserve_access_index));
 
 struct {
@@ -389,7 +394,11 @@ int on_sample(struct bpf_perf_event_data *ctx)
     } else if (ip < t->text_lo || ip >= t->text_hi) {
         flags |= ES_EV_NATIVE;
     }
-    record_current(ctx, ES_SLOT_SAMPLE, ES_EV_SAMPLE, t, tgid, tid, ip, flags,
+    /* The thread's CPU time as the scheduler counts it (advanced at each tick and switch,
+     * without what the hypervisor stole): cpu-clock runs on while a vCPU is stolen. */
+    struct task_struct *task = bpf_get_current_task_btf();
+    __u64 runtime = BPF_CORE_READ(task, se.sum_exec_runtime);
+    record_current(ctx, ES_SLOT_SAMPLE, ES_EV_SAMPLE, t, tgid, tid, runtime, flags,
                    (cs & 3) ? (const struct pt_regs *)&ctx->regs : 0);
     return 0;
 }

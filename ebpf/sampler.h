@@ -73,7 +73,8 @@ struct es_frame {
 #define ES_FRAME_ENTRY 0x40000000
 
 enum es_event_kind {
-    ES_EV_SAMPLE = 1,     /* cpu-clock sample of a target thread */
+    ES_EV_SAMPLE = 1,     /* cpu-clock sample of a target thread: ip = its runtime
+                           * (task->se.sum_exec_runtime, ns) */
     ES_EV_SWITCH_OUT = 2, /* target thread switched out: time, state, Python stack */
     ES_EV_SWITCH_IN = 3,  /* target thread switched back in */
     ES_EV_GIL_WAIT_START = 4, /* futex wait on the GIL begins: ip = holder tstate, cpu = offset

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::probes::Probes;
+use super::runtime_weight::RuntimeWeights;
 use super::source::Source;
 use super::target::{Target, Targets};
 use super::Pipeline;
@@ -47,6 +48,8 @@ pub struct BpfSource {
     finish_wait_ns: u64,
     /// Ring-buffer records too short or of an unknown layout (counter `events_unparsed`).
     unparsed: u64,
+    /// Samples' CPU time from the threads' scheduler runtime.
+    weights: RuntimeWeights,
 }
 
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
@@ -78,6 +81,7 @@ impl BpfSource {
             event_max_ns: 0,
             unparsed: 0,
             finish_wait_ns: 0,
+            weights: RuntimeWeights::new(1_000_000_000 / rate_hz.max(1) as u64),
         })
     }
 
@@ -155,6 +159,7 @@ impl BpfSource {
         let probes = &mut self.probes;
         let native = &mut self.native;
         let backlog = &mut self.backlog;
+        let weights = &mut self.weights;
         self.b.drain(usize::MAX, |bytes| {
             if err.is_some() {
                 return;
@@ -183,7 +188,7 @@ impl BpfSource {
                     attach.push((pid, tid, codes));
                 }
             }
-            let Some(p) = prepare(t, native.as_mut(), &h, &frames, entry, bytes) else {
+            let Some(p) = prepare(t, native.as_mut(), weights, &h, &frames, entry, bytes) else {
                 return;
             };
             let ready = p.ready();
@@ -265,6 +270,8 @@ enum Body {
     /// A sample, or a blocking switch-out (`switch_out`), with its stack.
     Stack {
         switch_out: bool,
+        /// A sample's CPU time (ns).
+        weight_ns: u64,
         python: Vec<Frame>,
         entry: Vec<bool>,
         native: Option<RawNative>,
@@ -297,6 +304,7 @@ impl Prepared {
 fn prepare(
     t: &mut Target,
     native: Option<&mut crate::native::NativeState>,
+    weights: &mut RuntimeWeights,
     h: &abi::EsEventHeader,
     frames: &[abi::EsFrame],
     entry: Vec<bool>,
@@ -310,8 +318,15 @@ fn prepare(
                 && h.flags & abi::ev::PREEMPTED != 0) =>
         {
             let python = t.resolve(tid, frames);
+            let switch_out = h.kind == kind::SWITCH_OUT;
             Body::Stack {
-                switch_out: h.kind == kind::SWITCH_OUT,
+                switch_out,
+                // A sample carries its thread's scheduler runtime.
+                weight_ns: if switch_out {
+                    0
+                } else {
+                    weights.weight(tid, h.ip)
+                },
                 native: native.and_then(|n| n.take(tid, h.time_ns)),
                 python,
                 entry,
@@ -362,6 +377,7 @@ fn apply(
     match body {
         Body::Stack {
             switch_out,
+            weight_ns,
             python,
             entry,
             native: raw,
@@ -379,7 +395,7 @@ fn apply(
                 pipe.switch_out(pid, tid, time_ns, s, ev_flags & abi::ev::PREEMPTED != 0)?;
             } else {
                 let fl = sample_flags(ev_flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
-                pipe.sample(pid, tid, time_ns, s, fl)?;
+                pipe.sample_cpu(pid, tid, time_ns, s, fl, weight_ns)?;
             }
             probes.stack(pid, tid, time_ns, &python, switch_out, pipe)
         }
@@ -489,6 +505,9 @@ impl Source for BpfSource {
             )?;
             self.probes.thread_added(&mut self.b, pid, tid);
         }
+        if !gone.is_empty() {
+            self.weights.retain(|tid| !gone.contains(&tid));
+        }
         for &tid in gone {
             self.b.remove_thread(tid as u32);
             if let Some(n) = self.native.as_mut() {
@@ -568,6 +587,10 @@ impl Source for BpfSource {
             super::probes::counters(Some(&self.probes), out);
         }
         out.insert("bpf_event_max_us".into(), self.event_max_ns / 1_000);
+        out.insert(
+            "samples_steal_ms".into(),
+            self.weights.left_out_ns / 1_000_000,
+        );
         out.insert("events_unparsed".into(), self.unparsed);
         if let Some(n) = &self.native {
             n.counters(out);

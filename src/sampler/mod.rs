@@ -13,6 +13,7 @@ pub mod output;
 pub mod pipeline;
 pub mod probes;
 pub mod recorder;
+pub mod runtime_weight;
 pub mod sink;
 pub mod source;
 pub mod target;

@@ -94,12 +94,26 @@ impl<W: Sink> Pipeline<W> {
         stack: u32,
         fl: u8,
     ) -> anyhow::Result<()> {
+        self.sample_cpu(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
+    }
+
+    /// A timer sample standing for `weight_ns` of the thread's CPU time (the period, less what
+    /// the hypervisor stole: [`super::runtime_weight`]).
+    pub fn sample_cpu(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        stack: u32,
+        fl: u8,
+        weight_ns: u64,
+    ) -> anyhow::Result<()> {
         self.end_missed_switch_in(pid, tid, t_ns)?;
         let tl = self.timelines.entry((pid, tid)).or_default();
         tl.seen_event = true;
         tl.initial_stack = None;
         tl.last_stack = stack;
-        self.sample_weighted(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
+        self.sample_weighted(pid, tid, t_ns, stack, fl, weight_ns)
     }
 
     /// The thread's latest known stack: what a preempted switch-out (recorded without a stack
