@@ -135,6 +135,7 @@ fn write_vllm_fixture(path: &Path) {
     w.engine(&EngineInfo {
         id: "engine0".into(),
         api_server_pid: 10,
+        api_server_pids: vec![],
         engine_core_pids: vec![20],
         worker_pids: vec![],
         metrics_url: "http://127.0.0.1:8000/metrics".into(),

@@ -1320,3 +1320,129 @@ fn kv_memory_wall_is_named() {
         load_to - load_from
     );
 }
+
+/// `vllm serve --api-server-count 2`: the process started as `vllm serve` binds the port and
+/// launches two API server processes (`VLLM::APIServer_0`, `_1`) that share it, and the engine
+/// core. Discovery must name the launcher as such, give the engine both API servers, scrape
+/// the shared port (vLLM's multiprocess Prometheus sums both servers' counters) and treat both
+/// as API servers (CPU, stalls). Truth: the server's own generation counter before and after
+/// the load, and load.py's clients.
+#[test]
+fn two_api_servers_share_one_engine() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let srv = start_server_with(&["--enforce-eager", "--api-server-count", "2"], |_| ()).0;
+    first_completion(srv.port);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("multi-api.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = record_vllm_metrics(&out_s);
+    let rec_pid = recorder.child.id() as i32;
+    let start = enginescope::sys::monotonic_ns();
+    let engine_scrapes_after = |r: &Recording, after: u64| {
+        r.engines
+            .iter()
+            .find(|e| e.api_server_pids.len() == 2)
+            .map_or(0, |e| scrapes_after(r, e.api_server_pid, after))
+    };
+    follow_until(&out_path, "a scrape", Duration::from_secs(60), |r| {
+        engine_scrapes_after(r, start) >= 1
+    });
+    let before = generation_tokens(srv.port);
+    let out = Command::new(venv().join("bin/python"))
+        .arg(harness().join("load.py"))
+        .args(["--port", &srv.port.to_string(), "-c", "8"])
+        .args(["--max-tokens", "64", "--duration", "15", "--grace", "0"])
+        .output()
+        .expect("run load.py");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "load.py: {text}");
+    let line = text.lines().last().unwrap_or("").replace("NaN", "null");
+    let res: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"));
+    let load_end = enginescope::sys::monotonic_ns();
+    follow_until(
+        &out_path,
+        "2 scrapes after the load",
+        Duration::from_secs(60),
+        |r| engine_scrapes_after(r, load_end) >= 2,
+    );
+    let truth = generation_tokens(srv.port) - before;
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let (ok, _, log) = recorder.wait();
+    assert!(ok, "record --vllm failed:\n{log}");
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    let role = |pid: i32| {
+        rec.processes
+            .iter()
+            .rev()
+            .find(|p| p.pid == pid)
+            .map(|p| p.role.clone())
+            .unwrap_or_default()
+    };
+    let e = rec
+        .engines
+        .iter()
+        .rev()
+        .find(|e| e.api_server_pids.len() == 2)
+        .unwrap_or_else(|| panic!("an engine with two API servers: {:#?}", rec.engines));
+    let apis = e.api_server_pids.clone();
+    eprintln!(
+        "launcher {} ({}); API servers {apis:?} ({}, {}); engine core {:?}; metrics {}",
+        srv.pid,
+        role(srv.pid),
+        role(apis[0]),
+        role(apis[1]),
+        e.engine_core_pids,
+        e.metrics_url
+    );
+    assert_eq!(role(srv.pid), "serve_launcher");
+    assert_eq!(
+        (role(apis[0]), role(apis[1])),
+        ("api_server_0".to_string(), "api_server_1".to_string())
+    );
+    assert!(apis.iter().all(|&p| ppid(p) == srv.pid));
+    assert_eq!(e.api_server_pid, apis[0]);
+    assert_eq!(e.engine_core_pids.len(), 1, "{e:?}");
+    // Both API servers recorded, and taken for API servers by the views.
+    for &p in &apis {
+        assert!(
+            rec.threads.iter().any(|t| t.pid == p),
+            "API server {p} has no recorded thread"
+        );
+        assert!(enginescope::views::stalls::is_api_server(&rec, p));
+    }
+    assert!(!enginescope::views::stalls::is_api_server(&rec, srv.pid));
+    let ix = MetricIndex::new(&rec);
+    let span = enginescope::views::windows::extent_ns(&rec);
+    let ours = ix
+        .increase(&e.id, &names::GENERATION_TOKENS, 0, span + 1)
+        .expect("increase")
+        .value;
+    let client = res["gen_tok_s_client"].as_f64().expect("gen_tok_s_client")
+        * res["window_s"].as_f64().expect("window_s");
+    eprintln!(
+        "{}: {ours} tokens recorded vs {truth} by the server's counter, {client:.0} by load.py's \
+         clients",
+        e.id
+    );
+    assert!(truth > 0.0, "the load generated tokens");
+    assert!(
+        (ours / truth - 1.0).abs() <= 0.05,
+        "{ours} tokens recorded vs {truth}"
+    );
+    assert!(
+        ours >= 0.95 * client,
+        "{ours} tokens recorded, load.py's clients counted {client}"
+    );
+    // The report lists both API servers.
+    let report = json_report(&out_s, None);
+    let row = report["engines"]
+        .as_array()
+        .and_then(|v| v.iter().find(|x| x["id"] == e.id.as_str()))
+        .unwrap_or_else(|| panic!("{} in the report: {}", e.id, report["engines"]));
+    assert_eq!(row["api_server_pids"], serde_json::json!(apis), "{row}");
+}

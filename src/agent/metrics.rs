@@ -629,11 +629,7 @@ impl Aggregator {
         }
         self.seg.n_threads = r.threads.len();
         for e in r.engines.iter().skip(self.seg.n_engines) {
-            let pids = std::iter::once(e.api_server_pid)
-                .chain(e.engine_core_pids.iter().copied())
-                .chain(e.worker_pids.iter().copied())
-                .filter(|&p| p > 0);
-            for pid in pids {
+            for pid in e.pids() {
                 self.seg.engines.insert(pid, label(&e.id));
             }
         }

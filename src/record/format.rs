@@ -249,11 +249,7 @@ impl RecordingWriter {
         c.threads
             .retain(|&(pid, tid), _| c.processes.contains_key(&pid) && alive(pid, Some(tid)));
         c.engines.retain(|_, e| {
-            let pids: Vec<i32> = std::iter::once(e.api_server_pid)
-                .chain(e.engine_core_pids.iter().copied())
-                .chain(e.worker_pids.iter().copied())
-                .filter(|&p| p > 0)
-                .collect();
+            let pids = e.pids();
             pids.is_empty() || pids.iter().any(|&p| alive(p, None))
         });
         let res = (|| {
@@ -1090,6 +1086,7 @@ mod tests {
         let eng = EngineInfo {
             id: "engine0".into(),
             api_server_pid: 7,
+            api_server_pids: vec![7, 11],
             engine_core_pids: vec![8],
             worker_pids: vec![9, 10],
             metrics_url: "http://127.0.0.1:8000/metrics".into(),

@@ -154,8 +154,12 @@ pub struct GcPause {
 pub struct EngineInfo {
     /// Stable within a recording: "engine0", "engine1", … or the name the user gave.
     pub id: String,
-    /// 0 when there is no API server (offline `LLM` script).
+    /// 0 when there is no API server (offline `LLM` script); the first of `api_server_pids`.
     pub api_server_pid: i32,
+    /// Every API server process (`vllm serve --api-server-count N` runs N, sharing one port);
+    /// empty in older recordings, where `api_server_pid` is the only one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub api_server_pids: Vec<i32>,
     pub engine_core_pids: Vec<i32>,
     pub worker_pids: Vec<i32>,
     /// Where its Prometheus metrics are scraped; empty when none.
@@ -167,6 +171,38 @@ pub struct EngineInfo {
     /// ns since start when this description was written.
     #[serde(default)]
     pub t_ns: u64,
+}
+
+impl EngineInfo {
+    /// Whether `pid` is one of its API servers.
+    pub fn is_api_server(&self, pid: i32) -> bool {
+        pid != 0 && (self.api_server_pid == pid || self.api_server_pids.contains(&pid))
+    }
+
+    /// Its API servers (none for an offline script).
+    pub fn api_servers(&self) -> Vec<i32> {
+        if self.api_server_pids.is_empty() {
+            (self.api_server_pid != 0)
+                .then_some(self.api_server_pid)
+                .into_iter()
+                .collect()
+        } else {
+            self.api_server_pids.clone()
+        }
+    }
+
+    /// Its processes: API servers, engine cores, workers (each once, no 0).
+    pub fn pids(&self) -> Vec<i32> {
+        let mut v: Vec<i32> = std::iter::once(self.api_server_pid)
+            .chain(self.api_server_pids.iter().copied())
+            .chain(self.engine_core_pids.iter().copied())
+            .chain(self.worker_pids.iter().copied())
+            .filter(|&p| p > 0)
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        v.retain(|p| seen.insert(*p));
+        v
+    }
 }
 
 /// A metric series scraped from an engine's `/metrics`: one family + label set. Counters

@@ -27,10 +27,10 @@ pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
             eprintln!(
                 "enginescope: {}: API server {}, engine core {:?}, workers {:?}, metrics {}",
                 e.id,
-                if e.api_server_pid == 0 {
-                    "-".to_string()
-                } else {
-                    e.api_server_pid.to_string()
+                match e.api_servers().as_slice() {
+                    [] => "-".to_string(),
+                    [one] => one.to_string(),
+                    many => format!("{many:?}"),
                 },
                 e.engine_core_pids,
                 e.worker_pids,

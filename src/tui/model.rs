@@ -261,7 +261,7 @@ fn engines(rec: &Recording, topo: &Topology) -> Vec<EngineInfo> {
 }
 
 fn engine_role(e: &EngineInfo, pid: i32) -> Option<&'static str> {
-    if e.api_server_pid == pid && pid != 0 {
+    if e.is_api_server(pid) {
         Some("APIServer")
     } else if e.engine_core_pids.contains(&pid) {
         Some("EngineCore")
@@ -274,8 +274,13 @@ fn engine_role(e: &EngineInfo, pid: i32) -> Option<&'static str> {
 
 fn engine_label(e: &EngineInfo) -> String {
     let mut parts = Vec::new();
-    if e.api_server_pid != 0 {
-        parts.push(format!("API server {}", e.api_server_pid));
+    match e.api_servers().as_slice() {
+        [] => {}
+        [one] => parts.push(format!("API server {one}")),
+        many => {
+            let p: Vec<String> = many.iter().map(|p| p.to_string()).collect();
+            parts.push(format!("API servers {}", p.join(" ")));
+        }
     }
     if !e.engine_core_pids.is_empty() {
         let p: Vec<String> = e.engine_core_pids.iter().map(|p| p.to_string()).collect();

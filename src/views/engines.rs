@@ -38,6 +38,9 @@ pub struct EngineRow {
     pub id: String,
     /// 0 when there is no API server (offline `LLM` script).
     pub api_server_pid: i32,
+    /// Every API server when there are several (`--api-server-count`), else empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub api_server_pids: Vec<i32>,
     pub engine_core_pids: Vec<i32>,
     pub worker_pids: Vec<i32>,
     /// Empty when its metrics were not scraped.
@@ -229,6 +232,7 @@ pub fn engine_rows(
             EngineRow {
                 id: id.clone(),
                 api_server_pid: info.map_or(0, |e| e.api_server_pid),
+                api_server_pids: info.map(|e| e.api_server_pids.clone()).unwrap_or_default(),
                 engine_core_pids: info.map(|e| e.engine_core_pids.clone()).unwrap_or_default(),
                 worker_pids: info.map(|e| e.worker_pids.clone()).unwrap_or_default(),
                 metrics_url: info.map(|e| e.metrics_url.clone()).unwrap_or_default(),

@@ -71,10 +71,10 @@ impl Report {
                 s,
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 md(&e.id),
-                if e.api_server_pid == 0 {
-                    "-".to_string()
+                if e.api_server_pids.is_empty() {
+                    pids(&[e.api_server_pid][..(e.api_server_pid != 0) as usize])
                 } else {
-                    e.api_server_pid.to_string()
+                    pids(&e.api_server_pids)
                 },
                 pids(&e.engine_core_pids),
                 pids(&e.worker_pids),

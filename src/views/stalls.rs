@@ -118,7 +118,8 @@ pub fn is_serialization_frame(f: &Frame) -> bool {
 }
 
 /// Whether a process is an API server: its role says so (`api_server`, `APIServer`,
-/// `api-server`, any case), or an engine names it as its API server.
+/// `api-server`, any case, or one of several numbered: `api_server_1`), or an engine names it
+/// as its API server.
 pub fn is_api_server(rec: &Recording, pid: i32) -> bool {
     let role_says = rec
         .processes
@@ -132,13 +133,10 @@ pub fn is_api_server(rec: &Recording, pid: i32) -> bool {
                 .filter(|c| c.is_ascii_alphanumeric())
                 .collect::<String>()
                 .to_ascii_lowercase();
-            r == "apiserver"
+            r.strip_prefix("apiserver")
+                .is_some_and(|n| n.chars().all(|c| c.is_ascii_digit()))
         });
-    role_says
-        || rec
-            .engines
-            .iter()
-            .any(|e| e.api_server_pid == pid && pid != 0)
+    role_says || rec.engines.iter().any(|e| e.is_api_server(pid))
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -846,7 +844,13 @@ mod tests {
     fn api_servers_by_role_or_engine() {
         use crate::record::{EngineInfo, ProcessInfo};
         let mut rec = Recording::default();
-        for (pid, role) in [(1, "APIServer"), (2, "EngineCore"), (4, "api_server")] {
+        for (pid, role) in [
+            (1, "APIServer"),
+            (2, "EngineCore"),
+            (4, "api_server"),
+            (5, "api_server_1"),
+            (6, "api_server_manager"),
+        ] {
             rec.processes.push(ProcessInfo {
                 pid,
                 role: role.into(),
@@ -857,8 +861,8 @@ mod tests {
             api_server_pid: 3,
             ..Default::default()
         });
-        let found: Vec<i32> = (0..6).filter(|&p| is_api_server(&rec, p)).collect();
-        assert_eq!(found, [1, 3, 4]);
+        let found: Vec<i32> = (0..8).filter(|&p| is_api_server(&rec, p)).collect();
+        assert_eq!(found, [1, 3, 4, 5]);
     }
 
     #[test]

@@ -227,6 +227,9 @@ impl DiscoveryChange {
 pub const ROLE_API_SERVER: &str = "api_server";
 pub const ROLE_OFFLINE: &str = "offline_llm";
 pub const ROLE_HEADLESS: &str = "headless_launcher";
+/// `vllm serve --api-server-count N` (N > 1, or data parallel): the process the user started
+/// binds the port and starts the engines and the `APIServer_i` processes that serve it.
+pub const ROLE_SERVE_LAUNCHER: &str = "serve_launcher";
 
 /// A vLLM process title: `PREFIX::Name[_Suffix]` split into the known name and its suffix.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -562,10 +565,25 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
             ..Default::default()
         };
         let mut members: Vec<(i32, String)> = Vec::new();
+        // API servers of their own (`APIServer_0`, …): the root only launched them; the
+        // engine's API server is the first (their port and arguments are the root's).
+        let api_children: Vec<i32> = g
+            .others
+            .iter()
+            .copied()
+            .filter(|pid| matches!(titles.get(pid), Some(Title::ApiServer(_))))
+            .collect();
         if let (Some(r), Some(role)) = (root, root_role) {
-            members.push((r.pid, role.to_string()));
+            let launcher = role == ROLE_API_SERVER && !api_children.is_empty();
+            members.push((
+                r.pid,
+                if launcher { ROLE_SERVE_LAUNCHER } else { role }.to_string(),
+            ));
             if role == ROLE_API_SERVER {
-                info.api_server_pid = r.pid;
+                info.api_server_pid = api_children.first().copied().unwrap_or(r.pid);
+                if !api_children.is_empty() {
+                    info.api_server_pids = api_children.clone();
+                }
                 let (url, how) = metrics_url_for(r, src, &mut d.warnings);
                 info.metrics_url = url;
                 info.metrics_url_source = how.into();
@@ -1021,19 +1039,24 @@ mod tests {
         let d = discover_with(&fake(procs), None).unwrap();
         assert_eq!(d.engines.len(), 1, "{d:#?}");
         let e = &d.engines[0];
+        // The root launched the API servers: the engine's API server is the first of them.
         assert_eq!(
             (
                 e.api_server_pid,
                 e.engine_core_pids.clone(),
                 e.worker_pids.clone()
             ),
-            (10, vec![14, 15], vec![16, 17])
+            (11, vec![14, 15], vec![16, 17])
+        );
+        assert_eq!(
+            e.metrics_url, "http://127.0.0.1:8000/metrics",
+            "from the root's argv"
         );
         let roles: Vec<&str> = d.roles.values().map(|s| s.as_str()).collect();
         assert_eq!(
             roles,
             vec![
-                "api_server",
+                "serve_launcher",
                 "api_server_0",
                 "api_server_1",
                 "dp_coordinator",

@@ -140,6 +140,7 @@ mod tests {
                 id: "engine0".into(),
                 api_server_pid: 10,
                 engine_core_pids: vec![11],
+                api_server_pids: vec![],
                 worker_pids: vec![12],
                 metrics_url: "http://127.0.0.1:8000/metrics".into(),
                 metrics_url_source: "argv".into(),
