@@ -6,34 +6,57 @@
 //! CPU and its own CPU clock 0.505. The scheduler's runtime of the task
 //! (`task->se.sum_exec_runtime`, what the thread's CPU clock, `top` and `ps` read) leaves
 //! steal out, and every sample carries it. The runtime advances only at ticks and switches
-//! (every 4 ms here), so one sample's difference would be 0 or a tick; instead a sample
-//! weighs the period times the thread's runtime over its samples' clock time in its previous
-//! block of samples (at least [`BLOCK_NS`] of them): 1 without steal, the share not stolen
-//! with it. Totals follow the runtime to within a block's share at a window's edges.
+//! (every 4 ms here), so one sample's difference would be 0 or a tick: a sample weighs the
+//! period times the thread's runtime share, its runtime over its samples' clock time (samples
+//! times the period), both summed over about the last [`HORIZON_NS`] of its samples' clock.
+//! 1 without steal (both count the same CPU time), the share not stolen with it. A ratio of
+//! sums over many samples, it adds no noise of its own to a thread sampled a few times a
+//! second; a change of the steal rate shows within the horizon.
 
 use std::collections::HashMap;
 
-/// Clock time of samples over which a thread's runtime share is measured.
-pub const BLOCK_NS: u64 = 200_000_000;
+/// Samples' clock time over which a thread's runtime share is summed (time constant).
+pub const HORIZON_NS: f64 = 1e9;
 
-/// Threads remembered at most (forgotten all at once beyond it: their next blocks start over).
+/// Threads remembered at most (forgotten all at once beyond it: they start over).
 const MAX_THREADS: usize = 65_536;
 
 #[derive(Debug, Clone, Copy)]
-struct Block {
-    /// Runtime at the block's first sample.
+struct Share {
+    /// Runtime at the last sample that saw it advance.
     anchor: u64,
     /// Samples since then.
     n: u64,
-    /// Runtime share of the previous block (1 until one has ended).
-    share: f64,
+    /// Decayed sums of runtime and of samples' clock time (ns).
+    runtime: f64,
+    clock: f64,
+}
+
+impl Share {
+    fn new(runtime: u64) -> Self {
+        Share {
+            anchor: runtime,
+            n: 0,
+            runtime: 0.0,
+            clock: 0.0,
+        }
+    }
+
+    fn factor(&self) -> f64 {
+        // Until a tenth of the horizon is summed, the period as it is.
+        if self.clock < HORIZON_NS / 10.0 {
+            1.0
+        } else {
+            // Above 1 only by a tick's rounding or lost samples; bounded either way.
+            (self.runtime / self.clock).clamp(0.0, 2.0)
+        }
+    }
 }
 
 #[derive(Debug)]
 pub struct RuntimeWeights {
     period_ns: u64,
-    block_samples: u64,
-    threads: HashMap<i32, Block>,
+    threads: HashMap<i32, Share>,
     /// Clock time of samples left out as not the thread's CPU time (counter
     /// `samples_steal_ms`).
     pub left_out_ns: u64,
@@ -41,10 +64,8 @@ pub struct RuntimeWeights {
 
 impl RuntimeWeights {
     pub fn new(period_ns: u64) -> Self {
-        let period_ns = period_ns.max(1);
         RuntimeWeights {
-            period_ns,
-            block_samples: BLOCK_NS.div_ceil(period_ns).max(1),
+            period_ns: period_ns.max(1),
             threads: HashMap::new(),
             left_out_ns: 0,
         }
@@ -59,29 +80,25 @@ impl RuntimeWeights {
         if self.threads.len() >= MAX_THREADS && !self.threads.contains_key(&tid) {
             self.threads.clear();
         }
-        let b = self.threads.entry(tid).or_insert(Block {
-            anchor: runtime,
-            n: 0,
-            share: 1.0,
-        });
-        if runtime < b.anchor {
+        let s = self
+            .threads
+            .entry(tid)
+            .or_insert_with(|| Share::new(runtime));
+        if runtime < s.anchor {
             // A new thread with the id of a gone one.
-            *b = Block {
-                anchor: runtime,
-                n: 0,
-                share: 1.0,
-            };
+            *s = Share::new(runtime);
         } else {
-            b.n += 1;
-            if b.n >= self.block_samples && runtime > b.anchor {
-                let clock = (b.n * self.period_ns) as f64;
-                // Above 1 only by a tick's rounding or lost samples; bounded either way.
-                b.share = ((runtime - b.anchor) as f64 / clock).clamp(0.0, 2.0);
-                b.anchor = runtime;
-                b.n = 0;
+            s.n += 1;
+            if runtime > s.anchor {
+                let clock = (s.n * self.period_ns) as f64;
+                let keep = (-clock / HORIZON_NS).exp();
+                s.runtime = s.runtime * keep + (runtime - s.anchor) as f64;
+                s.clock = s.clock * keep + clock;
+                s.anchor = runtime;
+                s.n = 0;
             }
         }
-        let w = (self.period_ns as f64 * b.share).round() as u64;
+        let w = (self.period_ns as f64 * s.factor()).round() as u64;
         self.left_out_ns += self.period_ns.saturating_sub(w);
         w
     }
@@ -127,9 +144,10 @@ mod tests {
         for (period, stolen) in [(MS, 200), (5 * MS, 150), (52_631_578, 250)] {
             let (got, want) = run(period, stolen, 4_000);
             let err = (got as f64 / want as f64 - 1.0).abs();
-            // The first block weighs full periods (no share measured yet).
+            // The first tenth of the horizon weighs full periods, and the share then builds
+            // up over the horizon.
             let first =
-                (BLOCK_NS as f64 / (4_000 * period) as f64).min(1.0) * stolen as f64 / 1000.0;
+                (1.2 * HORIZON_NS / (4_000 * period) as f64).min(1.0) * stolen as f64 / 1000.0;
             assert!(
                 err < 0.01 + first,
                 "period {period}, {stolen}‰ stolen: {got} vs {want} ({err:.4})"
@@ -141,10 +159,11 @@ mod tests {
     fn unknown_runtime_and_reused_ids() {
         let mut w = RuntimeWeights::new(10 * MS);
         assert_eq!(w.weight(1, 0), 10 * MS);
-        for i in 1..=40 {
+        for i in 1..=1_000 {
             w.weight(1, 5_000 * MS + i * 5 * MS); // half of each period stolen
         }
-        assert_eq!(w.weight(1, 5_000 * MS + 41 * 5 * MS), 5 * MS);
+        let half = w.weight(1, 5_000 * MS + 1_001 * 5 * MS);
+        assert!(half.abs_diff(5 * MS) < MS / 10, "{half}");
         // The id comes back for a new thread: its runtime starts low.
         assert_eq!(w.weight(1, 3 * MS), 10 * MS);
     }
