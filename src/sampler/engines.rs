@@ -199,6 +199,7 @@ impl EngineSession {
         }
         self.discovery = fresh;
         let mut new = change.new_pids;
+        new.retain(|(_, role)| role != crate::vllm::discover::ROLE_RUST_FRONTEND);
         if let Some(root) = opts.vllm_root_pid {
             new.retain(|(pid, _)| crate::procinfo::descends_from(*pid, root));
         }

@@ -207,9 +207,21 @@ fn plan(
     };
     let mut opts = opts.clone();
     if let Some(d) = &discovery {
-        for pid in d.pids() {
+        for pid in d.python_pids() {
             if !opts.pids.contains(&pid) {
                 opts.pids.push(pid);
+            }
+        }
+        if !opts.quiet {
+            for p in d
+                .processes
+                .iter()
+                .filter(|p| p.role == crate::vllm::discover::ROLE_RUST_FRONTEND)
+            {
+                eprintln!(
+                    "enginescope: {}: vLLM's Rust front-end (pid {}) serves its HTTP API: not a Python process, so its metrics are scraped but its threads are not sampled",
+                    p.engine, p.pid
+                );
             }
         }
         if opts.default_probes {

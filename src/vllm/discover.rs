@@ -177,6 +177,15 @@ impl Discovery {
         self.roles.keys().copied().collect()
     }
 
+    /// Every pid of every engine that runs Python (all but Rust front-ends).
+    pub fn python_pids(&self) -> BTreeSet<i32> {
+        self.roles
+            .iter()
+            .filter(|(_, role)| role.as_str() != ROLE_RUST_FRONTEND)
+            .map(|(&pid, _)| pid)
+            .collect()
+    }
+
     /// What identifies an engine across rediscoveries: its root process (API server or
     /// offline script), else its first engine core, else its first worker; the URL for an
     /// engine with no local process.
@@ -230,6 +239,10 @@ pub const ROLE_HEADLESS: &str = "headless_launcher";
 /// `vllm serve --api-server-count N` (N > 1, or data parallel): the process the user started
 /// binds the port and starts the engines and the `APIServer_i` processes that serve it.
 pub const ROLE_SERVE_LAUNCHER: &str = "serve_launcher";
+/// vLLM's Rust front-end (`VLLM_USE_RUST_FRONTEND=1`): the `vllm-rs frontend` binary that
+/// `vllm serve` starts to serve HTTP in place of a Python API server. Not a Python process:
+/// scraped, never read as CPython.
+pub const ROLE_RUST_FRONTEND: &str = "rust_frontend";
 
 /// A vLLM process title: `PREFIX::Name[_Suffix]` split into the known name and its suffix.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -315,6 +328,14 @@ fn is_vllm_server_argv(argv: &[String]) -> bool {
         .iter()
         .any(|a| a.starts_with("vllm.entrypoints.") && a.ends_with("api_server"));
     serve || module
+}
+
+/// `vllm-rs frontend --listen-fd N --input-listener-fd M …`: vLLM's Rust front-end, started by
+/// `vllm serve` with the listening socket and the engine's ZMQ sockets passed as descriptors.
+fn is_rust_frontend_argv(argv: &[String]) -> bool {
+    argv.get(1).is_some_and(|a| a == "frontend")
+        && argv.iter().any(|a| a == "--listen-fd")
+        && argv.iter().any(|a| a == "--input-listener-fd")
 }
 
 /// A `serve` word (or a script named like one) and `--port`: a server of some engine, e.g. a
@@ -476,6 +497,7 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
         cores: BTreeSet<i32>,
         workers: BTreeSet<i32>,
         others: BTreeSet<i32>,
+        rust_frontends: BTreeSet<i32>,
     }
     let mut groups: BTreeMap<i32, Group> = BTreeMap::new();
     let mut core_group: HashMap<i32, i32> = HashMap::new();
@@ -509,6 +531,13 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
                 if let Some(root) = root_above(p.pid) {
                     if let Some(g) = groups.get_mut(&root) {
                         g.others.insert(p.pid);
+                    }
+                }
+            }
+            None if is_rust_frontend_argv(&p.argv) => {
+                if let Some(root) = root_above(p.pid) {
+                    if let Some(g) = groups.get_mut(&root) {
+                        g.rust_frontends.insert(p.pid);
                     }
                 }
             }
@@ -572,6 +601,7 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
             .iter()
             .copied()
             .filter(|pid| matches!(titles.get(pid), Some(Title::ApiServer(_))))
+            .chain(g.rust_frontends.iter().copied())
             .collect();
         if let (Some(r), Some(role)) = (root, root_role) {
             let launcher = role == ROLE_API_SERVER && !api_children.is_empty();
@@ -593,6 +623,9 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
             if let Some(t) = titles.get(pid) {
                 members.push((*pid, t.role()));
             }
+        }
+        for pid in &g.rust_frontends {
+            members.push((*pid, ROLE_RUST_FRONTEND.to_string()));
         }
         for (pid, role) in members {
             let Some(p) = by_pid.get(&pid) else { continue };
@@ -1065,6 +1098,60 @@ mod tests {
                 "worker_dp0",
                 "worker_dp1"
             ]
+        );
+    }
+
+    /// `VLLM_USE_RUST_FRONTEND=1`: `vllm serve` starts the engine core and the `vllm-rs
+    /// frontend` binary, which serves HTTP on the socket it inherits.
+    #[test]
+    fn rust_frontend_is_the_api_server_and_not_python() {
+        let procs = vec![
+            p(
+                10,
+                1,
+                "vllm",
+                "/v/bin/python /v/bin/vllm serve m --port 8123",
+                9,
+            ),
+            titled(11, 10, "VLLM::EngineCore", 15),
+            titled(12, 11, "VLLM::Worker", 40),
+            p(
+                13,
+                10,
+                "vllm-rs",
+                "/v/bin/vllm-rs frontend --listen-fd 9 --input-listener-fd 11 \
+                 --output-listener-fd 12 --engine-start-index 0 --engine-count 1 \
+                 --data-parallel-size 1 --args-json {}",
+                6,
+            ),
+            // Not a front-end: another child of the same parent with a "frontend" word.
+            p(14, 10, "sh", "/bin/sh frontend", 1),
+        ];
+        let d = discover_with(&fake(procs), None).unwrap();
+        assert_eq!(d.engines.len(), 1, "{d:#?}");
+        let e = &d.engines[0];
+        assert_eq!(
+            (
+                e.api_server_pid,
+                e.api_server_pids.clone(),
+                e.metrics_url.as_str()
+            ),
+            (13, vec![13], "http://127.0.0.1:8123/metrics")
+        );
+        let roles: Vec<(i32, &str)> = d.roles.iter().map(|(p, r)| (*p, r.as_str())).collect();
+        assert_eq!(
+            roles,
+            vec![
+                (10, "serve_launcher"),
+                (11, "engine_core"),
+                (12, "worker"),
+                (13, "rust_frontend")
+            ]
+        );
+        assert_eq!(
+            d.python_pids().into_iter().collect::<Vec<_>>(),
+            vec![10, 11, 12],
+            "the front-end is never read as CPython"
         );
     }
 
