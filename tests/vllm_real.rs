@@ -494,6 +494,22 @@ fn scrapes_after(r: &Recording, api_pid: i32, after_mono: u64) -> usize {
         .len()
 }
 
+/// load.py on `port`: `c` concurrent clients of `max_tokens`-token completions for `seconds`;
+/// its JSON summary (latency percentiles of a window with no completed request read as null).
+fn run_load(port: u16, c: u32, max_tokens: u32, seconds: u32) -> serde_json::Value {
+    let out = Command::new(venv().join("bin/python"))
+        .arg(harness().join("load.py"))
+        .args(["--port", &port.to_string(), "-c", &c.to_string()])
+        .args(["--max-tokens", &max_tokens.to_string()])
+        .args(["--duration", &seconds.to_string(), "--grace", "0"])
+        .output()
+        .expect("run load.py");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "load.py: {text}");
+    let line = text.lines().last().unwrap_or("").replace("NaN", "null");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"))
+}
+
 /// One short completion on 127.0.0.1:`port`, waited for (bounded by curl's --max-time).
 fn first_completion(port: u16) {
     let t0 = Instant::now();
@@ -1246,17 +1262,7 @@ fn kv_memory_wall_is_named() {
         scrapes_after(r, srv.pid, start) >= 1
     });
     let before = server_counter(srv.port, "vllm:num_preemptions_total");
-    let out = Command::new(venv().join("bin/python"))
-        .arg(harness().join("load.py"))
-        .args(["--port", &srv.port.to_string(), "-c", "16"])
-        .args(["--max-tokens", "700", "--duration", "25", "--grace", "0"])
-        .output()
-        .expect("run load.py");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "load.py: {text}");
-    let line = text.lines().last().unwrap_or("").replace("NaN", "null");
-    let res: serde_json::Value =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"));
+    let res = run_load(srv.port, 16, 700, 25);
     let load_end = enginescope::sys::monotonic_ns();
     follow_until(
         &out_path,
@@ -1351,17 +1357,7 @@ fn two_api_servers_share_one_engine() {
         engine_scrapes_after(r, start) >= 1
     });
     let before = generation_tokens(srv.port);
-    let out = Command::new(venv().join("bin/python"))
-        .arg(harness().join("load.py"))
-        .args(["--port", &srv.port.to_string(), "-c", "8"])
-        .args(["--max-tokens", "64", "--duration", "15", "--grace", "0"])
-        .output()
-        .expect("run load.py");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "load.py: {text}");
-    let line = text.lines().last().unwrap_or("").replace("NaN", "null");
-    let res: serde_json::Value =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("load.py's JSON line: {e}: {text}"));
+    let res = run_load(srv.port, 8, 64, 15);
     let load_end = enginescope::sys::monotonic_ns();
     follow_until(
         &out_path,

@@ -395,7 +395,7 @@ fn apply(
                 pipe.switch_out(pid, tid, time_ns, s, ev_flags & abi::ev::PREEMPTED != 0)?;
             } else {
                 let fl = sample_flags(ev_flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
-                pipe.sample_cpu(pid, tid, time_ns, s, fl, weight_ns)?;
+                pipe.sample(pid, tid, time_ns, s, fl, weight_ns)?;
             }
             probes.stack(pid, tid, time_ns, &python, switch_out, pipe)
         }

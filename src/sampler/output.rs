@@ -239,7 +239,8 @@ mod tests {
         let holder = pipe.writer.intern_stack(&[frame("hold")]).unwrap();
         let ms = 1_000_000;
         let running = pipe.writer.intern_stack(&[frame("spin")]).unwrap();
-        pipe.sample(me, tid, t0 + 50 * ms, running, 0).unwrap();
+        pipe.sample(me, tid, t0 + 50 * ms, running, 0, 10 * ms)
+            .unwrap();
         pipe.switch_out(me, tid, t0 + 100 * ms, blocked, false)
             .unwrap();
         pipe.switch_out(dead.0, dead.1, t0 + 150 * ms, blocked, false)

@@ -86,20 +86,9 @@ impl<W: Sink> Pipeline<W> {
         t.saturating_sub(self.start_ns)
     }
 
+    /// A timer sample of a thread, standing for `weight_ns` of its CPU time (the period, less
+    /// what the hypervisor stole: [`super::runtime_weight`]).
     pub fn sample(
-        &mut self,
-        pid: i32,
-        tid: i32,
-        t_ns: u64,
-        stack: u32,
-        fl: u8,
-    ) -> anyhow::Result<()> {
-        self.sample_cpu(pid, tid, t_ns, stack, fl, self.weight_ns as u64)
-    }
-
-    /// A timer sample standing for `weight_ns` of the thread's CPU time (the period, less what
-    /// the hypervisor stole: [`super::runtime_weight`]).
-    pub fn sample_cpu(
         &mut self,
         pid: i32,
         tid: i32,
@@ -493,7 +482,7 @@ mod tests {
     fn switches_pair_into_intervals() {
         let mut p = pipe();
         let t0 = p.start_ns;
-        p.sample(1, 10, t0 + 5 * MS, 7, 0).unwrap();
+        p.sample(1, 10, t0 + 5 * MS, 7, 0, 10 * MS).unwrap();
         p.switch_out(1, 10, t0 + 10 * MS, 8, false).unwrap();
         p.switch_in(1, 10, t0 + 25 * MS).unwrap();
         // Preempted: no stack walked; the last known stack stands for it.
@@ -523,7 +512,7 @@ mod tests {
         let t0 = p.start_ns;
         // Blocked at 10 ms, woken without a traced switch-in, sampled at 300 ms.
         p.switch_out(1, 10, t0 + 10 * MS, 8, false).unwrap();
-        p.sample(1, 10, t0 + 300 * MS, 7, 0).unwrap();
+        p.sample(1, 10, t0 + 300 * MS, 7, 0, 10 * MS).unwrap();
         // Preempted at 310 ms, back on CPU untraced, switched out again at 312 ms, and this
         // time its switch-in is traced.
         p.switch_out(1, 10, t0 + 310 * MS, 7, true).unwrap();
@@ -551,7 +540,7 @@ mod tests {
             p.initial_stack(1, tid, 100 + tid as u32);
         }
         p.switch_in(1, 20, t0 + 12 * MS).unwrap();
-        p.sample(1, 22, t0 + 13 * MS, 5, 0).unwrap();
+        p.sample(1, 22, t0 + 13 * MS, 5, 0, 10 * MS).unwrap();
         p.switch_out(1, 23, t0 + 14 * MS, 6, false).unwrap();
         p.close(t0 + 50 * MS).unwrap();
         assert_eq!(
