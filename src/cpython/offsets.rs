@@ -796,6 +796,13 @@ pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, Deb
         });
     }
     let ascii_size = d.get("unicode_object.asciiobject_size")?;
+    if ascii_size > (1 << 24) {
+        return Err(DebugOffsetsError::Implausible {
+            field: "unicode_object.asciiobject_size".into(),
+            value: ascii_size,
+            why: "struct size out of range",
+        });
+    }
     Ok(Offsets {
         source: OffsetsSource::DebugOffsets,
         runtime_interpreters_head: within(d, "runtime_state", "interpreters_head", 8)?,
@@ -838,7 +845,11 @@ pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, Deb
             .fields
             .get("thread_state.holds_gil")
             .copied()
-            .filter(|&o| o + 4 <= d.fields.get("thread_state.size").copied().unwrap_or(0)),
+            .filter(|&o| {
+                o.checked_add(4).is_some_and(|end| {
+                    end <= d.fields.get("thread_state.size").copied().unwrap_or(0)
+                })
+            }),
         gc_generation_stats: match v.minor {
             13 => Some(128),
             14 => Some(120),
@@ -907,6 +918,26 @@ mod tests {
         assert_eq!(o.code_code_adaptive, Some(200));
         assert_eq!(o.gc_collecting, 200);
         assert_eq!(o.unicode_ascii_size, 40);
+    }
+
+    /// Found by the `walker` fuzz target in a CI smoke run: an offset near 2^64 overflowed
+    /// `holds_gil + 4`; the PyASCIIObject size was added to unchecked too.
+    #[test]
+    fn offsets_near_the_top_of_u64_are_implausible_not_overflows() {
+        let m = fake_runtime(0x030d00f0, RAW_3130);
+        let (v, d, _) = read_debug_offsets(&m, 0x10000, None).unwrap();
+        let mut wild = d.clone();
+        wild.fields
+            .insert("thread_state.holds_gil".into(), u64::MAX - 1);
+        let o = offsets_from_debug(&wild, v).unwrap();
+        assert_eq!(o.tstate_holds_gil, None);
+        let mut wild = d.clone();
+        wild.fields
+            .insert("unicode_object.asciiobject_size".into(), u64::MAX - 8);
+        assert!(matches!(
+            offsets_from_debug(&wild, v),
+            Err(DebugOffsetsError::Implausible { .. })
+        ));
     }
 
     #[test]
