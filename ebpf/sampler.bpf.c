@@ -66,20 +66,6 @@ struct {
     __type(value, struct es_event);
 } scratch SEC(".maps");
 
-/* Where each thread ran Python at its last stack walk: its innermost frame and that frame's
- * code object. A thread switched out while still runnable is walked again only when this has
- * changed since (see on_switch). Written by the programs only. */
-struct es_where {
-    __u64 frame;
-    __u64 code;
-};
-struct {
-    __uint(type, BPF_MAP_TYPE_LRU_HASH);
-    __uint(max_entries, ES_MAX_THREADS);
-    __type(key, __u32);
-    __type(value, struct es_where);
-} last_walk SEC(".maps");
-
 /* Per-CPU native-stack records (sample, switch), ~17 KiB each. */
 struct {
     __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -187,43 +173,24 @@ static long walk_one(__u64 index, void *data)
     return 0;
 }
 
-/* The thread's innermost frame (0: none); nonzero on a read error. */
-static __always_inline int current_frame(const struct es_target *t, __u64 tstate, __u64 *out)
-{
-    __u64 f = 0;
-    *out = 0;
-    if (bpf_probe_read_user(&f, sizeof(f), (void *)(tstate + t->tstate_frame)))
-        return -1;
-    if (t->cframe_current_frame >= 0 && f) {
-        __u64 cf = f;
-        f = 0;
-        if (bpf_probe_read_user(&f, sizeof(f), (void *)(cf + t->cframe_current_frame)))
-            return -1;
-    }
-    *out = f;
-    return 0;
-}
-
-/* Where the thread runs Python now: its innermost frame and that frame's code object. */
-static __always_inline void where_now(const struct es_target *t, __u64 tstate, struct es_where *w)
-{
-    w->code = 0;
-    if (current_frame(t, tstate, &w->frame) || !w->frame)
-        return;
-    __u64 code = 0;
-    if (bpf_probe_read_user(&code, sizeof(code), (void *)(w->frame + t->frame_code)) == 0)
-        w->code = code & ~t->code_tag_mask;
-}
-
 /* Fill ev->frames with the current thread's Python stack; returns the flags. */
 static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, struct es_event *ev)
 {
     struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0 };
     __u64 f = 0;
-    if (current_frame(t, tstate, &f)) {
+    if (bpf_probe_read_user(&f, sizeof(f), (void *)(tstate + t->tstate_frame))) {
         count(ES_C_READ_TSTATE_ERR);
         ev->h.nframes = 0;
         return ES_EV_PARTIAL;
+    }
+    if (t->cframe_current_frame >= 0 && f) {
+        __u64 cf = f;
+        f = 0;
+        if (bpf_probe_read_user(&f, sizeof(f), (void *)(cf + t->cframe_current_frame))) {
+            count(ES_C_READ_TSTATE_ERR);
+            ev->h.nframes = 0;
+            return ES_EV_PARTIAL;
+        }
     }
     w.frame = f;
     /* Shim frames are skipped without using an output slot, so allow some extra steps. */
@@ -404,9 +371,6 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
     } else {
         flags |= walk_stack(t, th->tstate, ev);
         flags |= gil_gc_flags(t, th->tstate);
-        struct es_where w;
-        where_now(t, th->tstate, &w);
-        bpf_map_update_elem(&last_walk, &tid, &w, BPF_ANY);
     }
     ev->h.flags = flags;
     submit(ev);
@@ -473,22 +437,9 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
         if (!th || th->tgid != prev_tgid) {
             count(ES_C_SWITCH_NATIVE);
         } else if (preempt || prev_state == 0) {
-            /* Runs in prev's context: its memory is the current address space. Still runnable:
-             * no stack walk while the thread runs where it ran at its last walk (the same
-             * innermost frame and code object: a yield-spinning loop), so user space gives the
-             * interval that stack; walked when it has moved on, say into a function it called
-             * since, which would otherwise be charged to the previous one. */
+            /* Runs in prev's context: its memory is the current address space. */
             count(ES_C_SWITCH_OUT);
-            struct es_where now;
-            where_now(t, th->tstate, &now);
-            struct es_where *last = bpf_map_lookup_elem(&last_walk, &tid);
-            if (now.frame && !(last && last->frame == now.frame && last->code == now.code)) {
-                count(ES_C_PREEMPT_WALKS);
-                record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0,
-                               ES_EV_PREEMPTED, 0);
-            } else {
-                submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
-            }
+            submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
         } else {
             count(ES_C_SWITCH_OUT);
             record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0, 0);

@@ -173,7 +173,6 @@ enum es_counter {
     ES_C_USTACK_READ_ERR,    /* user stack window unreadable (no native frames beyond the leaf) */
     ES_C_KSTACK_ERR,         /* bpf_get_stack (kernel) failed */
     ES_C_GIL_MUTEX_OWNER,    /* GIL waits on a GIL mutex blamed on the mutex's owner */
-    ES_C_PREEMPT_WALKS,      /* runnable switch-outs walked: the thread had moved on */
     ES_C_COUNT,
 };
 

@@ -147,7 +147,6 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_ustack_read_errors",
     "bpf_kstack_errors",
     "bpf_gil_waits_on_mutex_owner",
-    "bpf_preempted_switch_outs_walked",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).
