@@ -298,6 +298,77 @@ fn check_slow(rec: &Recording, tdir: &Path) {
     assert!((ours / theirs - 1.0).abs() <= 0.10, "{ours} vs {theirs}");
 }
 
+/// Issue 13: the pickling inside the EngineCore's `MessageQueue.enqueue` (one `pickle.dumps`
+/// per record on the slow path) is named: native frames of `_pickle` under the enqueue frame
+/// in the EngineCore main thread's samples, in the flamegraph's stacks, and among the
+/// report's top functions. (That native shares are right is tests/live_native.rs's part.)
+fn check_pickling(rec: &Recording, slow: &Path) {
+    let core = truth(&slow.join("truth"), "engine_core");
+    let core_pid = core["pid"].as_i64().unwrap() as i32;
+    let is_pickle = |f: u32| {
+        rec.frame_native.get(&f).is_some_and(|n| {
+            enginescope::native::short_module_name(&n.module).starts_with("_pickle")
+                || rec.frames[f as usize].function.starts_with("_pickle")
+        })
+    };
+    let (mut enqueue, mut pickling) = (0u64, 0u64);
+    for s in rec
+        .samples
+        .iter()
+        .filter(|s| s.pid == core_pid && s.tid == core_pid)
+    {
+        let stack = &rec.stacks[s.stack as usize];
+        // Innermost first: the pickling frames come before the enqueue frame.
+        let Some(at) = stack.iter().position(|&f| {
+            rec.frames[f as usize]
+                .function
+                .ends_with("MessageQueue.enqueue")
+        }) else {
+            continue;
+        };
+        enqueue += 1;
+        if stack[..at].iter().any(|&f| is_pickle(f)) {
+            pickling += 1;
+        }
+    }
+    eprintln!("pickling: {pickling} of the EngineCore's {enqueue} samples in MessageQueue.enqueue");
+    assert!(
+        pickling >= 10 && pickling * 10 >= enqueue,
+        "{pickling} of {enqueue} enqueue samples name _pickle frames"
+    );
+    let folded = enginescope(&[
+        "export",
+        &slow.join("demo.esrec").to_string_lossy(),
+        "--format",
+        "folded",
+        "-o",
+        "-",
+    ]);
+    assert!(folded.status.success());
+    let folded = String::from_utf8_lossy(&folded.stdout);
+    assert!(
+        folded.lines().any(|l| l
+            .split_once("MessageQueue.enqueue")
+            .is_some_and(|(_, inner)| inner.contains("[_pickle] "))),
+        "the flamegraph's stacks show [_pickle] frames under MessageQueue.enqueue"
+    );
+    let report = read_json(&slow.join("report.json"));
+    let named = report["functions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|f| {
+            f["pid"] == core_pid
+                && f["function"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("[_pickle] "))
+        });
+    assert!(
+        named,
+        "the report lists a [_pickle] function of the EngineCore"
+    );
+}
+
 #[test]
 fn demo_finds_the_three_problems_and_the_fix_shows() {
     let i = interp("pyenv-3.12");
@@ -341,6 +412,7 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
         );
     }
     check_slow(&rec, &slow.join("truth"));
+    check_pickling(&rec, &slow);
     for f in [
         "report.md",
         "report.json",

@@ -2,6 +2,7 @@
 
 pub mod asyncio;
 pub mod binary;
+pub mod builtins;
 pub mod linetable;
 pub mod memory;
 pub mod objects;

@@ -21,6 +21,7 @@
 //! failures give fewer frames, never an error that stops recording.
 
 pub mod backlog;
+pub mod builtins;
 pub mod merge;
 
 use std::collections::HashMap;
@@ -193,6 +194,21 @@ pub struct ElfModule {
     sections: HashMap<&'static str, (Range<u64>, Range<usize>)>,
     /// Executable PT_LOAD segments: (file offset, vaddr, filesz).
     loads: Vec<(u64, u64, u64)>,
+    /// Functions named from the interpreter's own state ([`crate::cpython::builtins`]: the
+    /// C function behind `pickle.dumps` is `_pickle.dumps`), by start svma, for code with no
+    /// symbol; `None`: two names claim the address.
+    builtins: std::sync::RwLock<HashMap<u64, Option<Arc<str>>>>,
+    /// Function starts (svma) listed in `.eh_frame_hdr`, sorted: read when a builtin is
+    /// first added.
+    fde_starts: std::sync::OnceLock<Vec<u64>>,
+}
+
+/// Bumped whenever a module gains a builtin name: caches of named frames are then stale.
+static BUILTINS_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The current [`BUILTINS_GENERATION`].
+pub fn builtins_generation() -> u64 {
+    BUILTINS_GENERATION.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One module's symbols, read from its file.
@@ -315,7 +331,65 @@ impl ElfModule {
             queued: std::sync::atomic::AtomicBool::new(false),
             sections,
             loads,
+            builtins: std::sync::RwLock::new(HashMap::new()),
+            fde_starts: std::sync::OnceLock::new(),
         })
+    }
+
+    fn fde_starts(&self) -> &[u64] {
+        self.fde_starts.get_or_init(|| {
+            self.sections
+                .get(".eh_frame_hdr")
+                .and_then(|(svma, range)| fde_table(self.map.get(range.clone())?, svma.start))
+                .unwrap_or_default()
+        })
+    }
+
+    /// Name the function starting at `svma` from the interpreter's state (`None`: the
+    /// address is ambiguous). Only function starts that `.eh_frame_hdr` lists are taken (a
+    /// wrong address read from the target names nothing). Whether anything changed.
+    pub fn add_builtin(&self, svma: u64, name: Option<&str>) -> bool {
+        if self.fde_starts().binary_search(&svma).is_err() {
+            return false;
+        }
+        let Ok(mut b) = self.builtins.write() else {
+            return false;
+        };
+        let new = name.map(Arc::<str>::from);
+        match b.get(&svma) {
+            Some(old) if *old == new => return false,
+            Some(None) => return false,
+            Some(Some(_)) => {
+                b.insert(svma, None);
+            }
+            None => {
+                if b.len() >= crate::cpython::builtins::MAX_FUNCTIONS {
+                    return false;
+                }
+                b.insert(svma, new);
+            }
+        }
+        BUILTINS_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// The builtin named for the function containing `svma`: (start, name).
+    pub fn builtin(&self, svma: u64) -> Option<(u64, Arc<str>)> {
+        let b = self.builtins.read().ok()?;
+        if b.is_empty() {
+            return None;
+        }
+        let starts = self.fde_starts();
+        let start = *starts.get(starts.partition_point(|&s| s <= svma).checked_sub(1)?)?;
+        b.get(&start)?.as_ref().map(|n| (start, n.clone()))
+    }
+
+    /// The function containing `svma`: its symbol, else its builtin name.
+    pub fn function(&self, svma: u64) -> Option<(u64, Arc<str>)> {
+        match self.symbol(svma) {
+            Some((s, n)) => Some((s, n.clone())),
+            None => self.builtin(svma),
+        }
     }
 
     /// Whether the symbol table has been read (naming this module's frames will not wait).
@@ -470,6 +544,15 @@ impl ElfModule {
 /// measured as the distance to the next entry. Only the encodings every x86-64 toolchain
 /// writes are read (pcrel sdata4 pointer, udata4 count, datarel sdata4 table); else `None`.
 pub fn largest_fde(hdr: &[u8], hdr_svma: u64) -> Option<Range<u64>> {
+    fde_table(hdr, hdr_svma)?
+        .windows(2)
+        .map(|w| w[0]..w[1])
+        .max_by_key(|r| r.end - r.start)
+}
+
+/// The function starts (svma) an `.eh_frame_hdr` search table lists, sorted (the encodings
+/// of [`largest_fde`]).
+fn fde_table(hdr: &[u8], hdr_svma: u64) -> Option<Vec<u64>> {
     let (&version, &ptr_enc, &count_enc, &table_enc) =
         (hdr.first()?, hdr.get(1)?, hdr.get(2)?, hdr.get(3)?);
     if version != 1 || ptr_enc != 0x1b || count_enc != 0x03 || table_enc != 0x3b {
@@ -485,10 +568,8 @@ pub fn largest_fde(hdr: &[u8], hdr_svma: u64) -> Option<Range<u64>> {
         })
         .collect();
     starts.sort_unstable();
-    starts
-        .windows(2)
-        .map(|w| w[0]..w[1])
-        .max_by_key(|r| r.end - r.start)
+    starts.dedup();
+    Some(starts)
 }
 
 /// `_pickle.cpython-311-x86_64-linux-gnu.so` → `_pickle`; `libc.so.6` → `libc`.
@@ -867,7 +948,10 @@ fn name_frame(raw: &RawFrame, wait: bool) -> (Frame, NativeFrameInfo, bool) {
                     // the info.
                     match module.symbol(svma) {
                         Some((s, n)) => (s, demangle(n), is_eval),
-                        None => (svma, NO_SYMBOL.to_string(), is_eval),
+                        None => match module.builtin(svma) {
+                            Some((s, n)) => (s, n.to_string(), is_eval),
+                            None => (svma, NO_SYMBOL.to_string(), is_eval),
+                        },
                     }
                 }
                 None => (svma, SYMBOLS_NOT_LOADED.to_string(), false),
@@ -942,6 +1026,12 @@ pub struct Native {
     /// Named user frames by (module, address in it): a module stays in [`ModuleCache`] for
     /// the recording's life, so its address is a stable key.
     names: HashMap<(usize, u64), (Frame, NativeFrameInfo, bool)>,
+    /// [`builtins_generation`] when `names` was last cleared for it.
+    names_generation: u64,
+    /// Reads the interpreters' builtin function names (`None` without user stacks).
+    builtins: Option<builtins::BuiltinReader>,
+    /// Builtin names given to modules, and scans that failed.
+    pub builtins_named: u64,
     /// Health counters (`native_*`).
     pub unwound: u64,
     pub unwind_incomplete: u64,
@@ -975,6 +1065,13 @@ impl Native {
             },
             procs: HashMap::new(),
             names: HashMap::new(),
+            names_generation: 0,
+            builtins: if opts.user {
+                builtins::BuiltinReader::spawn()
+            } else {
+                None
+            },
+            builtins_named: 0,
             unwound: 0,
             unwind_incomplete: 0,
             unwind_past_window: 0,
@@ -1036,6 +1133,11 @@ impl Native {
     /// Name a raw stack's user frames; `wait`: read symbol tables not yet read (else those
     /// frames are [`SYMBOLS_NOT_LOADED`]).
     pub fn name(&mut self, raw: &RawNative, wait: bool) -> NativeFrames {
+        let generation = builtins_generation();
+        if generation != self.names_generation {
+            self.names.clear();
+            self.names_generation = generation;
+        }
         let mut user = Vec::with_capacity(raw.user.len());
         for f in &raw.user {
             let key = f
@@ -1078,6 +1180,44 @@ impl Native {
 
     pub fn forget(&mut self, pid: i32) {
         self.procs.remove(&pid);
+        if let Some(b) = &self.builtins {
+            b.forget(pid);
+        }
+    }
+
+    /// Have the builtin functions of `pid`'s interpreter `interp` named (offsets `o`).
+    pub fn watch_builtins(&mut self, pid: i32, o: &crate::cpython::offsets::Offsets, interp: u64) {
+        if let Some(b) = &self.builtins {
+            b.watch(pid, o.clone(), interp);
+        }
+    }
+
+    /// Give the modules the builtin names read since the last call.
+    pub fn apply_builtins(&mut self) {
+        let Some(batches) = self.builtins.as_ref().map(|r| r.take()) else {
+            return;
+        };
+        for (pid, names) in batches {
+            let modules = &mut self.modules;
+            let Some(p) = self.procs.get_mut(&pid) else {
+                continue;
+            };
+            let mut refreshed = false;
+            for (addr, name) in names {
+                if p.mapping(addr).is_none() && !refreshed {
+                    // A module loaded after the last read of the maps.
+                    p.refresh(modules);
+                    refreshed = true;
+                }
+                if let Some(m) = p.mapping(addr) {
+                    if m.module
+                        .add_builtin(addr.wrapping_sub(m.bias), name.as_deref())
+                    {
+                        self.builtins_named += 1;
+                    }
+                }
+            }
+        }
     }
 
     /// Events are piling up behind symbol tables: let the loader run at the drain's priority.
@@ -1102,6 +1242,10 @@ impl Native {
             "native_frames_symbols_not_loaded".into(),
             self.unnamed_not_loaded,
         );
+        c.insert("native_builtins_named".into(), self.builtins_named);
+        if let Some(b) = &self.builtins {
+            b.counters(c);
+        }
         if let Some(l) = &self.modules.loader {
             let s = &l.stats;
             c.insert("native_symbol_loads".into(), s.loads.load(Relaxed));
@@ -1151,6 +1295,8 @@ pub struct NativeState {
     /// nor interned again.
     mixed: HashMap<Vec<u64>, (u32, merge::MergeKind)>,
     mixed_generation: u64,
+    /// [`builtins_generation`] of `mixed` and `functions`.
+    builtins_generation: u64,
     key: Vec<u64>,
     pub mixed_hits: u64,
     /// The function (start; `u64::MAX`: none) containing a user address and whether it is
@@ -1238,6 +1384,7 @@ impl NativeState {
             unpaired: 0,
             mixed: HashMap::new(),
             mixed_generation: 0,
+            builtins_generation: 0,
             key: Vec::new(),
             mixed_hits: 0,
             functions: HashMap::new(),
@@ -1342,6 +1489,13 @@ impl NativeState {
                 self.mixed.clear();
                 self.mixed_generation = writer.generation();
             }
+            let generation = builtins_generation();
+            if generation != self.builtins_generation {
+                // Functions with no symbol may have a name now.
+                self.mixed.clear();
+                self.functions.clear();
+                self.builtins_generation = generation;
+            }
             let mut key = std::mem::take(&mut self.key);
             key.clear();
             key.push(python.len() as u64);
@@ -1374,7 +1528,7 @@ impl NativeState {
                                     .eval_ranges
                                     .iter()
                                     .any(|r| r.contains(svma));
-                                let start = m.symbol(*svma).map_or(u64::MAX, |(s, _)| s);
+                                let start = m.function(*svma).map_or(u64::MAX, |(s, _)| s);
                                 if self.functions.len() >= FUNCTIONS_MAX {
                                     self.functions.clear();
                                 }

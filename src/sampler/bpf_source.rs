@@ -103,6 +103,12 @@ impl BpfSource {
         if let Some(n) = self.native.as_mut() {
             // Map its modules now: their symbol tables load while it runs.
             n.native.attach(t.pid);
+            if n.native.opts.user {
+                // Name C functions with no symbol from the interpreter's builtins.
+                if let Ok(interp) = t.proc.main_interpreter() {
+                    n.native.watch_builtins(t.pid, &t.proc.offsets, interp);
+                }
+            }
         }
         let mut cfg = t.bpf_config(fl)?;
         if self.tracing.gc {
@@ -534,11 +540,17 @@ impl Source for BpfSource {
                 self.probes.thread_gone(&mut self.b, tid);
             }
             self.probes.process_gone(&mut self.b, t.pid);
+            if let Some(n) = self.native.as_mut() {
+                n.native.forget(t.pid);
+            }
         }
         Ok(())
     }
 
     fn collect(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        if let Some(n) = self.native.as_mut() {
+            n.native.apply_builtins();
+        }
         self.drain(targets, pipe)?;
         self.consider_new_code(targets, pipe)?;
         if self.tracing.probe_max_rate > 0 {
