@@ -63,4 +63,5 @@ bash scripts/fuzz.sh smoke 15
 echo "fuzz smoke done in $(( $(date +%s) - t0 ))s"
 
 step "cargo test"
-cargo test --locked --all-targets -- --test-threads 2
+# --no-fail-fast: one run shows every failing test binary, not only the first.
+cargo test --locked --all-targets --no-fail-fast -- --test-threads 2
