@@ -87,6 +87,12 @@ fuzz_target!(|data: &[u8]| {
                 let frames = sym.resolve(p.mem.as_ref(), &p.offsets, &raw);
                 assert!(frames.len() <= raw.len());
             }
+            // Builtin function names for native frames with no symbol: every module dict in
+            // `sys.modules`, builtins' PyMethodDef, types' tp_call/tp_methods.
+            let mut scan = enginescope::cpython::builtins::BuiltinScan::default();
+            if let Ok(found) = scan.scan(p.mem.as_ref(), &p.offsets, interp) {
+                assert!(found.len() <= 2 * enginescope::cpython::builtins::MAX_FUNCTIONS);
+            }
             // Python thread names: `sys.modules` → `threading._active`, dict walks.
             let _ = p.python_thread_names(&mut ThreadNames::default());
             // asyncio's running tasks: 3.10–3.13 through `asyncio.tasks._current_tasks` and
