@@ -5,8 +5,10 @@
 //! `PyMethodDef.ml_meth` is that very address, and a C type's `tp_call` and `tp_methods`
 //! name the functions its instances call (`_json.Encoder.__call__`, `list.sort`).
 //!
-//! [`BuiltinScan::scan`] walks `sys.modules`: each module's dict, each builtin function in
-//! it, and each type in it once (its `tp_call` and `tp_methods`). It returns the
+//! [`BuiltinScan::scan`] walks `sys.modules`: each C module (one with a `PyModuleDef`;
+//! modules of Python code are skipped, since the builtins they hold are re-exports), its
+//! `m_methods`, the builtin functions in its dict, and each type in it once (its `tp_call`
+//! and `tp_methods`). It returns the
 //! `(function address, "module.name")` pairs it has not returned before. Modules whose dict
 //! did not change since the last scan (same dict, same `ma_used`) are skipped, so a rescan
 //! costs a few reads per module. An address that two different names claim (a generic slot
@@ -37,6 +39,10 @@ const CFUNCTION_ML: u64 = 16;
 const CFUNCTION_MODULE: u64 = 32;
 /// `sizeof(PyMethodDef)`: `ml_name`, `ml_meth`, `ml_flags` (padded), `ml_doc`.
 const METHOD_DEF: u64 = 32;
+/// `PyModuleDef.m_name` (moduleobject.h), 3.10–3.15: after the 40-byte `PyModuleDef_Base`.
+const MODULEDEF_NAME: u64 = 40;
+/// `PyModuleDef.m_methods`.
+const MODULEDEF_METHODS: u64 = 64;
 /// `PyDictObject.ma_used`.
 const DICT_MA_USED: u64 = 16;
 
@@ -112,12 +118,36 @@ impl BuiltinScan {
         if self.kind(mem, module)? != Kind::Module {
             return Ok(());
         }
-        let dict = object("module dict", mem.read_u64(module + MODULE_MD_DICT)?)?;
+        if self.modules.get(&module) == Some(&(0, 0)) {
+            return Ok(());
+        }
+        let head = mem.read_vec(module + MODULE_MD_DICT, 16)?;
+        let def = word(&head, 8);
+        if def == 0 {
+            // A module of Python code (no PyModuleDef): the builtins its dict holds are
+            // another module's (`pickle.dumps` is `_pickle`'s), named there. Most of a large
+            // application's modules are these; skipping them keeps a scan to the C modules.
+            if self.modules.len() < MAX_MODULES {
+                self.modules.insert(module, (0, 0));
+            }
+            return Ok(());
+        }
+        let dict = object("module dict", word(&head, 0))?;
         let used = mem.read_u64(dict + DICT_MA_USED)?;
         if self.modules.get(&module) == Some(&(dict, used)) {
             return Ok(());
         }
-        let name = read_unicode(mem, o, key)?;
+        let def = object("PyModuleDef", def)?;
+        let name = match read_cstr(mem, mem.read_u64(def + MODULEDEF_NAME)?) {
+            Ok(n) => n,
+            Err(_) => read_unicode(mem, o, key)?,
+        };
+        // The module's own functions (`m_methods`), then what its dict holds: functions
+        // added at init (`PyModule_AddFunctions`) and its types.
+        let methods = mem.read_u64(def + MODULEDEF_METHODS)?;
+        if methods != 0 && self.method_table(mem, &name, methods, out).is_err() {
+            self.errors += 1;
+        }
         for (_, value) in dict_items(mem, o, dict)? {
             let r = match self.kind(mem, value) {
                 Ok(Kind::Builtin) => self.builtin(mem, o, &name, value, out),
@@ -205,8 +235,19 @@ impl BuiltinScan {
         if methods == 0 {
             return Ok(());
         }
-        let methods = object("tp_methods", methods)?;
-        // In pages of 32 entries: most types have a few.
+        self.method_table(mem, &tp_name, methods, out)
+    }
+
+    /// A NULL-terminated `PyMethodDef` table (`tp_methods`, `m_methods`): `prefix.name`.
+    fn method_table(
+        &mut self,
+        mem: &dyn MemorySource,
+        tp_name: &str,
+        methods: u64,
+        out: &mut Vec<(u64, Option<String>)>,
+    ) -> Result<(), ObjectError> {
+        let methods = object("PyMethodDef table", methods)?;
+        // In pages of 32 entries: most tables have a few.
         let mut i = 0;
         while i < MAX_METHODS {
             let n = 32.min(MAX_METHODS - i);
@@ -312,8 +353,10 @@ mod tests {
     use crate::cpython::offsets::PY312;
     use crate::cpython::threading::tests::Heap;
 
-    /// A fake interpreter with `sys.modules = {"_pickle": <module>}`, the module's dict holding
-    /// a builtin `dumps` and a type `Pickler` with `tp_call` and two methods.
+    /// A fake interpreter whose `sys.modules` holds the C module `_pickle` (`m_methods`:
+    /// `dumps`; its dict: a type `Pickler` with `tp_call` and two methods, and a builtin
+    /// `extra` added at init) and the Python module `pickle`, whose dict re-exports a builtin
+    /// under another name (never read: Python modules are skipped).
     fn process() -> (Heap, u64) {
         let o = PY312;
         let mut h = Heap::new(o.clone());
@@ -323,25 +366,35 @@ mod tests {
             b.resize(MAX_NAME, 0);
             h.put(b)
         };
-        // Types: `type` (a metatype: flags with TYPE_SUBCLASS), `module`, builtins.
+        let put = |b: &mut Vec<u8>, at: u64, v: u64| {
+            b[at as usize..at as usize + 8].copy_from_slice(&v.to_le_bytes())
+        };
+        // `type` (a metatype: flags with TYPE_SUBCLASS), `module`, builtins.
         let mut type_obj = vec![0u8; 240];
-        type_obj[TYPE_FLAGS as usize..TYPE_FLAGS as usize + 8]
-            .copy_from_slice(&TPFLAGS_TYPE_SUBCLASS.to_le_bytes());
+        put(&mut type_obj, TYPE_FLAGS, TPFLAGS_TYPE_SUBCLASS);
         let type_type = h.put(type_obj);
         let named_type = |h: &mut Heap, name: &str| {
             let n = cstr(h, name);
             let mut t = vec![0u8; 240];
-            t[TYPE_NAME as usize..TYPE_NAME as usize + 8].copy_from_slice(&n.to_le_bytes());
+            put(&mut t, TYPE_NAME, n);
             h.put(t)
         };
         let module_type = named_type(&mut h, "module");
         let builtin_type = named_type(&mut h, "builtin_function_or_method");
-        // def dumps: ml_name, ml_meth = 0x4000_1000.
+        // PyModuleDef of _pickle: m_name, m_methods = [dumps -> 0x4000_1000].
         let dumps = cstr(&mut h, "dumps");
-        let def = h.put(Heap::words(&[dumps, 0x4000_1000, 0, 0]));
-        let f = h.put(Heap::words(&[1, builtin_type, def, 0, 0, 0]));
-        // class Pickler: tp_call 0x4000_2000; methods dump (0x4000_3000), clear_memo (0x4000_1000:
-        // the same address as dumps, so ambiguous).
+        let m_methods = h.put(Heap::words(&[dumps, 0x4000_1000, 0, 0, 0, 0, 0, 0]));
+        let m_name = cstr(&mut h, "_pickle");
+        let mut def = vec![0u8; 128];
+        put(&mut def, MODULEDEF_NAME, m_name);
+        put(&mut def, MODULEDEF_METHODS, m_methods);
+        let def = h.put(def);
+        // A builtin added at init: `extra` -> 0x4000_4000, m_module NULL.
+        let extra = cstr(&mut h, "extra");
+        let extra_def = h.put(Heap::words(&[extra, 0x4000_4000, 0, 0]));
+        let extra_f = h.put(Heap::words(&[1, builtin_type, extra_def, 0, 0, 0]));
+        // class Pickler: tp_call 0x4000_2000; methods dump (0x4000_3000), clear_memo
+        // (0x4000_1000: the address of dumps, so ambiguous).
         let (dump, clear) = (cstr(&mut h, "dump"), cstr(&mut h, "clear_memo"));
         let methods = h.put(Heap::words(&[
             dump,
@@ -359,21 +412,24 @@ mod tests {
         ]));
         let pname = cstr(&mut h, "_pickle.Pickler");
         let mut pickler = vec![0u8; 240];
-        let put = |b: &mut Vec<u8>, at: u64, v: u64| {
-            b[at as usize..at as usize + 8].copy_from_slice(&v.to_le_bytes())
-        };
         put(&mut pickler, 8, type_type);
         put(&mut pickler, TYPE_NAME, pname);
         put(&mut pickler, TYPE_CALL, 0x4000_2000);
         put(&mut pickler, TYPE_METHODS, methods);
         let pickler = h.put(pickler);
-        let k_dumps = h.str("dumps");
-        let k_pickler = h.str("Pickler");
         let dict_type = h.put(vec![0u8; 240]);
-        let md = h.dict(dict_type, &[(k_dumps, f), (k_pickler, pickler)], 1);
-        let module = h.put(Heap::words(&[1, module_type, md, 0]));
-        let k_mod = h.str("_pickle");
-        let modules = h.dict(dict_type, &[(k_mod, module)], 1);
+        let (k_extra, k_pickler) = (h.str("extra"), h.str("Pickler"));
+        let md = h.dict(dict_type, &[(k_extra, extra_f), (k_pickler, pickler)], 1);
+        let c_module = h.put(Heap::words(&[1, module_type, md, def, 0]));
+        // pickle (Python code, no PyModuleDef): `loads` -> 0x4000_5000, never named.
+        let loads = cstr(&mut h, "loads");
+        let loads_def = h.put(Heap::words(&[loads, 0x4000_5000, 0, 0]));
+        let loads_f = h.put(Heap::words(&[1, builtin_type, loads_def, 0, 0, 0]));
+        let k_loads = h.str("loads");
+        let py_md = h.dict(dict_type, &[(k_loads, loads_f)], 1);
+        let py_module = h.put(Heap::words(&[1, module_type, py_md, 0, 0]));
+        let (k_c, k_py) = (h.str("_pickle"), h.str("pickle"));
+        let modules = h.dict(dict_type, &[(k_c, c_module), (k_py, py_module)], 1);
         let interp = h.put(vec![0u8; 2048]);
         h.mem.put_u64(
             interp + o.interp_modules.expect("3.12 has modules"),
@@ -383,7 +439,7 @@ mod tests {
     }
 
     #[test]
-    fn names_builtins_and_type_methods_once() {
+    fn names_c_modules_functions_and_types_once() {
         let (h, interp) = process();
         let mut s = BuiltinScan::default();
         let mut got = s.scan(&h.mem, &PY312, interp).unwrap();
@@ -395,6 +451,7 @@ mod tests {
                 (0x4000_1000, Some("_pickle.dumps".to_string())),
                 (0x4000_2000, Some("_pickle.Pickler.__call__".to_string())),
                 (0x4000_3000, Some("_pickle.Pickler.dump".to_string())),
+                (0x4000_4000, Some("_pickle.extra".to_string())),
             ]
         );
         // Nothing changed: nothing new.
