@@ -131,12 +131,14 @@ const MAX_OPEN_CALLS: usize = 64;
 /// How long one assignment of a thread's debug registers lasts when more exact probes want
 /// one on that thread than it has: then the registers rotate among them (one probe out, the
 /// next in, every period), each probe watched for `registers / probes` of the time, in runs
-/// of `registers` periods (0.6-0.8 s). Long enough that calls of up to ~100 ms are mostly
-/// seen whole (a call is lost when a switch falls inside it), short enough that the watched
-/// share is spread evenly over the window: with 0.5 s periods, calls' p90s on a machine
-/// whose load came in bursts read 11-18% off the truth, the counts within 1.5%.
+/// of `registers` periods (1.5-2 s), so calls of up to ~100 ms are mostly seen whole (a call
+/// is lost when a switch falls inside it). Measured on mq_pipeline (five probes on one
+/// thread, 2-core machine at load 10-20): with 500 ms, estimated counts within 1.5% of the
+/// truth on 3.11-3.15 and p50/p90 within 10% but for one p90 of six at -10.1%; with 200 ms,
+/// counts off by up to 15% and a p90 by -40% (each switch perturbs the thread; a call slowed
+/// by it is never timed by the probe coming in or going out).
 /// `ENGINESCOPE_PROBE_ROTATE_MS` overrides it (measurements).
-pub const ROTATE_NS: u64 = 200_000_000;
+pub const ROTATE_NS: u64 = 500_000_000;
 
 fn rotate_ns() -> u64 {
     std::env::var("ENGINESCOPE_PROBE_ROTATE_MS")
