@@ -71,6 +71,9 @@ fn check(label: &str) {
     check_with(label, false);
 }
 
+/// A recorded call's (start, duration, weight), ns.
+type WeightedCall = (u64, u64, f64);
+
 /// Estimated calls and weights of the recorded calls of probe `probe` on `tid` inside
 /// `[e0, e1)` (absolute ns), from the watch edges: each call stands for the window over the
 /// time a call of its length could have started there and been watched whole.
@@ -80,7 +83,7 @@ fn window_weights(
     tid: i32,
     e0: u64,
     e1: u64,
-) -> Option<(f64, Vec<(u64, u64, f64)>)> {
+) -> Option<(f64, Vec<WeightedCall>)> {
     let t0 = r.meta.start_mono_ns;
     let end = r.end.as_ref().map_or(u64::MAX / 2, |e| e.duration_ns);
     let iv = enginescope::views::latency::watch_intervals(r, end);

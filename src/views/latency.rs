@@ -228,6 +228,11 @@ impl FunctionLatencyRow {
     }
 }
 
+/// A `function_latency` row: (first probe of the function, pid, tid).
+type RowKey = (u32, i32, i32);
+/// A call's (end, duration, weight), ns.
+type WeightedCall = (u64, u64, f64);
+
 /// Probes by id; a probe written twice keeps its latest description.
 pub fn probes_by_id(rec: &Recording) -> BTreeMap<u32, &ProbeInfo> {
     rec.probes.iter().map(|p| (p.id, p)).collect()
@@ -259,7 +264,7 @@ pub fn function_latency(
     };
     let cov = coverages(rec, windows.end_ns);
     // (end, duration, weight) per row.
-    let mut by_key: BTreeMap<(u32, i32, i32), Vec<(u64, u64, f64)>> = BTreeMap::new();
+    let mut by_key: BTreeMap<RowKey, Vec<WeightedCall>> = BTreeMap::new();
     let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
     let mut row_cov: BTreeMap<(u32, i32, i32), f64> = BTreeMap::new();
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
