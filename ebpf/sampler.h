@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 6
+#define ES_ABI_VERSION 7
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -48,6 +48,7 @@ struct es_target {
 #define ES_TARGET_GC 4          /* a write watchpoint on gcstate->collecting is set */
 #define ES_TARGET_KSTACK 8      /* a kernel stack with each sample and blocking switch-out */
 #define ES_TARGET_USTACK 16     /* user registers + a window of the user stack, likewise */
+#define ES_TARGET_GC_UPROBE 32  /* GC pauses from a uprobe + uretprobe on the collector */
 
 /* One thread: its PyThreadState, found by user space walking interp->threads. */
 struct es_thread {
@@ -118,11 +119,14 @@ struct es_event {
     struct es_frame frames[ES_MAX_FRAMES];
 };
 
-/* A write to gcstate->collecting, with the per-generation statistics at that moment. */
+/* A write to gcstate->collecting (watchpoint method), or an entry to / return from the
+ * collector function (uprobe method: h.ip 1 at entry, 0 at return), with the per-generation
+ * statistics at that moment. */
 struct es_gc_edge {
     struct es_event_header h;
     __u64 collections[3];
     __u64 collected[3];
+    __s64 generation; /* the collector's generation argument (uprobe entry); -1 = none */
 };
 
 /* A hit of a hardware write watchpoint set by `record --probe` on a probed code object's
@@ -173,6 +177,9 @@ enum es_counter {
     ES_C_USTACK_READ_ERR,    /* user stack window unreadable (no native frames beyond the leaf) */
     ES_C_KSTACK_ERR,         /* bpf_get_stack (kernel) failed */
     ES_C_GIL_MUTEX_OWNER,    /* GIL waits on a GIL mutex blamed on the mutex's owner */
+    ES_C_GC_UPROBE_HITS,     /* collector entries and returns seen by the GC uprobes */
+    ES_C_GC_RETURN_UNPAIRED, /* collector return without an entry (attached mid-collection) */
+    ES_C_GC_NESTED,          /* collector entered while it runs on that thread (not a pause) */
     ES_C_COUNT,
 };
 

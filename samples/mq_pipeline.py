@@ -2,7 +2,7 @@
 own calls.
 
 Usage: mq_pipeline.py --truth PATH --duration SECONDS [--go-fifo PATH] [--requests N]
-                      [--steps-per-s N] [--puts-per-s N] [--evict-items N]
+                      [--steps-per-s N] [--puts-per-s N] [--evict-items N] [--gc-truth]
 
 Processes and threads (OS names set through /proc/self/task/TID/comm):
 
@@ -17,8 +17,9 @@ Processes and threads (OS names set through /proc/self/task/TID/comm):
       to find the least recently used one (pure Python, holding the GIL), like the LRU scan
       that cost vLLM's router replay its throughput.
 
-Timing: every call of `MessageQueue.enqueue`, `MessageQueue.dequeue`, `AuxStore.put` and
-`AuxStore._evict_to_fit` records (native thread id, start, duration) with
+Timing: every call of `MessageQueue.enqueue`, `MessageQueue.dequeue`, `AuxStore.put`,
+`AuxStore._evict_to_fit` and the producer's `Engine.step`, `Engine.schedule`, `Engine.update`
+and `Engine.pace` records (native thread id, start, duration) with
 time.perf_counter_ns() (CLOCK_MONOTONIC, the clock enginescope uses) taken as the first
 statement of the body and in a `finally:` around it, so the time covers the body only: not the
 call overhead, and not the cost of a profiler's breakpoint traps at entry and return.
@@ -34,7 +35,8 @@ on), so a test can pick window edges in quiet gaps between calls. Nothing sleeps
 Truth JSON (producer at PATH, consumer at PATH.consumer.json):
   {"pid", "role", "python", "window": {"start_mono_ns", "end_mono_ns"},
    "threads": {"<native tid>": "name"},
-   "calls": {"MessageQueue.enqueue": [[tid, start_ns, dur_ns], ...], ...}}
+   "calls": {"MessageQueue.enqueue": [[tid, start_ns, dur_ns], ...], ...},
+   "gc_pauses": [[start_ns, dur_ns, generation], ...]}   (producer, --gc-truth only)
 """
 
 import argparse
@@ -148,6 +150,65 @@ class AuxStore:
             note("AuxStore._evict_to_fit", t0)
 
 
+class Engine:
+    """The producer's step, like vLLM's EngineCore.step: schedule a batch (build one list per
+    request), enqueue it, update from it; then pace to --steps-per-s. Five functions on one
+    thread, so that a test can probe more of them than a thread has debug registers."""
+
+    def __init__(self, mq, requests, tokens):
+        self.mq = mq
+        self.requests = requests
+        self.tokens = list(range(tokens))
+
+    def step(self, step):
+        t0 = now()
+        try:
+            obj = self.schedule(step)
+            self.mq.enqueue(obj)
+            self.update(obj)
+        finally:
+            note("Engine.step", t0)
+
+    def schedule(self, step):
+        t0 = now()
+        try:
+            return [[r, step] + self.tokens for r in range(self.requests)]
+        finally:
+            note("Engine.schedule", t0)
+
+    def update(self, obj):
+        t0 = now()
+        try:
+            n = 0
+            for x in obj:
+                n += len(x)
+            return n
+        finally:
+            note("Engine.update", t0)
+
+    def pace(self, delay_ns):
+        t0 = now()
+        try:
+            time.sleep(delay_ns / 1e9)
+        finally:
+            note("Engine.pace", t0)
+
+
+GC_PAUSES = []
+
+
+def gc_callback(phase, info):
+    """gc.callbacks truth (--gc-truth): (start, dur, generation) of each collection."""
+    if not RECORDING:
+        return
+    t = now()
+    if phase == "start":
+        gc_callback.t0 = t
+    elif getattr(gc_callback, "t0", None) is not None:
+        GC_PAUSES.append((gc_callback.t0, t - gc_callback.t0, info.get("generation")))
+        gc_callback.t0 = None
+
+
 def write_truth(path, role, window):
     out = {
         "pid": os.getpid(),
@@ -156,6 +217,7 @@ def write_truth(path, role, window):
         "window": window,
         "threads": {str(t.native_id): t.name for t in threading.enumerate()},
         "calls": CALLS,
+        "gc_pauses": GC_PAUSES,
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -232,6 +294,7 @@ def main():
     ap.add_argument("--steps-per-s", type=float, default=200.0)
     ap.add_argument("--puts-per-s", type=float, default=25.0)
     ap.add_argument("--evict-items", type=int, default=60000)
+    ap.add_argument("--gc-truth", action="store_true", help="time the producer's collections with gc.callbacks")
     args = ap.parse_args()
 
     shm = shared_memory.SharedMemory(create=True, size=SLOTS * SLOT_BYTES)
@@ -249,6 +312,11 @@ def main():
     name_thread("mq-producer")
     threading.current_thread().name = "mq-producer"
     mq = MessageQueue(shm, -1, notify_w)
+    engine = Engine(mq, args.requests, args.tokens)
+    if args.gc_truth:
+        import gc
+
+        gc.callbacks.append(gc_callback)
     if os.read(ready_r, 1) != b"R":
         sys.exit("consumer failed to start")
 
@@ -271,18 +339,16 @@ def main():
 
     period = 1e9 / args.steps_per_s
     step = 0
-    tokens = list(range(args.tokens))
     next_t = now()
     while True:
         if go.is_set() and now() - window["start_mono_ns"] >= args.duration * 1e9:
             break
-        obj = [[r, step] + tokens for r in range(args.requests)]
-        mq.enqueue(obj)
+        engine.step(step)
         step += 1
         next_t += period
         delay = next_t - now()
         if delay > 0:
-            time.sleep(delay / 1e9)
+            engine.pace(delay)
         else:
             next_t = now()
     end = now()

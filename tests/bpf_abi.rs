@@ -25,7 +25,7 @@ int main(void) {
   F(es_target, code_adaptive); F(es_target, flags); F(es_target, code_name);
   F(es_target, gil_addr); F(es_target, gil_cond_off); F(es_target, gil_switch_off);
   F(es_target, gil_size); F(es_target, gc_stats_stride); F(es_target, gc_stats_addr);
-  S(es_gc_edge); F(es_gc_edge, collections); F(es_gc_edge, collected);
+  S(es_gc_edge); F(es_gc_edge, collections); F(es_gc_edge, collected); F(es_gc_edge, generation);
   S(es_probe_hit); F(es_probe_hit, frame); F(es_probe_hit, previous); F(es_probe_hit, code); F(es_probe_hit, value);
   S(es_thread); F(es_thread, tgid); F(es_thread, ustack_window);
   S(es_frame); F(es_frame, instr_offset); F(es_frame, code_id);
@@ -119,7 +119,8 @@ int main(void) {
             "es_target.gc_stats_addr",
             offset_of!(EsTarget, gc_stats_addr),
         ),
-        ("es_gc_edge", size_of::<EsEventHeader>() + 48),
+        ("es_gc_edge", GC_EDGE_SIZE),
+        ("es_gc_edge.generation", size_of::<EsEventHeader>() + 48),
         ("es_gc_edge.collections", size_of::<EsEventHeader>()),
         ("es_gc_edge.collected", size_of::<EsEventHeader>() + 24),
         ("es_probe_hit", size_of::<EsEventHeader>() + 32),

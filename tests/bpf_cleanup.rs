@@ -69,6 +69,29 @@ fn all_link_ids() -> Vec<u64> {
         .unwrap_or_default()
 }
 
+/// The first byte of the interpreter's `_Py_RunGC` (3.12: a GC uprobe goes there) in the
+/// target's memory and in its file: a uprobe shows as an int3 (0xcc) in memory only.
+fn collector_bytes(pid: u32) -> (u8, u8) {
+    use std::os::unix::fs::FileExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let maps = enginescope::cpython::binary::parse_maps(&maps);
+    let bin = enginescope::cpython::binary::find_interpreter(pid as i32, &maps).unwrap();
+    let cs = enginescope::cpython::binary::find_collectors(&bin, 12).unwrap();
+    let c = cs.iter().find(|c| c.name == "_Py_RunGC").unwrap();
+    let addr = bin.symbols["_Py_RunGC"];
+    let mut mem = [0u8; 1];
+    std::fs::File::open(format!("/proc/{pid}/mem"))
+        .unwrap()
+        .read_exact_at(&mut mem, addr)
+        .unwrap();
+    let mut file = [0u8; 1];
+    std::fs::File::open(&c.path)
+        .unwrap()
+        .read_exact_at(&mut file, c.file_offset)
+        .unwrap();
+    (mem[0], file[0])
+}
+
 fn check(how: &str) {
     let i = interp("pyenv-3.12");
     if !available(&i) {
@@ -116,6 +139,13 @@ fn check(how: &str) {
     );
     assert!(links.iter().all(|id| all_link_ids().contains(id)));
     assert!(held.iter().all(|id| all_program_ids().contains(id)));
+    // GC pauses are timed by uprobes on this interpreter (it has symbols): the collector's
+    // first instruction is a breakpoint in the target while the recorder runs.
+    let (mem, file) = collector_bytes(w.pid as u32);
+    assert_eq!(
+        mem, 0xcc,
+        "{how}: no uprobe on _Py_RunGC while recording (file byte {file:#x})"
+    );
     match how {
         "exit" => {}
         "sigint" => unsafe {
@@ -166,6 +196,19 @@ fn check(how: &str) {
     assert!(
         left_links.is_empty(),
         "{how}: BPF links (perf events, tracepoints) left behind: {left_links:?}"
+    );
+    // The uprobes are gone with the recorder's fds: the target's code is its file's again.
+    let t1 = std::time::Instant::now();
+    let (mem, file) = loop {
+        let b = collector_bytes(w.pid as u32);
+        if b.0 == b.1 || t1.elapsed() > std::time::Duration::from_secs(5) {
+            break b;
+        }
+        std::thread::yield_now();
+    };
+    assert_eq!(
+        mem, file,
+        "{how}: a uprobe is left in the target's _Py_RunGC"
     );
     // After SIGINT the recording is finished cleanly; after SIGKILL it still reads.
     let r = enginescope::record::read_recording(&out).unwrap();

@@ -143,11 +143,39 @@ fn gil(label: &str) {
     );
 }
 
-fn gc(label: &str, generations_readable: bool) {
+/// `method`: how the recording must say the target's GC pauses were timed (`uprobe` where the
+/// interpreter has the collector's symbol, `watchpoint` on stripped builds).
+fn gc(label: &str, generations_readable: bool, method: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some((r, truth)) = record_workload(&interp(label), "gc_churn.py", "4", "bpf", "199") else {
+    // Set under the lock, for this test's recorder only.
+    let method = match method.strip_suffix("-forced") {
+        Some(m) => {
+            std::env::set_var("ENGINESCOPE_GC_METHOD", m);
+            m
+        }
+        None => {
+            std::env::remove_var("ENGINESCOPE_GC_METHOD");
+            method
+        }
+    };
+    let recorded = record_workload(&interp(label), "gc_churn.py", "4", "bpf", "199");
+    std::env::remove_var("ENGINESCOPE_GC_METHOD");
+    let Some((r, truth)) = recorded else {
         return;
     };
+    let methods: Vec<(&str, &str)> = r
+        .gc_methods
+        .iter()
+        .map(|g| (g.method.as_str(), g.function.as_str()))
+        .collect();
+    assert_eq!(
+        methods.len(),
+        1,
+        "{label}: one GC method record: {:?}",
+        r.gc_methods
+    );
+    assert_eq!(methods[0].0, method, "{label}: {:?}", r.gc_methods);
+    eprintln!("{label}: GC method {:?}", r.gc_methods[0]);
     let t0 = r.meta.start_mono_ns;
     let a = truth["window"]["start_mono_ns"].as_u64().unwrap();
     let b = truth["window"]["end_mono_ns"].as_u64().unwrap();
@@ -214,8 +242,12 @@ fn gc(label: &str, generations_readable: bool) {
         report.push("  generations: not readable on this version (recorded as unknown)".into());
     }
     report.push(format!(
-        "  counters: gc_edges {:?}",
-        r.counters.get("bpf_gc_edges")
+        "  counters: gc_edges {:?}, gc uprobe hits {:?}, returns unpaired {:?}, nested {:?}, calls without a collection {:?}",
+        r.counters.get("bpf_gc_edges"),
+        r.counters.get("bpf_gc_uprobe_hits"),
+        r.counters.get("bpf_gc_return_unpaired"),
+        r.counters.get("bpf_gc_nested_calls"),
+        r.counters.get("gc_uprobe_calls_without_collection"),
     ));
     eprintln!("{}", report.join("\n"));
     assert!(
@@ -251,21 +283,27 @@ fn gil_waits_sid_3_14_stripped_container() {
 }
 #[test]
 fn gc_pauses_pyenv_3_11() {
-    gc("pyenv-3.11", true);
+    gc("pyenv-3.11", true, "watchpoint");
 }
 #[test]
 fn gc_pauses_pyenv_3_12() {
-    gc("pyenv-3.12", true);
+    gc("pyenv-3.12", true, "uprobe");
 }
 #[test]
 fn gc_pauses_pyenv_3_13() {
-    gc("pyenv-3.13", true);
+    gc("pyenv-3.13", true, "uprobe");
 }
 #[test]
 fn gc_pauses_sid_3_13_stripped_container() {
-    gc("sid-3.13", true);
+    gc("sid-3.13", true, "watchpoint");
 }
 #[test]
 fn gc_pauses_sid_3_14_stripped_container() {
-    gc("sid-3.14", true);
+    gc("sid-3.14", true, "watchpoint");
+}
+#[test]
+fn gc_pauses_pyenv_3_12_watchpoint_forced() {
+    // The fallback on an interpreter that has symbols, so that both methods are measured
+    // against the same truth on the same build.
+    gc("pyenv-3.12", true, "watchpoint-forced");
 }

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 6;
+pub const ABI_VERSION: u32 = 7;
 pub const MAX_FRAMES: usize = 128;
 pub const MAX_KFRAMES: usize = 64;
 pub const USTACK_MAX: usize = 16384;
@@ -49,6 +49,8 @@ pub struct EsTarget {
 pub const TARGET_OFFCPU: u32 = 1;
 pub const TARGET_GIL: u32 = 2;
 pub const TARGET_GC: u32 = 4;
+/// GC pauses from a uprobe + uretprobe on the collector function (`ES_TARGET_GC_UPROBE`).
+pub const TARGET_GC_UPROBE: u32 = 32;
 pub const TARGET_KSTACK: u32 = 8;
 pub const TARGET_USTACK: u32 = 16;
 
@@ -147,6 +149,9 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_ustack_read_errors",
     "bpf_kstack_errors",
     "bpf_gil_waits_on_mutex_owner",
+    "bpf_gc_uprobe_hits",
+    "bpf_gc_return_unpaired",
+    "bpf_gc_nested_calls",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).
@@ -241,21 +246,37 @@ const _: () = {
     assert!(offset_of!(EsTarget, frame_is_entry) == 100);
 };
 
-/// `struct es_gc_edge` after its header: per-generation (collections, collected).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// `struct es_gc_edge` after its header: per-generation (collections, collected), and the
+/// collector's generation argument (uprobe method; -1 = none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GcStats {
     pub collections: [u64; 3],
     pub collected: [u64; 3],
+    pub generation_arg: i64,
 }
+
+impl Default for GcStats {
+    fn default() -> Self {
+        GcStats {
+            collections: [0; 3],
+            collected: [0; 3],
+            generation_arg: -1,
+        }
+    }
+}
+
+/// Size of `struct es_gc_edge`.
+pub const GC_EDGE_SIZE: usize = std::mem::size_of::<EsEventHeader>() + 56;
 
 /// The statistics part of a GC_EDGE record.
 pub fn parse_gc_stats(bytes: &[u8]) -> Option<GcStats> {
     let h = std::mem::size_of::<EsEventHeader>();
-    let b = bytes.get(h..h + 48)?;
+    let b = bytes.get(h..h + 56)?;
     let at = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
     Some(GcStats {
         collections: [at(0), at(1), at(2)],
         collected: [at(3), at(4), at(5)],
+        generation_arg: at(6) as i64,
     })
 }
 

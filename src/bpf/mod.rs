@@ -223,6 +223,70 @@ impl BpfSampler {
         })
     }
 
+    /// Time GC pauses of process `pid` with a uprobe on each function of `collectors` and a
+    /// uretprobe on its return (programs `on_gc_enter` / `on_gc_exit`, loaded on first use;
+    /// the attach cookie says whether the function's second argument is the generation).
+    /// The probes fire only in `pid` (the kernel filters by address space) and take no debug
+    /// register. Both are owned by this process's file descriptors: the kernel removes them,
+    /// and the return trampolines of calls still inside the collector return normally, when
+    /// enginescope exits however it exits. All or nothing.
+    pub fn attach_gc_uprobes(
+        &mut self,
+        pid: i32,
+        collectors: &[crate::cpython::binary::Collector],
+    ) -> anyhow::Result<GcUprobes> {
+        use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
+        use aya::programs::UProbe;
+        let scope = std::num::NonZeroU32::new(pid as u32)
+            .map(UProbeScope::OneProcess)
+            .ok_or_else(|| anyhow!("bad pid {pid}"))?;
+        let mut links = GcUprobes { links: Vec::new() };
+        for c in collectors {
+            for name in ["on_gc_enter", "on_gc_exit"] {
+                let prog: &mut UProbe = self
+                    .bpf
+                    .program_mut(name)
+                    .with_context(|| format!("BPF object has no {name} program"))?
+                    .try_into()?;
+                if prog.fd().is_err() {
+                    prog.load()
+                        .map_err(|e| anyhow!("verifier rejected {name}: {e:#}"))?;
+                }
+                let point = UProbeAttachPoint {
+                    location: UProbeAttachLocation::AbsoluteOffset(c.file_offset),
+                    cookie: Some(u64::from(c.generation_arg)),
+                };
+                match prog.attach(point, &c.path, scope) {
+                    Ok(l) => links.links.push((name, l)),
+                    Err(e) => {
+                        let err = anyhow!(
+                            "{name} on {} at {}+{:#x}: {}",
+                            c.name,
+                            c.path.display(),
+                            c.file_offset,
+                            os_error(&e)
+                        );
+                        self.detach_gc_uprobes(links);
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        Ok(links)
+    }
+
+    /// Remove uprobes set by [`attach_gc_uprobes`](Self::attach_gc_uprobes).
+    pub fn detach_gc_uprobes(&mut self, u: GcUprobes) {
+        for (name, l) in u.links {
+            if let Some(prog) = self.bpf.program_mut(name) {
+                let prog: Result<&mut aya::programs::UProbe, _> = prog.try_into();
+                if let Ok(prog) = prog {
+                    let _ = prog.detach(l);
+                }
+            }
+        }
+    }
+
     /// Remove a watchpoint set by [`watch_gc_thread`](Self::watch_gc_thread).
     pub fn unwatch_gc_thread(&mut self, link: aya::programs::perf_event::PerfEventLinkId) {
         if let Ok(prog) = self.gc_write_program() {
@@ -371,6 +435,11 @@ impl BpfSampler {
     pub fn object(&self) -> &Ebpf {
         &self.bpf
     }
+}
+
+/// The uprobe and uretprobe timing one process's GC pauses.
+pub struct GcUprobes {
+    links: Vec<(&'static str, aya::programs::uprobe::UProbeLinkId)>,
 }
 
 /// Attach `prog` to a hardware breakpoint on `addr` in thread `tid` alone, firing on every hit.

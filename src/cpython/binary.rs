@@ -73,7 +73,105 @@ const WANTED: &[&str] = &[
     "take_gil",
     "drop_gil",
     "gc_collect_main",
+    "_PyGC_Collect",
+    "_Py_RunGC",
+    "gc_collect",
+    "PyGC_Collect",
+    "_PyGC_CollectNoFail",
 ];
+
+/// A function whose call spans one GC pause, for the uprobe method.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Collector {
+    pub name: &'static str,
+    /// File to attach to (opened through the target's mapping) and the function's offset in it.
+    pub path: PathBuf,
+    pub file_offset: u64,
+    /// Its second argument is the generation (`gc_collect_main`, `_PyGC_Collect`).
+    pub generation_arg: bool,
+}
+
+/// The functions whose calls span the GC pauses of an interpreter of version 3.`minor`, from
+/// its symbol table, chosen so that each call spans what the `collecting` watchpoint spans
+/// (the flag set, the gc.callbacks, the collection, the flag cleared) where a function does:
+///
+/// * 3.12: the flag is set by the collector's callers: `_Py_RunGC` (automatic collections),
+///   `gc_collect` (`gc.collect()`), `PyGC_Collect` and `_PyGC_CollectNoFail`;
+/// * 3.13: `gc_collect_main` sets and clears it itself;
+/// * 3.14+: `_PyGC_Collect` does (`gc_collect_main` is gone);
+/// * 3.10/3.11: none. The flag is set inline in the allocator (`_PyObject_GC_Link`, at
+///   every GC allocation), and `gc_collect_main`, inside the gc.callbacks, read the longest
+///   pauses 10-16% short: these versions keep the watchpoint.
+///
+/// Err says why not (a stripped interpreter, a symbol missing).
+pub fn find_collectors(bin: &InterpreterBinary, minor: u8) -> Result<Vec<Collector>, String> {
+    let names: &[(&'static str, bool)] = match minor {
+        12 => &[
+            ("_Py_RunGC", false),
+            ("gc_collect", false),
+            ("PyGC_Collect", false),
+            ("_PyGC_CollectNoFail", false),
+        ],
+        m if m >= 14 => &[("_PyGC_Collect", true)],
+        13 => &[("gc_collect_main", true)],
+        // 3.10/3.11: automatic collections run in `gc_collect_generations`, inlined into
+        // `_PyObject_GC_Link` (called at every GC allocation: no place for a uprobe), and
+        // `gc_collect_main` alone leaves out the `gc.callbacks` around it: measured on 3.11
+        // its longest pauses read 10-16% short of gc.callbacks' in 2 of 3 runs. The
+        // watchpoint on the collecting flag spans them exactly.
+        _ => {
+            return Err(format!(
+                "on Python 3.{minor} the collector's entry is inlined into every GC allocation \
+                 (no function to put a uprobe on whose span is a collection's)"
+            ))
+        }
+    };
+    let first = names[0].0;
+    if !bin.symbols.contains_key(first) {
+        return Err(if bin.stripped {
+            format!(
+                "{} is stripped (no .symtab, so no {first} to put a uprobe on)",
+                bin.path
+            )
+        } else {
+            format!("no {first} symbol in {}", bin.path)
+        });
+    }
+    let file = std::fs::File::open(&bin.opened_from)
+        .map_err(|e| format!("opening {}: {e}", bin.opened_from.display()))?;
+    let data = object::ReadCache::new(file);
+    let mut out = Vec::new();
+    for &(name, generation_arg) in names {
+        let Some(&addr) = bin.symbols.get(name) else {
+            continue;
+        };
+        let vaddr = addr.wrapping_sub(bin.bias);
+        let file_offset = file_offset_of(&data, vaddr).ok_or_else(|| {
+            format!(
+                "{name} at {vaddr:#x} is in no loadable segment of {}",
+                bin.path
+            )
+        })?;
+        out.push(Collector {
+            name,
+            path: bin.opened_from.clone(),
+            file_offset,
+            generation_arg,
+        });
+    }
+    Ok(out)
+}
+
+/// File offset of virtual address `vaddr` in an ELF image: inside the executable PT_LOAD
+/// segment that maps it.
+pub fn file_offset_of<'data, R: object::ReadRef<'data>>(data: R, vaddr: u64) -> Option<u64> {
+    let file = object::File::parse(data).ok()?;
+    file.segments().find_map(|seg| {
+        let (off, size) = seg.file_range();
+        let start = seg.address();
+        (vaddr >= start && vaddr - start < size).then(|| off + (vaddr - start))
+    })
+}
 
 /// Open a mapped file the way that works from the host whatever the target's mount namespace:
 /// `/proc/PID/map_files/START-END`, then `/proc/PID/root/PATH`, then `PATH`.

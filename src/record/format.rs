@@ -36,6 +36,8 @@ mod tag {
     pub const PROBE: u8 = 16;
     pub const CALL: u8 = 17;
     pub const TASK: u8 = 18;
+    pub const GC_METHOD: u8 = 19;
+    pub const PROBE_WATCH: u8 = 20;
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -142,6 +144,11 @@ struct Carried {
     /// `probe_ids` mapping them to this file's.
     probes: Vec<ProbeInfo>,
     probe_ids: HashMap<u32, u32>,
+    /// Exact probes' watches on now (caller's probe id, tid), repeated at time 0 of the next
+    /// segment.
+    watches: std::collections::BTreeSet<(u32, i32)>,
+    /// How each process's GC is timed, repeated in each segment.
+    gc_methods: std::collections::BTreeMap<i32, GcMethodInfo>,
     /// The task each event-loop thread runs (threads running none left out).
     tasks: std::collections::BTreeMap<(i32, i32), TaskChange>,
 }
@@ -309,6 +316,31 @@ impl RecordingWriter {
                         ..p.clone()
                     },
                 )?;
+            }
+            c.gc_methods.retain(|pid, _| c.processes.contains_key(pid));
+            for g in c.gc_methods.values() {
+                self.json(
+                    tag::GC_METHOD,
+                    &GcMethodInfo {
+                        t_ns: 0,
+                        ..g.clone()
+                    },
+                )?;
+            }
+            c.watches
+                .retain(|(probe, _)| c.probe_ids.contains_key(probe));
+            let on: Vec<(u32, i32)> = c
+                .watches
+                .iter()
+                .filter_map(|&(probe, tid)| Some((*c.probe_ids.get(&probe)?, tid)))
+                .collect();
+            for (probe, tid) in on {
+                self.put_watch(&ProbeWatch {
+                    t_ns: 0,
+                    probe,
+                    tid,
+                    on: true,
+                })?;
             }
             anyhow::Ok(())
         })();
@@ -558,6 +590,42 @@ impl RecordingWriter {
             );
         }
         self.json(tag::PROBE, p)
+    }
+
+    /// How process `g.pid`'s GC pauses are timed (record 19).
+    pub fn gc_method(&mut self, g: &GcMethodInfo) -> anyhow::Result<()> {
+        if let Some(c) = &mut self.carried {
+            c.gc_methods.insert(g.pid, g.clone());
+        }
+        self.json(tag::GC_METHOD, g)
+    }
+
+    /// An exact probe's watch set on or removed from a thread (record 20).
+    pub fn probe_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()> {
+        let probe = match &mut self.carried {
+            Some(k) => {
+                if w.on {
+                    k.watches.insert((w.probe, w.tid));
+                } else {
+                    k.watches.remove(&(w.probe, w.tid));
+                }
+                match k.probe_ids.get(&w.probe) {
+                    Some(&local) => local,
+                    None => return Ok(()),
+                }
+            }
+            None => w.probe,
+        };
+        self.put_watch(&ProbeWatch { probe, ..*w })
+    }
+
+    fn put_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()> {
+        self.buf.clear();
+        put_varint(&mut self.buf, w.t_ns);
+        put_varint(&mut self.buf, w.probe as u64);
+        put_varint(&mut self.buf, zigzag(w.tid as i64));
+        self.buf.push(u8::from(w.on));
+        self.record(tag::PROBE_WATCH)
     }
 
     pub fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
@@ -869,6 +937,19 @@ impl RecordingReader {
                     bail!("call names unknown probe {}", call.probe);
                 }
                 r.calls.push(call);
+            }
+            tag::GC_METHOD => r.gc_methods.push(serde_json::from_slice(p)?),
+            tag::PROBE_WATCH => {
+                let w = ProbeWatch {
+                    t_ns: c.varint()?,
+                    probe: c.varint()? as u32,
+                    tid: c.i32()?,
+                    on: c.u8()? != 0,
+                };
+                if w.probe as usize >= r.probes.len() {
+                    bail!("probe watch names unknown probe {}", w.probe);
+                }
+                r.probe_watches.push(w);
             }
             // Unknown tags are skipped: newer writers may add record kinds.
             _ => {}

@@ -264,6 +264,34 @@ pub struct ProbeInfo {
     pub t_ns: u64,
 }
 
+/// An exact probe's watchpoint set on (`on`) or removed from a thread (record 20). A thread
+/// wants a register per exactly probed function it runs; when it wants more than it has,
+/// the registers rotate among its probes, and these edges say when each was watched, so that
+/// views scale its counts by the share of the window it was watched. A watch with no later
+/// edge lasts to the end of the recording.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbeWatch {
+    pub t_ns: u64,
+    pub probe: u32,
+    pub tid: i32,
+    pub on: bool,
+}
+
+/// How a process's GC pauses are timed (record 19): `uprobe` (a uprobe and a uretprobe on
+/// the collector function, named in `function`), `watchpoint` (a hardware write watchpoint on
+/// `gcstate->collecting` in every thread) or `none`, and why.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct GcMethodInfo {
+    pub pid: i32,
+    pub method: String,
+    #[serde(default)]
+    pub function: String,
+    #[serde(default)]
+    pub reason: String,
+    #[serde(default)]
+    pub t_ns: u64,
+}
+
 /// One call of a probed function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FunctionCall {
@@ -331,6 +359,11 @@ pub struct Recording {
     pub scrape_errors: Vec<ScrapeError>,
     pub probes: Vec<ProbeInfo>,
     pub calls: Vec<FunctionCall>,
+    /// Exact probes' watch edges per thread (record 20; absent in older files: every exact
+    /// probe was watched from its attach on).
+    pub probe_watches: Vec<ProbeWatch>,
+    /// How each process's GC pauses were timed (record 19; absent in older files).
+    pub gc_methods: Vec<GcMethodInfo>,
     /// Running asyncio tasks of event-loop threads, as they changed (in time order).
     pub task_changes: Vec<TaskChange>,
     /// Failure-path and health counters (last value written wins).

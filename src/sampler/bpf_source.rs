@@ -16,7 +16,7 @@ use crate::bpf::{BpfSampler, EsThread};
 use crate::cpython::{Frame, PythonProcess};
 use crate::native::backlog::Backlog;
 use crate::native::RawNative;
-use crate::record::flags;
+use crate::record::{flags, GcMethodInfo};
 use crate::sys::monotonic_ns;
 
 /// What the BPF programs trace besides samples.
@@ -50,6 +50,12 @@ pub struct BpfSource {
     unparsed: u64,
     /// Samples' CPU time from the threads' scheduler runtime.
     weights: RuntimeWeights,
+    /// Per process timed by GC uprobes: its uprobe and uretprobe.
+    gc_uprobes: std::collections::HashMap<i32, crate::bpf::GcUprobes>,
+    /// GC methods chosen, to write at the next collect.
+    gc_methods_pending: Vec<GcMethodInfo>,
+    /// Processes whose GC uprobes could not be attached (counter `gc_uprobe_attach_failures`).
+    gc_uprobe_failures: u64,
 }
 
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
@@ -82,6 +88,9 @@ impl BpfSource {
             unparsed: 0,
             finish_wait_ns: 0,
             weights: RuntimeWeights::new(1_000_000_000 / rate_hz.max(1) as u64),
+            gc_uprobes: std::collections::HashMap::new(),
+            gc_methods_pending: Vec::new(),
+            gc_uprobe_failures: 0,
         })
     }
 
@@ -112,23 +121,109 @@ impl BpfSource {
         }
         let mut cfg = t.bpf_config(fl)?;
         if self.tracing.gc {
-            let tids: Vec<i32> = t.threads.keys().copied().collect();
-            match self
-                .probes
-                .watch_gc(&mut self.b, t.pid, cfg.gc_collecting_addr, &tids)
-            {
-                Ok(()) => cfg.flags |= abi::TARGET_GC,
-                Err(e) => {
-                    if !self.tracing.quiet {
-                        eprintln!(
-                            "enginescope: no exact GC pauses for process {}: {e:#}",
-                            t.pid
-                        );
-                    }
-                }
-            }
+            self.configure_gc(t, &mut cfg);
         }
         self.b.set_target(t.pid as u32, &cfg)
+    }
+
+    /// Exact GC pauses for `t`: a uprobe + uretprobe on the collector function where the
+    /// interpreter has its symbol (no debug register, ~0.5 us per hit), else a write
+    /// watchpoint on `gcstate->collecting` in every thread (one debug register per thread,
+    /// ~14 us per hit). `ENGINESCOPE_GC_METHOD=watchpoint` skips the uprobe (measurements).
+    fn configure_gc(&mut self, t: &Target, cfg: &mut abi::EsTarget) {
+        let forced = std::env::var("ENGINESCOPE_GC_METHOD").unwrap_or_default();
+        let why_not_uprobe = if forced == "watchpoint" {
+            "ENGINESCOPE_GC_METHOD=watchpoint".to_string()
+        } else {
+            match crate::cpython::binary::find_collectors(&t.proc.binary, t.proc.version.minor) {
+                Ok(cs) => match self.b.attach_gc_uprobes(t.pid, &cs) {
+                    Ok(u) => {
+                        self.gc_uprobes.insert(t.pid, u);
+                        cfg.flags |= abi::TARGET_GC_UPROBE;
+                        let names: Vec<&str> = cs.iter().map(|c| c.name).collect();
+                        let names = names.join(", ");
+                        self.gc_methods_pending.push(GcMethodInfo {
+                            pid: t.pid,
+                            method: "uprobe".into(),
+                            function: names.clone(),
+                            reason: format!(
+                                "uprobe + uretprobe on {names} in {}: no debug register",
+                                t.proc.binary.path
+                            ),
+                            t_ns: 0,
+                        });
+                        if !self.tracing.quiet {
+                            eprintln!(
+                                "enginescope: GC pauses of process {}: exact, uprobe + uretprobe on {names} (no debug register used)",
+                                t.pid
+                            );
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        self.gc_uprobe_failures += 1;
+                        format!("{e:#}")
+                    }
+                },
+                Err(e) => e,
+            }
+        };
+        let tids: Vec<i32> = t.threads.keys().copied().collect();
+        match self
+            .probes
+            .watch_gc(&mut self.b, t.pid, cfg.gc_collecting_addr, &tids)
+        {
+            Ok(()) => {
+                cfg.flags |= abi::TARGET_GC;
+                if !self.tracing.quiet {
+                    eprintln!(
+                        "enginescope: GC pauses of process {}: exact, write watchpoint on gcstate->collecting (one debug register per thread; no uprobe: {why_not_uprobe})",
+                        t.pid
+                    );
+                }
+                self.gc_methods_pending.push(GcMethodInfo {
+                    pid: t.pid,
+                    method: "watchpoint".into(),
+                    function: String::new(),
+                    reason: format!(
+                        "write watchpoint on gcstate->collecting, one debug register per thread (no uprobe: {why_not_uprobe})"
+                    ),
+                    t_ns: 0,
+                });
+            }
+            Err(e) => {
+                if !self.tracing.quiet {
+                    eprintln!(
+                        "enginescope: no exact GC pauses for process {}: {e:#} (no uprobe: {why_not_uprobe})",
+                        t.pid
+                    );
+                }
+                self.gc_methods_pending.push(GcMethodInfo {
+                    pid: t.pid,
+                    method: "none".into(),
+                    function: String::new(),
+                    reason: format!("no uprobe ({why_not_uprobe}) and no watchpoint ({e:#})"),
+                    t_ns: 0,
+                });
+            }
+        }
+    }
+
+    /// Write the GC methods chosen since the last call and tell the pipeline which processes'
+    /// pauses come from uprobes.
+    fn flush_gc_methods(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        if self.gc_methods_pending.is_empty() {
+            return Ok(());
+        }
+        let now = pipe.rel(monotonic_ns());
+        for mut g in std::mem::take(&mut self.gc_methods_pending) {
+            if g.method == "uprobe" {
+                pipe.gc_uprobe_pids.insert(g.pid);
+            }
+            g.t_ns = now;
+            pipe.writer.gc_method(&g)?;
+        }
+        Ok(())
     }
 
     /// Offer code objects met for the first time to the probes.
@@ -473,6 +568,7 @@ impl Source for BpfSource {
                 failed.push((t.pid, e));
             }
         }
+        self.flush_gc_methods(pipe)?;
         if self.tracing.gc || !self.probes.is_empty() {
             match self.b.watchpoint_cost_ns() {
                 Ok(ns) => {
@@ -543,6 +639,9 @@ impl Source for BpfSource {
             if let Some(n) = self.native.as_mut() {
                 n.native.forget(t.pid);
             }
+            if let Some(u) = self.gc_uprobes.remove(&t.pid) {
+                self.b.detach_gc_uprobes(u);
+            }
         }
         Ok(())
     }
@@ -551,6 +650,7 @@ impl Source for BpfSource {
         if let Some(n) = self.native.as_mut() {
             n.native.apply_builtins();
         }
+        self.flush_gc_methods(pipe)?;
         self.drain(targets, pipe)?;
         self.consider_new_code(targets, pipe)?;
         if self.tracing.probe_max_rate > 0 {
@@ -561,7 +661,13 @@ impl Source for BpfSource {
                 pipe,
             )?;
         }
-        Ok(())
+        let ts: &Targets = targets;
+        self.probes.rotate(
+            &mut self.b,
+            |pid| ts.iter().find(|t| t.pid == pid).map(|t| &t.proc),
+            monotonic_ns(),
+        );
+        self.probes.flush_watches(pipe)
     }
 
     fn finish(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
@@ -575,6 +681,9 @@ impl Source for BpfSource {
         let waited = self.apply_backlog(pipe, true);
         self.finish_wait_ns = t.elapsed().as_nanos() as u64;
         let closed = self.probes.close(Some(&mut self.b), pipe);
+        for (_, u) in self.gc_uprobes.drain() {
+            self.b.detach_gc_uprobes(u);
+        }
         drained.and(waited).and(closed)
     }
 
@@ -594,6 +703,11 @@ impl Source for BpfSource {
         out.insert(
             "gc_watch_attach_failures".into(),
             self.probes.gc_attach_failures,
+        );
+        out.insert("gc_uprobe_attach_failures".into(), self.gc_uprobe_failures);
+        out.insert(
+            "gc_uprobe_calls_without_collection".into(),
+            pipe.written.gc_calls_without_collection,
         );
         if !self.probes.is_empty() {
             super::probes::counters(Some(&self.probes), out);

@@ -272,6 +272,7 @@ mod tests {
         let stats1 = abi::GcStats {
             collections: [1, 1, 0],
             collected: [5, 9, 0],
+            ..Default::default()
         };
         pipe.gc_edge(me, tid, end, 0, stats1).unwrap();
         pipe.gil_wait_end(me, tid, end).unwrap();

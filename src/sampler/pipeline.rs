@@ -46,6 +46,9 @@ pub struct Written {
     pub offcpu: u64,
     pub gil_waits: u64,
     pub gc_pauses: u64,
+    /// Collector calls (uprobe method) in which no generation's `collections` counter moved
+    /// (3.13's `gc_collect_main` with nothing to collect): not pauses.
+    pub gc_calls_without_collection: u64,
     /// Off-CPU intervals whose switch-in the kernel did not trace, ended at the first sign
     /// that the thread ran again (see [`Pipeline::end_missed_switch_in`]).
     pub switch_ins_missed: u64,
@@ -62,6 +65,9 @@ pub struct Pipeline<W: Sink = RecordingWriter> {
     pub weight_ns: u32,
     /// Measured cost of one watchpoint hit, subtracted from each GC pause (probe effect).
     pub gc_trap_ns: u64,
+    /// Processes whose GC pauses come from uprobes on the collector (no trap inside the
+    /// interval to subtract; a call that collected nothing is not a pause).
+    pub gc_uprobe_pids: std::collections::HashSet<i32>,
     pub written: Written,
     timelines: HashMap<(i32, i32), ThreadTimeline>,
     gil_waits: HashMap<(i32, i32), PendingGilWait>,
@@ -75,6 +81,7 @@ impl<W: Sink> Pipeline<W> {
             start_ns,
             weight_ns: (1_000_000_000u64 / rate_hz.max(1) as u64) as u32,
             gc_trap_ns: 0,
+            gc_uprobe_pids: std::collections::HashSet::new(),
             written: Written::default(),
             timelines: HashMap::new(),
             gil_waits: HashMap::new(),
@@ -328,31 +335,45 @@ impl<W: Sink> Pipeline<W> {
         let Some(p) = self.gc.remove(&pid) else {
             return Ok(());
         };
+        let uprobe = self.gc_uprobe_pids.contains(&pid);
         // The generation whose `collections` counter moved; the oldest one if several did.
-        let generation = (0..3)
+        let moved = (0..3)
             .rev()
-            .find(|&g| stats.collections[g] > p.stats.collections[g])
+            .find(|&g| stats.collections[g] > p.stats.collections[g]);
+        // The statistics are known (some counter is non-zero) but none moved: a collector call
+        // that returned without collecting (uprobe method; a watched `collecting` flag is only
+        // set around a collection).
+        let stats_known = p.stats.collections.iter().any(|&c| c > 0);
+        if uprobe && moved.is_none() && stats_known {
+            self.written.gc_calls_without_collection += 1;
+            return Ok(());
+        }
+        let generation = moved
             .map(|g| g as i8)
+            .or_else(|| {
+                // Unknown statistics (3.15): the collector's argument, where it names one.
+                (0..3)
+                    .contains(&p.stats.generation_arg)
+                    .then_some(p.stats.generation_arg as i8)
+            })
             .unwrap_or(-1);
-        let collected = if generation >= 0 {
-            let g = generation as usize;
-            stats.collected[g]
+        let collected = match moved {
+            Some(g) => stats.collected[g]
                 .checked_sub(p.stats.collected[g])
                 .map(|d| d as i64)
-                .unwrap_or(-1)
-        } else {
-            -1
+                .unwrap_or(-1),
+            None => -1,
         };
+        // The watchpoint's own trap (the end of the first hit, the start of the second) is
+        // inside the interval but is not the collector's: take it out. A uprobe's cost
+        // (~0.5 us) is left in.
+        let trap = if uprobe { 0 } else { self.gc_trap_ns };
         self.written.gc_pauses += 1;
         self.writer.gc_pause(&GcPause {
             pid,
             tid: p.tid,
             start_ns: self.rel(p.start_abs_ns),
-            // The watchpoint's own trap (the end of the first hit, the start of the second) is
-            // inside the interval but is not the collector's: take it out.
-            dur_ns: t_ns
-                .saturating_sub(p.start_abs_ns)
-                .saturating_sub(self.gc_trap_ns),
+            dur_ns: t_ns.saturating_sub(p.start_abs_ns).saturating_sub(trap),
             generation,
             collected,
         })
@@ -591,10 +612,12 @@ mod tests {
         let before = abi::GcStats {
             collections: [4, 2, 1],
             collected: [10, 20, 30],
+            ..Default::default()
         };
         let after = abi::GcStats {
             collections: [5, 3, 1],
             collected: [10, 29, 30],
+            ..Default::default()
         };
         p.gc_edge(1, 10, t0 + MS, 1, before).unwrap();
         p.gc_edge(1, 11, t0 + 2 * MS, 1, after).unwrap(); // nested start: the first one counts
@@ -612,5 +635,57 @@ mod tests {
         let g = pauses[0];
         assert_eq!((g.tid, g.start_ns, g.dur_ns), (10, MS, 3 * MS - 1000));
         assert_eq!((g.generation, g.collected), (1, 9));
+    }
+
+    #[test]
+    fn gc_uprobe_calls_pair_without_the_trap_and_skip_empty_calls() {
+        let mut p = pipe();
+        p.gc_trap_ns = 1000;
+        p.gc_uprobe_pids.insert(1);
+        let t0 = p.start_ns;
+        let s = |c0: u64, arg: i64| abi::GcStats {
+            collections: [c0, 2, 1],
+            collected: [10, 20, 30],
+            generation_arg: arg,
+        };
+        // A call that collected nothing (3.13's gc_collect_main with no generation due).
+        p.gc_edge(1, 10, t0 + MS, 1, s(4, -1)).unwrap();
+        p.gc_edge(1, 10, t0 + 2 * MS, 0, s(4, -1)).unwrap();
+        // A young collection.
+        p.gc_edge(1, 10, t0 + 3 * MS, 1, s(4, 0)).unwrap();
+        p.gc_edge(1, 10, t0 + 5 * MS, 0, s(5, -1)).unwrap();
+        // Statistics unknown (all zero): the argument gives the generation.
+        p.gc_edge(
+            2,
+            20,
+            t0 + 6 * MS,
+            1,
+            abi::GcStats {
+                generation_arg: 2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        p.gc_uprobe_pids.insert(2);
+        p.gc_edge(2, 20, t0 + 7 * MS, 0, abi::GcStats::default())
+            .unwrap();
+        let pauses: Vec<GcPause> = p
+            .writer
+            .iter()
+            .filter_map(|e| match e {
+                Event::GcPause(g) => Some(*g),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(pauses.len(), 2, "{pauses:?}");
+        assert_eq!(
+            (pauses[0].start_ns, pauses[0].dur_ns, pauses[0].generation),
+            (3 * MS, 2 * MS, 0)
+        );
+        assert_eq!(
+            (pauses[1].dur_ns, pauses[1].generation, pauses[1].collected),
+            (MS, 2, -1)
+        );
+        assert_eq!(p.written.gc_calls_without_collection, 1);
     }
 }

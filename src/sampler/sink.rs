@@ -2,7 +2,10 @@
 //! GIL waits and GC pauses; [`super::probes::Probes`]' entry/return pairs) write through
 //! [`Sink`], so they are unit-tested with a `Vec<Event>` and run with a `RecordingWriter`.
 
-use crate::record::{FunctionCall, GcPause, GilWait, OffCpu, ProbeInfo, RecordingWriter, Sample};
+use crate::record::{
+    FunctionCall, GcMethodInfo, GcPause, GilWait, OffCpu, ProbeInfo, ProbeWatch, RecordingWriter,
+    Sample,
+};
 
 pub trait Sink {
     fn sample(&mut self, s: &Sample) -> anyhow::Result<()>;
@@ -11,6 +14,8 @@ pub trait Sink {
     fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()>;
     fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()>;
     fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()>;
+    fn probe_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()>;
+    fn gc_method(&mut self, g: &GcMethodInfo) -> anyhow::Result<()>;
 }
 
 impl Sink for RecordingWriter {
@@ -32,6 +37,12 @@ impl Sink for RecordingWriter {
     fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
         RecordingWriter::call(self, c)
     }
+    fn probe_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()> {
+        RecordingWriter::probe_watch(self, w)
+    }
+    fn gc_method(&mut self, g: &GcMethodInfo) -> anyhow::Result<()> {
+        RecordingWriter::gc_method(self, g)
+    }
 }
 
 /// One event written to a [`Sink`], as kept by the in-memory sink.
@@ -43,6 +54,8 @@ pub enum Event {
     GcPause(GcPause),
     Probe(ProbeInfo),
     Call(FunctionCall),
+    ProbeWatch(ProbeWatch),
+    GcMethod(GcMethodInfo),
 }
 
 /// The in-memory sink (tests).
@@ -69,6 +82,14 @@ impl Sink for Vec<Event> {
     }
     fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()> {
         self.push(Event::Call(*c));
+        Ok(())
+    }
+    fn probe_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()> {
+        self.push(Event::ProbeWatch(*w));
+        Ok(())
+    }
+    fn gc_method(&mut self, g: &GcMethodInfo) -> anyhow::Result<()> {
+        self.push(Event::GcMethod(g.clone()));
         Ok(())
     }
 }

@@ -56,6 +56,123 @@ impl LatencyMs {
     }
 }
 
+impl LatencyMs {
+    /// Statistics of call durations (ns) each standing for `weight` calls (an exact probe
+    /// watched for part of the window: [`coverage_weights`]); percentiles are weighted
+    /// nearest-rank. None without calls.
+    pub fn of_weighted(calls: &mut [(u64, f64)]) -> Option<LatencyMs> {
+        calls.sort_unstable_by_key(|&(d, _)| d);
+        let max = calls.last()?.0;
+        let total_w: f64 = calls.iter().map(|&(_, w)| w).sum();
+        let total: f64 = calls.iter().map(|&(d, w)| d as f64 * w).sum();
+        let pct = |q: f64| {
+            let want = q * total_w - 1e-9;
+            let mut acc = 0.0;
+            for &(d, w) in calls.iter() {
+                acc += w;
+                if acc >= want {
+                    return ms(d);
+                }
+            }
+            ms(max)
+        };
+        Some(LatencyMs {
+            p50: pct(0.5),
+            p90: pct(0.9),
+            p99: pct(0.99),
+            max: ms(max),
+            mean: if total_w > 0.0 {
+                total / total_w / 1e6
+            } else {
+                0.0
+            },
+        })
+    }
+}
+
+/// Watched intervals of each exact probe on each thread, from the recording's watch edges
+/// (record 20), ns since start; a watch still on at the end lasts to `end_ns`. Empty for
+/// recordings without edges (every exact probe watched from its attach on).
+pub fn watch_intervals(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Vec<(u64, u64)>> {
+    let mut open: BTreeMap<(u32, i32), u64> = BTreeMap::new();
+    let mut out: BTreeMap<(u32, i32), Vec<(u64, u64)>> = BTreeMap::new();
+    for w in &rec.probe_watches {
+        let k = (w.probe, w.tid);
+        if w.on {
+            open.entry(k).or_insert(w.t_ns);
+        } else if let Some(s) = open.remove(&k) {
+            out.entry(k).or_default().push((s, w.t_ns.max(s)));
+        }
+    }
+    for (k, s) in open {
+        out.entry(k).or_default().push((s, end_ns.max(s)));
+    }
+    out
+}
+
+/// Coverage below which an exact probe's counts are scaled (a probe that took turns with
+/// others for a thread's debug registers); above it the probe counts as watched throughout.
+const FULL_COVERAGE: f64 = 0.995;
+
+/// An exact probe on one thread watched for part of its span: the span and its watched
+/// intervals.
+#[derive(Debug, Clone)]
+pub struct Coverage {
+    /// From the first watch on that thread to its thread's last watch edge (or `end_ns`).
+    pub span_ns: u64,
+    pub intervals: Vec<(u64, u64)>,
+}
+
+impl Coverage {
+    /// Share of the span that was watched.
+    pub fn share(&self) -> f64 {
+        let w: u64 = self.intervals.iter().map(|(a, b)| b - a).sum();
+        w as f64 / self.span_ns.max(1) as f64
+    }
+
+    /// How many calls one observed call of `dur_ns` stands for: the span over the total time
+    /// a call of that length could have started and still been watched from its start to its
+    /// end (sum over intervals of max(0, L - d)). Long calls straddle a switch more often, so
+    /// they weigh more than the coverage alone says (L / (L - d) for one interval).
+    pub fn weight(&self, dur_ns: u64) -> f64 {
+        let room: u64 = self
+            .intervals
+            .iter()
+            .map(|(a, b)| (b - a).saturating_sub(dur_ns))
+            .sum();
+        let share = self.share().max(1e-9);
+        if room == 0 {
+            1.0 / share
+        } else {
+            self.span_ns as f64 / room as f64
+        }
+    }
+}
+
+/// Per (probe, tid) of exact probes watched for less than [`FULL_COVERAGE`] of their span.
+pub fn coverages(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Coverage> {
+    let iv = watch_intervals(rec, end_ns);
+    // A thread's span ends at its last watch edge (all of its watches end together when it
+    // exits or the recording ends), or at the end when one is still on.
+    let mut thread_end: BTreeMap<i32, u64> = BTreeMap::new();
+    for ((_, tid), v) in &iv {
+        let e = v.iter().map(|&(_, b)| b).max().unwrap_or(0);
+        let t = thread_end.entry(*tid).or_insert(0);
+        *t = (*t).max(e);
+    }
+    iv.into_iter()
+        .filter_map(|((probe, tid), intervals)| {
+            let first = intervals.iter().map(|&(a, _)| a).min()?;
+            let end = thread_end.get(&tid).copied().unwrap_or(end_ns).max(first);
+            let c = Coverage {
+                span_ns: end - first,
+                intervals,
+            };
+            (c.span_ns > 0 && c.share() < FULL_COVERAGE).then_some(((probe, tid), c))
+        })
+        .collect()
+}
+
 /// Calls of one window.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct LatencyPoint {
@@ -93,7 +210,28 @@ pub struct FunctionLatencyRow {
     pub resolution_ms: f64,
     /// Per window of the report (`window_s`): calls ending in it and their p50/p90.
     pub latency_series: Vec<LatencyPoint>,
+    /// An exact probe that took turns with others for the thread's debug registers: the
+    /// share of its span it was watched (`method` reads `exact, 80% of the window`), and the
+    /// calls actually timed; `calls`, `calls_per_s`, `total_s` and the series' counts are then
+    /// estimates (each timed call weighted by the span over the time a call of its length
+    /// could have been watched whole), and the percentiles are weighted likewise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coverage: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calls_observed: Option<u64>,
 }
+
+impl FunctionLatencyRow {
+    /// Whether the counts are estimates scaled from part of the window.
+    pub fn estimated(&self) -> bool {
+        self.coverage.is_some()
+    }
+}
+
+/// A `function_latency` row: (first probe of the function, pid, tid).
+type RowKey = (u32, i32, i32);
+/// A call's (end, duration, weight), ns.
+type WeightedCall = (u64, u64, f64);
 
 /// Probes by id; a probe written twice keeps its latest description.
 pub fn probes_by_id(rec: &Recording) -> BTreeMap<u32, &ProbeInfo> {
@@ -124,14 +262,25 @@ pub fn function_latency(
             .copied()
             .unwrap_or(probe)
     };
-    let mut by_key: BTreeMap<(u32, i32, i32), Vec<(u64, u64)>> = BTreeMap::new();
+    let cov = coverages(rec, windows.end_ns);
+    // (end, duration, weight) per row.
+    let mut by_key: BTreeMap<RowKey, Vec<WeightedCall>> = BTreeMap::new();
     let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
+    let mut row_cov: BTreeMap<(u32, i32, i32), f64> = BTreeMap::new();
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
         let key = (row_of(c.probe), c.pid, c.tid);
-        by_key
-            .entry(key)
-            .or_default()
-            .push((c.start_ns.saturating_add(c.dur_ns), c.dur_ns));
+        let weight = match cov.get(&(c.probe, c.tid)) {
+            Some(k) => {
+                row_cov.entry(key).or_insert_with(|| k.share());
+                k.weight(c.dur_ns)
+            }
+            None => 1.0,
+        };
+        by_key.entry(key).or_default().push((
+            c.start_ns.saturating_add(c.dur_ns),
+            c.dur_ns,
+            weight,
+        ));
         let m = methods.entry(key).or_default();
         if !m.contains(&c.probe) {
             m.push(c.probe);
@@ -156,16 +305,40 @@ pub fn function_latency(
                     method.push(u.method.as_str());
                 }
             }
-            let method = method.join(", then ");
+            let coverage = row_cov.get(&(probe, pid, tid)).copied();
+            let method = match coverage {
+                Some(c) => method
+                    .iter()
+                    .map(|m| {
+                        if *m == "exact" {
+                            format!("exact, {:.0}% of the window", c * 100.0)
+                        } else {
+                            m.to_string()
+                        }
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", then "),
+                None => method.join(", then "),
+            };
             let resolution_ns = used.iter().map(|p| p.resolution_ns).max().unwrap_or(0);
-            let mut durs: Vec<u64> = calls.iter().map(|&(_, d)| d).collect();
-            let latency_ms = LatencyMs::of(&mut durs)?;
+            let mut durs: Vec<u64> = calls.iter().map(|&(_, d, _)| d).collect();
+            let (latency_ms, n_calls, total_ns) = if coverage.is_some() {
+                let mut w: Vec<(u64, f64)> = calls.iter().map(|&(_, d, w)| (d, w)).collect();
+                let est: f64 = w.iter().map(|&(_, w)| w).sum();
+                let total: f64 = w.iter().map(|&(d, w)| d as f64 * w).sum();
+                (LatencyMs::of_weighted(&mut w)?, est, total as u64)
+            } else {
+                let l = LatencyMs::of(&mut durs)?;
+                (l, calls.len() as f64, durs.iter().sum())
+            };
             let attached = p.map_or(0, |p| p.t_ns);
             let observed = windows.end_ns.saturating_sub(attached);
             let mut per_window: Vec<Vec<u64>> = vec![Vec::new(); windows.count];
-            for &(end, d) in &calls {
+            let mut per_window_w: Vec<f64> = vec![0.0; windows.count];
+            for &(end, d, w) in &calls {
                 if let Some(i) = windows.index(end) {
                     per_window[i].push(d);
+                    per_window_w[i] += w;
                 }
             }
             Some(FunctionLatencyRow {
@@ -175,21 +348,29 @@ pub fn function_latency(
                 pid,
                 tid,
                 thread: rec.thread_name(pid, tid).to_string(),
-                calls: calls.len() as u64,
+                calls: n_calls.round() as u64,
                 calls_per_s: if observed == 0 {
                     0.0
                 } else {
-                    calls.len() as f64 / secs(observed)
+                    n_calls / secs(observed)
                 },
-                total_s: secs(durs.iter().sum()),
+                total_s: secs(total_ns),
                 latency_ms,
                 method,
                 resolution_ms: ms(resolution_ns),
                 latency_series: per_window
                     .iter_mut()
                     .enumerate()
-                    .map(|(i, d)| window_point(windows, i, d))
+                    .map(|(i, d)| {
+                        let mut pt = window_point(windows, i, d);
+                        if coverage.is_some() {
+                            pt.calls = per_window_w[i].round() as u64;
+                        }
+                        pt
+                    })
                     .collect(),
+                coverage,
+                calls_observed: coverage.map(|_| calls.len() as u64),
             })
         })
         .collect();
@@ -231,5 +412,72 @@ mod tests {
             (l.p50, l.p90, l.p99, l.max, l.mean),
             (5.0, 9.0, 10.0, 10.0, 5.5)
         );
+        // Equal weights give the same percentiles.
+        let mut w: Vec<(u64, f64)> = (1..=10).map(|m| (m * 1_000_000, 2.0)).collect();
+        let lw = LatencyMs::of_weighted(&mut w).unwrap();
+        assert_eq!((lw.p50, lw.p90, lw.max, lw.mean), (5.0, 9.0, 10.0, 5.5));
+    }
+
+    #[test]
+    fn coverage_scales_and_weighs_long_calls_more() {
+        // Watched [0, 400) and [500, 900) of a 1,000 ns span: 80%.
+        let c = Coverage {
+            span_ns: 1000,
+            intervals: vec![(0, 400), (500, 900)],
+        };
+        assert!((c.share() - 0.8).abs() < 1e-9);
+        assert!((c.weight(0) - 1.25).abs() < 1e-9);
+        // A 100 ns call fits whole in 300 + 300 ns of start times.
+        assert!((c.weight(100) - 1000.0 / 600.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn rotated_probe_rows_are_scaled_estimates() {
+        use crate::record::{FunctionCall, ProbeWatch};
+        let mut rec = Recording::default();
+        rec.probes.push(ProbeInfo {
+            id: 0,
+            pid: 1,
+            function: "f".into(),
+            method: "exact".into(),
+            ..Default::default()
+        });
+        let s = 1_000_000_000u64;
+        // Thread 10 watched in [0, 4 s) and [5 s, 10 s): 90% of the span.
+        for (t, on) in [(0, true), (4 * s, false), (5 * s, true), (10 * s, false)] {
+            rec.probe_watches.push(ProbeWatch {
+                t_ns: t,
+                probe: 0,
+                tid: 10,
+                on,
+            });
+        }
+        for i in 0..90 {
+            let start = if i < 40 {
+                i * s / 10
+            } else {
+                5 * s + (i - 40) * s / 10
+            };
+            rec.calls.push(FunctionCall {
+                probe: 0,
+                pid: 1,
+                tid: 10,
+                start_ns: start,
+                dur_ns: 1000,
+            });
+        }
+        rec.threads.push(crate::record::ThreadInfo {
+            pid: 1,
+            tid: 10,
+            name: "t".into(),
+            ..Default::default()
+        });
+        let w = Windows::new(10 * s, 10 * s);
+        let rows = function_latency(&rec, &Selection::all(&rec), &w);
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(r.method, "exact, 90% of the window");
+        assert_eq!((r.calls, r.calls_observed), (100, Some(90)));
+        assert!((r.coverage.unwrap() - 0.9).abs() < 1e-9);
     }
 }

@@ -442,8 +442,15 @@ impl Report {
                 md(if f.thread.is_empty() { "thread" } else { &f.thread }),
                 f.tid,
                 f.pid,
-                // Not every call seen: the count is a lower bound.
-                if f.method == "exact" { "" } else { "≥ " },
+                // Not every call seen: the count is a lower bound (sampled) or an estimate
+                // scaled from the share of the window an exact probe was watched.
+                if f.estimated() {
+                    "~ "
+                } else if f.method == "exact" {
+                    ""
+                } else {
+                    "≥ "
+                },
                 f.calls,
                 f.calls_per_s,
                 l.p50,
@@ -455,7 +462,24 @@ impl Report {
                 f.resolution_ms
             );
         }
-        if self.function_latency.iter().any(|f| f.method != "exact") {
+        if let Some(f) = self.function_latency.iter().find(|f| f.estimated()) {
+            let _ = writeln!(
+                s,
+                "\nRows `exact, N% of the window` are probes that took turns with others for \
+                 their thread's debug registers: every call was timed while the probe was \
+                 watched ({} of {} here for {}), and counts marked ~ are estimates scaled to \
+                 the whole window (longer calls, which straddle a switch more often, weigh \
+                 more); percentiles are weighted the same way.",
+                f.calls_observed.unwrap_or(0),
+                f.calls,
+                md(&f.function)
+            );
+        }
+        if self
+            .function_latency
+            .iter()
+            .any(|f| f.method != "exact" && !f.estimated())
+        {
             let _ = writeln!(
                 s,
                 "\nRows not `exact` are not comparable with per-call timers: `sampled` probes \
