@@ -262,7 +262,7 @@ impl BuiltinScan {
                 if word(&def, 0) == 0 {
                     return Ok(());
                 }
-                self.method(mem, &tp_name, &def, out)?;
+                self.method(mem, tp_name, &def, out)?;
                 i += 1;
                 continue;
             };
@@ -270,7 +270,7 @@ impl BuiltinScan {
                 if word(e, 0) == 0 {
                     return Ok(());
                 }
-                self.method(mem, &tp_name, e, out)?;
+                self.method(mem, tp_name, e, out)?;
             }
             i += n;
         }
