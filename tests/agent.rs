@@ -1116,6 +1116,29 @@ fn gil_fight_series(names: &str) {
             })
             .collect()
     };
+    // The agent has caught up when it serves the CPU the finished segments hold for the two
+    // workers (the last aggregated interval is written when the recorder ends: agreeing
+    // reads alone may both come before the agent's next poll).
+    let recs: Vec<Recording> =
+        poll_until(Duration::from_secs(30), Duration::from_millis(100), || {
+            let recs: Vec<Recording> = segments(&dir)
+                .iter()
+                .filter_map(|p| read_recording(p).ok())
+                .collect();
+            (recs.last().is_some_and(|r| r.end.is_some()), recs)
+        });
+    assert!(
+        recs.last().is_some_and(|r| r.end.is_some()),
+        "the recorder did not finish"
+    );
+    let seg_cpu = |tid: i64| -> f64 {
+        recs.iter()
+            .flat_map(|r| r.samples.iter())
+            .filter(|s| s.tid as i64 == tid)
+            .map(|s| s.weight_ns as f64 / 1e9)
+            .sum()
+    };
+    let want_cpu = [seg_cpu(id(lt)), seg_cpu(id(wt))];
     let mut last = served();
     let (stored, agent_final) =
         poll_until(Duration::from_secs(30), Duration::from_millis(250), || {
@@ -1128,7 +1151,10 @@ fn gil_fight_series(names: &str) {
                     [&l_label, &w_label].map(|l| stored[m].get(l).copied().unwrap_or(-1.0))
                 })
                 .collect();
-            let done = now == last && in_prom == now;
+            let done = now == last
+                && in_prom == now
+                && (now[0] - want_cpu[0]).abs() < 1e-6
+                && (now[1] - want_cpu[1]).abs() < 1e-6;
             last = now.clone();
             (done, (stored, now))
         });

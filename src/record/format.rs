@@ -1157,11 +1157,12 @@ impl RecordingReader {
                     bail!("aggregated off-CPU names unknown stack {stack}");
                 }
                 for i in 0..count {
+                    let dur_ns = profile::part(dur, count, i);
                     r.offcpu.push(OffCpu {
                         pid,
                         tid,
-                        start_ns: profile::spread(start, end, count, i),
-                        dur_ns: profile::part(dur, count, i),
+                        start_ns: profile::ended_by(start, end, count, i, dur_ns),
+                        dur_ns,
                         stack,
                         preempted,
                     });
@@ -1183,11 +1184,12 @@ impl RecordingReader {
                     bail!("aggregated GIL waits name an unknown stack");
                 }
                 for i in 0..count {
+                    let dur_ns = profile::part(dur, count, i);
                     r.gil_waits.push(GilWait {
                         pid,
                         tid,
-                        start_ns: profile::spread(start, end, count, i),
-                        dur_ns: profile::part(dur, count, i),
+                        start_ns: profile::ended_by(start, end, count, i, dur_ns),
+                        dur_ns,
                         holder_tid,
                         holder_stack,
                         waiter_stack,
@@ -1224,7 +1226,7 @@ impl RecordingReader {
                     let dur_ns = profile::bucket_value(b as u32);
                     for _ in 0..k {
                         r.calls.push(FunctionCall {
-                            start_ns: profile::spread(start, end, count, i),
+                            start_ns: profile::ended_by(start, end, count, i, dur_ns),
                             dur_ns,
                             pid,
                             tid,
@@ -1845,8 +1847,8 @@ mod tests {
                     weight_ns: 10_000_000 + (rnd() % 1000) as u32,
                 })
                 .unwrap();
-                // Every 50th a long block (an event loop's idle wait).
-                let long = i % 50 == 0;
+                // Now and then a long block (an event loop's idle wait) of (7, 7) and (8, 11).
+                let long = i % 50 == 0 || i % 50 == 4;
                 w.offcpu(&OffCpu {
                     pid,
                     tid,

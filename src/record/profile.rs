@@ -197,6 +197,17 @@ pub fn spread(start: u64, end: u64, count: u64, i: u64) -> u64 {
     start + ((2 * i as u128 + 1) * span / (2 * c)) as u64
 }
 
+/// When the `i`th of `count` events that ended in `[start, end)` began, read back from an
+/// aggregated record: events are written when they end, so each ends where its equal part of
+/// the interval ends and lasted `dur_ns` before it (a long block split at a rotation, alone in
+/// its interval, keeps its real start).
+pub fn ended_by(start: u64, end: u64, count: u64, i: u64, dur_ns: u64) -> u64 {
+    let span = end.saturating_sub(start) as u128;
+    let c = count.max(1) as u128;
+    let end_i = start + ((i as u128 + 1) * span / c) as u64;
+    end_i.saturating_sub(dur_ns)
+}
+
 /// `total` split into `count` parts that differ by at most 1 and add up to it exactly.
 pub fn part(total: u64, count: u64, i: u64) -> u64 {
     let c = count.max(1);
