@@ -134,6 +134,19 @@ enum Cmd {
         #[arg(long)]
         gil_blame: bool,
     },
+    /// Rewrite a recording of raw events in the agent's aggregated form (events added up per
+    /// interval; docs/recording-format.md): to compact old recordings, or to compare views of
+    /// the two forms of one run.
+    Aggregate {
+        /// Recording (.esrec) of raw events.
+        file: std::path::PathBuf,
+        /// The aggregated recording to write.
+        #[arg(long, short)]
+        output: std::path::PathBuf,
+        /// Seconds of each interval.
+        #[arg(long, default_value_t = 10.0)]
+        profile_seconds: f64,
+    },
     /// Convert a recording for other tools: folded, pprof, speedscope, chrome (docs/views.md).
     Export {
         /// Recording (.esrec).
@@ -273,6 +286,15 @@ struct AgentArgs {
     /// Seconds between updates of the metrics from the recording.
     #[arg(long, default_value_t = 1.0)]
     poll: f64,
+    /// Seconds of each aggregated interval: samples, off-CPU intervals, GIL waits and probed
+    /// calls are stored added up per thread and stack (calls as histograms) once per
+    /// interval, the exported counters advance then too (docs/deployment.md).
+    #[arg(long, default_value_t = 10.0)]
+    profile_seconds: f64,
+    /// Store every sample, context switch, GIL wait and probed call as its own record, and
+    /// every engine metric series, as `record` does (~15x the disk).
+    #[arg(long)]
+    raw_events: bool,
     #[command(flatten)]
     trace: TraceArgs,
     /// Time every call of a function: `[FILE:]QUALNAME` (repeat for several).
@@ -332,6 +354,14 @@ impl AgentArgs {
             Ok(v)
         };
         let poll = pos(self.poll, "--poll")?;
+        let aggregate = if self.raw_events {
+            None
+        } else {
+            Some(Duration::from_secs_f64(pos(
+                self.profile_seconds,
+                "--profile-seconds",
+            )?))
+        };
         let idle_ticks =
             (pos(self.series_idle_minutes, "--series-idle-minutes")? * 60.0 / poll).ceil() as u64;
         let cap = |n: usize| BudgetConfig {
@@ -354,6 +384,7 @@ impl AgentArgs {
             scrape_interval: Duration::from_secs_f64(self.scrape_interval.max(0.01)),
             default_probes: !self.no_default_probes,
             vllm_root_pid: self.engine_pid,
+            aggregate,
             ..enginescope::sampler::RecordOptions::new(self.pid, "unused.esrec".into())
         };
         self.trace.apply(&mut record);
@@ -543,6 +574,36 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             let svg = render_kind(&rec, &sel, kind)?;
             enginescope::views::write_output(&output, &svg)?;
+        }
+        Cmd::Aggregate {
+            file,
+            output,
+            profile_seconds,
+        } => {
+            anyhow::ensure!(
+                profile_seconds.is_finite() && profile_seconds > 0.0,
+                "--profile-seconds must be a positive number"
+            );
+            let rec = enginescope::record::read_recording(&file)?;
+            anyhow::ensure!(
+                rec.profile_intervals.is_empty(),
+                "{} is aggregated already",
+                file.display()
+            );
+            let bytes = enginescope::record::profile::write_aggregated(
+                &rec,
+                &output,
+                enginescope::record::profile::AggregateOptions {
+                    interval_ns: (profile_seconds * 1e9) as u64,
+                    event_loop_role: enginescope::vllm::discover::ROLE_API_SERVER,
+                    keep_series: |_| true,
+                },
+            )?;
+            let before = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+            eprintln!(
+                "enginescope: wrote {} ({bytes} bytes; {before} before)",
+                output.display()
+            );
         }
         Cmd::Export {
             file,

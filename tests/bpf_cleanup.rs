@@ -140,7 +140,20 @@ fn check(how: &str) {
     assert!(links.iter().all(|id| all_link_ids().contains(id)));
     assert!(held.iter().all(|id| all_program_ids().contains(id)));
     // GC pauses are timed by uprobes on this interpreter (it has symbols): the collector's
-    // first instruction is a breakpoint in the target while the recorder runs.
+    // first instruction is a breakpoint in the target while the recorder runs. The recorder
+    // attaches them as it configures the target, after "recording ...", and says so.
+    let mut gc_line = String::new();
+    for _ in 0..50 {
+        gc_line.clear();
+        if err.read_line(&mut gc_line).unwrap_or(0) == 0 || gc_line.contains("GC pauses of process")
+        {
+            break;
+        }
+    }
+    assert!(
+        gc_line.contains("uprobe"),
+        "{how}: GC method line: {gc_line}"
+    );
     let (mem, file) = collector_bytes(w.pid as u32);
     assert_eq!(
         mem, 0xcc,

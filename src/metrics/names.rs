@@ -100,6 +100,33 @@ pub const RELIED_ON: [(Family, &str); 10] = [
     (PREFIX_HITS, ""),
 ];
 
+/// Every family a view reads.
+pub const ALL: [Family; 12] = [
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    KV_CACHE_USAGE,
+    RUNNING,
+    WAITING,
+    PREEMPTIONS,
+    TTFT,
+    ITL,
+    E2E,
+    PREFIX_QUERIES,
+    PREFIX_HITS,
+    PREFIX_HIT_RATE_V0,
+];
+
+/// Whether a view reads the sample `name` (a histogram's `_bucket`, `_sum`, `_count` by its
+/// family): the series an aggregating recorder keeps of an engine's `/metrics`.
+pub fn is_read(name: &str) -> bool {
+    let base = ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+    ALL.iter()
+        .any(|f| f.names().any(|n| n == base || n == name))
+}
+
 /// The families of [`RELIED_ON`] that none of `names` spells, by current name (with suffix).
 pub fn missing(names: &std::collections::BTreeSet<&str>) -> Vec<String> {
     RELIED_ON

@@ -13,6 +13,7 @@ use std::path::Path;
 use anyhow::{bail, Context};
 
 use super::model::*;
+use super::profile::{self, Accumulator, AggregateOptions, CallKey, GilKey, OffCpuKey, SampleKey};
 
 pub const MAGIC: &[u8; 6] = b"ESREC\0";
 pub const VERSION: u16 = 1;
@@ -38,7 +39,17 @@ mod tag {
     pub const TASK: u8 = 18;
     pub const GC_METHOD: u8 = 19;
     pub const PROBE_WATCH: u8 = 20;
+    /// Aggregated events (`record::profile`): an interval, then what it added up.
+    pub const INTERVAL: u8 = 21;
+    pub const SAMPLES: u8 = 22;
+    pub const OFFCPU_SUM: u8 = 23;
+    pub const GIL_WAIT_SUM: u8 = 24;
+    pub const CALL_HIST: u8 = 25;
 }
+
+/// The most events one aggregated record may stand for (a reader expands them): far above
+/// what one thread does in an interval, a bound against a corrupt count.
+const MAX_AGGREGATED_COUNT: u64 = 1 << 24;
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     loop {
@@ -125,6 +136,27 @@ pub struct RecordingWriter {
     carried: Option<Carried>,
     /// Rotations so far: frame and stack ids are only valid within one generation.
     generation: u64,
+    /// Set when events are stored aggregated per interval ([`Self::aggregate`]).
+    profile: Option<Profile>,
+}
+
+/// A writer's aggregation state (`record::profile`).
+struct Profile {
+    opts: AggregateOptions,
+    /// Start of the interval being added up (ns since the segment's start).
+    start_ns: u64,
+    acc: Accumulator,
+    /// API-server processes: their main thread runs the event loop.
+    api_servers: std::collections::HashSet<i32>,
+    /// Threads seen running an asyncio task.
+    loop_threads: std::collections::HashSet<(i32, i32)>,
+}
+
+impl Profile {
+    /// Whether the thread's events are written one by one (views need them so: stalls).
+    fn raw(&self, pid: i32, tid: i32) -> bool {
+        (tid == pid && self.api_servers.contains(&pid)) || self.loop_threads.contains(&(pid, tid))
+    }
 }
 
 /// The latest description of everything a segment's events refer to (other than frames and
@@ -190,6 +222,7 @@ impl RecordingWriter {
             last_sample_ns: 0,
             carried: None,
             generation: 0,
+            profile: None,
         };
         w.header(meta)?;
         Ok(w)
@@ -200,6 +233,111 @@ impl RecordingWriter {
         let mut w = Self::create(path, meta)?;
         w.carried = Some(Carried::default());
         Ok(w)
+    }
+
+    /// Store samples, off-CPU intervals, GIL waits and probed calls added up per interval
+    /// (`record::profile`), except those of event-loop threads; in a rotating recording, keep
+    /// only the metric series `opts.keep_series` names. The caller calls
+    /// [`Self::profile_tick`] often; rotations and the end write the interval so far.
+    pub fn aggregate(&mut self, opts: AggregateOptions) {
+        self.profile = Some(Profile {
+            opts: AggregateOptions {
+                interval_ns: opts.interval_ns.max(1),
+                ..opts
+            },
+            start_ns: 0,
+            acc: Accumulator::default(),
+            api_servers: Default::default(),
+            loop_threads: Default::default(),
+        });
+    }
+
+    /// Whether events are stored aggregated.
+    pub fn aggregating(&self) -> bool {
+        self.profile.is_some()
+    }
+
+    /// `now_ns` (since the segment's start): write the interval when it is over.
+    pub fn profile_tick(&mut self, now_ns: u64) -> anyhow::Result<()> {
+        match &self.profile {
+            Some(p) if now_ns >= p.start_ns.saturating_add(p.opts.interval_ns) => {
+                self.write_profile(now_ns)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Write what the interval added up, as ending at `end_ns`, and start the next there.
+    fn write_profile(&mut self, end_ns: u64) -> anyhow::Result<()> {
+        let Some(p) = self.profile.as_mut() else {
+            return Ok(());
+        };
+        let start = p.start_ns;
+        p.start_ns = end_ns.max(start);
+        if p.acc.is_empty() {
+            return Ok(());
+        }
+        let acc = std::mem::take(&mut p.acc);
+        self.buf.clear();
+        put_varint(&mut self.buf, start);
+        put_varint(&mut self.buf, end_ns.max(start));
+        self.record(tag::INTERVAL)?;
+        let mut samples: Vec<_> = acc.samples.iter().collect();
+        samples.sort_unstable_by_key(|(k, _)| **k);
+        for (k, v) in samples {
+            self.buf.clear();
+            put_varint(&mut self.buf, zigzag(k.pid as i64));
+            put_varint(&mut self.buf, zigzag(k.tid as i64));
+            put_varint(&mut self.buf, k.stack as u64);
+            self.buf.push(k.flags);
+            put_varint(&mut self.buf, v.count);
+            put_varint(&mut self.buf, v.sum_ns);
+            self.samples += v.count;
+            self.record(tag::SAMPLES)?;
+        }
+        let mut off: Vec<_> = acc.offcpu.iter().collect();
+        off.sort_unstable_by_key(|(k, _)| **k);
+        for (k, v) in off {
+            self.buf.clear();
+            put_varint(&mut self.buf, zigzag(k.pid as i64));
+            put_varint(&mut self.buf, zigzag(k.tid as i64));
+            put_varint(&mut self.buf, k.stack as u64);
+            self.buf.push(k.preempted as u8);
+            put_varint(&mut self.buf, v.count);
+            put_varint(&mut self.buf, v.sum_ns);
+            self.record(tag::OFFCPU_SUM)?;
+        }
+        let mut gil: Vec<_> = acc.gil.iter().collect();
+        gil.sort_unstable_by_key(|(k, _)| **k);
+        for (k, v) in gil {
+            self.buf.clear();
+            put_varint(&mut self.buf, zigzag(k.pid as i64));
+            put_varint(&mut self.buf, zigzag(k.tid as i64));
+            put_varint(&mut self.buf, zigzag(k.holder_tid as i64));
+            put_varint(&mut self.buf, k.holder_stack as u64);
+            put_varint(&mut self.buf, k.waiter_stack as u64);
+            self.buf.push(k.switch_wait as u8);
+            put_varint(&mut self.buf, v.count);
+            put_varint(&mut self.buf, v.sum_ns);
+            self.record(tag::GIL_WAIT_SUM)?;
+        }
+        for (k, h) in acc.call_hists() {
+            self.buf.clear();
+            put_varint(&mut self.buf, zigzag(k.pid as i64));
+            put_varint(&mut self.buf, zigzag(k.tid as i64));
+            put_varint(&mut self.buf, k.probe as u64);
+            put_varint(&mut self.buf, h.count);
+            put_varint(&mut self.buf, h.sum_ns);
+            put_varint(&mut self.buf, h.buckets.len() as u64);
+            let mut prev = 0u32;
+            for (b, n) in &h.buckets {
+                put_varint(&mut self.buf, (b - prev) as u64);
+                put_varint(&mut self.buf, *n);
+                prev = *b;
+            }
+            self.record(tag::CALL_HIST)?;
+        }
+        Ok(())
     }
 
     fn header(&mut self, meta: &Meta) -> anyhow::Result<()> {
@@ -234,6 +372,10 @@ impl RecordingWriter {
             self.carried.is_some(),
             "rotate on a writer not made with create_rotating"
         );
+        self.write_profile(end.duration_ns)?;
+        if let Some(p) = self.profile.as_mut() {
+            p.start_ns = 0;
+        }
         self.json(tag::END, end)?;
         self.out.flush()?;
         self.out.get_ref().sync_data().ok();
@@ -259,6 +401,11 @@ impl RecordingWriter {
             let pids = e.pids();
             pids.is_empty() || pids.iter().any(|&p| alive(p, None))
         });
+        if let Some(p) = self.profile.as_mut() {
+            p.api_servers.retain(|&pid| alive(pid, None));
+            p.loop_threads
+                .retain(|&(pid, tid)| alive(pid, None) && alive(pid, Some(tid)));
+        }
         let res = (|| {
             for p in c.processes.values() {
                 self.json(tag::PROCESS, p)?;
@@ -376,6 +523,11 @@ impl RecordingWriter {
     }
 
     pub fn process(&mut self, p: &ProcessInfo) -> anyhow::Result<()> {
+        if let Some(pr) = &mut self.profile {
+            if p.role == pr.opts.event_loop_role {
+                pr.api_servers.insert(p.pid);
+            }
+        }
         if let Some(c) = &mut self.carried {
             c.processes.insert(p.pid, p.clone());
         }
@@ -391,6 +543,11 @@ impl RecordingWriter {
 
     /// An event-loop thread's running task changed (record 18).
     pub fn task_change(&mut self, t: &TaskChange) -> anyhow::Result<()> {
+        if let Some(pr) = &mut self.profile {
+            if t.task.is_some() {
+                pr.loop_threads.insert((t.pid, t.tid));
+            }
+        }
         if let Some(c) = &mut self.carried {
             if t.task.is_some() {
                 c.tasks.insert((t.pid, t.tid), t.clone());
@@ -481,6 +638,18 @@ impl RecordingWriter {
     }
 
     pub fn sample(&mut self, s: &Sample) -> anyhow::Result<()> {
+        if let Some(p) = self.profile.as_mut().filter(|p| !p.raw(s.pid, s.tid)) {
+            p.acc.sample(
+                SampleKey {
+                    pid: s.pid,
+                    tid: s.tid,
+                    stack: s.stack,
+                    flags: s.flags,
+                },
+                s.weight_ns as u64,
+            );
+            return Ok(());
+        }
         self.buf.clear();
         // Time as a signed delta from the previous sample (samples from several CPUs can be
         // slightly out of order): 2–3 bytes instead of 5–6.
@@ -499,6 +668,22 @@ impl RecordingWriter {
     }
 
     pub fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()> {
+        if let Some(p) = self
+            .profile
+            .as_mut()
+            .filter(|p| !p.raw(o.pid, o.tid) || o.dur_ns < profile::LOOP_RAW_MIN_OFFCPU_NS)
+        {
+            p.acc.offcpu(
+                OffCpuKey {
+                    pid: o.pid,
+                    tid: o.tid,
+                    stack: o.stack,
+                    preempted: o.preempted,
+                },
+                o.dur_ns,
+            );
+            return Ok(());
+        }
         self.buf.clear();
         put_varint(&mut self.buf, o.start_ns);
         put_varint(&mut self.buf, o.dur_ns);
@@ -510,6 +695,24 @@ impl RecordingWriter {
     }
 
     pub fn gil_wait(&mut self, g: &GilWait) -> anyhow::Result<()> {
+        if let Some(p) = self
+            .profile
+            .as_mut()
+            .filter(|p| !p.raw(g.pid, g.tid) || g.dur_ns < profile::LOOP_RAW_MIN_OFFCPU_NS / 2)
+        {
+            p.acc.gil(
+                GilKey {
+                    pid: g.pid,
+                    tid: g.tid,
+                    holder_tid: g.holder_tid,
+                    holder_stack: g.holder_stack,
+                    waiter_stack: g.waiter_stack,
+                    switch_wait: g.switch_wait,
+                },
+                g.dur_ns,
+            );
+            return Ok(());
+        }
         self.buf.clear();
         put_varint(&mut self.buf, g.start_ns);
         put_varint(&mut self.buf, g.dur_ns);
@@ -534,6 +737,9 @@ impl RecordingWriter {
     }
 
     pub fn engine(&mut self, e: &EngineInfo) -> anyhow::Result<()> {
+        if let Some(pr) = &mut self.profile {
+            pr.api_servers.extend(e.api_servers());
+        }
         if let Some(c) = &mut self.carried {
             c.engines.insert(e.id.clone(), e.clone());
         }
@@ -541,6 +747,12 @@ impl RecordingWriter {
     }
 
     pub fn series(&mut self, m: &MetricSeries) -> anyhow::Result<()> {
+        if let (Some(p), Some(_)) = (&self.profile, &self.carried) {
+            if !(p.opts.keep_series)(&m.name) {
+                // Not in the map: its points are dropped.
+                return Ok(());
+            }
+        }
         if let Some(c) = &mut self.carried {
             let local = c.series.len() as u32;
             c.series.push(m.clone());
@@ -637,6 +849,17 @@ impl RecordingWriter {
             },
             None => c.probe,
         };
+        if let Some(p) = self.profile.as_mut() {
+            p.acc.call(
+                CallKey {
+                    pid: c.pid,
+                    tid: c.tid,
+                    probe,
+                },
+                c.dur_ns,
+            );
+            return Ok(());
+        }
         self.buf.clear();
         put_varint(&mut self.buf, c.start_ns);
         put_varint(&mut self.buf, c.dur_ns);
@@ -653,6 +876,7 @@ impl RecordingWriter {
     }
 
     pub fn finish(mut self, end: &EndInfo) -> anyhow::Result<u64> {
+        self.write_profile(end.duration_ns)?;
         self.json(tag::END, end)?;
         self.out.flush()?;
         self.out.get_ref().sync_data().ok();
@@ -665,6 +889,15 @@ impl RecordingWriter {
     pub fn samples_written(&self) -> u64 {
         self.samples
     }
+}
+
+/// The count of an aggregated record, bounded ([`MAX_AGGREGATED_COUNT`]).
+fn aggregated_count(n: u64) -> anyhow::Result<u64> {
+    anyhow::ensure!(
+        n <= MAX_AGGREGATED_COUNT,
+        "an aggregated record of {n} events (corrupt?)"
+    );
+    Ok(n)
 }
 
 /// Read a whole recording. A file cut short inside a record (killed recorder) reads up to the
@@ -683,6 +916,14 @@ pub fn parse_recording(data: &[u8]) -> anyhow::Result<Recording> {
     if !rd.saw_meta {
         bail!("recording has no header record");
     }
+    if !rd.recording.profile_intervals.is_empty() {
+        // Aggregated intervals are written when they end, after raw events of later times.
+        let r = &mut rd.recording;
+        r.samples.sort_by_key(|s| s.t_ns);
+        r.offcpu.sort_by_key(|o| o.start_ns);
+        r.gil_waits.sort_by_key(|g| g.start_ns);
+        r.calls.sort_by_key(|c| c.start_ns);
+    }
     rd.recording.truncated = rd.pending > 0;
     Ok(rd.recording)
 }
@@ -699,6 +940,8 @@ pub struct RecordingReader {
     last_sample_ns: u64,
     /// Bytes waiting for the rest of their record.
     pending: usize,
+    /// The interval the aggregated records being read belong to.
+    interval: Option<(u64, u64)>,
 }
 
 impl RecordingReader {
@@ -950,6 +1193,129 @@ impl RecordingReader {
                     bail!("probe watch names unknown probe {}", w.probe);
                 }
                 r.probe_watches.push(w);
+            }
+            tag::INTERVAL => {
+                let (start, end) = (c.varint()?, c.varint()?);
+                if end < start {
+                    bail!("interval ends before it starts");
+                }
+                self.interval = Some((start, end));
+                r.profile_intervals.push((start, end));
+            }
+            tag::SAMPLES => {
+                let (start, end) = self
+                    .interval
+                    .context("aggregated samples before an interval")?;
+                let (pid, tid) = (c.i32()?, c.i32()?);
+                let stack = c.varint()? as u32;
+                let flags = c.u8()?;
+                let count = aggregated_count(c.varint()?)?;
+                let weight = c.varint()?;
+                if stack as usize >= r.stacks.len() {
+                    bail!("aggregated samples name unknown stack {stack}");
+                }
+                for i in 0..count {
+                    r.samples.push(Sample {
+                        t_ns: profile::spread(start, end, count, i),
+                        pid,
+                        tid,
+                        stack,
+                        flags,
+                        weight_ns: profile::part(weight, count, i).min(u32::MAX as u64) as u32,
+                    });
+                }
+            }
+            tag::OFFCPU_SUM => {
+                let (start, end) = self
+                    .interval
+                    .context("aggregated off-CPU before an interval")?;
+                let (pid, tid) = (c.i32()?, c.i32()?);
+                let stack = c.varint()? as u32;
+                let preempted = c.u8()? != 0;
+                let count = aggregated_count(c.varint()?)?;
+                let dur = c.varint()?;
+                if stack as usize >= r.stacks.len() {
+                    bail!("aggregated off-CPU names unknown stack {stack}");
+                }
+                for i in 0..count {
+                    let dur_ns = profile::part(dur, count, i);
+                    r.offcpu.push(OffCpu {
+                        pid,
+                        tid,
+                        start_ns: profile::ended_by(start, end, count, i, dur_ns),
+                        dur_ns,
+                        stack,
+                        preempted,
+                    });
+                }
+            }
+            tag::GIL_WAIT_SUM => {
+                let (start, end) = self
+                    .interval
+                    .context("aggregated GIL waits before an interval")?;
+                let (pid, tid, holder_tid) = (c.i32()?, c.i32()?, c.i32()?);
+                let holder_stack = c.varint()? as u32;
+                let waiter_stack = c.varint()? as u32;
+                let switch_wait = c.u8()? != 0;
+                let count = aggregated_count(c.varint()?)?;
+                let dur = c.varint()?;
+                if holder_stack as usize >= r.stacks.len()
+                    || waiter_stack as usize >= r.stacks.len()
+                {
+                    bail!("aggregated GIL waits name an unknown stack");
+                }
+                for i in 0..count {
+                    let dur_ns = profile::part(dur, count, i);
+                    r.gil_waits.push(GilWait {
+                        pid,
+                        tid,
+                        start_ns: profile::ended_by(start, end, count, i, dur_ns),
+                        dur_ns,
+                        holder_tid,
+                        holder_stack,
+                        waiter_stack,
+                        switch_wait,
+                    });
+                }
+            }
+            tag::CALL_HIST => {
+                let (start, end) = self
+                    .interval
+                    .context("aggregated calls before an interval")?;
+                let (pid, tid) = (c.i32()?, c.i32()?);
+                let probe = c.varint()? as u32;
+                let count = aggregated_count(c.varint()?)?;
+                let _sum_ns = c.varint()?;
+                let n = c.varint()?;
+                if probe as usize >= r.probes.len() {
+                    bail!("aggregated calls name unknown probe {probe}");
+                }
+                if n > p.len() as u64 {
+                    bail!("bad aggregated call record");
+                }
+                let mut b = 0u64;
+                let mut i = 0u64;
+                for _ in 0..n {
+                    b = b
+                        .checked_add(c.varint()?)
+                        .filter(|&b| b <= u32::MAX as u64)
+                        .context("bucket out of range")?;
+                    let k = c.varint()?;
+                    if i.checked_add(k).is_none_or(|t| t > count) {
+                        bail!("aggregated calls: buckets hold more calls than the count");
+                    }
+                    let dur_ns = profile::bucket_value(b as u32);
+                    for _ in 0..k {
+                        r.calls.push(FunctionCall {
+                            start_ns: profile::ended_by(start, end, count, i, dur_ns),
+                            dur_ns,
+                            pid,
+                            tid,
+                            probe,
+                        });
+                        i += 1;
+                    }
+                }
             }
             // Unknown tags are skipped: newer writers may add record kinds.
             _ => {}
@@ -1483,5 +1849,324 @@ mod tests {
             }
             let _ = parse_recording(&d);
         }
+    }
+
+    fn agg_opts(interval_ns: u64) -> AggregateOptions {
+        AggregateOptions {
+            interval_ns,
+            event_loop_role: "api_server",
+            keep_series: |n| n.starts_with("vllm:kept"),
+        }
+    }
+
+    /// The same events written raw and aggregated: per-thread sums and counts of samples,
+    /// off-CPU intervals, GIL waits and calls read back equal; every call duration within the
+    /// bucket bound (so every quantile too); the API server's main thread (its event loop)
+    /// and a thread seen running a task keep their raw events; the aggregated file is smaller.
+    #[test]
+    fn aggregated_events_read_back_with_exact_sums_and_counts() {
+        use std::collections::BTreeMap;
+        let dir = tempfile::tempdir().unwrap();
+        let meta = Meta::default();
+        let ms = 1_000_000u64;
+        let write = |path: &Path, agg: bool| {
+            let mut w = RecordingWriter::create(path, &meta).unwrap();
+            if agg {
+                w.aggregate(agg_opts(100 * ms));
+            }
+            w.process(&ProcessInfo {
+                pid: 7,
+                role: "api_server".into(),
+                ..Default::default()
+            })
+            .unwrap();
+            w.process(&ProcessInfo {
+                pid: 8,
+                role: "engine_core".into(),
+                ..Default::default()
+            })
+            .unwrap();
+            w.probe(&ProbeInfo {
+                id: 0,
+                pid: 8,
+                function: "step".into(),
+                ..Default::default()
+            })
+            .unwrap();
+            w.task_change(&TaskChange {
+                t_ns: 0,
+                pid: 8,
+                tid: 11,
+                task: Some(crate::cpython::asyncio::RunningTask {
+                    name: "t".into(),
+                    coro: "c".into(),
+                    chain: vec![],
+                }),
+                prev_seen_ns: None,
+            })
+            .unwrap();
+            let a = w.intern_stack(&[frame("a", 1)]).unwrap();
+            let b = w.intern_stack(&[frame("b", 2), frame("a", 1)]).unwrap();
+            let mut seed = 7u64;
+            let mut rnd = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            for i in 0..2000u64 {
+                let t = i * ms / 2;
+                w.profile_tick(t).unwrap();
+                let (pid, tid) = [(7, 7), (7, 12), (8, 8), (8, 9), (8, 11)][(i % 5) as usize];
+                let stack = if rnd() % 3 == 0 { a } else { b };
+                w.sample(&Sample {
+                    t_ns: t,
+                    pid,
+                    tid,
+                    stack,
+                    flags: (rnd() % 2) as u8,
+                    weight_ns: 10_000_000 + (rnd() % 1000) as u32,
+                })
+                .unwrap();
+                // Now and then a long block (an event loop's idle wait) of (7, 7) and (8, 11).
+                let long = i % 50 == 0 || i % 50 == 4;
+                w.offcpu(&OffCpu {
+                    pid,
+                    tid,
+                    start_ns: t,
+                    dur_ns: if long { 5 * ms } else { rnd() % 300_000 },
+                    stack,
+                    preempted: rnd() % 4 == 0,
+                })
+                .unwrap();
+                w.gil_wait(&GilWait {
+                    pid,
+                    tid,
+                    start_ns: t,
+                    dur_ns: rnd() % 100_000,
+                    holder_tid: 9,
+                    holder_stack: a,
+                    waiter_stack: stack,
+                    switch_wait: false,
+                })
+                .unwrap();
+                w.call(&FunctionCall {
+                    start_ns: t,
+                    dur_ns: 1000 + rnd() % 50_000_000,
+                    pid,
+                    tid,
+                    probe: 0,
+                })
+                .unwrap();
+            }
+            w.finish(&EndInfo {
+                duration_ns: 1000 * ms,
+                reason: "done".into(),
+            })
+            .unwrap()
+        };
+        let (raw_path, agg_path) = (dir.path().join("raw.esrec"), dir.path().join("agg.esrec"));
+        let raw_bytes = write(&raw_path, false);
+        let agg_bytes = write(&agg_path, true);
+        let raw = read_recording(&raw_path).unwrap();
+        let agg = read_recording(&agg_path).unwrap();
+        assert!(raw.profile_intervals.is_empty());
+        assert_eq!(
+            agg.profile_intervals.len(),
+            10,
+            "{:?}",
+            agg.profile_intervals
+        );
+        assert!(
+            agg_bytes * 4 < raw_bytes,
+            "aggregated {agg_bytes} bytes, raw {raw_bytes}"
+        );
+        type Tot = BTreeMap<(i32, i32, u32, u8), (u64, u64)>;
+        let tot = |r: &Recording| -> [Tot; 4] {
+            let mut t: [Tot; 4] = Default::default();
+            for s in &r.samples {
+                let e = t[0].entry((s.pid, s.tid, s.stack, s.flags)).or_default();
+                e.0 += 1;
+                e.1 += s.weight_ns as u64;
+            }
+            for o in &r.offcpu {
+                let e = t[1]
+                    .entry((o.pid, o.tid, o.stack, o.preempted as u8))
+                    .or_default();
+                e.0 += 1;
+                e.1 += o.dur_ns;
+            }
+            for g in &r.gil_waits {
+                let e = t[2].entry((g.pid, g.tid, g.waiter_stack, 0)).or_default();
+                e.0 += 1;
+                e.1 += g.dur_ns;
+            }
+            for c in &r.calls {
+                let e = t[3].entry((c.pid, c.tid, c.probe, 0)).or_default();
+                e.0 += 1;
+            }
+            t
+        };
+        let (tr, ta) = (tot(&raw), tot(&agg));
+        assert_eq!(tr[0].len(), 20, "5 threads x 2 stacks x 2 flags");
+        for (k, (r, a)) in tr.iter().zip(&ta).enumerate() {
+            assert_eq!(r, a, "kind {k}");
+        }
+        // Raw threads: the API server's main thread (7, 7) and the task thread (8, 11).
+        for (pid, tid) in [(7, 7), (8, 11)] {
+            let times = |r: &Recording| -> Vec<u64> {
+                r.samples
+                    .iter()
+                    .filter(|s| (s.pid, s.tid) == (pid, tid))
+                    .map(|s| s.t_ns)
+                    .collect()
+            };
+            assert_eq!(times(&raw), times(&agg), "({pid}, {tid}) raw");
+            // Its long blocks stay raw; the short ones are added up.
+            let long = |r: &Recording| -> Vec<(u64, u64)> {
+                r.offcpu
+                    .iter()
+                    .filter(|o| (o.pid, o.tid) == (pid, tid) && o.dur_ns >= 5 * ms)
+                    .map(|o| (o.start_ns, o.dur_ns))
+                    .collect()
+            };
+            assert!(!long(&raw).is_empty());
+            assert_eq!(long(&raw), long(&agg), "({pid}, {tid}) long blocks raw");
+        }
+        assert_ne!(
+            raw.samples
+                .iter()
+                .filter(|s| s.tid == 12)
+                .map(|s| s.t_ns)
+                .collect::<Vec<_>>(),
+            agg.samples
+                .iter()
+                .filter(|s| s.tid == 12)
+                .map(|s| s.t_ns)
+                .collect::<Vec<_>>(),
+            "another thread of the API server is aggregated"
+        );
+        // Calls: sorted durations pairwise within the bound, so every quantile is.
+        let durs = |r: &Recording, tid: i32| -> Vec<u64> {
+            let mut v: Vec<u64> = r
+                .calls
+                .iter()
+                .filter(|c| c.tid == tid)
+                .map(|c| c.dur_ns)
+                .collect();
+            v.sort_unstable();
+            v
+        };
+        // Calls are aggregated on every thread (no view needs them one by one).
+        for tid in [7, 8, 9, 11, 12] {
+            let (a, b) = (durs(&raw, tid), durs(&agg, tid));
+            assert_eq!(a.len(), b.len());
+            assert!(a.len() >= 400);
+            for (x, y) in a.iter().zip(&b) {
+                let err = (*x as f64 - *y as f64).abs() / *x as f64;
+                assert!(err <= profile::MAX_REL_ERROR, "{x} read back as {y}");
+            }
+        }
+        // Events read back in time order, inside their intervals.
+        assert!(agg.samples.windows(2).all(|w| w[0].t_ns <= w[1].t_ns));
+    }
+
+    /// A rotation writes the interval so far into the ending segment (its stack ids are only
+    /// valid there); series an aggregating rotating writer does not keep lose their points.
+    #[test]
+    fn aggregated_rotation_closes_the_interval_and_keeps_only_read_series() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
+        let meta = Meta::default();
+        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        w.aggregate(agg_opts(10_000_000_000));
+        w.process(&ProcessInfo {
+            pid: 8,
+            ..Default::default()
+        })
+        .unwrap();
+        w.engine(&EngineInfo {
+            id: "engine0".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        for (id, name) in ["vllm:kept_total", "vllm:dropped_total"].iter().enumerate() {
+            w.series(&MetricSeries {
+                id: id as u32,
+                engine: "engine0".into(),
+                name: name.to_string(),
+                labels: Default::default(),
+                kind: "counter".into(),
+            })
+            .unwrap();
+            w.metric(&MetricPoint {
+                t_ns: 5,
+                series: id as u32,
+                value: 1.0,
+            })
+            .unwrap();
+        }
+        let s = w.intern_stack(&[frame("x", 1)]).unwrap();
+        for t in [1, 2, 3] {
+            w.sample(&Sample {
+                t_ns: t,
+                pid: 8,
+                tid: 8,
+                stack: s,
+                flags: 0,
+                weight_ns: 7,
+            })
+            .unwrap();
+        }
+        w.rotate(
+            &b,
+            &meta,
+            &EndInfo {
+                duration_ns: 50,
+                reason: "rotated".into(),
+            },
+            &|_, _| true,
+        )
+        .unwrap();
+        let s2 = w.intern_stack(&[frame("y", 1)]).unwrap();
+        w.sample(&Sample {
+            t_ns: 4,
+            pid: 8,
+            tid: 8,
+            stack: s2,
+            flags: 0,
+            weight_ns: 5,
+        })
+        .unwrap();
+        w.finish(&EndInfo {
+            duration_ns: 9,
+            reason: "done".into(),
+        })
+        .unwrap();
+        let r1 = read_recording(&a).unwrap();
+        assert_eq!(r1.profile_intervals, [(0, 50)]);
+        assert_eq!(r1.samples.len(), 3);
+        assert_eq!(r1.samples.iter().map(|s| s.weight_ns).sum::<u32>(), 21);
+        assert_eq!(
+            r1.stack_frames(r1.samples[0].stack)
+                .next()
+                .unwrap()
+                .function,
+            "x"
+        );
+        assert_eq!(r1.series.len(), 1);
+        assert_eq!(r1.series[0].name, "vllm:kept_total");
+        assert_eq!(r1.metrics.len(), 1);
+        let r2 = read_recording(&b).unwrap();
+        assert_eq!(r2.profile_intervals, [(0, 9)]);
+        assert_eq!(r2.samples.len(), 1);
+        assert_eq!(
+            r2.stack_frames(r2.samples[0].stack)
+                .next()
+                .unwrap()
+                .function,
+            "y"
+        );
+        assert_eq!(r2.series.len(), 1);
     }
 }

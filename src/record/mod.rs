@@ -3,6 +3,7 @@
 
 pub mod format;
 pub mod model;
+pub mod profile;
 pub mod rotate;
 
 pub use format::{read_recording, RecordingWriter};

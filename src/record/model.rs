@@ -366,6 +366,10 @@ pub struct Recording {
     pub gc_methods: Vec<GcMethodInfo>,
     /// Running asyncio tasks of event-loop threads, as they changed (in time order).
     pub task_changes: Vec<TaskChange>,
+    /// The intervals (start, end ns) of aggregated records (`record::profile`): their events
+    /// are read back spread evenly over their interval, with exact counts and sums. Empty for
+    /// a recording of raw events.
+    pub profile_intervals: Vec<(u64, u64)>,
     /// Failure-path and health counters (last value written wins).
     pub counters: BTreeMap<String, u64>,
     /// Present when the recorder finished cleanly.

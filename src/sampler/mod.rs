@@ -76,6 +76,10 @@ pub struct RecordOptions {
     pub stop: StopToken,
     /// Native and kernel frames (bpf backend).
     pub native: crate::native::NativeOptions,
+    /// Store events added up per interval of this length instead of one record each
+    /// (`record::profile`; the agent's default), and of the engine metrics only the series
+    /// views read. `None`: raw events (`record`'s default, `agent --raw-events`).
+    pub aggregate: Option<Duration>,
 }
 
 impl RecordOptions {
@@ -100,6 +104,7 @@ impl RecordOptions {
             vllm_root_pid: None,
             stop: StopToken::new(),
             native: crate::native::NativeOptions::default(),
+            aggregate: None,
         }
     }
 }
@@ -148,7 +153,14 @@ pub fn record_rotating(
     );
     let start_ns = monotonic_ns();
     let meta = meta(source.name(), reason, rate, start_ns);
-    let (writer, rotator) = output::open(&opts.output, rotation, &meta)?;
+    let (mut writer, rotator) = output::open(&opts.output, rotation, &meta)?;
+    if let Some(every) = opts.aggregate {
+        writer.aggregate(crate::record::profile::AggregateOptions {
+            interval_ns: every.as_nanos().min(u64::MAX as u128) as u64,
+            event_loop_role: crate::vllm::discover::ROLE_API_SERVER,
+            keep_series: crate::metrics::names::is_read,
+        });
+    }
     let mut pipe = Pipeline::new(writer, start_ns, rate);
     for t in targets.iter() {
         pipe.writer.process(&ProcessInfo {

@@ -107,7 +107,13 @@ impl Rotator {
         if self.last_counters.elapsed() >= LIVE_COUNTERS_EVERY {
             let c = counters(pipe, self);
             if c != self.written_counters {
-                pipe.writer.counters(&c)?;
+                // Only what changed: readers keep the last value of each counter.
+                let changed: BTreeMap<String, u64> = c
+                    .iter()
+                    .filter(|(k, v)| self.written_counters.get(*k) != Some(v))
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect();
+                pipe.writer.counters(&changed)?;
                 self.written_counters = c;
             }
             self.last_counters = Instant::now();

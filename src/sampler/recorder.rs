@@ -126,6 +126,8 @@ impl<'a> Recorder<'a> {
             self.attach_new_engine_processes()?;
             if last_flush.elapsed() >= FLUSH_EVERY {
                 last_flush = Instant::now();
+                let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
+                self.pipe.writer.profile_tick(now)?;
                 self.pipe.writer.flush()?;
                 self.rotate_if_due()?;
             }

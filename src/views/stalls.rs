@@ -54,6 +54,8 @@ use crate::record::{Frame, OffCpu, Recording, Sample};
 
 /// A blocked off-CPU interval longer than this between two samples ends a run.
 pub const MAX_BLOCK_NS: u64 = 2_000_000;
+// An aggregating writer keeps such intervals of event-loop threads raw.
+const _: () = assert!(crate::record::profile::LOOP_RAW_MIN_OFFCPU_NS <= MAX_BLOCK_NS);
 /// Blocked in Python code that is not the loop's for at most this long: still in the callback.
 pub const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
 /// Without exact off-CPU intervals: the most sampling periods between two samples of a run
