@@ -1388,6 +1388,15 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let log = agent.stop();
     drop(fleet);
     assert!(!log.contains("panicked"), "{log}");
+    // Rotations as the recorder counted them when it stopped (its last segment's counters):
+    // the exported figure trails the segments, by up to an aggregation interval (10 s) at the
+    // agent's defaults.
+    let rotations = segments(&dir)
+        .last()
+        .and_then(|p| read_recording(p).ok())
+        .and_then(|r| r.counters.get("segments_rotated").copied())
+        .map_or(rotations, |n| (n as f64).max(rotations));
+    let figures = format!("{figures}; {rotations} rotations when the agent stopped");
     // Catches a leak of a few MiB a minute (a segment's tables or exited processes kept);
     // slower growth is what the long run in docs/deployment.md measures.
     assert!(

@@ -258,6 +258,13 @@ impl RecordingWriter {
     }
 
     /// `now_ns` (since the segment's start): write the interval when it is over.
+    /// Whether the aggregation interval ends by `now_ns` (what [`Self::profile_tick`] writes).
+    pub fn profile_due(&self, now_ns: u64) -> bool {
+        self.profile
+            .as_ref()
+            .is_some_and(|p| now_ns >= p.start_ns.saturating_add(p.opts.interval_ns))
+    }
+
     pub fn profile_tick(&mut self, now_ns: u64) -> anyhow::Result<()> {
         match &self.profile {
             Some(p) if now_ns >= p.start_ns.saturating_add(p.opts.interval_ns) => {

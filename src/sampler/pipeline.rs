@@ -443,6 +443,34 @@ impl<W: Sink> Pipeline<W> {
         Ok(())
     }
 
+    /// Write the part so far of every open off-CPU interval and GIL wait, and let each go on
+    /// from `end_ns`. For an aggregating writer (the agent's default, `record::profile`),
+    /// which adds events up per aggregation interval as they are written: without the split,
+    /// a wait open across intervals counts whole in the one where it ends (a thread blocked
+    /// through a 6 s window read 5.2 s off CPU in it).
+    pub fn split_open_at(&mut self, end_ns: u64) -> anyhow::Result<()> {
+        let end = self.rel(end_ns);
+        self.write_open_offcpu(end, false)?;
+        for tl in self.timelines.values_mut() {
+            if let Some(p) = tl.pending_out.as_mut() {
+                p.0 = p.0.max(end);
+            } else if let (Some(stack), false) = (tl.initial_stack, tl.seen_event) {
+                tl.pending_out = Some((end, stack, false));
+            }
+        }
+        let mut waits: Vec<(i32, i32)> = self.gil_waits.keys().copied().collect();
+        waits.sort_unstable();
+        for (pid, tid) in waits {
+            if let Some(mut w) = self.gil_waits.remove(&(pid, tid)) {
+                let res = self.write_gil_wait(pid, tid, &w, end);
+                w.start_ns = w.start_ns.max(end);
+                self.gil_waits.insert((pid, tid), w);
+                res?;
+            }
+        }
+        Ok(())
+    }
+
     /// After a segment started at `start_ns`: intervals still open go on from its start, at
     /// their stacks as `carry` maps them into the new segment.
     pub fn continue_open(

@@ -126,7 +126,12 @@ impl<'a> Recorder<'a> {
             self.attach_new_engine_processes()?;
             if last_flush.elapsed() >= FLUSH_EVERY {
                 last_flush = Instant::now();
-                let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
+                let mono = monotonic_ns();
+                let now = mono.saturating_sub(self.pipe.start_ns);
+                if self.pipe.writer.profile_due(now) {
+                    // Open intervals count in each aggregation interval they span.
+                    self.pipe.split_open_at(mono)?;
+                }
                 self.pipe.writer.profile_tick(now)?;
                 self.pipe.writer.flush()?;
                 self.rotate_if_due()?;
