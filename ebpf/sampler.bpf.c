@@ -576,56 +576,7 @@ int BPF_PROG(on_sys_exit, void *regs, long ret)
     return 0;
 }
 
-/* Hardware write watchpoint on gcstate->collecting (cpu-wide, filtered by tgid): fires right
- * after the write, in the writing thread. */
-SEC("perf_event")
-int on_gc_write(struct bpf_perf_event_data *ctx)
-{
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-    __u32 tgid = pid_tgid >> 32;
-    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
-    if (!t || !(t->flags & ES_TARGET_GC))
-        return 0;
-    count(ES_C_GC_EDGES);
-    struct es_gc_edge ev = {};
-    int value = 0;
-    if (bpf_probe_read_user(&value, sizeof(value), (void *)t->gc_collecting_addr)) {
-        count(ES_C_GC_READ_ERR);
-        return 0;
-    }
-    ev.h.kind = ES_EV_GC_EDGE;
-    ev.h.tgid = tgid;
-    ev.h.tid = (__u32)pid_tgid;
-    ev.h.cpu = bpf_get_smp_processor_id();
-    ev.h.time_ns = bpf_ktime_get_ns();
-    ev.h.ip = (__u64)(__s64)value;
-    ev.generation = -1;
-    if (t->gc_stats_addr) {
-        for (int i = 0; i < 3; i++) {
-            __u64 base = t->gc_stats_addr + (__u64)i * t->gc_stats_stride;
-            if (bpf_probe_read_user(&ev.collections[i], 8, (void *)base) ||
-                bpf_probe_read_user(&ev.collected[i], 8, (void *)(base + 8)))
-                count(ES_C_GC_READ_ERR);
-        }
-    }
-    if (bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_NO_WAKEUP))
-        count(ES_C_RINGBUF_FULL);
-    return 0;
-}
-
-/* GC pauses where the interpreter has symbols: a uprobe on the collector function
- * (gc_collect_main on 3.10, 3.11 and 3.13, _Py_RunGC and the gc.collect entry points on 3.12,
- * _PyGC_Collect on 3.14+; see find_collectors) and a uretprobe on its return. ~0.5 us
- * per hit (the functions begin with a push, which the kernel emulates) against ~14 us per
- * watchpoint trap, and no debug register. Per thread, calls nest: 3.13's gc_collect_main can
- * be entered while a collection runs (it returns at once); only the outermost call is a pause. */
-struct {
-    __uint(type, BPF_MAP_TYPE_LRU_HASH);
-    __uint(max_entries, ES_MAX_THREADS);
-    __type(key, __u32);
-    __type(value, __u32);
-} gc_depth SEC(".maps");
-
+/* One GC edge (collection start 1, end 0) with the per-generation statistics. */
 static __always_inline void gc_edge_out(const struct es_target *t, __u32 tgid, __u32 tid, __s64 value,
                                         __s64 generation)
 {
@@ -648,6 +599,40 @@ static __always_inline void gc_edge_out(const struct es_target *t, __u32 tgid, _
     if (bpf_ringbuf_output(&events, &ev, sizeof(ev), BPF_RB_NO_WAKEUP))
         count(ES_C_RINGBUF_FULL);
 }
+
+/* Hardware write watchpoint on gcstate->collecting (cpu-wide, filtered by tgid): fires right
+ * after the write, in the writing thread. */
+SEC("perf_event")
+int on_gc_write(struct bpf_perf_event_data *ctx)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    __u32 tgid = pid_tgid >> 32;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
+    if (!t || !(t->flags & ES_TARGET_GC))
+        return 0;
+    count(ES_C_GC_EDGES);
+    int value = 0;
+    if (bpf_probe_read_user(&value, sizeof(value), (void *)t->gc_collecting_addr)) {
+        count(ES_C_GC_READ_ERR);
+        return 0;
+    }
+    gc_edge_out(t, tgid, (__u32)pid_tgid, value, -1);
+    return 0;
+}
+
+/* GC pauses where the interpreter has symbols: a uprobe on the collector function
+ * (gc_collect_main on 3.13, _Py_RunGC and the gc.collect entry points on 3.12,
+ * _PyGC_Collect on 3.14+; see find_collectors) and a uretprobe on its return. ~0.5 us
+ * per hit (the functions begin with a push, which the kernel emulates) against ~14 us per
+ * watchpoint trap, and no debug register. Per thread, calls nest: 3.13's gc_collect_main can
+ * be entered while a collection runs (it returns at once); only the outermost call is a pause. */
+struct {
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(max_entries, ES_MAX_THREADS);
+    __type(key, __u32);
+    __type(value, __u32);
+} gc_depth SEC(".maps");
+
 
 SEC("uprobe")
 int on_gc_enter(struct pt_regs *ctx)
