@@ -321,11 +321,9 @@ fn word(b: &[u8], at: u64) -> u64 {
 /// A NUL-terminated C identifier (`ml_name`, `tp_name`) of at most [`MAX_NAME`] bytes:
 /// printable ASCII, else garbage.
 fn read_cstr(mem: &dyn MemorySource, addr: u64) -> Result<String, ObjectError> {
-    let addr = if addr == 0 || addr >= 1 << 57 {
+    if addr == 0 || addr >= 1 << 57 {
         return Err(garbage("C string", addr, "not an address"));
-    } else {
-        addr
-    };
+    }
     // Read up to the end of the page first (the next one may be unmapped), then the rest.
     let to_page_end = (0x1000 - (addr & 0xfff)) as usize;
     let first = to_page_end.min(MAX_NAME);

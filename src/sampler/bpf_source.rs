@@ -142,22 +142,15 @@ impl BpfSource {
                         cfg.flags |= abi::TARGET_GC_UPROBE;
                         let names: Vec<&str> = cs.iter().map(|c| c.name).collect();
                         let names = names.join(", ");
-                        self.gc_methods_pending.push(GcMethodInfo {
-                            pid: t.pid,
-                            method: "uprobe".into(),
-                            function: names.clone(),
-                            reason: format!(
-                                "uprobe + uretprobe on {names} in {}: no debug register",
-                                t.proc.binary.path
-                            ),
-                            t_ns: 0,
-                        });
-                        if !self.tracing.quiet {
-                            eprintln!(
-                                "enginescope: GC pauses of process {}: exact, uprobe + uretprobe on {names} (no debug register used)",
-                                t.pid
-                            );
-                        }
+                        let reason = format!(
+                            "uprobe + uretprobe on {names} in {}: no debug register",
+                            t.proc.binary.path
+                        );
+                        let line = format!(
+                            "GC pauses of process {}: exact, uprobe + uretprobe on {names} (no debug register used)",
+                            t.pid
+                        );
+                        self.gc_method(t.pid, "uprobe", names, reason, &line);
                         return;
                     }
                     Err(e) => {
@@ -175,38 +168,38 @@ impl BpfSource {
         {
             Ok(()) => {
                 cfg.flags |= abi::TARGET_GC;
-                if !self.tracing.quiet {
-                    eprintln!(
-                        "enginescope: GC pauses of process {}: exact, write watchpoint on gcstate->collecting (one debug register per thread; no uprobe: {why_not_uprobe})",
-                        t.pid
-                    );
-                }
-                self.gc_methods_pending.push(GcMethodInfo {
-                    pid: t.pid,
-                    method: "watchpoint".into(),
-                    function: String::new(),
-                    reason: format!(
-                        "write watchpoint on gcstate->collecting, one debug register per thread (no uprobe: {why_not_uprobe})"
-                    ),
-                    t_ns: 0,
-                });
+                let reason = format!(
+                    "write watchpoint on gcstate->collecting, one debug register per thread (no uprobe: {why_not_uprobe})"
+                );
+                let line = format!(
+                    "GC pauses of process {}: exact, write watchpoint on gcstate->collecting (one debug register per thread; no uprobe: {why_not_uprobe})",
+                    t.pid
+                );
+                self.gc_method(t.pid, "watchpoint", String::new(), reason, &line);
             }
             Err(e) => {
-                if !self.tracing.quiet {
-                    eprintln!(
-                        "enginescope: no exact GC pauses for process {}: {e:#} (no uprobe: {why_not_uprobe})",
-                        t.pid
-                    );
-                }
-                self.gc_methods_pending.push(GcMethodInfo {
-                    pid: t.pid,
-                    method: "none".into(),
-                    function: String::new(),
-                    reason: format!("no uprobe ({why_not_uprobe}) and no watchpoint ({e:#})"),
-                    t_ns: 0,
-                });
+                let reason = format!("no uprobe ({why_not_uprobe}) and no watchpoint ({e:#})");
+                let line = format!(
+                    "no exact GC pauses for process {}: {e:#} (no uprobe: {why_not_uprobe})",
+                    t.pid
+                );
+                self.gc_method(t.pid, "none", String::new(), reason, &line);
             }
         }
+    }
+
+    /// Record the GC method chosen for `pid` (written at the next collect) and say it.
+    fn gc_method(&mut self, pid: i32, method: &str, function: String, reason: String, line: &str) {
+        if !self.tracing.quiet {
+            eprintln!("enginescope: {line}");
+        }
+        self.gc_methods_pending.push(GcMethodInfo {
+            pid,
+            method: method.into(),
+            function,
+            reason,
+            t_ns: 0,
+        });
     }
 
     /// Write the GC methods chosen since the last call and tell the pipeline which processes'
