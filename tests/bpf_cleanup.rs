@@ -1,5 +1,6 @@
-//! No BPF program, link or perf event outlives enginescope: after a normal exit, SIGINT and
-//! SIGKILL, every program the recorder held while running is gone from the kernel.
+//! No BPF program, link, perf event or uprobe outlives enginescope: after a normal exit, SIGINT
+//! and SIGKILL, every program the recorder held while running is gone from the kernel, and the
+//! interpreter's code is its file's again in the target and in a process it did not record.
 
 mod common;
 
@@ -98,6 +99,14 @@ fn check(how: &str) {
         return;
     }
     let w = start(
+        &i,
+        "stacks.py",
+        &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"],
+    );
+    // A process of the same interpreter that is not recorded: the GC uprobes are set on the
+    // interpreter's file, so they reach it too (their programs return at once there), and
+    // must leave it as they leave the target.
+    let bystander = start(
         &i,
         "stacks.py",
         &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"],
@@ -222,6 +231,11 @@ fn check(how: &str) {
     assert_eq!(
         mem, file,
         "{how}: a uprobe is left in the target's _Py_RunGC"
+    );
+    let (mem, file) = collector_bytes(bystander.pid as u32);
+    assert_eq!(
+        mem, file,
+        "{how}: a uprobe is left in the _Py_RunGC of a process that was not recorded"
     );
     // After SIGINT the recording is finished cleanly; after SIGKILL it still reads.
     let r = enginescope::record::read_recording(&out).unwrap();

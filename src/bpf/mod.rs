@@ -41,6 +41,15 @@ pub struct BpfSampler {
     counters: PerCpuArray<MapData, u64>,
     /// Held while the kernel times BPF programs (`ENGINESCOPE_BPF_STATS=1`: benchmarks).
     stats: Option<std::os::fd::OwnedFd>,
+    /// Threads closing uprobe links (see [`detach_gc_uprobes`](Self::detach_gc_uprobes)),
+    /// joined before the sampler goes.
+    detaching: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for BpfSampler {
+    fn drop(&mut self) {
+        self.wait_detached();
+    }
 }
 
 impl BpfSampler {
@@ -139,6 +148,7 @@ impl BpfSampler {
             threads,
             counters,
             stats,
+            detaching: Vec::new(),
         })
     }
 
@@ -223,23 +233,27 @@ impl BpfSampler {
         })
     }
 
-    /// Time GC pauses of process `pid` with a uprobe on each function of `collectors` and a
-    /// uretprobe on its return (programs `on_gc_enter` / `on_gc_exit`, loaded on first use;
-    /// the attach cookie says whether the function's second argument is the generation).
-    /// The probes fire only in `pid` (the kernel filters by address space) and take no debug
-    /// register. Both are owned by this process's file descriptors: the kernel removes them,
-    /// and the return trampolines of calls still inside the collector return normally, when
-    /// enginescope exits however it exits. All or nothing.
+    /// Time GC pauses of the target processes running one interpreter binary with a uprobe
+    /// on each function of `collectors` and a uretprobe on its return (programs
+    /// `on_gc_enter` / `on_gc_exit`, loaded on first use; the attach cookie says whether the
+    /// function's second argument is the generation). They take no debug register.
+    ///
+    /// The probes are set once for the file, in every process that maps it, and the programs
+    /// return at once in a process that is not a target with GC uprobes (a map lookup, on a
+    /// collector call: a few hundred a second at most). Probes scoped to one process would cost
+    /// an attach and a detach each time a process starts and exits, and closing a uprobe waits
+    /// for a kernel grace period under the lock that attaching takes too (measured here:
+    /// ~110 ms a link, 0.9 s for one process's 8, which stalled the recording loop of an agent
+    /// over a fleet whose workers come and go). Owned by this process's file descriptors: the
+    /// kernel removes them, and the return trampolines of calls still inside the collector
+    /// return normally, when enginescope exits however it exits. All or nothing.
     pub fn attach_gc_uprobes(
         &mut self,
-        pid: i32,
         collectors: &[crate::cpython::binary::Collector],
     ) -> anyhow::Result<GcUprobes> {
         use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
         use aya::programs::UProbe;
-        let scope = std::num::NonZeroU32::new(pid as u32)
-            .map(UProbeScope::OneProcess)
-            .ok_or_else(|| anyhow!("bad pid {pid}"))?;
+        let scope = UProbeScope::AllProcesses;
         let mut links = GcUprobes { links: Vec::new() };
         for c in collectors {
             for name in ["on_gc_enter", "on_gc_exit"] {
@@ -275,15 +289,42 @@ impl BpfSampler {
         Ok(links)
     }
 
-    /// Remove uprobes set by [`attach_gc_uprobes`](Self::attach_gc_uprobes).
+    /// Remove uprobes set by [`attach_gc_uprobes`](Self::attach_gc_uprobes), off the caller's
+    /// thread: closing a uprobe waits for a kernel grace period (~110 ms a link here), so the
+    /// links are taken from their programs and closed on short-lived threads of their own
+    /// (joined by [`wait_detached`](Self::wait_detached)).
     pub fn detach_gc_uprobes(&mut self, u: GcUprobes) {
+        let mut taken = Vec::with_capacity(u.links.len());
         for (name, l) in u.links {
             if let Some(prog) = self.bpf.program_mut(name) {
                 let prog: Result<&mut aya::programs::UProbe, _> = prog.try_into();
                 if let Ok(prog) = prog {
-                    let _ = prog.detach(l);
+                    if let Ok(link) = prog.take_link(l) {
+                        taken.push(link);
+                    }
                 }
             }
+        }
+        self.detaching.retain(|h| !h.is_finished());
+        for link in taken {
+            // A failed spawn drops its closure, and the link with it, here.
+            if let Ok(h) = std::thread::Builder::new()
+                .name("es-detach".into())
+                .stack_size(64 * 1024)
+                .spawn(move || drop(link))
+            {
+                self.detaching.push(h);
+            }
+        }
+    }
+
+    /// Wait until the uprobe links being closed are closed. A thread killed while it closes one
+    /// (the process exiting around it) can leave the probe's breakpoint in the traced
+    /// processes' code: the kernel's write of the original byte fails under a pending fatal
+    /// signal. So the recording joins them before it ends, and the sampler before it goes.
+    pub fn wait_detached(&mut self) {
+        for h in self.detaching.drain(..) {
+            let _ = h.join();
         }
     }
 
@@ -437,7 +478,8 @@ impl BpfSampler {
     }
 }
 
-/// The uprobe and uretprobe timing one process's GC pauses.
+/// The uprobes and uretprobes timing GC pauses in one interpreter binary.
+#[derive(Default)]
 pub struct GcUprobes {
     links: Vec<(&'static str, aya::programs::uprobe::UProbeLinkId)>,
 }

@@ -50,12 +50,27 @@ pub struct BpfSource {
     unparsed: u64,
     /// Samples' CPU time from the threads' scheduler runtime.
     weights: RuntimeWeights,
-    /// Per process timed by GC uprobes: its uprobe and uretprobe.
-    gc_uprobes: std::collections::HashMap<i32, crate::bpf::GcUprobes>,
+    /// GC uprobes per interpreter binary (its device and inode), shared by the targets that
+    /// run it: set when the first of them is attached, removed when the last exits.
+    gc_uprobes: std::collections::HashMap<(u64, u64), SharedGcUprobes>,
     /// GC methods chosen, to write at the next collect.
     gc_methods_pending: Vec<GcMethodInfo>,
     /// Processes whose GC uprobes could not be attached (counter `gc_uprobe_attach_failures`).
     gc_uprobe_failures: u64,
+}
+
+/// The GC uprobes on one interpreter binary and the targets they time.
+struct SharedGcUprobes {
+    links: crate::bpf::GcUprobes,
+    /// The collector functions probed, for the method line.
+    names: String,
+    users: std::collections::BTreeSet<i32>,
+}
+
+/// A file's device and inode (what a uprobe is set on, whatever path reaches it).
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
@@ -135,29 +150,20 @@ impl BpfSource {
         let why_not_uprobe = if forced == "watchpoint" {
             "ENGINESCOPE_GC_METHOD=watchpoint".to_string()
         } else {
-            match crate::cpython::binary::find_collectors(&t.proc.binary, t.proc.version.minor) {
-                Ok(cs) => match self.b.attach_gc_uprobes(t.pid, &cs) {
-                    Ok(u) => {
-                        self.gc_uprobes.insert(t.pid, u);
-                        cfg.flags |= abi::TARGET_GC_UPROBE;
-                        let names: Vec<&str> = cs.iter().map(|c| c.name).collect();
-                        let names = names.join(", ");
-                        let reason = format!(
-                            "uprobe + uretprobe on {names} in {}: no debug register",
-                            t.proc.binary.path
-                        );
-                        let line = format!(
-                            "GC pauses of process {}: exact, uprobe + uretprobe on {names} (no debug register used)",
-                            t.pid
-                        );
-                        self.gc_method(t.pid, "uprobe", names, reason, &line);
-                        return;
-                    }
-                    Err(e) => {
-                        self.gc_uprobe_failures += 1;
-                        format!("{e:#}")
-                    }
-                },
+            match self.shared_gc_uprobes(t) {
+                Ok(names) => {
+                    cfg.flags |= abi::TARGET_GC_UPROBE;
+                    let reason = format!(
+                        "uprobe + uretprobe on {names} in {}: no debug register",
+                        t.proc.binary.path
+                    );
+                    let line = format!(
+                        "GC pauses of process {}: exact, uprobe + uretprobe on {names} (no debug register used)",
+                        t.pid
+                    );
+                    self.gc_method(t.pid, "uprobe", names, reason, &line);
+                    return;
+                }
                 Err(e) => e,
             }
         };
@@ -186,6 +192,34 @@ impl BpfSource {
                 self.gc_method(t.pid, "none", String::new(), reason, &line);
             }
         }
+    }
+
+    /// Time `t`'s GC pauses with the uprobes on its interpreter binary, set now unless another
+    /// target runs the same file; returns the functions probed, or why not.
+    fn shared_gc_uprobes(&mut self, t: &Target) -> Result<String, String> {
+        let bin = &t.proc.binary;
+        let key = file_id(&bin.opened_from)
+            .ok_or_else(|| format!("cannot stat {}", bin.opened_from.display()))?;
+        if let Some(sh) = self.gc_uprobes.get_mut(&key) {
+            sh.users.insert(t.pid);
+            return Ok(sh.names.clone());
+        }
+        let cs = crate::cpython::binary::find_collectors(bin, t.proc.version.minor)?;
+        let links = self.b.attach_gc_uprobes(&cs).map_err(|e| {
+            self.gc_uprobe_failures += 1;
+            format!("{e:#}")
+        })?;
+        let names: Vec<&str> = cs.iter().map(|c| c.name).collect();
+        let names = names.join(", ");
+        self.gc_uprobes.insert(
+            key,
+            SharedGcUprobes {
+                links,
+                names: names.clone(),
+                users: [t.pid].into(),
+            },
+        );
+        Ok(names)
     }
 
     /// Record the GC method chosen for `pid` (written at the next collect) and say it.
@@ -623,6 +657,7 @@ impl Source for BpfSource {
             self.b.remove_target(pid as u32);
         }
         self.drain(targets, pipe)?;
+        let mut unused = Vec::new();
         for t in targets.iter().filter(|t| exited.contains(&t.pid)) {
             for &tid in t.threads.keys() {
                 self.b.remove_thread(tid as u32);
@@ -632,9 +667,16 @@ impl Source for BpfSource {
             if let Some(n) = self.native.as_mut() {
                 n.native.forget(t.pid);
             }
-            if let Some(u) = self.gc_uprobes.remove(&t.pid) {
-                self.b.detach_gc_uprobes(u);
-            }
+            self.gc_uprobes.retain(|_, sh| {
+                sh.users.remove(&t.pid);
+                if sh.users.is_empty() {
+                    unused.push(std::mem::take(&mut sh.links));
+                }
+                !sh.users.is_empty()
+            });
+        }
+        for u in unused {
+            self.b.detach_gc_uprobes(u);
         }
         Ok(())
     }
@@ -674,9 +716,10 @@ impl Source for BpfSource {
         let waited = self.apply_backlog(pipe, true);
         self.finish_wait_ns = t.elapsed().as_nanos() as u64;
         let closed = self.probes.close(Some(&mut self.b), pipe);
-        for (_, u) in self.gc_uprobes.drain() {
-            self.b.detach_gc_uprobes(u);
+        for (_, sh) in self.gc_uprobes.drain() {
+            self.b.detach_gc_uprobes(sh.links);
         }
+        self.b.wait_detached();
         drained.and(waited).and(closed)
     }
 
