@@ -658,8 +658,10 @@ int on_gc_enter(struct pt_regs *ctx)
     return 0;
 }
 
-SEC("uretprobe")
-int on_gc_exit(struct pt_regs *ctx)
+/* The end of a collection: the collector's return (on_gc_exit) or, where the collection is
+ * inlined into the allocator (3.10/3.11), the store that clears the collecting flag
+ * (on_gc_clear). */
+static __always_inline int gc_leave(void)
 {
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
@@ -678,6 +680,19 @@ int on_gc_exit(struct pt_regs *ctx)
     bpf_map_delete_elem(&gc_depth, &tid);
     gc_edge_out(t, tgid, tid, 0, -1);
     return 0;
+}
+
+SEC("uretprobe")
+int on_gc_exit(struct pt_regs *ctx)
+{
+    return gc_leave();
+}
+
+/* A uprobe on the instruction that clears gcstate->collecting (it fires before the store). */
+SEC("uprobe")
+int on_gc_clear(struct pt_regs *ctx)
+{
+    return gc_leave();
 }
 
 /* Hardware write watchpoint on a probed code object's ob_refcnt, set per thread of the target:

@@ -77,7 +77,7 @@ fn collector_bytes(pid: u32) -> (u8, u8) {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
     let maps = enginescope::cpython::binary::parse_maps(&maps);
     let bin = enginescope::cpython::binary::find_interpreter(pid as i32, &maps).unwrap();
-    let cs = enginescope::cpython::binary::find_collectors(&bin, 12).unwrap();
+    let cs = enginescope::cpython::binary::find_collectors(&bin, 12, 0).unwrap();
     let c = cs.iter().find(|c| c.name == "_Py_RunGC").unwrap();
     let addr = bin.symbols["_Py_RunGC"];
     let mut mem = [0u8; 1];

@@ -144,7 +144,7 @@ fn gil(label: &str) {
 }
 
 /// `method`: how the recording must say the target's GC pauses were timed (`uprobe` where the
-/// interpreter has the collector's symbol, `watchpoint` on stripped builds).
+/// interpreter has symbols, `watchpoint` on stripped builds).
 fn gc(label: &str, generations_readable: bool, method: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // Set under the lock, for this test's recorder only.
@@ -282,8 +282,18 @@ fn gil_waits_sid_3_14_stripped_container() {
     gil("sid-3.14");
 }
 #[test]
+fn gc_pauses_pyenv_3_10() {
+    // Uprobes on the stores to the collecting flag inside the allocator (no collector
+    // function spans a collection on 3.10/3.11).
+    gc("pyenv-3.10", true, "uprobe");
+}
+#[test]
 fn gc_pauses_pyenv_3_11() {
-    gc("pyenv-3.11", true, "watchpoint");
+    gc("pyenv-3.11", true, "uprobe");
+}
+#[test]
+fn gc_pauses_pyenv_3_11_watchpoint_forced() {
+    gc("pyenv-3.11", true, "watchpoint-forced");
 }
 #[test]
 fn gc_pauses_pyenv_3_12() {

@@ -255,8 +255,16 @@ impl BpfSampler {
         use aya::programs::UProbe;
         let scope = UProbeScope::AllProcesses;
         let mut links = GcUprobes { links: Vec::new() };
+        use crate::cpython::binary::CollectorSite;
         for c in collectors {
-            for name in ["on_gc_enter", "on_gc_exit"] {
+            let (programs, cookie): (&[&'static str], bool) = match c.site {
+                CollectorSite::Call { generation_arg } => {
+                    (&["on_gc_enter", "on_gc_exit"], generation_arg)
+                }
+                CollectorSite::FlagSet => (&["on_gc_enter"], false),
+                CollectorSite::FlagClear => (&["on_gc_clear"], false),
+            };
+            for &name in programs {
                 let prog: &mut UProbe = self
                     .bpf
                     .program_mut(name)
@@ -268,7 +276,7 @@ impl BpfSampler {
                 }
                 let point = UProbeAttachPoint {
                     location: UProbeAttachLocation::AbsoluteOffset(c.file_offset),
-                    cookie: Some(u64::from(c.generation_arg)),
+                    cookie: Some(u64::from(cookie)),
                 };
                 match prog.attach(point, &c.path, scope) {
                     Ok(l) => links.links.push((name, l)),

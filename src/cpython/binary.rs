@@ -80,15 +80,28 @@ const WANTED: &[&str] = &[
     "_PyGC_CollectNoFail",
 ];
 
-/// A function whose call spans one GC pause, for the uprobe method.
+/// A place whose execution begins or ends one GC pause, for the uprobe method.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Collector {
+    /// The function (or the function the instruction is in).
     pub name: &'static str,
-    /// File to attach to (opened through the target's mapping) and the function's offset in it.
+    /// File to attach to (opened through the target's mapping) and the offset in it.
     pub path: PathBuf,
     pub file_offset: u64,
-    /// Its second argument is the generation (`gc_collect_main`, `_PyGC_Collect`).
-    pub generation_arg: bool,
+    pub site: CollectorSite,
+}
+
+/// How a [`Collector`] marks a pause.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectorSite {
+    /// A function whose call spans the pause (uprobe at its entry, uretprobe at its return).
+    /// With `generation_arg`, its second argument is the generation (`gc_collect_main`,
+    /// `_PyGC_Collect`).
+    Call { generation_arg: bool },
+    /// The instruction that sets `gcstate->collecting` (a uprobe fires before it runs).
+    FlagSet,
+    /// The instruction that clears it.
+    FlagClear,
 }
 
 /// The functions whose calls span the GC pauses of an interpreter of version 3.`minor`, from
@@ -99,12 +112,20 @@ pub struct Collector {
 ///   `gc_collect` (`gc.collect()`), `PyGC_Collect` and `_PyGC_CollectNoFail`;
 /// * 3.13: `gc_collect_main` sets and clears it itself;
 /// * 3.14+: `_PyGC_Collect` does (`gc_collect_main` is gone);
-/// * 3.10/3.11: none. The flag is set inline in the allocator (`_PyObject_GC_Link`, at
-///   every GC allocation), and `gc_collect_main`, inside the gc.callbacks, read the longest
-///   pauses 10-16% short: these versions keep the watchpoint.
+/// * 3.10/3.11: no function spans the flag (it is set inline in the allocator, at every GC
+///   allocation; `gc_collect_main`, inside the gc.callbacks, read the longest pauses 10-16%
+///   short), so the instructions that set and clear it are probed instead
+///   ([`find_flag_stores`]); `collecting_disp` is the flag's offset in the interpreter state.
 ///
 /// Err says why not (a stripped interpreter, a symbol missing).
-pub fn find_collectors(bin: &InterpreterBinary, minor: u8) -> Result<Vec<Collector>, String> {
+pub fn find_collectors(
+    bin: &InterpreterBinary,
+    minor: u8,
+    collecting_disp: u64,
+) -> Result<Vec<Collector>, String> {
+    if minor <= 11 {
+        return find_flag_stores(bin, minor, collecting_disp);
+    }
     let names: &[(&'static str, bool)] = match minor {
         12 => &[
             ("_Py_RunGC", false),
@@ -113,18 +134,7 @@ pub fn find_collectors(bin: &InterpreterBinary, minor: u8) -> Result<Vec<Collect
             ("_PyGC_CollectNoFail", false),
         ],
         m if m >= 14 => &[("_PyGC_Collect", true)],
-        13 => &[("gc_collect_main", true)],
-        // 3.10/3.11: automatic collections run in `gc_collect_generations`, inlined into
-        // `_PyObject_GC_Link` (called at every GC allocation: no place for a uprobe), and
-        // `gc_collect_main` alone leaves out the `gc.callbacks` around it: measured on 3.11
-        // its longest pauses read 10-16% short of gc.callbacks' in 2 of 3 runs. The
-        // watchpoint on the collecting flag spans them exactly.
-        _ => {
-            return Err(format!(
-                "on Python 3.{minor} the collector's entry is inlined into every GC allocation \
-                 (no function to put a uprobe on whose span is a collection's)"
-            ))
-        }
+        _ => &[("gc_collect_main", true)],
     };
     let first = names[0].0;
     if !bin.symbols.contains_key(first) {
@@ -156,10 +166,176 @@ pub fn find_collectors(bin: &InterpreterBinary, minor: u8) -> Result<Vec<Collect
             name,
             path: bin.opened_from.clone(),
             file_offset,
-            generation_arg,
+            site: CollectorSite::Call { generation_arg },
         });
     }
     Ok(out)
+}
+
+/// The functions of 3.10/3.11 that set and clear `gcstate->collecting` around a collection:
+/// automatic collections inside the GC allocator (3.11 `_PyObject_GC_Link`; 3.10
+/// `_PyObject_GC_Malloc`/`_Calloc`, or `_PyObject_GC_Alloc` where it is not inlined), then
+/// `gc.collect()`, `PyGC_Collect` and `_PyGC_CollectNoFail`. The allocator's are required.
+const FLAG_FUNCTIONS_311: &[(&str, bool)] = &[
+    ("_PyObject_GC_Link", true),
+    ("gc_collect", false),
+    ("PyGC_Collect", false),
+    ("_PyGC_CollectNoFail", false),
+];
+const FLAG_FUNCTIONS_310: &[(&str, bool)] = &[
+    ("_PyObject_GC_Malloc", true),
+    ("_PyObject_GC_Calloc", false),
+    ("_PyObject_GC_Alloc", false),
+    ("gc_collect", false),
+    ("PyGC_Collect", false),
+    ("_PyGC_CollectNoFail", false),
+];
+
+/// The longest function decoded (bytes): these are a few hundred.
+const MAX_FLAG_FUNCTION: u64 = 16 << 10;
+
+/// 3.10/3.11: the instructions that store 1 and 0 into `gcstate->collecting` in the functions
+/// that run collections ([`FLAG_FUNCTIONS_311`]), found by decoding each function from its
+/// symbol (so every offset is an instruction boundary, which a uprobe must be) and keeping the
+/// 32-bit stores of an immediate 1 or 0 to `[reg + collecting_disp]` (the flag's offset in the
+/// interpreter state: the code reaches it from `tstate->interp`). Each function must show at
+/// least one set and one clear through the same base register, else it is left out; a
+/// required one left out means no uprobes at all (the watchpoint instead).
+pub fn find_flag_stores(
+    bin: &InterpreterBinary,
+    minor: u8,
+    collecting_disp: u64,
+) -> Result<Vec<Collector>, String> {
+    use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
+    if bin.stripped {
+        return Err(format!(
+            "{} is stripped (no .symtab, so no collector function to find the collecting flag's stores in)",
+            bin.path
+        ));
+    }
+    let wanted = if minor <= 10 {
+        FLAG_FUNCTIONS_310
+    } else {
+        FLAG_FUNCTIONS_311
+    };
+    let data = std::fs::read(&bin.opened_from)
+        .map_err(|e| format!("reading {}: {e}", bin.opened_from.display()))?;
+    let file = object::File::parse(&*data)
+        .map_err(|e| format!("parsing {}: {e}", bin.opened_from.display()))?;
+    let mut out = Vec::new();
+    let mut missing = Vec::new();
+    for &(name, required) in wanted {
+        let sym = file.symbols().find(|s| {
+            s.kind() == object::SymbolKind::Text
+                && s.name().is_ok_and(|n| {
+                    n == name || n.split('.').next() == Some(name) && !n.ends_with(".cold")
+                })
+        });
+        let found = sym.and_then(|sym| {
+            let (addr, size) = (sym.address(), sym.size().min(MAX_FLAG_FUNCTION));
+            let sec = file.section_by_index(sym.section_index()?).ok()?;
+            let bytes = sec.data_range(addr, size).ok()??;
+            let (set, clear) = flag_stores(bytes, addr, collecting_disp)?;
+            Some((addr, set, clear))
+        });
+        match found {
+            Some((_, set, clear)) => {
+                for (vaddr, site) in set
+                    .into_iter()
+                    .map(|a| (a, CollectorSite::FlagSet))
+                    .chain(clear.into_iter().map(|a| (a, CollectorSite::FlagClear)))
+                {
+                    let file_offset = file_offset_of(&*data, vaddr).ok_or_else(|| {
+                        format!(
+                            "{name}+{vaddr:#x} is in no loadable segment of {}",
+                            bin.path
+                        )
+                    })?;
+                    out.push(Collector {
+                        name,
+                        path: bin.opened_from.clone(),
+                        file_offset,
+                        site,
+                    });
+                }
+            }
+            None if required => missing.push(name),
+            None => {}
+        }
+    }
+    if !missing.is_empty() {
+        return Err(format!(
+            "no store to the collecting flag (+{collecting_disp:#x}) found in {} of {}",
+            missing.join(", "),
+            bin.path
+        ));
+    }
+    Ok(out)
+}
+
+/// In the code `bytes` of a function at virtual address `addr`: where to probe the 32-bit
+/// stores of 1 and of 0 to `[reg + disp]`, for the one base register that has both (the first
+/// such in register order); `None` if none has both.
+///
+/// A uprobe fires before its instruction runs: at a clear, the trap's entry falls inside the
+/// pause and the rest after it, so clears are probed at the store. At a set, what follows the
+/// handler falls inside: where the kernel single-steps the instruction out of line (a store),
+/// that is a second trap (~10 us here: +8% on 3.11's ~0.2 ms young collections). So a set is
+/// probed at the first instruction after the store that the kernel emulates instead (a direct
+/// call, jump or conditional jump, a push or a nop) when only straight-line code lies between,
+/// which runs right after the store, a few loads and compares later; else at the store.
+pub fn flag_stores(bytes: &[u8], addr: u64, disp: u64) -> Option<(Vec<u64>, Vec<u64>)> {
+    use iced_x86::{Decoder, DecoderOptions, FlowControl, Mnemonic, OpKind, Register};
+    let mut d = Decoder::with_ip(64, bytes, addr, DecoderOptions::NONE);
+    // Bounded by the bytes: each instruction consumes at least one.
+    let code: Vec<iced_x86::Instruction> =
+        std::iter::from_fn(|| d.can_decode().then(|| d.decode()))
+            .filter(|i| !i.is_invalid())
+            .collect();
+    let emulated = |i: &iced_x86::Instruction| match i.flow_control() {
+        FlowControl::Call | FlowControl::UnconditionalBranch => {
+            matches!(i.op0_kind(), OpKind::NearBranch64)
+        }
+        FlowControl::ConditionalBranch => i.is_jcc_short_or_near(),
+        FlowControl::Next => {
+            i.mnemonic() == Mnemonic::Nop && i.len() == 1
+                || i.mnemonic() == Mnemonic::Push && i.op0_kind() == OpKind::Register
+        }
+        _ => false,
+    };
+    let set_point = |k: usize| -> u64 {
+        for i in code.iter().skip(k + 1).take(16) {
+            if emulated(i) {
+                return i.ip();
+            }
+            if i.flow_control() != FlowControl::Next {
+                break;
+            }
+        }
+        code[k].ip()
+    };
+    let mut by_reg: std::collections::BTreeMap<Register, (Vec<u64>, Vec<u64>)> = Default::default();
+    for (k, ins) in code.iter().enumerate() {
+        if ins.mnemonic() != Mnemonic::Mov
+            || ins.op_count() != 2
+            || ins.op0_kind() != OpKind::Memory
+            || ins.op1_kind() != OpKind::Immediate32
+            || ins.memory_size() != iced_x86::MemorySize::UInt32
+            || ins.memory_index() != Register::None
+            || ins.memory_displacement64() != disp
+        {
+            continue;
+        }
+        let e = by_reg.entry(ins.memory_base()).or_default();
+        match ins.immediate32() {
+            1 => e.0.push(set_point(k)),
+            0 => e.1.push(ins.ip()),
+            _ => {}
+        }
+    }
+    by_reg
+        .into_values()
+        .find(|(set, clear)| !set.is_empty() && !clear.is_empty())
 }
 
 /// File offset of virtual address `vaddr` in an ELF image: inside the executable PT_LOAD
@@ -390,5 +566,53 @@ mod tests {
     fn not_an_elf() {
         assert!(inspect_elf(&b"not an elf at all"[..]).is_none());
         assert!(inspect_elf(&[][..]).is_none());
+    }
+
+    /// The code of 3.11.7's `_PyObject_GC_Link` around the flag (objdump of pyenv's
+    /// libpython), with decoys: a store of 2, a set through another base register that has
+    /// no clear, and the bytes of a set inside a `movabs` immediate.
+    #[test]
+    fn flag_stores_are_found_on_instruction_boundaries() {
+        let code: &[u8] = &[
+            0x48, 0xb8, 0xc7, 0x83, 0x50, 0x03, 0x00, 0x00, 0x01, 0x00, // movabs (decoy) +0
+            0xc7, 0x83, 0x50, 0x03, 0x00, 0x00, 0x01, 0x00, 0x00,
+            0x00, // movl $1,0x350(%rbx) +10
+            0x8b, 0x83, 0xe0, 0x02, 0x00, 0x00, // mov 0x2e0(%rbx),%eax +20
+            0xc7, 0x83, 0x50, 0x03, 0x00, 0x00, 0x02, 0x00, 0x00, 0x00, // movl $2 +26
+            0x41, 0xc7, 0x84, 0x24, 0x50, 0x03, 0x00, 0x00, 0x01, 0x00, 0x00,
+            0x00, // movl $1,0x350(%r12) +36
+            0xe8, 0x01, 0xe1, 0xff, 0xff, // call +48
+            0xc7, 0x83, 0x50, 0x03, 0x00, 0x00, 0x00, 0x00, 0x00,
+            0x00, // movl $0,0x350(%rbx) +53
+            0xc3, // ret +63
+        ];
+        let base = 0x2bcb80;
+        let (set, clear) = flag_stores(code, base, 0x350).unwrap();
+        // The set is probed at the call after it (emulated: only straight-line code between),
+        // the clear at the store.
+        assert_eq!(set, vec![base + 48]);
+        assert_eq!(clear, vec![base + 53]);
+        // With a return between, the set is probed at the store itself.
+        let mut with_ret = code.to_vec();
+        with_ret[20] = 0xc3;
+        with_ret[21..26].copy_from_slice(&[0x90; 5]);
+        let (set, _) = flag_stores(&with_ret, base, 0x350).unwrap();
+        assert_eq!(set, vec![base + 10]);
+        // Another offset: nothing.
+        assert!(flag_stores(code, base, 0x354).is_none());
+        // Truncated code and garbage never panic.
+        for n in 0..code.len() {
+            let _ = flag_stores(&code[..n], base, 0x350);
+        }
+        let mut x = 0x9e3779b97f4a7c15u64;
+        let garbage: Vec<u8> = (0..4096)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let _ = flag_stores(&garbage, 0, 0x350);
     }
 }

@@ -62,8 +62,9 @@ pub struct BpfSource {
 /// The GC uprobes on one interpreter binary and the targets they time.
 struct SharedGcUprobes {
     links: crate::bpf::GcUprobes,
-    /// The collector functions probed, for the method line.
+    /// The collector functions probed and how, for the method line.
     names: String,
+    how: String,
     users: std::collections::BTreeSet<i32>,
 }
 
@@ -151,14 +152,11 @@ impl BpfSource {
             "ENGINESCOPE_GC_METHOD=watchpoint".to_string()
         } else {
             match self.shared_gc_uprobes(t) {
-                Ok(names) => {
+                Ok((names, how)) => {
                     cfg.flags |= abi::TARGET_GC_UPROBE;
-                    let reason = format!(
-                        "uprobe + uretprobe on {names} in {}: no debug register",
-                        t.proc.binary.path
-                    );
+                    let reason = format!("{how} in {}: no debug register", t.proc.binary.path);
                     let line = format!(
-                        "GC pauses of process {}: exact, uprobe + uretprobe on {names} (no debug register used)",
+                        "GC pauses of process {}: exact, {how} (no debug register used)",
                         t.pid
                     );
                     self.gc_method(t.pid, "uprobe", names, reason, &line);
@@ -195,31 +193,46 @@ impl BpfSource {
     }
 
     /// Time `t`'s GC pauses with the uprobes on its interpreter binary, set now unless another
-    /// target runs the same file; returns the functions probed, or why not.
-    fn shared_gc_uprobes(&mut self, t: &Target) -> Result<String, String> {
+    /// target runs the same file; returns the functions probed and how, or why not.
+    fn shared_gc_uprobes(&mut self, t: &Target) -> Result<(String, String), String> {
         let bin = &t.proc.binary;
         let key = file_id(&bin.opened_from)
             .ok_or_else(|| format!("cannot stat {}", bin.opened_from.display()))?;
         if let Some(sh) = self.gc_uprobes.get_mut(&key) {
             sh.users.insert(t.pid);
-            return Ok(sh.names.clone());
+            return Ok((sh.names.clone(), sh.how.clone()));
         }
-        let cs = crate::cpython::binary::find_collectors(bin, t.proc.version.minor)?;
+        let o = &t.proc.offsets;
+        let cs = crate::cpython::binary::find_collectors(
+            bin,
+            t.proc.version.minor,
+            o.interp_gc.wrapping_add(o.gc_collecting),
+        )?;
         let links = self.b.attach_gc_uprobes(&cs).map_err(|e| {
             self.gc_uprobe_failures += 1;
             format!("{e:#}")
         })?;
-        let names: Vec<&str> = cs.iter().map(|c| c.name).collect();
+        let mut names: Vec<&str> = cs.iter().map(|c| c.name).collect();
+        names.dedup();
         let names = names.join(", ");
+        let how = if cs
+            .iter()
+            .all(|c| matches!(c.site, crate::cpython::binary::CollectorSite::Call { .. }))
+        {
+            format!("uprobe + uretprobe on {names}")
+        } else {
+            format!("uprobes on the stores that set and clear gcstate->collecting in {names}")
+        };
         self.gc_uprobes.insert(
             key,
             SharedGcUprobes {
                 links,
                 names: names.clone(),
+                how: how.clone(),
                 users: [t.pid].into(),
             },
         );
-        Ok(names)
+        Ok((names, how))
     }
 
     /// Record the GC method chosen for `pid` (written at the next collect) and say it.
