@@ -239,6 +239,31 @@ fn check_with(label: &str, extra: bool) {
             .find(|c| c.probe == probe)
             .map(|c| c.tid)
             .unwrap_or(0);
+        {
+            // Per-call difference (recorded - truth) of calls matched by start time.
+            let ti: Vec<&(u64, u64)> = tc.iter().filter(inside).collect();
+            let mut diffs: Vec<i64> = rc
+                .iter()
+                .filter(inside)
+                .filter_map(|c| {
+                    let j = ti.partition_point(|t| t.0 < c.0.saturating_sub(1_000_000));
+                    ti.get(j)
+                        .filter(|t| t.0.abs_diff(c.0) < 1_000_000)
+                        .map(|t| c.1 as i64 - t.1 as i64)
+                })
+                .collect();
+            diffs.sort_unstable();
+            if !diffs.is_empty() {
+                let q = |x: f64| diffs[((diffs.len() - 1) as f64 * x) as usize];
+                eprintln!(
+                    "{label} {function}: per-call recorded-truth us: p10 {} p50 {} p90 {} ({} matched)",
+                    q(0.1) / 1000,
+                    q(0.5) / 1000,
+                    q(0.9) / 1000,
+                    diffs.len()
+                );
+            }
+        }
         if let Some((share, wc)) =
             window_weights(&r, probe, tid, e0, e1).filter(|(s, _)| *s < 0.995)
         {
@@ -295,31 +320,6 @@ fn check_with(label: &str, extra: bool) {
             let close = |m: f64, t: f64| (m - t).abs() <= (0.10 * t).max(60_000.0);
             assert!(close(m50, t50), "{label} {function}: p50 {m50} vs {t50}");
             continue;
-        }
-        {
-            // Per-call difference (recorded - truth) of calls matched by start time.
-            let ti: Vec<&(u64, u64)> = tc.iter().filter(inside).collect();
-            let mut diffs: Vec<i64> = rc
-                .iter()
-                .filter(inside)
-                .filter_map(|c| {
-                    let j = ti.partition_point(|t| t.0 < c.0.saturating_sub(1_000_000));
-                    ti.get(j)
-                        .filter(|t| t.0.abs_diff(c.0) < 1_000_000)
-                        .map(|t| c.1 as i64 - t.1 as i64)
-                })
-                .collect();
-            diffs.sort_unstable();
-            if !diffs.is_empty() {
-                let q = |x: f64| diffs[((diffs.len() - 1) as f64 * x) as usize];
-                eprintln!(
-                    "{label} {function}: per-call recorded-truth us: p10 {} p50 {} p90 {} ({} matched)",
-                    q(0.1) / 1000,
-                    q(0.5) / 1000,
-                    q(0.9) / 1000,
-                    diffs.len()
-                );
-            }
         }
         let (t50, t90, m50, m90) = (
             pct(&mut t, 0.5),

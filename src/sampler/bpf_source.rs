@@ -554,7 +554,12 @@ fn apply(
             Ok(())
         }
         Body::GilWaitEnd => pipe.gil_wait_end(pid, tid, time_ns).map(|_| ()),
-        Body::GcEdge(value, st) => pipe.gc_edge(pid, tid, time_ns, value, st),
+        Body::GcEdge(value, st) => {
+            if !pipe.gc_uprobe_pids.contains(&pid) {
+                probes.note_trap(tid);
+            }
+            pipe.gc_edge(pid, tid, time_ns, value, st)
+        }
     }
 }
 
