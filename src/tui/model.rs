@@ -540,7 +540,9 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         });
     }
 
-    // Function latency.
+    // Function latency. A probe that took turns for its thread's debug registers is scaled
+    // by the share of the window it was watched, as `report` does (views/latency.rs).
+    let cov = crate::views::latency::window_coverages(rec, w.start_ns(), w.now_ns());
     let mut latency = Vec::new();
     let mut keys: BTreeSet<(u32, ThreadKey)> = w.totals.calls.keys().copied().collect();
     keys.extend(w.call_durations.keys().copied());
@@ -553,7 +555,25 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             .map(|q| q.iter().map(|&(_, d)| d).collect())
             .unwrap_or_default();
         d.sort_unstable();
-        let calls = w.totals.calls.get(&key).map_or(0, |c| c.count);
+        let mut calls = w.totals.calls.get(&key).map_or(0, |c| c.count);
+        let mut method = info.map(|p| p.method.clone()).unwrap_or_default();
+        let (mut p50, mut p90, mut p99) = (
+            percentile(&d, 0.50),
+            percentile(&d, 0.90),
+            percentile(&d, 0.99),
+        );
+        if let Some(c) = cov.get(&(probe, tid)) {
+            let mut wd: Vec<(u64, f64)> = d.iter().map(|&x| (x, c.weight(x))).collect();
+            calls = (calls as f64 / c.share().max(1e-9)).round() as u64;
+            if let Some(l) = crate::views::latency::LatencyMs::of_weighted(&mut wd) {
+                (p50, p90, p99) = (
+                    (l.p50 * 1e6) as u64,
+                    (l.p90 * 1e6) as u64,
+                    (l.p99 * 1e6) as u64,
+                );
+            }
+            method = format!("{method}, {:.0}% of the window", c.share() * 100.0);
+        }
         latency.push(LatencyRow {
             probe,
             spec: info.map(|p| p.spec.clone()).unwrap_or_default(),
@@ -563,7 +583,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             pid,
             tid,
             thread: name_of(pid, tid),
-            method: info.map(|p| p.method.clone()).unwrap_or_default(),
+            method,
             resolution_ns: info.map_or(0, |p| p.resolution_ns),
             calls,
             calls_per_s: if wall == 0 {
@@ -571,9 +591,9 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             } else {
                 calls as f64 / (wall as f64 / 1e9)
             },
-            p50_ns: percentile(&d, 0.50),
-            p90_ns: percentile(&d, 0.90),
-            p99_ns: percentile(&d, 0.99),
+            p50_ns: p50,
+            p90_ns: p90,
+            p99_ns: p99,
             max_ns: d.last().copied().unwrap_or(0),
         });
     }
@@ -918,6 +938,39 @@ mod tests {
             (50 * MS, 90 * MS, 99 * MS, 100 * MS)
         );
         assert!(approx(l.calls_per_s, 100.0 / 9.75));
+    }
+
+    /// A probe watched on and off (it took turns for the thread's debug registers) half of
+    /// the window: its count is scaled and its method says the share.
+    #[test]
+    fn rotated_probe_counts_scale_with_the_share_watched() {
+        let mut b = Rec::new().thread(1, 2, "caller");
+        let p = b.probe(1, "x.py:step", "step", "exact");
+        // Watched in alternate seconds from 0 to 10 s; one 1 ms call every 100 ms while
+        // watched (50 calls).
+        for k in 0..10u64 {
+            b.0.probe_watches.push(crate::record::ProbeWatch {
+                t_ns: k * S,
+                probe: p,
+                tid: 2,
+                on: k % 2 == 0,
+            });
+        }
+        for k in (0..10u64).step_by(2) {
+            for i in 0..10u64 {
+                b.call(p, 1, 2, k * S + i * 100 * MS + MS, MS);
+            }
+        }
+        let s = snap_at(&b.0, 10 * S);
+        let l = &s.latency[0];
+        // The window starts at 0.25 s (its first bucket) and the probe's span ends at the
+        // thread's last watch edge (9 s): watched 4.75 of 8.75 s, 47 calls timed (those
+        // ending from 0.25 s on), standing for 10 calls/s over the span.
+        assert_eq!(l.method, "exact, 54% of the window");
+        let share: f64 = 4.75 / 8.75;
+        assert_eq!(l.calls, (47.0 / share).round() as u64);
+        assert_eq!(l.calls, 87);
+        assert_eq!(l.p50_ns, MS);
     }
 
     #[test]

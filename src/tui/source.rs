@@ -99,6 +99,7 @@ struct Orders {
     threads: Vec<usize>,
     engines: Vec<usize>,
     probes: Vec<usize>,
+    probe_watches: Vec<usize>,
     scrape_errors: Vec<usize>,
 }
 
@@ -113,6 +114,7 @@ struct Counts {
     threads: usize,
     engines: usize,
     probes: usize,
+    probe_watches: usize,
     scrape_errors: usize,
 }
 
@@ -129,6 +131,7 @@ impl Replay {
             threads: order(&full.threads, |t| t.t_ns),
             engines: order(&full.engines, |e| e.t_ns),
             probes: order(&full.probes, |p| p.t_ns),
+            probe_watches: order(&full.probe_watches, |w| w.t_ns),
             scrape_errors: order(&full.scrape_errors, |e| e.t_ns),
         };
         let mut r = Replay {
@@ -229,6 +232,7 @@ impl Replay {
         stage!(threads, |e: &crate::record::ThreadInfo| e.t_ns);
         stage!(engines, |e: &crate::record::EngineInfo| e.t_ns);
         stage!(probes, |e: &crate::record::ProbeInfo| e.t_ns);
+        stage!(probe_watches, |e: &crate::record::ProbeWatch| e.t_ns);
         stage!(scrape_errors, |e: &crate::record::ScrapeError| e.t_ns);
         if t >= self.len_ns {
             s.end = f.end.clone();

@@ -258,8 +258,8 @@ struct Profile {
     threads: BTreeMap<(String, String), ThreadTally>,
     cpu: [u64; 3],
     fns: HashMap<(String, String), FnTally>,
-    /// (process, probe) -> (call end, duration)
-    probes: BTreeMap<(String, String), Vec<(u64, u64)>>,
+    /// (process, probe) -> (call end, duration, the calls it stands for)
+    probes: BTreeMap<(String, String), Vec<(u64, u64, f64)>>,
     engines: BTreeMap<String, [Thirds; 4]>,
 }
 
@@ -326,7 +326,10 @@ impl Profile {
             }
         }
 
-        let mut probes: BTreeMap<(String, String), Vec<(u64, u64)>> = BTreeMap::new();
+        // A probe that took turns for a thread's debug registers was watched part of the
+        // time: each timed call stands for `weight` calls (views/latency.rs).
+        let cov = super::latency::coverages(rec, extent_ns(rec));
+        let mut probes: BTreeMap<(String, String), Vec<(u64, u64, f64)>> = BTreeMap::new();
         let by_id: BTreeMap<u32, &crate::record::ProbeInfo> =
             rec.probes.iter().map(|p| (p.id, p)).collect();
         for p in by_id.values() {
@@ -340,10 +343,13 @@ impl Profile {
                     format!("probe {}", c.probe),
                 ),
             };
+            let w = cov
+                .get(&(c.probe, c.tid))
+                .map_or(1.0, |cv| cv.weight(c.dur_ns));
             probes
                 .entry(k)
                 .or_default()
-                .push((c.start_ns.saturating_add(c.dur_ns), c.dur_ns));
+                .push((c.start_ns.saturating_add(c.dur_ns), c.dur_ns, w));
         }
 
         let ix = MetricIndex::new(rec);
@@ -389,20 +395,28 @@ impl Profile {
         std::array::from_fn(|i| (self.cpu[i] > 0).then(|| v[i] as f64 * 100.0 / self.cpu[i] as f64))
     }
 
-    /// p50, p90 and calls/s of a probe's calls, whole and per half.
-    fn probe_figures(&self, calls: &[(u64, u64)]) -> [Thirds; 3] {
-        let mut per: [Vec<u64>; 3] = Default::default();
-        for &(end, d) in calls {
-            per[0].push(d);
-            per[self.halves.half(end)].push(d);
+    /// p50, p90 and calls/s of a probe's calls (end, duration, weight: the calls each stands
+    /// for), whole and per half. Unweighted calls (every call timed) take nearest ranks.
+    fn probe_figures(&self, calls: &[(u64, u64, f64)]) -> [Thirds; 3] {
+        let mut per: [Vec<(u64, f64)>; 3] = Default::default();
+        for &(end, d, w) in calls {
+            per[0].push((d, w));
+            per[self.halves.half(end)].push((d, w));
         }
         let mut out: [Thirds; 3] = [[None; 3]; 3];
         for (i, v) in per.iter_mut().enumerate() {
-            v.sort_unstable();
-            out[0][i] = nearest_rank(v, 0.5).map(|ns| ns as f64 / 1e6);
-            out[1][i] = nearest_rank(v, 0.9).map(|ns| ns as f64 / 1e6);
+            let n: f64 = v.iter().map(|&(_, w)| w).sum();
+            if v.iter().all(|&(_, w)| w == 1.0) {
+                let mut d: Vec<u64> = v.iter().map(|&(d, _)| d).collect();
+                d.sort_unstable();
+                out[0][i] = nearest_rank(&d, 0.5).map(|ns| ns as f64 / 1e6);
+                out[1][i] = nearest_rank(&d, 0.9).map(|ns| ns as f64 / 1e6);
+            } else if let Some(l) = super::latency::LatencyMs::of_weighted(v) {
+                out[0][i] = Some(l.p50);
+                out[1][i] = Some(l.p90);
+            }
             let len = self.halves.len(i);
-            out[2][i] = (len > 0).then(|| v.len() as f64 / (len as f64 / 1e9));
+            out[2][i] = (len > 0).then(|| n / (len as f64 / 1e9));
         }
         out
     }
@@ -826,6 +840,54 @@ mod tests {
         // Missing on one side: no change to judge.
         let f = Figure::new([None; 3], [Some(1.0), Some(1.0), Some(1.0)]);
         assert_eq!((f.delta, f.beyond_noise), (None, false));
+    }
+
+    /// A probe watched half of the time (rotated registers) is compared by the calls it
+    /// stands for: 5 of 10 timed, 10 a second over the recording.
+    #[test]
+    fn rotated_probe_rates_are_scaled() {
+        use crate::record::{EndInfo, FunctionCall, ProbeInfo, ProbeWatch};
+        const S: u64 = 1_000_000_000;
+        let mut rec = Recording {
+            end: Some(EndInfo {
+                duration_ns: 10 * S,
+                reason: String::new(),
+            }),
+            ..Recording::default()
+        };
+        rec.probes.push(ProbeInfo {
+            id: 0,
+            spec: "step".into(),
+            pid: 1,
+            function: "step".into(),
+            method: "exact".into(),
+            ..Default::default()
+        });
+        for k in 0..=10u64 {
+            rec.probe_watches.push(ProbeWatch {
+                t_ns: k * S,
+                probe: 0,
+                tid: 2,
+                on: k % 2 == 0,
+            });
+        }
+        for k in (0..10u64).step_by(2) {
+            for i in 0..10u64 {
+                rec.calls.push(FunctionCall {
+                    probe: 0,
+                    pid: 1,
+                    tid: 2,
+                    start_ns: k * S + i * S / 10,
+                    dur_ns: S / 1000,
+                });
+            }
+        }
+        let p = Profile::new(&rec);
+        let calls = p.probes.values().next().unwrap();
+        let f = p.probe_figures(calls);
+        let rate = f[2][0].unwrap();
+        assert!((rate - 10.0).abs() < 0.2, "{rate}");
+        assert_eq!(f[0][0], Some(1.0));
     }
 
     #[test]

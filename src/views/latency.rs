@@ -173,6 +173,33 @@ pub fn coverages(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Coverage>
         .collect()
 }
 
+/// As [`coverages`], over `[from_ns, to_ns)` only (the live view's window): each probe's span
+/// and watched intervals clipped to it.
+pub fn window_coverages(
+    rec: &Recording,
+    from_ns: u64,
+    to_ns: u64,
+) -> BTreeMap<(u32, i32), Coverage> {
+    coverages(rec, to_ns)
+        .into_iter()
+        .filter_map(|(k, c)| {
+            let first = c.intervals.iter().map(|&(a, _)| a).min()?;
+            let (lo, hi) = (first.max(from_ns), (first + c.span_ns).min(to_ns));
+            let intervals: Vec<(u64, u64)> = c
+                .intervals
+                .iter()
+                .map(|&(a, b)| (a.max(lo), b.min(hi)))
+                .filter(|(a, b)| b > a)
+                .collect();
+            let c = Coverage {
+                span_ns: hi.saturating_sub(lo),
+                intervals,
+            };
+            (c.span_ns > 0 && c.share() < FULL_COVERAGE).then_some((k, c))
+        })
+        .collect()
+}
+
 /// Calls of one window.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct LatencyPoint {
