@@ -35,6 +35,9 @@ pub struct Recorder<'a> {
     /// Counters of targets that exited and were dropped, so that totals never go back.
     exited_unresolved_frames: u64,
     exited_code_rereads: u64,
+    /// Whether the recording loop runs as a real-time thread ([`crate::sys::realtime_this_thread`];
+    /// counter `recorder_realtime`).
+    realtime: bool,
     /// The running asyncio tasks of the targets.
     tasks: super::tasks::TaskReaders,
 }
@@ -56,6 +59,7 @@ impl<'a> Recorder<'a> {
             rotator,
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
+            realtime: false,
             tasks: super::tasks::TaskReaders::default(),
         }
     }
@@ -91,9 +95,19 @@ impl<'a> Recorder<'a> {
 
     /// Record until stopped, the duration ends, or every target has exited; returns why.
     pub fn run(&mut self) -> anyhow::Result<String> {
+        match crate::sys::realtime_this_thread() {
+            Ok(()) => self.realtime = true,
+            Err(e) => self.say(|| {
+                format!("the recording loop runs at normal priority ({e}): on a busy machine it may fall behind and lose events")
+            }),
+        }
         let deadline = self.opts.duration.map(|d| Instant::now() + d);
         let period = self.source.period();
         let mut next = Instant::now();
+        // Real-time only while the loop mostly sleeps: a loop that cannot keep up would take
+        // its CPU from the target's threads, so past half of a second busy it runs as a
+        // normal thread again (and loses what it cannot drain, as one would).
+        let (mut busy, mut busy_since) = (Duration::ZERO, Instant::now());
         let mut last_threads = Instant::now();
         let mut last_flush = Instant::now();
         loop {
@@ -109,6 +123,17 @@ impl<'a> Recorder<'a> {
                 std::thread::sleep(next - now);
             } else {
                 next = now;
+            }
+            let work = Instant::now();
+            if work.duration_since(busy_since) >= Duration::from_secs(1) {
+                if self.realtime && busy > Duration::from_millis(500) {
+                    crate::sys::normal_this_thread();
+                    self.realtime = false;
+                    self.say(|| {
+                        format!("the recording loop was busy {busy:?} of the last second: back to normal priority")
+                    });
+                }
+                (busy, busy_since) = (Duration::ZERO, work);
             }
             self.source.collect(&mut self.targets, &mut self.pipe)?;
             if last_threads.elapsed() >= THREADS_EVERY {
@@ -136,6 +161,7 @@ impl<'a> Recorder<'a> {
                 self.pipe.writer.flush()?;
                 self.rotate_if_due()?;
             }
+            busy += work.elapsed();
         }
     }
 
@@ -263,6 +289,7 @@ impl<'a> Recorder<'a> {
         };
         let (source, targets, engines) = (&self.source, &self.targets, &self.engines);
         let exited = (self.exited_unresolved_frames, self.exited_code_rereads);
+        let realtime = self.realtime;
         r.periodic(&mut self.pipe, &|p, r| {
             let mut c = counters(
                 source.as_ref(),
@@ -273,6 +300,7 @@ impl<'a> Recorder<'a> {
                 Some(r),
             );
             c.extend(task_counters.iter().map(|(k, v)| (k.to_string(), *v)));
+            c.insert("recorder_realtime".into(), u64::from(realtime));
             c
         })
     }
@@ -294,6 +322,7 @@ impl<'a> Recorder<'a> {
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v)),
         );
+        c.insert("recorder_realtime".into(), u64::from(self.realtime));
         c
     }
 
