@@ -6,6 +6,9 @@
 # and prints the table (examples/probe_truth.rs) for the window [FROM, DUR-2] s of the
 # recording. Env: PORT (8123), C (16), MAXTOK (128), DUR (40), FROM (10), SERVE_ARGS (extra
 # `vllm serve` args, e.g. --enforce-eager), OUT (a kept folder; default a temporary one).
+# User probes beside the defaults: PROBES (space-separated --probe specs), with their timers
+# and table rows: ES_TIMERS_EXTRA="module:Class.method,..." and
+# ES_TRUTH_EXTRA="core:Class.method,worker:Class.method" (tests/fixtures/vllm_timers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
@@ -23,10 +26,13 @@ trap 'kill -TERM $PID 2>/dev/null || true' EXIT
 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" --duration $((DUR + 5)) \
   > "$OUT/load.txt" &
 LOAD=$!
-"$ES" record --vllm --engine-pid "$PID" --duration "$DUR" -o "$OUT/run.esrec" 2> "$OUT/record.log"
+USER_PROBES=()
+for p in ${PROBES:-}; do USER_PROBES+=(--probe "$p"); done
+"$ES" record --vllm --engine-pid "$PID" "${USER_PROBES[@]}" --duration "$DUR" -o "$OUT/run.esrec" \
+  2> "$OUT/record.log"
 wait $LOAD
 CORE=$(pgrep -f '^VLLM::EngineCore' -P "$PID" | head -1 || true)
 CORE=${CORE:-$(pgrep -P "$PID" | head -1)}
 WORKER=$(pgrep -P "$CORE" | head -1)
-grep 'enginescope: probe' "$OUT/record.log" || true
+grep -E 'enginescope: (probe|GC pauses)' "$OUT/record.log" || true
 target/release/examples/probe_truth "$OUT/run.esrec" "$OUT/timers" "$CORE" "$WORKER" "$FROM" $((DUR - 2))
