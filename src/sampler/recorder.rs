@@ -95,12 +95,20 @@ impl<'a> Recorder<'a> {
 
     /// Record until stopped, the duration ends, or every target has exited; returns why.
     pub fn run(&mut self) -> anyhow::Result<String> {
+        // The thread is a normal one again however run() returns (it may go on: top, demo).
+        struct Normal;
+        impl Drop for Normal {
+            fn drop(&mut self) {
+                crate::sys::normal_this_thread();
+            }
+        }
         match crate::sys::realtime_this_thread() {
             Ok(()) => self.realtime = true,
             Err(e) => self.say(|| {
                 format!("the recording loop runs at normal priority ({e}): on a busy machine it may fall behind and lose events")
             }),
         }
+        let _normal = self.realtime.then_some(Normal);
         let deadline = self.opts.duration.map(|d| Instant::now() + d);
         let period = self.source.period();
         let mut next = Instant::now();

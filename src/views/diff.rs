@@ -252,14 +252,18 @@ struct FnTally {
     total_ns: [u64; 3],
 }
 
+/// A probed call: its end and duration (ns) and the calls it stands for (1, or more for a
+/// probe that took turns for its thread's debug registers).
+type TimedCall = (u64, u64, f64);
+
 /// Everything `diff` compares, from one recording.
 struct Profile {
     halves: Halves,
     threads: BTreeMap<(String, String), ThreadTally>,
     cpu: [u64; 3],
     fns: HashMap<(String, String), FnTally>,
-    /// (process, probe) -> (call end, duration, the calls it stands for)
-    probes: BTreeMap<(String, String), Vec<(u64, u64, f64)>>,
+    /// (process, probe) -> its calls
+    probes: BTreeMap<(String, String), Vec<TimedCall>>,
     engines: BTreeMap<String, [Thirds; 4]>,
 }
 
@@ -329,7 +333,7 @@ impl Profile {
         // A probe that took turns for a thread's debug registers was watched part of the
         // time: each timed call stands for `weight` calls (views/latency.rs).
         let cov = super::latency::coverages(rec, extent_ns(rec));
-        let mut probes: BTreeMap<(String, String), Vec<(u64, u64, f64)>> = BTreeMap::new();
+        let mut probes: BTreeMap<(String, String), Vec<TimedCall>> = BTreeMap::new();
         let by_id: BTreeMap<u32, &crate::record::ProbeInfo> =
             rec.probes.iter().map(|p| (p.id, p)).collect();
         for p in by_id.values() {
@@ -397,7 +401,7 @@ impl Profile {
 
     /// p50, p90 and calls/s of a probe's calls (end, duration, weight: the calls each stands
     /// for), whole and per half. Unweighted calls (every call timed) take nearest ranks.
-    fn probe_figures(&self, calls: &[(u64, u64, f64)]) -> [Thirds; 3] {
+    fn probe_figures(&self, calls: &[TimedCall]) -> [Thirds; 3] {
         let mut per: [Vec<(u64, f64)>; 3] = Default::default();
         for &(end, d, w) in calls {
             per[0].push((d, w));
