@@ -156,20 +156,37 @@ pub fn find_collectors(
             continue;
         };
         let vaddr = addr.wrapping_sub(bin.bias);
-        let file_offset = file_offset_of(&data, vaddr).ok_or_else(|| {
-            format!(
-                "{name} at {vaddr:#x} is in no loadable segment of {}",
-                bin.path
-            )
-        })?;
-        out.push(Collector {
+        out.push(collector_at(
+            &data,
+            bin,
             name,
-            path: bin.opened_from.clone(),
-            file_offset,
-            site: CollectorSite::Call { generation_arg },
-        });
+            vaddr,
+            CollectorSite::Call { generation_arg },
+        )?);
     }
     Ok(out)
+}
+
+/// A [`Collector`] at virtual address `vaddr` (in `name`) of the ELF image `data` of `bin`.
+fn collector_at<'data, R: object::ReadRef<'data>>(
+    data: R,
+    bin: &InterpreterBinary,
+    name: &'static str,
+    vaddr: u64,
+    site: CollectorSite,
+) -> Result<Collector, String> {
+    let file_offset = file_offset_of(data, vaddr).ok_or_else(|| {
+        format!(
+            "{name} at {vaddr:#x} is in no loadable segment of {}",
+            bin.path
+        )
+    })?;
+    Ok(Collector {
+        name,
+        path: bin.opened_from.clone(),
+        file_offset,
+        site,
+    })
 }
 
 /// The functions of 3.10/3.11 that set and clear `gcstate->collecting` around a collection:
@@ -245,18 +262,7 @@ pub fn find_flag_stores(
                     .map(|a| (a, CollectorSite::FlagSet))
                     .chain(clear.into_iter().map(|a| (a, CollectorSite::FlagClear)))
                 {
-                    let file_offset = file_offset_of(&*data, vaddr).ok_or_else(|| {
-                        format!(
-                            "{name}+{vaddr:#x} is in no loadable segment of {}",
-                            bin.path
-                        )
-                    })?;
-                    out.push(Collector {
-                        name,
-                        path: bin.opened_from.clone(),
-                        file_offset,
-                        site,
-                    });
+                    out.push(collector_at(&*data, bin, name, vaddr, site)?);
                 }
             }
             None if required => missing.push(name),
