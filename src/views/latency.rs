@@ -149,8 +149,9 @@ impl Coverage {
     }
 }
 
-/// Per (probe, tid) of exact probes watched for less than [`FULL_COVERAGE`] of their span.
-pub fn coverages(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Coverage> {
+/// Per (probe, tid) of exact probes: its span and watched intervals, however much of the span
+/// they cover.
+fn spans(rec: &Recording, end_ns: u64) -> impl Iterator<Item = ((u32, i32), Coverage)> {
     let iv = watch_intervals(rec, end_ns);
     // A thread's span ends at its last watch edge (all of its watches end together when it
     // exits or the recording ends), or at the end when one is still on.
@@ -160,30 +161,38 @@ pub fn coverages(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Coverage>
         let t = thread_end.entry(*tid).or_insert(0);
         *t = (*t).max(e);
     }
-    iv.into_iter()
-        .filter_map(|((probe, tid), intervals)| {
-            let first = intervals.iter().map(|&(a, _)| a).min()?;
-            let end = thread_end.get(&tid).copied().unwrap_or(end_ns).max(first);
-            let c = Coverage {
-                span_ns: end - first,
-                intervals,
-            };
-            (c.span_ns > 0 && c.share() < FULL_COVERAGE).then_some(((probe, tid), c))
-        })
-        .collect()
+    iv.into_iter().filter_map(move |((probe, tid), intervals)| {
+        let first = intervals.iter().map(|&(a, _)| a).min()?;
+        let end = thread_end.get(&tid).copied().unwrap_or(end_ns).max(first);
+        let c = Coverage {
+            span_ns: end - first,
+            intervals,
+        };
+        Some(((probe, tid), c))
+    })
+}
+
+/// Watched for less than [`FULL_COVERAGE`] of a span that is not empty.
+fn partial(c: &Coverage) -> bool {
+    c.span_ns > 0 && c.share() < FULL_COVERAGE
+}
+
+/// Per (probe, tid) of exact probes watched for less than [`FULL_COVERAGE`] of their span.
+pub fn coverages(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Coverage> {
+    spans(rec, end_ns).filter(|(_, c)| partial(c)).collect()
 }
 
 /// As [`coverages`], over `[from_ns, to_ns)` only (the live view's window): each probe's span
-/// and watched intervals clipped to it.
+/// and watched intervals clipped to it, then kept where the window was watched in part (a
+/// probe watched throughout the recording but for part of the window counts).
 pub fn window_coverages(
     rec: &Recording,
     from_ns: u64,
     to_ns: u64,
 ) -> BTreeMap<(u32, i32), Coverage> {
-    coverages(rec, to_ns)
-        .into_iter()
-        .filter_map(|(k, c)| {
-            let first = c.intervals.iter().map(|&(a, _)| a).min()?;
+    spans(rec, to_ns)
+        .map(|(k, c)| {
+            let first = c.intervals.iter().map(|&(a, _)| a).min().unwrap_or(0);
             let (lo, hi) = (first.max(from_ns), (first + c.span_ns).min(to_ns));
             let intervals: Vec<(u64, u64)> = c
                 .intervals
@@ -195,8 +204,9 @@ pub fn window_coverages(
                 span_ns: hi.saturating_sub(lo),
                 intervals,
             };
-            (c.span_ns > 0 && c.share() < FULL_COVERAGE).then_some((k, c))
+            (k, c)
         })
+        .filter(|(_, c)| partial(c))
         .collect()
 }
 
@@ -456,6 +466,30 @@ mod tests {
         assert!((c.weight(0) - 1.25).abs() < 1e-9);
         // A 100 ns call fits whole in 300 + 300 ns of start times.
         assert!((c.weight(100) - 1000.0 / 600.0).abs() < 1e-9);
+    }
+
+    /// A probe watched 99.6% of the recording, and half of its last 0.8 s: the whole
+    /// recording counts it as watched throughout, that window does not.
+    #[test]
+    fn window_coverage_is_the_window_s_own() {
+        use crate::record::ProbeWatch;
+        let mut rec = Recording::default();
+        let ms = 1_000_000u64;
+        for (t, on) in [(0, true), (99_500 * ms, false), (99_900 * ms, true)] {
+            rec.probe_watches.push(ProbeWatch {
+                t_ns: t,
+                probe: 0,
+                tid: 10,
+                on,
+            });
+        }
+        let end = 100_000 * ms;
+        assert!(coverages(&rec, end).is_empty());
+        let w = window_coverages(&rec, 99_200 * ms, end);
+        // Watched [99.2, 99.5) and [99.9, 100) of [99.2, 100): half.
+        assert!((w[&(0, 10)].share() - 0.5).abs() < 1e-9, "{:?}", w);
+        // A window it was watched throughout: nothing to scale.
+        assert!(window_coverages(&rec, 0, 99_000 * ms).is_empty());
     }
 
     #[test]
