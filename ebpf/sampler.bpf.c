@@ -634,15 +634,27 @@ struct {
 } gc_depth SEC(".maps");
 
 
+/* The GC uprobes fire in every process that maps the interpreter's file: the target whose
+ * pauses they time (counted as a hit), or NULL where the process is not one. */
+static __always_inline const struct es_target *gc_uprobe_target(__u32 *tgid, __u32 *tid)
+{
+    __u64 pid_tgid = bpf_get_current_pid_tgid();
+    *tgid = pid_tgid >> 32;
+    *tid = (__u32)pid_tgid;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, tgid);
+    if (!t || !(t->flags & ES_TARGET_GC_UPROBE))
+        return NULL;
+    count(ES_C_GC_UPROBE_HITS);
+    return t;
+}
+
 SEC("uprobe")
 int on_gc_enter(struct pt_regs *ctx)
 {
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-    __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
-    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
-    if (!t || !(t->flags & ES_TARGET_GC_UPROBE))
+    __u32 tgid, tid;
+    const struct es_target *t = gc_uprobe_target(&tgid, &tid);
+    if (!t)
         return 0;
-    count(ES_C_GC_UPROBE_HITS);
     __u32 *d = bpf_map_lookup_elem(&gc_depth, &tid);
     if (d && *d) {
         count(ES_C_GC_NESTED);
@@ -663,12 +675,10 @@ int on_gc_enter(struct pt_regs *ctx)
  * (on_gc_clear). */
 static __always_inline int gc_leave(void)
 {
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-    __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
-    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
-    if (!t || !(t->flags & ES_TARGET_GC_UPROBE))
+    __u32 tgid, tid;
+    const struct es_target *t = gc_uprobe_target(&tgid, &tid);
+    if (!t)
         return 0;
-    count(ES_C_GC_UPROBE_HITS);
     __u32 *d = bpf_map_lookup_elem(&gc_depth, &tid);
     if (!d || !*d) {
         count(ES_C_GC_RETURN_UNPAIRED);
