@@ -239,24 +239,30 @@ pub fn find_flag_stores(
         .map_err(|e| format!("reading {}: {e}", bin.opened_from.display()))?;
     let file = object::File::parse(&*data)
         .map_err(|e| format!("parsing {}: {e}", bin.opened_from.display()))?;
+    // One pass over the symbol table: the first text symbol of each wanted name (LTO
+    // suffixes allowed, `.cold` parts not).
+    let mut syms: HashMap<&str, object::Symbol<'_, '_>> = HashMap::new();
+    for sym in file.symbols() {
+        if sym.kind() != object::SymbolKind::Text {
+            continue;
+        }
+        let Ok(n) = sym.name() else { continue };
+        let base = n.split('.').next().unwrap_or(n);
+        if !n.ends_with(".cold") && wanted.iter().any(|&(w, _)| w == base) {
+            syms.entry(base).or_insert(sym);
+        }
+    }
     let mut out = Vec::new();
     let mut missing = Vec::new();
     for &(name, required) in wanted {
-        let sym = file.symbols().find(|s| {
-            s.kind() == object::SymbolKind::Text
-                && s.name().is_ok_and(|n| {
-                    n == name || n.split('.').next() == Some(name) && !n.ends_with(".cold")
-                })
-        });
-        let found = sym.and_then(|sym| {
+        let found = syms.get(name).and_then(|sym| {
             let (addr, size) = (sym.address(), sym.size().min(MAX_FLAG_FUNCTION));
             let sec = file.section_by_index(sym.section_index()?).ok()?;
             let bytes = sec.data_range(addr, size).ok()??;
-            let (set, clear) = flag_stores(bytes, addr, collecting_disp)?;
-            Some((addr, set, clear))
+            flag_stores(bytes, addr, collecting_disp)
         });
         match found {
-            Some((_, set, clear)) => {
+            Some((set, clear)) => {
                 for (vaddr, site) in set
                     .into_iter()
                     .map(|a| (a, CollectorSite::FlagSet))
