@@ -1154,6 +1154,17 @@ mod tests {
             .collect()
     }
 
+    /// Thread `tid` attached to probe 0 with the count at `last`.
+    fn seed(p: &mut Probes, tid: i32, last: u32) {
+        p.open.insert(
+            (tid, 0),
+            ThreadCalls {
+                last: Some(last),
+                open: Vec::new(),
+            },
+        );
+    }
+
     /// A write that left the count at `value`.
     fn rc(value: u64) -> ProbeFrame {
         ProbeFrame {
@@ -1167,37 +1178,19 @@ mod tests {
         let mut p = one_probe(true);
         let mut pipe = Pipeline::new(Vec::<Event>::new(), T0, 100);
         // Thread 10 attached with the count at 5: an outer call and a recursive one.
-        p.open.insert(
-            (10, 0),
-            ThreadCalls {
-                last: Some(5),
-                open: Vec::new(),
-            },
-        );
+        seed(&mut p, 10, 5);
         for (t, v) in [(1, 6), (2, 7), (3, 6), (5, 5)] {
             p.hit(1, 10, T0 + t * MS, 0xC0DE, rc(v), &mut pipe).unwrap();
         }
         // Thread 11 attached inside a call (count 6 includes it): its first write is a pop
         // with no push; then a whole call.
-        p.open.insert(
-            (11, 0),
-            ThreadCalls {
-                last: Some(6),
-                open: Vec::new(),
-            },
-        );
+        seed(&mut p, 11, 6);
         for (t, v) in [(6, 5), (7, 6), (9, 5)] {
             p.hit(1, 11, T0 + t * MS, 0xC0DE, rc(v), &mut pipe).unwrap();
         }
         // Thread 12: another thread wrote in between (the count jumped by 2): with no call
         // open the write is a push, with one open a pop.
-        p.open.insert(
-            (12, 0),
-            ThreadCalls {
-                last: Some(5),
-                open: Vec::new(),
-            },
-        );
+        seed(&mut p, 12, 5);
         for (t, v) in [(10, 7), (12, 9)] {
             p.hit(1, 12, T0 + t * MS, 0xC0DE, rc(v), &mut pipe).unwrap();
         }
@@ -1228,13 +1221,7 @@ mod tests {
     fn traps_nested_in_a_call_are_counted() {
         let mut p = one_probe(true);
         let mut pipe = Pipeline::new(Vec::<Event>::new(), T0, 100);
-        p.open.insert(
-            (10, 0),
-            ThreadCalls {
-                last: Some(5),
-                open: Vec::new(),
-            },
-        );
+        seed(&mut p, 10, 5);
         p.hit(1, 10, T0 + MS, 0xC0DE, rc(6), &mut pipe).unwrap();
         // A write at an address no probe has (a probe rotated out meanwhile), two GC
         // watchpoint writes, and another thread's trap.
