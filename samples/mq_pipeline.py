@@ -22,7 +22,9 @@ Timing: every call of `MessageQueue.enqueue`, `MessageQueue.dequeue`, `AuxStore.
 and `Engine.pace` records (native thread id, start, duration) with
 time.perf_counter_ns() (CLOCK_MONOTONIC, the clock enginescope uses) taken as the first
 statement of the body and in a `finally:` around it, so the time covers the body only: not the
-call overhead, and not the cost of a profiler's breakpoint traps at entry and return.
+call overhead, and not the cost of a profiler's breakpoint traps at entry and return. Each
+call is also timed by its caller, around the call expression ("outer_calls"): that time holds
+the whole call, traps and set-up included. A profiler's span of a call lies between the two.
 
 Protocol: once both processes are in their steady loops (the child says so through a pipe),
 prints READY (and the calls continue: a profiler that finds functions by sampling them needs
@@ -36,6 +38,7 @@ Truth JSON (producer at PATH, consumer at PATH.consumer.json):
   {"pid", "role", "python", "window": {"start_mono_ns", "end_mono_ns"},
    "threads": {"<native tid>": "name"},
    "calls": {"MessageQueue.enqueue": [[tid, start_ns, dur_ns], ...], ...},
+   "outer_calls": {same names: the same calls timed by their callers around the call},
    "gc_pauses": [[start_ns, dur_ns, generation], ...]}   (producer, --gc-truth only)
 """
 
@@ -58,6 +61,18 @@ def now():
 def note(name, t0):
     if RECORDING:
         CALLS.setdefault(name, []).append((threading.get_native_id(), t0, now() - t0))
+
+
+OUTER = {}
+
+
+def outer(name, t0):
+    """The same call timed by its caller, around the call expression: t0 taken just before it.
+    This clock sees what the body's cannot: the call's set-up and return, a profiler's traps,
+    and a collection that the interpreter runs on entering the function (3.12+ collect at the
+    next eval-breaker check, which can be the callee's first instruction)."""
+    if RECORDING:
+        OUTER.setdefault(name, []).append((threading.get_native_id(), t0, now() - t0))
 
 
 def name_thread(name):
@@ -131,7 +146,9 @@ class AuxStore:
             self.clock += 1
             self.entries[key] = value
             self.last_used[key] = self.clock
+            tc = now()
             self._evict_to_fit()
+            outer("AuxStore._evict_to_fit", tc)
         finally:
             note("AuxStore.put", t0)
 
@@ -163,9 +180,15 @@ class Engine:
     def step(self, step):
         t0 = now()
         try:
+            tc = now()
             obj = self.schedule(step)
+            outer("Engine.schedule", tc)
+            tc = now()
             self.mq.enqueue(obj)
+            outer("MessageQueue.enqueue", tc)
+            tc = now()
             self.update(obj)
+            outer("Engine.update", tc)
         finally:
             note("Engine.step", t0)
 
@@ -217,6 +240,7 @@ def write_truth(path, role, window):
         "window": window,
         "threads": {str(t.native_id): t.name for t in threading.enumerate()},
         "calls": CALLS,
+        "outer_calls": OUTER,
         "gc_pauses": GC_PAUSES,
     }
     tmp = path + ".tmp"
@@ -251,7 +275,9 @@ def consumer(args, shm_name, notify_r, ready_w, window_r):
                 item = work.pop(0)
             if item is None:
                 return
+            tc = now()
             store.put(("step", n), item)
+            outer("AuxStore.put", tc)
             n += 1
 
     wt = threading.Thread(target=writer, name="aux-writer")
@@ -261,7 +287,9 @@ def consumer(args, shm_name, notify_r, ready_w, window_r):
     step = 0
     every = max(1, round(args.steps_per_s / args.puts_per_s))
     while True:
+        tc = now()
         obj = mq.dequeue()
+        outer("MessageQueue.dequeue", tc)
         if obj is None or obj == "STOP":
             break
         step += 1
@@ -343,12 +371,16 @@ def main():
     while True:
         if go.is_set() and now() - window["start_mono_ns"] >= args.duration * 1e9:
             break
+        tc = now()
         engine.step(step)
+        outer("Engine.step", tc)
         step += 1
         next_t += period
         delay = next_t - now()
         if delay > 0:
+            tc = now()
             engine.pace(delay)
+            outer("Engine.pace", tc)
         else:
             next_t = now()
     end = now()

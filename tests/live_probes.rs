@@ -1,17 +1,35 @@
 //! `record --probe` against ground truth: samples/mq_pipeline.py times the body of every call of
 //! `MessageQueue.enqueue` (producer process), `MessageQueue.dequeue` (consumer process) and
-//! `AuxStore._evict_to_fit` (the consumer's writer thread) with perf_counter_ns. The exact method
-//! must count every call in the window and give per-call latency percentiles within ±10%
-//! (all three are ≥ 200 µs per call here).
+//! `AuxStore._evict_to_fit` (the consumer's writer thread) with perf_counter_ns, once in the body
+//! and once around the call in its caller. The exact method must count every call in the window,
+//! put every call's span between those two clocks, and give per-call latency percentiles within
+//! ±10% or 0.06 ms (all three are ≥ 150 µs per call here).
+//!
+//! Why two clocks: a call holds time that its body's clocks do not see, and that a caller's timer
+//! (the kind used on a real engine) does: set-up, the probe's traps, and now and then tens of µs
+//! between the body's last clock read and the return (55–70 µs in ~3% of `enqueue`'s calls on
+//! 3.12 here, with no collection in them). Against the body's clock alone, p90 missed by 10.6%
+//! in one CI run where the distribution had a gap at its 90th percentile.
 
 mod common;
 
 use common::*;
 use enginescope::record::Recording;
 
-/// Calls of `function` in the truth: (start, dur), ns, CLOCK_MONOTONIC.
+/// Calls of `function` in the truth, timed in its body: (start, dur), ns, CLOCK_MONOTONIC.
 fn truth_calls(truth: &serde_json::Value, function: &str) -> Vec<(u64, u64)> {
-    let mut v: Vec<(u64, u64)> = truth["calls"][function]
+    timed_calls(truth, "calls", function)
+}
+
+/// The same calls timed by their callers around the call expression ("outer_calls"): set-up,
+/// return, the probe's own traps and a collection run on entry included. A recorded call's
+/// span lies between its body's time and this one.
+fn outer_calls(truth: &serde_json::Value, function: &str) -> Vec<(u64, u64)> {
+    timed_calls(truth, "outer_calls", function)
+}
+
+fn timed_calls(truth: &serde_json::Value, key: &str, function: &str) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = truth[key][function]
         .as_array()
         .map(|a| {
             a.iter()
@@ -321,20 +339,41 @@ fn check_with(label: &str, extra: bool) {
             assert!(close(m50, t50), "{label} {function}: p50 {m50} vs {t50}");
             continue;
         }
-        let (t50, t90, m50, m90) = (
+        let oc = outer_calls(truth, function);
+        // Each body in the window with the caller's timing of its call: the last one started
+        // before it (the window's edges sit between bodies, not always between whole calls).
+        let mut o: Vec<u64> = tc
+            .iter()
+            .filter(inside)
+            .filter_map(|b| {
+                let j = oc.partition_point(|x| x.0 <= b.0).checked_sub(1)?;
+                let x = oc[j];
+                (x.0 + x.1 >= b.0 + b.1).then_some(x.1)
+            })
+            .collect();
+        assert_eq!(
+            o.len(),
+            t.len(),
+            "{label} {function}: outer and body timers disagree"
+        );
+        let (t50, t90, o50, o90, m50, m90) = (
             pct(&mut t, 0.5),
             pct(&mut t, 0.9),
+            pct(&mut o, 0.5),
+            pct(&mut o, 0.9),
             pct(&mut m, 0.5),
             pct(&mut m, 0.9),
         );
         eprintln!(
-            "{label} {function}: calls truth {} recorded {}; p50 truth {:.3} ms recorded {:.3} ms; p90 truth {:.3} recorded {:.3}",
+            "{label} {function}: calls truth {} recorded {}; p50 body {:.3} ms recorded {:.3} ms whole call {:.3} ms; p90 body {:.3} recorded {:.3} whole call {:.3}",
             t.len(),
             m.len(),
             t50 / 1e6,
             m50 / 1e6,
+            o50 / 1e6,
             t90 / 1e6,
-            m90 / 1e6
+            m90 / 1e6,
+            o90 / 1e6
         );
         assert!(
             t.len() >= 50,
@@ -357,11 +396,45 @@ fn check_with(label: &str, extra: bool) {
             m.len(),
             t.len()
         );
-        // Issue 11's tolerance: within 10%, or 0.06 ms for sub-millisecond calls (how long
-        // the workload's calls are depends on the machine's speed).
+        // Every recorded call lies between the two clocks of its call: no shorter than its
+        // body, no longer than the call seen from its caller (2 µs for the clocks' reads).
+        // Calls the recorder flagged may be the exceptions.
+        const SLACK: u64 = 2_000;
+        let outside = rc
+            .iter()
+            .filter(inside)
+            .filter(|c| {
+                let j = oc.partition_point(|x| x.0 + x.1 < c.0 + c.1);
+                let within_outer = oc
+                    .get(j)
+                    .is_some_and(|x| x.0 <= c.0 + SLACK && c.0 + c.1 <= x.0 + x.1 + SLACK);
+                let k = tc.partition_point(|x| x.0 + SLACK < c.0);
+                let holds_body = tc
+                    .get(k)
+                    .is_some_and(|x| x.0 + x.1 <= c.0 + c.1 + SLACK && x.0 + SLACK >= c.0);
+                !(within_outer && holds_body)
+            })
+            .count();
+        assert!(
+            outside <= flagged,
+            "{label} {function}: {outside} recorded calls do not lie between their body's and their caller's clocks ({flagged} flagged)"
+        );
+        // So do the percentiles (order statistics keep the order of per-call bounds); and
+        // issue 11's tolerance against the whole call as a caller's timer sees it, or against
+        // the body: within 10%, or 0.06 ms for sub-millisecond calls (how long the workload's
+        // calls are depends on the machine's speed).
         let close = |m: f64, t: f64| (m - t).abs() <= (0.10 * t).max(60_000.0);
-        assert!(close(m50, t50), "{label} {function}: p50 {m50} vs {t50}");
-        assert!(close(m90, t90), "{label} {function}: p90 {m90} vs {t90}");
+        for (q, b, m, o) in [(50, t50, m50, o50), (90, t90, m90, o90)] {
+            let slack = SLACK as f64;
+            assert!(
+                m + slack >= b && m <= o + slack,
+                "{label} {function}: p{q} {m} outside [{b}, {o}]"
+            );
+            assert!(
+                close(m, o) || close(m, b),
+                "{label} {function}: p{q} {m} vs body {b}, whole call {o}"
+            );
+        }
     }
     if extra {
         check_gc(label, &r, &producer, w.pid);
