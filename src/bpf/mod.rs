@@ -274,8 +274,16 @@ impl BpfSampler {
                     prog.load()
                         .map_err(|e| anyhow!("verifier rejected {name}: {e:#}"))?;
                 }
+                // A call's start may be probed past its entry (`Collector::enter_file_offset`);
+                // its uretprobe must be at the entry, where the return address is on top of
+                // the stack.
+                let offset = if name == "on_gc_enter" {
+                    c.enter_file_offset
+                } else {
+                    c.file_offset
+                };
                 let point = UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(c.file_offset),
+                    location: UProbeAttachLocation::AbsoluteOffset(offset),
                     cookie: Some(u64::from(cookie)),
                 };
                 match prog.attach(point, &c.path, scope) {
@@ -285,7 +293,7 @@ impl BpfSampler {
                             "{name} on {} at {}+{:#x}: {}",
                             c.name,
                             c.path.display(),
-                            c.file_offset,
+                            offset,
                             os_error(&e)
                         );
                         self.detach_gc_uprobes(links);

@@ -85,9 +85,15 @@ const WANTED: &[&str] = &[
 pub struct Collector {
     /// The function (or the function the instruction is in).
     pub name: &'static str,
-    /// File to attach to (opened through the target's mapping) and the offset in it.
+    /// File to attach to (opened through the target's mapping) and the offset in it (for a
+    /// [`CollectorSite::Call`], the function's entry: where its uretprobe goes).
     pub path: PathBuf,
     pub file_offset: u64,
+    /// Where the pause's start is probed: `file_offset`, except for a call whose first
+    /// instruction the kernel would single-step out of line (`endbr64`, `sub rsp`): a second
+    /// trap, ~30 us here, inside the pause. Such a start is probed at the first instruction
+    /// that the kernel emulates on the straight-line path from the entry ([`call_start`]).
+    pub enter_file_offset: u64,
     pub site: CollectorSite,
 }
 
@@ -117,6 +123,9 @@ pub enum CollectorSite {
 ///   short), so the instructions that set and clear it are probed instead
 ///   ([`find_flag_stores`]); `collecting_disp` is the flag's offset in the interpreter state.
 ///
+/// On a stripped 3.13+ (Debian's static builds) the collector is found without `.symtab`
+/// ([`collector_from_api`]): it is what the exported `PyGC_Collect` calls.
+///
 /// Err says why not (a stripped interpreter, a symbol missing).
 pub fn find_collectors(
     bin: &InterpreterBinary,
@@ -138,6 +147,12 @@ pub fn find_collectors(
     };
     let first = names[0].0;
     if !bin.symbols.contains_key(first) {
+        if minor >= 13 {
+            let found = collector_from_api(bin, names[0].0, collecting_disp);
+            if bin.stripped || found.is_ok() {
+                return found.map(|c| vec![c]);
+            }
+        }
         return Err(if bin.stripped {
             format!(
                 "{} is stripped (no .symtab, so no {first} to put a uprobe on)",
@@ -167,6 +182,126 @@ pub fn find_collectors(
     Ok(out)
 }
 
+/// How far the decoders below read from a function's start (bytes).
+const API_WINDOW: usize = 1024;
+
+/// 3.13+ without `.symtab`: the collector (`gc_collect_main` on 3.13, `_PyGC_Collect` on 3.14+,
+/// `name`) is the first direct call of `PyGC_Collect`, which stripped builds still export in
+/// `.dynsym` (`PyGC_Collect` is public API: `gc_collect_main(tstate, 2, MANUAL)` /
+/// `_PyGC_Collect(tstate, 2, MANUAL)`). The callee is accepted only if it sets the collecting
+/// flag itself ([`sets_collecting`]): the `lock cmpxchg` of `_Py_atomic_compare_exchange_int(
+/// &gcstate->collecting, &expected, 1)` at `[interp + collecting_disp]`. Measured on sid
+/// 3.13.18, 3.14.10, 3.15.2: that callee is the only code that sets it, and a uprobe +
+/// uretprobe there spans what the symbol path's does.
+pub fn collector_from_api(
+    bin: &InterpreterBinary,
+    name: &'static str,
+    collecting_disp: u64,
+) -> Result<Collector, String> {
+    use object::{Object as _, ObjectSection as _};
+    let api = bin
+        .symbols
+        .get("PyGC_Collect")
+        .ok_or_else(|| format!("no {name} nor PyGC_Collect symbol in {}", bin.path))?
+        .wrapping_sub(bin.bias);
+    let data = std::fs::read(&bin.opened_from)
+        .map_err(|e| format!("reading {}: {e}", bin.opened_from.display()))?;
+    let file = object::File::parse(&*data)
+        .map_err(|e| format!("parsing {}: {e}", bin.opened_from.display()))?;
+    let code_at = |vaddr: u64| -> Option<&[u8]> {
+        let sec = file
+            .sections()
+            .find(|s| s.address() <= vaddr && vaddr < s.address().saturating_add(s.size()))?;
+        let avail = sec.address().saturating_add(sec.size()) - vaddr;
+        sec.data_range(vaddr, avail.min(API_WINDOW as u64)).ok()?
+    };
+    let callee = code_at(api)
+        .and_then(|b| first_direct_call(b, api))
+        .ok_or_else(|| format!("no direct call in PyGC_Collect ({api:#x}) of {}", bin.path))?;
+    if !code_at(callee).is_some_and(|b| sets_collecting(b, callee, collecting_disp)) {
+        return Err(format!(
+            "PyGC_Collect's callee at {callee:#x} in {} does not set the collecting flag (+{collecting_disp:#x}): not the collector",
+            bin.path
+        ));
+    }
+    collector_at(
+        &*data,
+        bin,
+        name,
+        callee,
+        CollectorSite::Call {
+            generation_arg: true,
+        },
+    )
+}
+
+fn decode_all(bytes: &[u8], addr: u64) -> Vec<iced_x86::Instruction> {
+    let mut d = iced_x86::Decoder::with_ip(64, bytes, addr, iced_x86::DecoderOptions::NONE);
+    // Bounded by the bytes: each instruction consumes at least one.
+    std::iter::from_fn(|| d.can_decode().then(|| d.decode()))
+        .filter(|i| !i.is_invalid())
+        .collect()
+}
+
+/// The target of the first direct call in the code `bytes` at `addr`, before any return.
+pub fn first_direct_call(bytes: &[u8], addr: u64) -> Option<u64> {
+    use iced_x86::{FlowControl, OpKind};
+    for i in decode_all(bytes, addr) {
+        match i.flow_control() {
+            FlowControl::Call if i.op0_kind() == OpKind::NearBranch64 => {
+                return Some(i.near_branch_target())
+            }
+            FlowControl::Return => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// Whether the code `bytes` at `addr` does a 32-bit `lock cmpxchg` on `[base + disp]`,
+/// directly or through a register loaded by `lea reg, [base + disp]` (and not written again
+/// before the exchange).
+pub fn sets_collecting(bytes: &[u8], addr: u64, disp: u64) -> bool {
+    use iced_x86::{Mnemonic, OpKind, Register};
+    let code = decode_all(bytes, addr);
+    let mut info = iced_x86::InstructionInfoFactory::new();
+    let mut via: Vec<Register> = Vec::new();
+    for i in &code {
+        let mem32 = i.op0_kind() == OpKind::Memory
+            && i.memory_size() == iced_x86::MemorySize::UInt32
+            && i.memory_index() == Register::None;
+        if i.mnemonic() == Mnemonic::Cmpxchg && i.has_lock_prefix() && mem32 {
+            let d = i.memory_displacement64();
+            if d == disp || d == 0 && via.contains(&i.memory_base()) {
+                return true;
+            }
+        }
+        if i.mnemonic() == Mnemonic::Lea
+            && i.op0_kind() == OpKind::Register
+            && i.memory_index() == Register::None
+            && i.memory_displacement64() == disp
+            && i.memory_base() != Register::RIP
+        {
+            via.push(i.op0_register().full_register());
+            continue;
+        }
+        // Any other write to a tracked register ends what it held.
+        if !via.is_empty() {
+            let info = info.info(i);
+            for u in info.used_registers() {
+                if !matches!(
+                    u.access(),
+                    iced_x86::OpAccess::Read | iced_x86::OpAccess::CondRead
+                ) {
+                    let r = u.register().full_register();
+                    via.retain(|&v| v != r);
+                }
+            }
+        }
+    }
+    false
+}
+
 /// A [`Collector`] at virtual address `vaddr` (in `name`) of the ELF image `data` of `bin`.
 fn collector_at<'data, R: object::ReadRef<'data>>(
     data: R,
@@ -181,12 +316,74 @@ fn collector_at<'data, R: object::ReadRef<'data>>(
             bin.path
         )
     })?;
+    let (mut enter_file_offset, mut site) = (file_offset, site);
+    if let CollectorSite::Call { generation_arg } = site {
+        if let Ok(code) = data.read_bytes_at(file_offset, 128) {
+            let (start, rsi_kept) = call_start(code, vaddr);
+            enter_file_offset = file_offset + (start - vaddr);
+            site = CollectorSite::Call {
+                generation_arg: generation_arg && rsi_kept,
+            };
+        }
+    }
     Ok(Collector {
         name,
         path: bin.opened_from.clone(),
         file_offset,
+        enter_file_offset,
         site,
     })
+}
+
+/// Whether the kernel runs instruction `i` without single-stepping it out of line at a uprobe
+/// (it emulates direct calls and jumps, conditional jumps, `push reg` and a one-byte `nop`).
+fn kernel_emulates(i: &iced_x86::Instruction) -> bool {
+    use iced_x86::{FlowControl, Mnemonic, OpKind};
+    match i.flow_control() {
+        FlowControl::Call | FlowControl::UnconditionalBranch => {
+            matches!(i.op0_kind(), OpKind::NearBranch64)
+        }
+        FlowControl::ConditionalBranch => i.is_jcc_short_or_near(),
+        FlowControl::Next => {
+            i.mnemonic() == Mnemonic::Nop && i.len() == 1
+                || i.mnemonic() == Mnemonic::Push && i.op0_kind() == OpKind::Register
+        }
+        _ => false,
+    }
+}
+
+/// Where to probe the start of a call of the function whose code at `addr` is `code`: its
+/// entry if the kernel emulates the first instruction, else the first one it emulates among
+/// the next 16 when only straight-line code lies between (every call runs it, right after
+/// the entry), else the entry. Also whether `rsi` (the second argument) still holds what it
+/// held at the entry there.
+pub fn call_start(code: &[u8], addr: u64) -> (u64, bool) {
+    use iced_x86::{FlowControl, Register};
+    let code = decode_all(code, addr);
+    let Some(first) = code.first() else {
+        return (addr, true);
+    };
+    if kernel_emulates(first) {
+        return (addr, true);
+    }
+    let mut info = iced_x86::InstructionInfoFactory::new();
+    let mut rsi_kept = true;
+    for (k, i) in code.iter().enumerate().take(17) {
+        if k > 0 && kernel_emulates(i) {
+            return (i.ip(), rsi_kept);
+        }
+        if i.flow_control() != FlowControl::Next {
+            break;
+        }
+        rsi_kept &= !info.info(i).used_registers().iter().any(|u| {
+            u.register().full_register() == Register::RSI
+                && !matches!(
+                    u.access(),
+                    iced_x86::OpAccess::Read | iced_x86::OpAccess::CondRead
+                )
+        });
+    }
+    (addr, true)
 }
 
 /// The functions of 3.10/3.11 that set and clear `gcstate->collecting` around a collection:
@@ -297,24 +494,9 @@ pub fn find_flag_stores(
 /// call, jump or conditional jump, a push or a nop) when only straight-line code lies between,
 /// which runs right after the store, a few loads and compares later; else at the store.
 pub fn flag_stores(bytes: &[u8], addr: u64, disp: u64) -> Option<(Vec<u64>, Vec<u64>)> {
-    use iced_x86::{Decoder, DecoderOptions, FlowControl, Mnemonic, OpKind, Register};
-    let mut d = Decoder::with_ip(64, bytes, addr, DecoderOptions::NONE);
-    // Bounded by the bytes: each instruction consumes at least one.
-    let code: Vec<iced_x86::Instruction> =
-        std::iter::from_fn(|| d.can_decode().then(|| d.decode()))
-            .filter(|i| !i.is_invalid())
-            .collect();
-    let emulated = |i: &iced_x86::Instruction| match i.flow_control() {
-        FlowControl::Call | FlowControl::UnconditionalBranch => {
-            matches!(i.op0_kind(), OpKind::NearBranch64)
-        }
-        FlowControl::ConditionalBranch => i.is_jcc_short_or_near(),
-        FlowControl::Next => {
-            i.mnemonic() == Mnemonic::Nop && i.len() == 1
-                || i.mnemonic() == Mnemonic::Push && i.op0_kind() == OpKind::Register
-        }
-        _ => false,
-    };
+    use iced_x86::{FlowControl, Mnemonic, OpKind, Register};
+    let code = decode_all(bytes, addr);
+    let emulated = kernel_emulates;
     let set_point = |k: usize| -> u64 {
         for i in code.iter().skip(k + 1).take(16) {
             if emulated(i) {
@@ -626,5 +808,72 @@ mod tests {
             })
             .collect();
         let _ = flag_stores(&garbage, 0, 0x350);
+    }
+
+    /// sid 3.14.10 (stripped, static): the start of `PyGC_Collect` (exported) up to its call of
+    /// `_PyGC_Collect`, and the start of `_PyGC_Collect` up to the flag's `lock cmpxchg`
+    /// through `lea rbx, [rax + 0x1db0]` (objdump of /usr/bin/python3.14).
+    const PYGC_COLLECT_314: &[u8] = &[
+        0xf3, 0x0f, 0x1e, 0xfa, 0x48, 0x83, 0xec, 0x18, 0x48, 0x89, 0x1c, 0x24, 0x48, 0x89, 0x6c,
+        0x24, 0x08, 0x64, 0x48, 0x8b, 0x1c, 0x25, 0xe8, 0xff, 0xff, 0xff, 0x48, 0x8b, 0x43, 0x10,
+        0x83, 0xb8, 0xfc, 0x1c, 0x00, 0x00, 0x00, 0x0f, 0x84, 0xf7, 0xee, 0xd3, 0xff, 0x31, 0xc0,
+        0x4c, 0x89, 0x64, 0x24, 0x10, 0x4c, 0x8b, 0x63, 0x70, 0xba, 0x02, 0x00, 0x00, 0x00, 0x48,
+        0x89, 0x43, 0x70, 0xbe, 0x02, 0x00, 0x00, 0x00, 0x48, 0x89, 0xdf, 0xe8, 0xb4, 0x8f, 0xe4,
+        0xff,
+    ];
+    const PYGC_COLLECT_CALLEE_314: &[u8] = &[
+        0xf3, 0x0f, 0x1e, 0xfa, 0x55, 0x45, 0x31, 0xdb, 0x48, 0x89, 0xe5, 0x48, 0x81, 0xec, 0x20,
+        0x01, 0x00, 0x00, 0x48, 0x8b, 0x47, 0x10, 0x48, 0x89, 0x5d, 0xd8, 0x89, 0xb5, 0x1c, 0xff,
+        0xff, 0xff, 0x48, 0x8d, 0x98, 0xb0, 0x1d, 0x00, 0x00, 0x89, 0xd6, 0xba, 0x01, 0x00, 0x00,
+        0x00, 0x48, 0x89, 0x85, 0x28, 0xff, 0xff, 0xff, 0x31, 0xc0, 0x4c, 0x89, 0x6d, 0xe8, 0x4c,
+        0x89, 0x9d, 0x30, 0xff, 0xff, 0xff, 0x48, 0x89, 0x9d, 0xe0, 0xfe, 0xff, 0xff, 0xf0, 0x0f,
+        0xb1, 0x13, 0x0f, 0x85, 0x72, 0x17, 0x00, 0x00,
+    ];
+
+    #[test]
+    fn the_collector_of_a_stripped_build_is_pygc_collects_callee() {
+        assert_eq!(
+            first_direct_call(PYGC_COLLECT_314, 0x750660),
+            Some(0x599660)
+        );
+        assert!(sets_collecting(PYGC_COLLECT_CALLEE_314, 0x599660, 0x1db0));
+        // Another flag's offset, or the register overwritten between the lea and the
+        // exchange (`mov rbx, rax` spliced in before the `lock cmpxchg`), is not the collector.
+        assert!(!sets_collecting(PYGC_COLLECT_CALLEE_314, 0x599660, 0x1db4));
+        let n = PYGC_COLLECT_CALLEE_314.len() - 10;
+        let mut spliced = PYGC_COLLECT_CALLEE_314[..n].to_vec();
+        spliced.extend_from_slice(&[0x48, 0x89, 0xc3]);
+        spliced.extend_from_slice(&PYGC_COLLECT_CALLEE_314[n..]);
+        assert!(sets_collecting(PYGC_COLLECT_CALLEE_314, 0, 0x1db0));
+        assert!(!sets_collecting(&spliced, 0, 0x1db0));
+        // PyGC_Collect itself sets no flag; a return before any call means no callee.
+        assert!(!sets_collecting(PYGC_COLLECT_314, 0x750660, 0x1db0));
+        assert_eq!(first_direct_call(&[0xc3, 0xe8, 0, 0, 0, 0], 0), None);
+        // Where the pause's start is probed: past `endbr64` (single-stepped) at the `push rbp`;
+        // in PyGC_Collect, past `endbr64; sub rsp` and loads at the `je`; `rsi` untouched in
+        // both. An emulated first instruction is the entry itself.
+        assert_eq!(
+            call_start(PYGC_COLLECT_CALLEE_314, 0x599660),
+            (0x599664, true)
+        );
+        assert_eq!(call_start(PYGC_COLLECT_314, 0x750660), (0x750685, true));
+        assert_eq!(
+            call_start(&PYGC_COLLECT_CALLEE_314[4..], 0x599664),
+            (0x599664, true)
+        );
+        // `mov esi, 2` (be 02 00 00 00) before the first emulated instruction: rsi not kept.
+        let mut rsi = vec![0xf3, 0x0f, 0x1e, 0xfa, 0xbe, 0x02, 0x00, 0x00, 0x00, 0x55];
+        assert_eq!(call_start(&rsi, 0x1000), (0x1009, false));
+        // No emulated instruction before a branch that is not: the entry.
+        rsi.truncate(4);
+        rsi.extend_from_slice(&[0xff, 0xe0, 0x55]); // jmp rax; push rbp
+        assert_eq!(call_start(&rsi, 0x1000), (0x1000, true));
+        // Garbage decodes to whatever it decodes to, without panicking.
+        let garbage: Vec<u8> = (0..4096u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let _ = call_start(&garbage, 0);
+        let _ = first_direct_call(&garbage, 0);
+        let _ = sets_collecting(&garbage, 0, 0x1db0);
     }
 }

@@ -219,7 +219,19 @@ impl BpfSource {
             .iter()
             .all(|c| matches!(c.site, crate::cpython::binary::CollectorSite::Call { .. }))
         {
-            format!("uprobe + uretprobe on {names}")
+            let past: Vec<String> = cs
+                .iter()
+                .filter(|c| c.enter_file_offset != c.file_offset)
+                .map(|c| format!("{}+{:#x}", c.name, c.enter_file_offset - c.file_offset))
+                .collect();
+            if past.is_empty() {
+                format!("uprobe + uretprobe on {names}")
+            } else {
+                format!(
+                    "uprobe + uretprobe on {names} (start probed at {}, past instructions the kernel would single-step)",
+                    past.join(", ")
+                )
+            }
         } else {
             format!("uprobes on the stores that set and clear gcstate->collecting in {names}")
         };
