@@ -396,22 +396,28 @@ fn check_with(label: &str, extra: bool) {
             m.len(),
             t.len()
         );
-        // Every recorded call lies between the two clocks of its call: no shorter than its
-        // body, no longer than the call seen from its caller (2 µs for the clocks' reads).
-        // Calls the recorder flagged may be the exceptions.
+        // Every recorded call lies between the two clocks of its call: no longer than the call
+        // seen from its caller, and no shorter than its body less the calibrated trap cost
+        // that the recorder subtracts from every call (a trap can cost less than calibrated:
+        // sid 3.15 read 1 µs under the body at p10 in one CI run); 2 µs for the clocks'
+        // reads. Calls the recorder flagged may be the exceptions.
         const SLACK: u64 = 2_000;
+        let under = SLACK + r.counters.get("probe_trap_cost_ns").copied().unwrap_or(0);
         let outside = rc
             .iter()
             .filter(inside)
             .filter(|c| {
-                let j = oc.partition_point(|x| x.0 + x.1 < c.0 + c.1);
-                let within_outer = oc
-                    .get(j)
-                    .is_some_and(|x| x.0 <= c.0 + SLACK && c.0 + c.1 <= x.0 + x.1 + SLACK);
-                let k = tc.partition_point(|x| x.0 + SLACK < c.0);
+                let j = oc.partition_point(|x| x.0 + x.1 + SLACK < c.0 + c.1);
+                let Some(&outer) = oc.get(j) else {
+                    return true;
+                };
+                let within_outer = outer.0 <= c.0 + SLACK && c.0 + c.1 <= outer.0 + outer.1 + SLACK;
+                // Its body: the first to start inside that call (calls of one function do not
+                // overlap on its thread).
+                let k = tc.partition_point(|x| x.0 < outer.0);
                 let holds_body = tc
                     .get(k)
-                    .is_some_and(|x| x.0 + x.1 <= c.0 + c.1 + SLACK && x.0 + SLACK >= c.0);
+                    .is_some_and(|x| x.1 <= c.1 + under && x.0 + x.1 <= c.0 + c.1 + under);
                 !(within_outer && holds_body)
             })
             .count();
@@ -425,9 +431,8 @@ fn check_with(label: &str, extra: bool) {
         // calls are depends on the machine's speed).
         let close = |m: f64, t: f64| (m - t).abs() <= (0.10 * t).max(60_000.0);
         for (q, b, m, o) in [(50, t50, m50, o50), (90, t90, m90, o90)] {
-            let slack = SLACK as f64;
             assert!(
-                m + slack >= b && m <= o + slack,
+                m + under as f64 >= b && m <= o + SLACK as f64,
                 "{label} {function}: p{q} {m} outside [{b}, {o}]"
             );
             assert!(
