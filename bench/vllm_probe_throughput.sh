@@ -5,6 +5,10 @@
 # (everything else the same), in alternating order, each a closed-loop load of DUR s
 # (C requests in flight, MAXTOK tokens). Prints each phase's server-side gen tok/s (the
 # vllm:generation_tokens_total delta load.py reads) and the median ratio probed/unprobed.
+# Also each phase's CPU per generated token of the engine's processes (the API server and
+# its descendants: utime + stime of every thread, which holds the probes' debug traps), from
+# /proc and /metrics read right before and after the load: on a machine whose wall-clock
+# throughput swings by tens of percent between phases, CPU per token is what the probes move.
 # Env: PORT (8124), C (16), MAXTOK (128), DUR (20), ROUNDS (4), SERVE_ARGS, OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +20,33 @@ ES=target/release/enginescope
 PID=$(LOGDIR="$OUT" bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
 trap 'kill -TERM $PID 2>/dev/null || true' EXIT
 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" --duration 10 >/dev/null
+# CPU seconds of PID and its descendants, then the server's generation_tokens_total.
+snapshot() {
+  python3 - "$PID" "$PORT" <<'PY'
+import os, sys, urllib.request
+root, port = int(sys.argv[1]), sys.argv[2]
+kids = {}
+for d in os.listdir("/proc"):
+    if d.isdigit():
+        try:
+            st = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kids.setdefault(int(st[1]), []).append((int(d), st))
+tick = os.sysconf("SC_CLK_TCK")
+def tree(pid):
+    yield pid
+    for c, _ in kids.get(pid, []):
+        yield from tree(c)
+stats = {p: st for v in kids.values() for p, st in v}
+cpu = sum((int(stats[p][11]) + int(stats[p][12])) / tick for p in tree(root) if p in stats)
+tok = 0.0
+for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode().splitlines():
+    if line.startswith("vllm:generation_tokens_total"):
+        tok += float(line.split()[-1])
+print(f"{cpu:.2f} {tok:.0f}")
+PY
+}
 phase() { # $1 = probed|unprobed, $2 = round
   local extra=()
   [ "$1" = unprobed ] && extra=(--no-default-probes)
@@ -26,12 +57,20 @@ phase() { # $1 = probed|unprobed, $2 = round
   # match: tail's SIGPIPE is expected). Probes attach as the load makes the engine run the
   # probed functions, within the first second or two of the window.
   timeout 120 tail -n +1 -f "$OUT/$1-$2.log" | grep -q -m1 'sampling started' || true
+  local before after
+  before=$(snapshot)
   "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" --duration "$DUR" \
     | tail -1 > "$OUT/$1-$2.json"
+  after=$(snapshot)
   kill -INT $rec 2>/dev/null || true
   wait $rec || true
-  python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(sys.argv[2], sys.argv[3], j.get('gen_tok_s_server'), j.get('gen_tok_s_client'))" \
-    "$OUT/$1-$2.json" "$1" "$2" | tee -a "$OUT/phases.txt"
+  python3 -c "
+import json, sys
+j = json.load(open(sys.argv[1]))
+c0, t0 = map(float, sys.argv[4].split()); c1, t1 = map(float, sys.argv[5].split())
+print(sys.argv[2], sys.argv[3], j.get('gen_tok_s_server'), j.get('gen_tok_s_client'),
+      f'{(c1 - c0) / max(t1 - t0, 1) * 1e3:.3f}')" \
+    "$OUT/$1-$2.json" "$1" "$2" "$before" "$after" | tee -a "$OUT/phases.txt"
 }
 for r in $(seq 1 "$ROUNDS"); do
   if [ $((r % 2)) = 1 ]; then phase probed "$r"; phase unprobed "$r"; else phase unprobed "$r"; phase probed "$r"; fi
@@ -39,10 +78,14 @@ done
 python3 - "$OUT/phases.txt" <<'PY'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
-by = {}
-for mode, r, srv, cli in rows:
+by, cpu = {}, {}
+for mode, r, srv, cli, ms_per_tok in rows:
     by.setdefault(r, {})[mode] = float(srv)
-ratios = [v["probed"] / v["unprobed"] for v in by.values() if "probed" in v and "unprobed" in v]
-print("per-round probed/unprobed:", " ".join(f"{x:.3f}" for x in ratios))
+    cpu.setdefault(r, {})[mode] = float(ms_per_tok)
+pairs = lambda d: [v["probed"] / v["unprobed"] for v in d.values() if "probed" in v and "unprobed" in v]
+ratios, cratios = pairs(by), pairs(cpu)
+print("per-round probed/unprobed gen tok/s:", " ".join(f"{x:.3f}" for x in ratios))
 print(f"median ratio {statistics.median(ratios):.3f} over {len(ratios)} rounds")
+print("per-round probed/unprobed engine CPU ms per token:", " ".join(f"{x:.3f}" for x in cratios))
+print(f"median CPU-per-token ratio {statistics.median(cratios):.3f} over {len(cratios)} rounds")
 PY
