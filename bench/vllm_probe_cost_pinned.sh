@@ -18,36 +18,7 @@ PID=$(VLLM_CPU_OMP_THREADS_BIND=0 LOGDIR="$OUT" taskset -c 0 bash "$H/serve.sh" 
 trap 'kill -TERM $PID 2>/dev/null || true' EXIT
 load() { taskset -c 1 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" --duration "$1"; }
 load 8 > /dev/null
-snap() {
-  python3 - "$PID" "$PORT" <<'PY'
-import json, os, sys, urllib.request
-root, port = int(sys.argv[1]), sys.argv[2]
-kids = {}
-for d in os.listdir("/proc"):
-    if d.isdigit():
-        try:
-            st = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        kids.setdefault(int(st[1]), []).append(int(d))
-def tree(p):
-    yield p
-    for c in kids.get(p, []):
-        yield from tree(c)
-threads = {}
-for p in tree(root):
-    for t in os.listdir(f"/proc/{p}/task"):
-        try:
-            raw = open(f"/proc/{p}/task/{t}/stat").read()
-        except OSError:
-            continue
-        st = raw.rsplit(")", 1)[1].split()
-        threads[f"{p}/{t}/{raw[raw.index('(') + 1:raw.rindex(')')]}"] = int(st[11]) + int(st[12])
-metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-tok = sum(float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("vllm:generation_tokens_total"))
-print(json.dumps({"threads": threads, "tok": tok, "tick": os.sysconf("SC_CLK_TCK")}))
-PY
-}
+snap() { python3 bench/engine_cpu.py "$PID" "$PORT"; }
 for r in $(seq 1 "$ROUNDS"); do
   for mode in probed unprobed; do
     extra=()
@@ -75,7 +46,7 @@ for r in range(1, rounds + 1):
         b = json.load(open(f"{out}/{mode}-{r}.before"))
         a = json.load(open(f"{out}/{mode}-{r}.after"))
         tok = a["tok"] - b["tok"]
-        d = {k: (v - b["threads"][k]) / a["tick"] for k, v in a["threads"].items() if k in b["threads"]}
+        d = {k: v - b["threads"][k] for k, v in a["threads"].items() if k in b["threads"]}
         cpu = sum(d.values())
         top = sorted(d.items(), key=lambda x: -x[1])[:3]
         rep = subprocess.run([es, "report", f"{out}/{mode}-{r}.esrec"], capture_output=True, text=True).stdout

@@ -20,33 +20,8 @@ ES=target/release/enginescope
 PID=$(LOGDIR="$OUT" bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
 trap 'kill -TERM $PID 2>/dev/null || true' EXIT
 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" --duration 10 >/dev/null
-# CPU seconds of PID and its descendants, then the server's generation_tokens_total.
-snapshot() {
-  python3 - "$PID" "$PORT" <<'PY'
-import os, sys, urllib.request
-root, port = int(sys.argv[1]), sys.argv[2]
-kids = {}
-for d in os.listdir("/proc"):
-    if d.isdigit():
-        try:
-            st = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        kids.setdefault(int(st[1]), []).append((int(d), st))
-tick = os.sysconf("SC_CLK_TCK")
-def tree(pid):
-    yield pid
-    for c, _ in kids.get(pid, []):
-        yield from tree(c)
-stats = {p: st for v in kids.values() for p, st in v}
-cpu = sum((int(stats[p][11]) + int(stats[p][12])) / tick for p in tree(root) if p in stats)
-tok = 0.0
-for line in urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode().splitlines():
-    if line.startswith("vllm:generation_tokens_total"):
-        tok += float(line.split()[-1])
-print(f"{cpu:.2f} {tok:.0f}")
-PY
-}
+# CPU seconds of PID and its descendants, and the server's generation_tokens_total (JSON).
+snapshot() { python3 bench/engine_cpu.py "$PID" "$PORT"; }
 phase() { # $1 = probed|unprobed, $2 = round
   local extra=()
   [ "$1" = unprobed ] && extra=(--no-default-probes)
@@ -67,7 +42,8 @@ phase() { # $1 = probed|unprobed, $2 = round
   python3 -c "
 import json, sys
 j = json.load(open(sys.argv[1]))
-c0, t0 = map(float, sys.argv[4].split()); c1, t1 = map(float, sys.argv[5].split())
+b, a = json.loads(sys.argv[4]), json.loads(sys.argv[5])
+c0, t0, c1, t1 = b['cpu'], b['tok'], a['cpu'], a['tok']
 print(sys.argv[2], sys.argv[3], j.get('gen_tok_s_server'), j.get('gen_tok_s_client'),
       f'{(c1 - c0) / max(t1 - t0, 1) * 1e3:.3f}')" \
     "$OUT/$1-$2.json" "$1" "$2" "$before" "$after" | tee -a "$OUT/phases.txt"
