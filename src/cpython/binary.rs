@@ -235,11 +235,14 @@ pub fn collector_from_api(
     )
 }
 
+/// The instructions of `bytes` at `addr`, up to the first that does not decode: past it, the
+/// decoder's idea of where instructions begin is a guess, and a uprobe placed on a guess
+/// inside an instruction would corrupt the target's code.
 fn decode_all(bytes: &[u8], addr: u64) -> Vec<iced_x86::Instruction> {
     let mut d = iced_x86::Decoder::with_ip(64, bytes, addr, iced_x86::DecoderOptions::NONE);
     // Bounded by the bytes: each instruction consumes at least one.
     std::iter::from_fn(|| d.can_decode().then(|| d.decode()))
-        .filter(|i| !i.is_invalid())
+        .take_while(|i| !i.is_invalid())
         .collect()
 }
 
@@ -864,6 +867,12 @@ mod tests {
         // `mov esi, 2` (be 02 00 00 00) before the first emulated instruction: rsi not kept.
         let mut rsi = vec![0xf3, 0x0f, 0x1e, 0xfa, 0xbe, 0x02, 0x00, 0x00, 0x00, 0x55];
         assert_eq!(call_start(&rsi, 0x1000), (0x1009, false));
+        // Bytes that do not decode (0x06 is invalid in 64-bit mode) end the search: the
+        // `push rbp` after them might not start where the decoder thinks.
+        assert_eq!(
+            call_start(&[0xf3, 0x0f, 0x1e, 0xfa, 0x06, 0x55], 0x1000),
+            (0x1000, true)
+        );
         // No emulated instruction before a branch that is not: the entry.
         rsi.truncate(4);
         rsi.extend_from_slice(&[0xff, 0xe0, 0x55]); // jmp rax; push rbp
