@@ -361,32 +361,36 @@ fn kernel_emulates(i: &iced_x86::Instruction) -> bool {
 /// the entry), else the entry. Also whether `rsi` (the second argument) still holds what it
 /// held at the entry there.
 pub fn call_start(code: &[u8], addr: u64) -> (u64, bool) {
-    use iced_x86::{FlowControl, Register};
     let code = decode_all(code, addr);
-    let Some(first) = code.first() else {
+    let Some(j) = next_emulated(&code, 0) else {
         return (addr, true);
     };
-    if kernel_emulates(first) {
-        return (addr, true);
-    }
     let mut info = iced_x86::InstructionInfoFactory::new();
-    let mut rsi_kept = true;
-    for (k, i) in code.iter().enumerate().take(17) {
-        if k > 0 && kernel_emulates(i) {
-            return (i.ip(), rsi_kept);
-        }
-        if i.flow_control() != FlowControl::Next {
-            break;
-        }
-        rsi_kept &= !info.info(i).used_registers().iter().any(|u| {
-            u.register().full_register() == Register::RSI
+    let rsi_kept = !code[..j].iter().any(|i| {
+        info.info(i).used_registers().iter().any(|u| {
+            u.register().full_register() == iced_x86::Register::RSI
                 && !matches!(
                     u.access(),
                     iced_x86::OpAccess::Read | iced_x86::OpAccess::CondRead
                 )
-        });
+        })
+    });
+    (code[j].ip(), rsi_kept)
+}
+
+/// The index of the first instruction that the kernel emulates among `code[k]` and the 16
+/// after it, when only straight-line code lies before it (so that whatever runs `code[k]` runs
+/// it right after): where a uprobe costs no single-step.
+fn next_emulated(code: &[iced_x86::Instruction], k: usize) -> Option<usize> {
+    for (j, i) in code.iter().enumerate().skip(k).take(17) {
+        if kernel_emulates(i) {
+            return Some(j);
+        }
+        if i.flow_control() != iced_x86::FlowControl::Next {
+            break;
+        }
     }
-    (addr, true)
+    None
 }
 
 /// The functions of 3.10/3.11 that set and clear `gcstate->collecting` around a collection:
@@ -497,20 +501,10 @@ pub fn find_flag_stores(
 /// call, jump or conditional jump, a push or a nop) when only straight-line code lies between,
 /// which runs right after the store, a few loads and compares later; else at the store.
 pub fn flag_stores(bytes: &[u8], addr: u64, disp: u64) -> Option<(Vec<u64>, Vec<u64>)> {
-    use iced_x86::{FlowControl, Mnemonic, OpKind, Register};
+    use iced_x86::{Mnemonic, OpKind, Register};
     let code = decode_all(bytes, addr);
-    let emulated = kernel_emulates;
-    let set_point = |k: usize| -> u64 {
-        for i in code.iter().skip(k + 1).take(16) {
-            if emulated(i) {
-                return i.ip();
-            }
-            if i.flow_control() != FlowControl::Next {
-                break;
-            }
-        }
-        code[k].ip()
-    };
+    // The store itself (a `mov`) is not emulated: the first emulated instruction after it.
+    let set_point = |k: usize| next_emulated(&code, k).map_or(code[k].ip(), |j| code[j].ip());
     let mut by_reg: std::collections::BTreeMap<Register, (Vec<u64>, Vec<u64>)> = Default::default();
     for (k, ins) in code.iter().enumerate() {
         if ins.mnemonic() != Mnemonic::Mov
