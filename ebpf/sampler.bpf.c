@@ -588,9 +588,28 @@ static __always_inline void gc_edge_out(const struct es_target *t, __u32 tgid, _
     ev.h.time_ns = bpf_ktime_get_ns();
     ev.h.ip = (__u64)value;
     ev.generation = generation;
-    if (t->gc_stats_addr) {
+    __u64 stats = t->gc_stats_addr;
+    /* 3.15: follow gcstate->generation_stats to the rings. */
+    if (stats && t->gc_stats_ring && bpf_probe_read_user(&stats, sizeof(stats), (void *)stats)) {
+        count(ES_C_GC_READ_ERR);
+        stats = 0;
+    }
+    if (stats) {
         for (int i = 0; i < 3; i++) {
-            __u64 base = t->gc_stats_addr + (__u64)i * t->gc_stats_stride;
+            __u64 base = stats + (__u64)i * t->gc_stats_stride;
+            if (t->gc_stats_ring) {
+                /* The newest record of generation i: the GC writes it (a copy of the one
+                 * before plus this collection) before the collector returns. */
+                __u64 ring = stats + t->gc_ring_off[i];
+                __u32 slots = t->gc_ring_slots[i];
+                __u8 index = 0;
+                if (bpf_probe_read_user(&index, sizeof(index), (void *)(ring + (__u64)slots * t->gc_stats_stride)) ||
+                    index >= slots) {
+                    count(ES_C_GC_READ_ERR);
+                    continue;
+                }
+                base = ring + (__u64)index * t->gc_stats_stride + t->gc_ring_counts_off;
+            }
             if (bpf_probe_read_user(&ev.collections[i], 8, (void *)base) ||
                 bpf_probe_read_user(&ev.collected[i], 8, (void *)(base + 8)))
                 count(ES_C_GC_READ_ERR);

@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 7
+#define ES_ABI_VERSION 8
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -41,6 +41,15 @@ struct es_target {
     __u64 gc_stats_addr;        /* &gcstate->generation_stats[0] (collections, collected); 0 = unknown */
     __u32 gil_mutex_off;        /* offsetof(mutex), a glibc pthread_mutex_t; 0 = unknown */
     __u32 gil_switch_mutex_off; /* offsetof(switch_mutex) */
+    /* 3.15: gc_stats_addr is &gcstate->generation_stats, a pointer to struct gc_stats, which
+     * holds one ring of cumulative records per generation (pycore_interp_structs.h): ring g
+     * at gc_ring_off[g] has gc_ring_slots[g] records of gc_stats_stride bytes, then an int8
+     * index of the newest; collections and collected at gc_ring_counts_off in a record.
+     * 0 = an inline array of {collections, collected, ...} (3.10-3.14). */
+    __u32 gc_stats_ring;
+    __u32 gc_ring_counts_off;
+    __u32 gc_ring_off[3];
+    __u32 gc_ring_slots[3];
 };
 
 #define ES_TARGET_OFFCPU 1      /* trace sched_switch for this process */

@@ -32,7 +32,8 @@ int main(void) {
   S(es_event_header); F(es_event_header, flags); F(es_event_header, nframes);
   F(es_event_header, tgid); F(es_event_header, tid); F(es_event_header, cpu);
   F(es_event_header, time_ns); F(es_event_header, ip);
-  F(es_target, frame_is_entry);
+  F(es_target, frame_is_entry); F(es_target, gc_stats_ring); F(es_target, gc_ring_counts_off);
+  F(es_target, gc_ring_off); F(es_target, gc_ring_slots);
   F(es_native, sp); F(es_native, bp); F(es_native, ustack_len); F(es_native, nkernel);
   F(es_native, kstack); F(es_native, ustack); S(es_native);
   printf("ES_MAX_KFRAMES=%d\nES_USTACK_MAX=%d\nES_FRAME_ENTRY=%d\n", ES_MAX_KFRAMES, ES_USTACK_MAX, ES_FRAME_ENTRY);
@@ -158,6 +159,19 @@ int main(void) {
         (
             "es_target.frame_is_entry",
             offset_of!(EsTarget, frame_is_entry),
+        ),
+        (
+            "es_target.gc_stats_ring",
+            offset_of!(EsTarget, gc_stats_ring),
+        ),
+        (
+            "es_target.gc_ring_counts_off",
+            offset_of!(EsTarget, gc_ring_counts_off),
+        ),
+        ("es_target.gc_ring_off", offset_of!(EsTarget, gc_ring_off)),
+        (
+            "es_target.gc_ring_slots",
+            offset_of!(EsTarget, gc_ring_slots),
         ),
         ("es_native.sp", NATIVE_SP),
         ("es_native.bp", NATIVE_BP),

@@ -314,9 +314,15 @@ fn gc_pauses_sid_3_14_stripped_container() {
 }
 #[test]
 fn gc_pauses_sid_3_15_stripped_container() {
-    // 3.15's per-generation statistics moved (not read: generations recorded as unknown), and
-    // its automatic collections pass generation -1 (chosen inside the collector).
-    gc("sid-3.15", false, "uprobe");
+    // 3.15 keeps its per-generation statistics in rings behind a pointer (read through
+    // _Py_DebugOffsets.gc.generation_stats); its automatic collections pass generation -1, so
+    // the generation comes from which ring's newest record moved.
+    gc("sid-3.15", true, "uprobe");
+}
+#[test]
+fn gc_pauses_sid_3_15_stripped_watchpoint_forced() {
+    // The rings read at the watched flag's edges rather than at the collector's call.
+    gc("sid-3.15", true, "watchpoint-forced");
 }
 #[test]
 fn gc_pauses_sid_3_14_stripped_watchpoint_forced() {

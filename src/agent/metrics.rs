@@ -256,7 +256,7 @@ impl Metrics {
         reg.register("enginescope_samples", "On-CPU samples recorded", c.samples);
         reg.register(
             "enginescope_gc_pause_seconds",
-            "Garbage-collection pauses by generation (exact: watchpoint on the collector's state; generation=\"-1\" when unknown)",
+            "Garbage-collection pauses by generation (exact: uprobes on the collector, or a watchpoint on its state; generation=\"-1\" when unknown)",
             c.gc_pause,
         );
         reg.register(

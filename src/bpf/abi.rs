@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 7;
+pub const ABI_VERSION: u32 = 8;
 pub const MAX_FRAMES: usize = 128;
 pub const MAX_KFRAMES: usize = 64;
 pub const USTACK_MAX: usize = 16384;
@@ -44,6 +44,15 @@ pub struct EsTarget {
     /// Offset of the GIL's `mutex` (a glibc `pthread_mutex_t`, owner tid at +8); 0 = unknown.
     pub gil_mutex_off: u32,
     pub gil_switch_mutex_off: u32,
+    /// 3.15: `gc_stats_addr` is the address of `gcstate->generation_stats`, a pointer to
+    /// `struct gc_stats` (per-generation rings of cumulative records); 0 = inline array.
+    pub gc_stats_ring: u32,
+    /// Offset of `collections` (then `collected`) in one ring record.
+    pub gc_ring_counts_off: u32,
+    /// Offset of each generation's ring in `struct gc_stats`.
+    pub gc_ring_off: [u32; 3],
+    /// Records in each generation's ring; its `int8_t index` follows them.
+    pub gc_ring_slots: [u32; 3],
 }
 
 pub const TARGET_OFFCPU: u32 = 1;
@@ -229,7 +238,9 @@ unsafe impl aya::Pod for EsThread {}
 
 const _: () = {
     use std::mem::{offset_of, size_of};
-    assert!(size_of::<EsTarget>() == 144);
+    assert!(size_of::<EsTarget>() == 176);
+    assert!(offset_of!(EsTarget, gc_stats_ring) == 144);
+    assert!(offset_of!(EsTarget, gc_ring_slots) == 164);
     assert!(offset_of!(EsTarget, gil_addr) == 104);
     assert!(offset_of!(EsTarget, gc_stats_addr) == 128);
     assert!(offset_of!(EsTarget, code_name) == 96);

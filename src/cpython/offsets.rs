@@ -104,8 +104,15 @@ pub struct Offsets {
     /// `struct _gc_runtime_state.generation_stats` (pycore_gc.h; pycore_interp_structs.h in
     /// 3.14): per generation `{collections, collected, uncollectable}`, 24 bytes each. Not in
     /// `_Py_DebugOffsets`: 3.13 from its headers, 3.14 measured on 3.14.10 (the counters a
-    /// `gc.collect(g)` increments by one); `None` where unknown (3.15 keeps them elsewhere).
+    /// `gc.collect(g)` increments by one); 3.15 from `_Py_DebugOffsets.gc.generation_stats`,
+    /// there a pointer to `struct gc_stats` (see `gc_stats_ring`); `None` where unknown.
     pub gc_generation_stats: Option<u64>,
+    /// 3.15: `gc_generation_stats` is a pointer to `struct gc_stats`, one ring of cumulative
+    /// `struct gc_generation_stats` records (64 bytes: `ts_start`, `ts_stop`, `collections`,
+    /// `collected`, ...) per generation: 11 for generation 0 at offset 0, 3 for generations 1
+    /// and 2 at 712 and 912, each followed by an `int8_t index` of its newest record
+    /// (pycore_interp_structs.h; `gc.get_stats()` reads the newest).
+    pub gc_stats_ring: bool,
     /// `PyInterpreterState.modules` (≤3.11) / `imports.modules` (3.12+): `sys.modules`
     /// (pycore_interp.h; `_Py_DebugOffsets.interpreter_state.imports_modules` 3.13+).
     pub interp_modules: Option<u64>,
@@ -279,8 +286,9 @@ pub const PY310: Offsets = Offsets {
     bytes_data: 32,           // cpython/bytesobject.h: PyBytesObject.ob_sval
     tstate_holds_gil: None,
     gc_generation_stats: Some(128), // pycore_gc.h: struct _gc_runtime_state.generation_stats
-    interp_modules: Some(856),      // pycore_interp.h: modules
-    heaptype_cached_keys: None,     // cpython/object.h: PyHeapTypeObject.ht_cached_keys
+    gc_stats_ring: false,
+    interp_modules: Some(856),  // pycore_interp.h: modules
+    heaptype_cached_keys: None, // cpython/object.h: PyHeapTypeObject.ht_cached_keys
     instance_dict: InstanceDict::DictOffset,
     dict_keys: DictKeysLayout::Py310,
     long_tagged: false,
@@ -325,7 +333,8 @@ pub const PY311: Offsets = Offsets {
     bytes_size: 16,
     bytes_data: 32,
     tstate_holds_gil: None,
-    gc_generation_stats: Some(128),  // pycore_gc.h
+    gc_generation_stats: Some(128), // pycore_gc.h
+    gc_stats_ring: false,
     interp_modules: Some(888),       // pycore_interp.h: modules
     heaptype_cached_keys: Some(872), // cpython/object.h: PyHeapTypeObject.ht_cached_keys
     instance_dict: InstanceDict::Managed311,
@@ -371,7 +380,8 @@ pub const PY312: Offsets = Offsets {
     bytes_size: 16,
     bytes_data: 32,
     tstate_holds_gil: None,
-    gc_generation_stats: Some(128),  // pycore_gc.h
+    gc_generation_stats: Some(128), // pycore_gc.h
+    gc_stats_ring: false,
     interp_modules: Some(944),       // pycore_interp.h: imports.modules
     heaptype_cached_keys: Some(880), // cpython/object.h: PyHeapTypeObject.ht_cached_keys
     instance_dict: InstanceDict::Managed312,
@@ -661,7 +671,16 @@ pub fn debug_layout(minor: u8) -> Option<&'static [(&'static str, &'static [&'st
             &["size", "state", "length", "asciiobject_size"],
         ),
         ("_", &["_"]),
-        ("gc", &["size", "collecting", "frame", "_", "_"]),
+        (
+            "gc",
+            &[
+                "size",
+                "collecting",
+                "frame",
+                "generation_stats_size",
+                "generation_stats",
+            ],
+        ),
     ];
     match minor {
         13 => Some(L313),
@@ -749,6 +768,25 @@ pub fn read_debug_offsets(
 }
 
 /// Turn checked debug offsets into [`Offsets`].
+/// 3.15's ring geometry (see [`Offsets::gc_stats_ring`]): records of [`GC_RING_RECORD`]
+/// bytes, `collections` then `collected` at [`GC_RING_COUNTS`] in each.
+pub const GC_RING_RECORD: u32 = 64;
+pub const GC_RING_COUNTS: u32 = 16;
+/// Each generation's ring in `struct gc_stats`: (offset, records).
+pub const GC_RINGS_315: [(u32, u32); 3] = [(0, 11), (712, 3), (912, 3)];
+
+/// `gc.generation_stats` of 3.15's `_Py_DebugOffsets`, where the struct it points to has the
+/// size of the ring layout we read: 1,112 bytes (three rings and their indexes), or 1,120 with
+/// the 8-byte write counter that 3.15.2 adds after them. Another size is another layout:
+/// generations are then recorded as unknown rather than read from the wrong place.
+fn gc_stats_ring_315(d: &DebugOffsets) -> Option<u64> {
+    let size = d.fields.get("gc.generation_stats_size").copied()?;
+    let at = d.fields.get("gc.generation_stats").copied()?;
+    let gc_size = d.fields.get("gc.size").copied()?;
+    ((size == 1112 || size == 1120) && at.checked_add(8).is_some_and(|end| end <= gc_size))
+        .then_some(at)
+}
+
 pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, DebugOffsetsError> {
     // Each field must lie inside its struct; sizes must be plausible. A wrong layout table or a
     // corrupted struct fails here instead of sending the walker into garbage.
@@ -853,8 +891,10 @@ pub fn offsets_from_debug(d: &DebugOffsets, v: PyVersion) -> Result<Offsets, Deb
         gc_generation_stats: match v.minor {
             13 => Some(128),
             14 => Some(120),
+            15 => gc_stats_ring_315(d),
             _ => None,
         },
+        gc_stats_ring: v.minor == 15 && gc_stats_ring_315(d).is_some(),
         interp_modules: Some(within(d, "interpreter_state", "imports_modules", 8)?),
         heaptype_cached_keys: match v.minor {
             13 | 14 => Some(880),
@@ -938,6 +978,35 @@ mod tests {
             offsets_from_debug(&wild, v),
             Err(DebugOffsetsError::Implausible { .. })
         ));
+    }
+
+    /// sid 3.15.2's `_Py_DebugOffsets.gc` (read off the binary): size 176, collecting 112,
+    /// frame 120, generation_stats_size 1120, generation_stats 104.
+    #[test]
+    fn the_315_gc_statistics_are_read_only_in_the_ring_layout_we_know() {
+        let gc = |stats_size: u64, at: u64| {
+            let mut d = DebugOffsets::default();
+            for (k, v) in [
+                ("gc.size", 176),
+                ("gc.collecting", 112),
+                ("gc.generation_stats_size", stats_size),
+                ("gc.generation_stats", at),
+            ] {
+                d.fields.insert(k.into(), v);
+            }
+            gc_stats_ring_315(&d)
+        };
+        assert_eq!(gc(1120, 104), Some(104));
+        assert_eq!(gc(1112, 104), Some(104));
+        // Another ring depth (a free-threaded build has one record per ring) or a pointer
+        // outside the struct: unknown, not read from the wrong place.
+        assert_eq!(gc(200, 104), None);
+        assert_eq!(gc(1120, 170), None);
+        assert_eq!(gc(1120, u64::MAX - 4), None);
+        assert_eq!(gc_stats_ring_315(&DebugOffsets::default()), None);
+        // The rings fit the size they were checked against.
+        let (last_off, last_slots) = GC_RINGS_315[2];
+        assert_eq!(last_off + last_slots * GC_RING_RECORD + 8, 1112);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use crate::bpf::abi::EsTarget;
 use crate::cpython::binary;
-use crate::cpython::offsets::FrameKind;
+use crate::cpython::offsets::{self, FrameKind};
 use crate::cpython::symbols::{RawFrame, Symbolizer};
 use crate::cpython::threading::ThreadNames;
 use crate::cpython::{Frame, PythonProcess};
@@ -157,11 +157,19 @@ impl Target {
             gil_size: 208,
             gil_mutex_off: 80,
             gil_switch_mutex_off: 168,
-            gc_stats_stride: 24,
+            gc_stats_stride: if o.gc_stats_ring {
+                offsets::GC_RING_RECORD
+            } else {
+                24
+            },
             gc_stats_addr: o
                 .gc_generation_stats
                 .map(|g| interp + o.interp_gc + g)
                 .unwrap_or(0),
+            gc_stats_ring: u32::from(o.gc_stats_ring),
+            gc_ring_counts_off: offsets::GC_RING_COUNTS,
+            gc_ring_off: offsets::GC_RINGS_315.map(|(off, _)| off),
+            gc_ring_slots: offsets::GC_RINGS_315.map(|(_, n)| n),
         })
     }
 
