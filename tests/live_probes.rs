@@ -125,7 +125,7 @@ fn outer_of(bodies: &[&(u64, u64)], oc: &[(u64, u64)]) -> Vec<u64> {
 }
 
 fn check(label: &str) {
-    check_with(label, false);
+    check_with(label, false, None);
 }
 
 /// A recorded call's (start, duration, weight), ns.
@@ -185,7 +185,8 @@ fn wpct(v: &mut [(u64, f64)], q: f64) -> f64 {
     f64::NAN
 }
 
-fn check_with(label: &str, extra: bool) {
+/// `budget`: `--probe-budget` (percent), with a longer window.
+fn check_with(label: &str, extra: bool, budget: Option<&str>) {
     let i = interp(label);
     if !available(&i) {
         return;
@@ -194,7 +195,7 @@ fn check_with(label: &str, extra: bool) {
         "--truth",
         "{dir}/truth.json",
         "--duration",
-        "5",
+        if budget.is_some() { "8" } else { "5" },
         "--go-fifo",
         "{dir}/go",
     ];
@@ -235,6 +236,9 @@ fn check_with(label: &str, extra: bool) {
             rargs.push(e);
         }
     }
+    if let Some(b) = budget {
+        rargs.extend(["--probe-budget", b]);
+    }
     let mut rec = Recorder::start(&rargs);
     // Probes attach when the sampler first meets the function: wait for all of them.
     let lines = rec.wait_for_lines(
@@ -264,6 +268,7 @@ fn check_with(label: &str, extra: bool) {
         r.counters.get("probe_rotation_attach_failures"),
         r.gc_methods.iter().map(|g| (g.pid, g.method.as_str())).collect::<Vec<_>>(),
     );
+    let mut partial = 0;
     let mut functions = vec![
         (&producer, "MessageQueue.enqueue"),
         (&cons, "MessageQueue.dequeue"),
@@ -348,9 +353,32 @@ fn check_with(label: &str, extra: bool) {
             outside <= flagged,
             "{label} {function}: {outside} recorded calls do not lie between their body's and their caller's clocks ({flagged} flagged)"
         );
+        if let Some(b) = budget {
+            // What the budget bounds: the thread's debug traps (two per call watched) at the
+            // calibrated trap cost, against the window's length. A quarter over for the
+            // rounding of the ring and the first watched-all-the-time window (the test's
+            // threads each run one probe, so the thread's traps are this probe's).
+            let b: f64 = b.parse::<f64>().unwrap() / 100.0;
+            let trap = r.counters.get("probe_trap_cost_ns").copied().unwrap_or(0) as f64;
+            let took = 2.0 * rc.iter().filter(inside).count() as f64 * trap / (e1 - e0) as f64;
+            let full = 2.0 * t.len() as f64 * trap / (e1 - e0) as f64;
+            eprintln!(
+                "{label} {function}: traps {:.3}% of the window (all calls watched: {:.3}%; budget {:.3}%)",
+                took * 100.0,
+                full * 100.0,
+                b * 100.0
+            );
+            assert!(
+                took <= (b * 1.25).max(full.min(b)),
+                "{label} {function}: its traps took {:.3}% of the window, over the budget {:.3}%",
+                took * 100.0,
+                b * 100.0
+            );
+        }
         if let Some((share, wc)) =
             window_weights(&r, probe, tid, e0, e1).filter(|(s, _)| *s < 0.995)
         {
+            partial += 1;
             // Watched for part of the window (registers rotated): counts scaled, percentiles
             // weighted. Each timed call was checked above against its own clocks; what is left
             // is the estimate. The count, scaled by the watch edges, within 5% of the truth's.
@@ -466,6 +494,19 @@ fn check_with(label: &str, extra: bool) {
     if extra {
         check_gc(label, &r, &producer, w.pid);
     }
+    if budget.is_some() {
+        // The producer's and consumer's probes cost more than the budget watched all the time
+        // (the writer's one does not): they must have been watched part of the time.
+        assert!(
+            partial >= 2,
+            "{label}: --probe-budget left {partial} probes watched part of the time"
+        );
+        assert!(
+            r.counters.get("probe_budget_resizes").copied().unwrap_or(0) >= 2,
+            "{label}: {:?}",
+            r.counters.get("probe_budget_resizes")
+        );
+    }
 }
 
 /// GC pauses of the producer (gc.callbacks truth) beside the rotating probes: exact, counts
@@ -559,25 +600,41 @@ fn exact_probes_sid_315() {
 // of a window under changing load is not the window).
 #[test]
 fn rotating_probes_pyenv_311() {
-    check_with("pyenv-3.11", true);
+    check_with("pyenv-3.11", true, None);
 }
 
 #[test]
 fn rotating_probes_pyenv_312() {
-    check_with("pyenv-3.12", true);
+    check_with("pyenv-3.12", true, None);
 }
 
 #[test]
 fn rotating_probes_pyenv_313() {
-    check_with("pyenv-3.13", true);
+    check_with("pyenv-3.13", true, None);
 }
 
 #[test]
 fn rotating_probes_sid_314() {
-    check_with("sid-3.14", true);
+    check_with("sid-3.14", true, None);
 }
 
 #[test]
 fn rotating_probes_sid_315() {
-    check_with("sid-3.15", true);
+    check_with("sid-3.15", true, None);
+}
+
+// `--probe-budget 0.2`: the producer's and consumer's probes would cost ~0.4% of their
+// threads' time watched all the time (200 calls/s, two traps of ~10 µs each), so they are
+// watched part of it (idle turns in the rotation); the writer's stays under the budget and
+// exact throughout. Every timed call checked against its clocks, counts scaled within 5%,
+// percentiles within what the subsample can show, and each thread's trap time within the
+// budget.
+#[test]
+fn budgeted_probes_pyenv_312() {
+    check_with("pyenv-3.12", false, Some("0.2"));
+}
+
+#[test]
+fn budgeted_probes_sid_315() {
+    check_with("sid-3.15", false, Some("0.2"));
 }

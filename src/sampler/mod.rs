@@ -60,6 +60,9 @@ pub struct RecordOptions {
     pub probes: Vec<String>,
     /// Calls per second above which an exact probe switches to sampling (0: never).
     pub probe_max_rate: u64,
+    /// `--probe-budget`: the most of each thread's wall time its exact probes' debug traps may
+    /// take, as a share (0.02 = 2%), met by watching them part of the time; 0 = all the time.
+    pub probe_budget: f64,
     /// Find vLLM engines and record all their processes, roles and metrics (`--vllm`).
     pub vllm: bool,
     /// Metrics URL instead of the one discovered.
@@ -97,6 +100,7 @@ impl RecordOptions {
             quiet: false,
             probes: Vec::new(),
             probe_max_rate: 2000,
+            probe_budget: 0.0,
             vllm: false,
             metrics_url: None,
             scrape_interval: Duration::from_secs(1),
@@ -300,7 +304,8 @@ fn choose_source(opts: &RecordOptions) -> anyhow::Result<(Box<dyn Source>, Strin
     };
     let bpf = || {
         let period = 1_000_000_000 / opts.rate_hz as u64;
-        let probes = probes::Probes::new(specs.clone(), period, opts.quiet);
+        let mut probes = probes::Probes::new(specs.clone(), period, opts.quiet);
+        probes.set_budget(opts.probe_budget);
         bpf_source::BpfSource::start(opts.rate_hz, tracing, probes)
     };
     let memory = || -> Box<dyn Source> {

@@ -160,6 +160,49 @@ struct ThreadRegs {
     next: usize,
     /// When the assignment last changed, absolute ns.
     last_ns: u64,
+    /// Idle turns in the rotation (`--probe-budget`): the ring is `want` then this many turns
+    /// with no probe. `cap` consecutive turns hold a register, so each probe is watched
+    /// `cap / (want + idle)` of the time, in runs of `cap` periods.
+    idle: usize,
+    /// Start of the thread's current budget window (absolute ns) and its trap count then.
+    budget_mark: (u64, u64),
+}
+
+impl ThreadRegs {
+    /// Turns in the rotation ring: the probes, then the idle turns.
+    fn ring(&self) -> usize {
+        self.want.len() + self.idle
+    }
+
+    /// Whether the registers take turns: more turns than registers.
+    fn rotates(&self) -> bool {
+        self.ring() > self.cap && self.cap > 0
+    }
+
+    /// The share of the time each probe is watched, by the ring's shape.
+    fn duty(&self) -> f64 {
+        if self.rotates() {
+            self.cap as f64 / self.ring() as f64
+        } else {
+            1.0
+        }
+    }
+}
+
+/// The shortest window over which a thread's trap time is measured for `--probe-budget`.
+const BUDGET_WINDOW_NS: u64 = 2_000_000_000;
+/// The least share of the time an exact probe is watched under `--probe-budget` (a probe
+/// watched less would time too few calls to say anything).
+pub const BUDGET_MIN_DUTY: f64 = 0.05;
+
+/// Idle turns that make each of `want` probes on `cap` registers watched `duty` of the time
+/// (at most; at least [`BUDGET_MIN_DUTY`]).
+fn idle_turns(want: usize, cap: usize, duty: f64) -> usize {
+    if cap == 0 || want == 0 || duty >= 1.0 {
+        return 0;
+    }
+    let ring = (cap as f64 / duty.max(BUDGET_MIN_DUTY)).ceil() as usize;
+    ring.saturating_sub(want)
 }
 
 /// Whether setting a watchpoint failed for want of a free debug register.
@@ -341,6 +384,10 @@ pub struct Probes {
     /// tid → its GC watchpoint.
     gc_links: HashMap<i32, PerfEventLinkId>,
     pub gc_attach_failures: u64,
+    /// `--probe-budget` as a share (0.02 = 2%); 0 = probes watched all the time.
+    budget: f64,
+    /// Threads whose rotation ring `--probe-budget` re-sized.
+    pub budget_resizes: u64,
 }
 
 impl Probes {
@@ -374,6 +421,8 @@ impl Probes {
             gc_addr: HashMap::new(),
             gc_links: HashMap::new(),
             gc_attach_failures: 0,
+            budget: 0.0,
+            budget_resizes: 0,
         }
     }
 
@@ -519,11 +568,14 @@ impl Probes {
         now_abs: u64,
     ) -> anyhow::Result<()> {
         let gc = usize::from(self.gc_links.contains_key(&tid));
+        let traps = self.traps.get(&tid).copied().unwrap_or(0);
         let r = self.regs.entry(tid).or_insert_with(|| ThreadRegs {
             want: Vec::new(),
             cap: DEBUG_REGISTERS - gc,
             next: 0,
             last_ns: now_abs,
+            idle: 0,
+            budget_mark: (now_abs, traps),
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -635,14 +687,11 @@ impl Probes {
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
+        self.apply_budget(now_abs);
         let mut tids: Vec<i32> = self
             .regs
             .iter()
-            .filter(|(_, r)| {
-                r.want.len() > r.cap
-                    && r.cap > 0
-                    && now_abs.saturating_sub(r.last_ns) >= self.rotate_ns
-            })
+            .filter(|(_, r)| r.rotates() && now_abs.saturating_sub(r.last_ns) >= self.rotate_ns)
             .map(|(&t, _)| t)
             .collect();
         tids.sort_unstable();
@@ -650,10 +699,13 @@ impl Probes {
             let Some(r) = self.regs.get_mut(&tid) else {
                 continue;
             };
-            let n = r.want.len();
+            let n = r.ring();
             r.next = (r.next + 1) % n;
             r.last_ns = now_abs;
-            let chosen: Vec<usize> = (0..r.cap).map(|k| r.want[(r.next + k) % n]).collect();
+            // The `cap` turns from `next` on; idle turns (past the probes) watch nothing.
+            let chosen: Vec<usize> = (0..r.cap)
+                .filter_map(|k| r.want.get((r.next + k) % n).copied())
+                .collect();
             let want = r.want.clone();
             self.rotations += 1;
             // Out first: that frees the registers the ones coming in take.
@@ -672,6 +724,69 @@ impl Probes {
                 if self.watch_on(b, proc, tid, j, now_abs).is_err() {
                     self.rotation_attach_failures += 1;
                 }
+            }
+        }
+    }
+
+    /// `--probe-budget`: keep each thread's debug-trap time under `budget` of its wall time.
+    /// Per thread, over a window of at least [`BUDGET_WINDOW_NS`] and one whole turn of its
+    /// ring (so that each probe was watched its share of it), the traps it took times the
+    /// calibrated trap cost, divided by the share each probe was watched, is what watching
+    /// them all the time would cost; the ring then gets the idle turns that bring that under
+    /// the budget. Re-measured every window, so a thread whose call rate changes is re-sized.
+    pub fn set_budget(&mut self, budget: f64) {
+        self.budget = budget.max(0.0);
+    }
+
+    fn apply_budget(&mut self, now_abs: u64) {
+        if self.budget <= 0.0 {
+            return;
+        }
+        let trap_ns = if self.trap_ns > 0 {
+            self.trap_ns
+        } else {
+            10_000
+        };
+        let mut changed = Vec::new();
+        for (&tid, r) in self.regs.iter_mut() {
+            if r.want.is_empty() {
+                continue;
+            }
+            let traps = self.traps.get(&tid).copied().unwrap_or(0);
+            let (t0, n0) = r.budget_mark;
+            let turn = if r.rotates() {
+                r.ring() as u64 * self.rotate_ns
+            } else {
+                0
+            };
+            let dt = now_abs.saturating_sub(t0);
+            if dt < BUDGET_WINDOW_NS.max(turn) {
+                continue;
+            }
+            r.budget_mark = (now_abs, traps);
+            let took = traps.saturating_sub(n0);
+            if took == 0 {
+                continue;
+            }
+            let full = took as f64 * trap_ns as f64 / dt as f64 / r.duty();
+            let duty = (self.budget / full).min(1.0);
+            let idle = idle_turns(r.want.len(), r.cap, duty);
+            if idle != r.idle {
+                r.idle = idle;
+                r.next %= r.ring().max(1);
+                changed.push((tid, full, r.duty()));
+            }
+        }
+        changed.sort_by_key(|c| c.0);
+        for (tid, full, duty) in changed {
+            self.budget_resizes += 1;
+            if !self.quiet {
+                eprintln!(
+                    "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time; watched {:.0}% of the time for --probe-budget {:.1}% (counts scaled, coverage on every figure)",
+                    full * 100.0,
+                    duty * 100.0,
+                    self.budget * 100.0
+                );
             }
         }
     }
@@ -1077,6 +1192,7 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probe_thread_attaches".into(), v(|p| p.thread_attaches));
     out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
     out.insert("probe_register_rotations".into(), v(|p| p.rotations));
+    out.insert("probe_budget_resizes".into(), v(|p| p.budget_resizes));
     out.insert(
         "probe_calls_dropped_at_rotation".into(),
         v(|p| p.rotation_dropped),
@@ -1298,6 +1414,40 @@ mod tests {
         }
         // A plausible address that is not mapped is a read error, not a panic.
         assert!(plan_exact(&p, c + (1 << 40)).is_err());
+    }
+
+    /// `--probe-budget`'s ring: each probe on a thread is watched `cap / ring` of the time.
+    #[test]
+    fn budget_idle_turns_give_each_probe_its_share() {
+        let regs = |want: usize, cap: usize, idle: usize| ThreadRegs {
+            want: (0..want).collect(),
+            cap,
+            next: 0,
+            last_ns: 0,
+            idle,
+            budget_mark: (0, 0),
+        };
+        // Three default probes, four registers: watched all the time without a budget.
+        assert_eq!(idle_turns(3, 4, 1.0), 0);
+        assert_eq!(regs(3, 4, 0).duty(), 1.0);
+        assert!(!regs(3, 4, 0).rotates());
+        // 20%: a ring of 20 turns, four of them holding a register at a time.
+        let idle = idle_turns(3, 4, 0.2);
+        assert_eq!(idle, 17);
+        let r = regs(3, 4, idle);
+        assert!(r.rotates());
+        assert!((r.duty() - 0.2).abs() < 1e-9);
+        // Never more than asked: 30% of 4 registers is a ring of 14 (28.6%).
+        let r = regs(2, 4, idle_turns(2, 4, 0.3));
+        assert!(r.duty() <= 0.3 && r.duty() > 0.25, "{}", r.duty());
+        // More probes than registers already: idle turns only where the share is still over.
+        assert_eq!(idle_turns(5, 4, 0.9), 0);
+        assert!((regs(5, 4, 0).duty() - 0.8).abs() < 1e-9);
+        assert_eq!(idle_turns(5, 4, 0.4), 5);
+        // A floor, and nothing for a thread without registers or probes.
+        assert_eq!(idle_turns(1, 4, 0.0), 80 - 1);
+        assert_eq!(idle_turns(1, 0, 0.1), 0);
+        assert_eq!(idle_turns(0, 4, 0.1), 0);
     }
 
     #[test]
