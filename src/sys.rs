@@ -17,6 +17,18 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// Seconds since the Unix epoch (0.0 if the clock is before it).
+/// CPU time of the calling thread, ns (`CLOCK_THREAD_CPUTIME_ID`): what it ran, not what it
+/// waited on the run queue.
+pub fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass; no other preconditions.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// Run the calling thread under `SCHED_FIFO` at the lowest real-time priority, with
 /// `SCHED_RESET_ON_FORK` (threads it starts later run as normal ones). For the recording loop,
 /// which must drain the ring buffer on time: measured on a 2-CPU machine under a real vLLM

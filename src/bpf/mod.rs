@@ -183,54 +183,25 @@ impl BpfSampler {
     /// Set a write watchpoint on the 8 bytes at `addr` (a probed code object's `ob_refcnt` in
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
-    pub fn watch_refcount(
-        &mut self,
-        tid: i32,
-        addr: u64,
-    ) -> anyhow::Result<aya::programs::perf_event::PerfEventLinkId> {
-        use aya::programs::perf_event::{PerfBreakpointLength, PerfBreakpointType};
+    pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
         let prog = self.probe_program()?;
-        thread_breakpoint(
-            prog,
-            tid,
-            addr,
-            PerfBreakpointType::Write,
-            PerfBreakpointLength::Len8,
-        )
-        .map_err(|e| anyhow!("watchpoint at {addr:#x} on thread {tid}: {}", os_error(&e)))
+        Breakpoint::write(prog, tid, addr, 8)
+            .map_err(|e| anyhow!("watchpoint at {addr:#x} on thread {tid}: {e}"))
     }
 
     /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount).
-    pub fn unwatch_refcount(&mut self, link: aya::programs::perf_event::PerfEventLinkId) {
-        if let Ok(prog) = self.probe_program() {
-            let _ = prog.detach(link);
-        }
+    pub fn unwatch_refcount(&mut self, w: Breakpoint) {
+        drop(w);
     }
 
     /// Set a write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) for thread
     /// `tid` only, running `on_gc_write` on each write. Per-thread watchpoints take one debug
     /// register in each watched thread, however many processes are watched (a CPU-wide one
     /// takes one on every CPU per process, which leaves none for probes with 3+ targets).
-    pub fn watch_gc_thread(
-        &mut self,
-        tid: i32,
-        addr: u64,
-    ) -> anyhow::Result<aya::programs::perf_event::PerfEventLinkId> {
-        use aya::programs::perf_event::{PerfBreakpointLength, PerfBreakpointType};
+    pub fn watch_gc_thread(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
         let prog = self.gc_write_program()?;
-        thread_breakpoint(
-            prog,
-            tid,
-            addr,
-            PerfBreakpointType::Write,
-            PerfBreakpointLength::Len4,
-        )
-        .map_err(|e| {
-            anyhow!(
-                "GC watchpoint at {addr:#x} on thread {tid}: {}",
-                os_error(&e)
-            )
-        })
+        Breakpoint::write(prog, tid, addr, 4)
+            .map_err(|e| anyhow!("GC watchpoint at {addr:#x} on thread {tid}: {e}"))
     }
 
     /// Time GC pauses of the target processes running one interpreter binary with a uprobe
@@ -345,10 +316,8 @@ impl BpfSampler {
     }
 
     /// Remove a watchpoint set by [`watch_gc_thread`](Self::watch_gc_thread).
-    pub fn unwatch_gc_thread(&mut self, link: aya::programs::perf_event::PerfEventLinkId) {
-        if let Ok(prog) = self.gc_write_program() {
-            let _ = prog.detach(link);
-        }
+    pub fn unwatch_gc_thread(&mut self, w: Breakpoint) {
+        drop(w);
     }
 
     /// What one hit of a write watchpoint with `on_gc_write` attached costs the writing thread
@@ -356,9 +325,6 @@ impl BpfSampler {
     /// once). A GC pause measured between two hits includes about one such cost (the exit of
     /// the first trap and the entry of the second), which `record` subtracts.
     pub fn watchpoint_cost_ns(&mut self) -> anyhow::Result<u64> {
-        use aya::programs::perf_event::{
-            BreakpointConfig, PerfBreakpointLength, PerfBreakpointType,
-        };
         static mut PROBE: u32 = 0;
         // Batches of writes timed on this thread's CPU clock (time the thread spends
         // preempted on a busy machine is not trap cost), the cheapest batch kept: a mean over
@@ -391,27 +357,14 @@ impl BpfSampler {
             best
         };
         let base = write_n();
-        let link = prog
-            .attach(
-                PerfEventConfig::Breakpoint(BreakpointConfig::Data {
-                    r#type: PerfBreakpointType::Write,
-                    address: addr as u64,
-                    length: PerfBreakpointLength::Len4,
-                }),
-                // This thread (the one that writes below), not the process's main thread:
-                // `record` may run on a thread of its own (top, demo, agent).
-                PerfEventScope::OneProcess {
-                    // SAFETY: gettid has no preconditions.
-                    pid: unsafe { libc::gettid() } as u32,
-                    cpu: None,
-                },
-                SamplePolicy::Period(1),
-                false,
-            )
-            .context("setting a calibration watchpoint")?;
+        // This thread (the one that writes below), not the process's main thread: `record`
+        // may run on a thread of its own (top, demo, agent).
+        // SAFETY: gettid has no preconditions.
+        let me = unsafe { libc::gettid() };
+        let w = Breakpoint::write(prog, me, addr as u64, 4)
+            .map_err(|e| anyhow!("setting a calibration watchpoint: {e}"))?;
         let watched = write_n();
-        prog.detach(link)
-            .context("removing the calibration watchpoint")?;
+        drop(w);
         Ok(watched.saturating_sub(base) / N as u64)
     }
 
@@ -500,28 +453,117 @@ pub struct GcUprobes {
     links: Vec<(&'static str, aya::programs::uprobe::UProbeLinkId)>,
 }
 
-/// Attach `prog` to a hardware breakpoint on `addr` in thread `tid` alone, firing on every hit.
-fn thread_breakpoint(
-    prog: &mut PerfEvent,
-    tid: i32,
-    addr: u64,
-    r#type: aya::programs::perf_event::PerfBreakpointType,
-    length: aya::programs::perf_event::PerfBreakpointLength,
-) -> Result<aya::programs::perf_event::PerfEventLinkId, aya::programs::ProgramError> {
-    use aya::programs::perf_event::BreakpointConfig;
-    prog.attach(
-        PerfEventConfig::Breakpoint(BreakpointConfig::Data {
-            r#type,
-            address: addr,
-            length,
-        }),
-        PerfEventScope::OneProcess {
-            pid: tid as u32,
-            cpu: None,
-        },
-        SamplePolicy::Period(1),
-        false,
-    )
+/// A hardware write watchpoint on one thread with a BPF program on every hit: a perf event
+/// of our own (`perf_event_open`, `PERF_TYPE_BREAKPOINT`) with the program set by
+/// `PERF_EVENT_IOC_SET_BPF`. Dropping it closes the event, which frees the debug register
+/// and the program's reference; so does our exit, however it happens.
+///
+/// Not aya's `PerfEvent::attach`: on kernels with BPF perf links it attaches through a
+/// `bpf_link`, whose release the kernel defers, and the next `perf_event_open` of a breakpoint
+/// then waits for it: 53 ms per watchpoint set on a loaded vLLM engine here, against 3 µs for
+/// the same event with the program set by the ioctl (/tmp measurements with raw syscalls,
+/// docs/probes.md). Register rotation and `--probe-budget` set and remove watchpoints many
+/// times a second.
+#[derive(Debug)]
+pub struct Breakpoint {
+    fd: std::os::fd::OwnedFd,
+}
+
+/// `struct perf_event_attr` up to `bp_len` (`PERF_ATTR_SIZE_VER1`, 72 bytes), then zeros to
+/// 128 bytes (fields the kernel takes as unset).
+#[repr(C)]
+struct PerfEventAttr {
+    type_: u32,
+    size: u32,
+    config: u64,
+    sample_period: u64,
+    sample_type: u64,
+    read_format: u64,
+    flags: u64,
+    wakeup_events: u32,
+    bp_type: u32,
+    bp_addr: u64,
+    bp_len: u64,
+    rest: [u64; 7],
+}
+
+const PERF_TYPE_BREAKPOINT: u32 = 5;
+const HW_BREAKPOINT_W: u32 = 2;
+const PERF_SAMPLE_RAW: u64 = 1 << 10;
+/// `perf_event_attr.precise_ip` (bits 15-16) = 2, as aya sets for breakpoints.
+const PRECISE_IP_2: u64 = 2 << 15;
+const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
+/// `_IOW('$', 8, __u32)`, `_IO('$', 0)`.
+const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
+const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
+
+impl Breakpoint {
+    /// Watch writes of `len` bytes (1, 2, 4, 8) at `addr` in thread `tid`, running `prog`.
+    fn write(prog: &PerfEvent, tid: i32, addr: u64, len: u64) -> std::io::Result<Breakpoint> {
+        use std::os::fd::{AsFd as _, AsRawFd, FromRawFd, OwnedFd};
+        let prog_fd = prog
+            .fd()
+            .map_err(|e| std::io::Error::other(format!("program not loaded: {e}")))?
+            .as_fd()
+            .as_raw_fd();
+        let attr = PerfEventAttr {
+            type_: PERF_TYPE_BREAKPOINT,
+            size: std::mem::size_of::<PerfEventAttr>() as u32,
+            config: 0,
+            sample_period: 1,
+            sample_type: PERF_SAMPLE_RAW,
+            read_format: 0,
+            // Enabled from the start (bit 0, `disabled`, clear).
+            flags: PRECISE_IP_2,
+            wakeup_events: 1,
+            bp_type: HW_BREAKPOINT_W,
+            bp_addr: addr,
+            bp_len: len,
+            rest: [0; 7],
+        };
+        // SAFETY: perf_event_open reads `size` bytes of the attr we own; pid/cpu/group are
+        // plain values.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_perf_event_open,
+                &attr as *const PerfEventAttr,
+                tid as libc::pid_t,
+                -1 as libc::c_int,
+                -1 as libc::c_int,
+                PERF_FLAG_FD_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("perf_event_open failed: {e}"),
+            ));
+        }
+        // SAFETY: a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
+        for (req, arg, what) in [
+            (
+                PERF_EVENT_IOC_SET_BPF,
+                prog_fd as libc::c_ulong,
+                "PERF_EVENT_IOC_SET_BPF",
+            ),
+            (PERF_EVENT_IOC_ENABLE, 0, "PERF_EVENT_IOC_ENABLE"),
+        ] {
+            // SAFETY: ioctls on our own perf event descriptor with an integer argument.
+            if unsafe { libc::ioctl(fd.as_raw_fd(), req as _, arg) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(std::io::Error::new(e.kind(), format!("{what} failed: {e}")));
+            }
+        }
+        Ok(Breakpoint { fd })
+    }
+}
+
+impl std::os::fd::AsFd for Breakpoint {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 /// A program error with the OS error behind it (aya's `SyscallError` shows only the call).

@@ -33,7 +33,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use aya::programs::perf_event::PerfEventLinkId;
+use crate::bpf::Breakpoint;
 
 use crate::bpf::BpfSampler;
 use crate::cpython::objects::CodeInfo;
@@ -160,49 +160,71 @@ struct ThreadRegs {
     next: usize,
     /// When the assignment last changed, absolute ns.
     last_ns: u64,
-    /// Idle turns in the rotation (`--probe-budget`): the ring is `want` then this many turns
-    /// with no probe. `cap` consecutive turns hold a register, so each probe is watched
-    /// `cap / (want + idle)` of the time, in runs of `cap` periods.
-    idle: usize,
+    /// `--probe-budget`: the share of the time the thread's probes are watched at all
+    /// (1.0 = all the time). Below 1, they are watched in on-phases of [`BUDGET_ON_NS`]
+    /// separated by off-phases, all of the thread's watched probes together; with more
+    /// probes than registers each on-phase takes the next assignment of the rotation.
+    phase: f64,
+    /// In an off-phase: when it ends (absolute ns).
+    off_until: Option<u64>,
+    /// When the current on-phase began (absolute ns).
+    on_since: u64,
     /// Start of the thread's current budget window (absolute ns) and its trap count then.
     budget_mark: (u64, u64),
+    /// Whether a budget window has been measured on the thread yet.
+    measured: bool,
 }
 
 impl ThreadRegs {
-    /// Turns in the rotation ring: the probes, then the idle turns.
-    fn ring(&self) -> usize {
-        self.want.len() + self.idle
-    }
-
-    /// Whether the registers take turns: more turns than registers.
+    /// Whether the registers take turns among more probes than they are.
     fn rotates(&self) -> bool {
-        self.ring() > self.cap && self.cap > 0
+        self.want.len() > self.cap && self.cap > 0
     }
 
-    /// The share of the time each probe is watched, by the ring's shape.
+    /// The share of the time each probe is watched: the on-phases' share, times the
+    /// rotation's `cap / probes` where the probes outnumber the registers.
     fn duty(&self) -> f64 {
-        if self.rotates() {
-            self.cap as f64 / self.ring() as f64
+        let turns = if self.rotates() {
+            self.cap as f64 / self.want.len() as f64
         } else {
             1.0
+        };
+        self.phase * turns
+    }
+
+    /// The assignment of the next turn: the `cap` probes from `next` on, round-robin.
+    fn advance(&mut self, now_abs: u64) -> Vec<usize> {
+        let n = self.want.len();
+        if n == 0 {
+            return Vec::new();
         }
+        if self.rotates() {
+            self.next = (self.next + 1) % n;
+        }
+        self.last_ns = now_abs;
+        (0..self.cap.min(n))
+            .map(|k| self.want[(self.next + k) % n])
+            .collect()
     }
 }
 
 /// The shortest window over which a thread's trap time is measured for `--probe-budget`.
 const BUDGET_WINDOW_NS: u64 = 2_000_000_000;
-/// The least share of the time an exact probe is watched under `--probe-budget` (a probe
+/// The first window, watched all the time, is shorter: it costs the full price (hundreds of
+/// calls at the rates that make a budget matter).
+const BUDGET_FIRST_WINDOW_NS: u64 = 500_000_000;
+/// Length of one on-phase under `--probe-budget`: short, so that a window holds many of them
+/// (a count scaled from a few long runs follows the load's swings: on a real vLLM, runs of
+/// 2 s every 33 s put estimated counts 9% off), and long beside the calls probed here.
+pub const BUDGET_ON_NS: u64 = 250_000_000;
+/// The least share of the time the probes are watched under `--probe-budget` (a probe
 /// watched less would time too few calls to say anything).
-pub const BUDGET_MIN_DUTY: f64 = 0.05;
+pub const BUDGET_MIN_PHASE: f64 = 0.05;
 
-/// Idle turns that make each of `want` probes on `cap` registers watched `duty` of the time
-/// (at most; at least [`BUDGET_MIN_DUTY`]).
-fn idle_turns(want: usize, cap: usize, duty: f64) -> usize {
-    if cap == 0 || want == 0 || duty >= 1.0 {
-        return 0;
-    }
-    let ring = (cap as f64 / duty.max(BUDGET_MIN_DUTY)).ceil() as usize;
-    ring.saturating_sub(want)
+/// The off-phase that follows an on-phase of `on_ns` for an on share of `phase`.
+fn off_phase_ns(on_ns: u64, phase: f64) -> u64 {
+    let phase = phase.clamp(BUDGET_MIN_PHASE, 1.0);
+    (on_ns as f64 * (1.0 / phase - 1.0)).round() as u64
 }
 
 /// Whether setting a watchpoint failed for want of a free debug register.
@@ -279,6 +301,30 @@ enum Edge {
 struct ThreadCalls {
     last: Option<u32>,
     open: Vec<OpenCall>,
+    /// When the watch was known to be set (absolute ns): writes before it (the watch becomes
+    /// active somewhere inside the `perf_event_open` that sets it) keep the count but time
+    /// nothing, so that every timed call lies inside the watched interval written to the
+    /// recording.
+    since: u64,
+    /// When the watch was removed (absolute ns; `u64::MAX` while set): writes up to it,
+    /// drained later, are still timed; later ones (the removal takes effect inside the
+    /// syscall) are not. The state stays until the watch is set again or the thread goes.
+    until: u64,
+    /// Removed by a rotation or an on-phase's end (its open calls count as dropped at a
+    /// rotation), rather than for good.
+    rotated: bool,
+}
+
+impl ThreadCalls {
+    fn new(last: Option<u32>, since: u64) -> Self {
+        ThreadCalls {
+            last,
+            open: Vec::new(),
+            since,
+            until: u64::MAX,
+            rotated: false,
+        }
+    }
 }
 
 /// An exact call begun and not yet ended.
@@ -314,7 +360,7 @@ struct Active {
     prio: usize,
     plan: Option<ExactPlan>,
     /// tid → breakpoints set on it.
-    links: HashMap<i32, Vec<PerfEventLinkId>>,
+    links: HashMap<i32, Vec<Breakpoint>>,
     /// Threads where setting them failed (not retried).
     failed: HashSet<i32>,
     /// Replaced by a sampled probe (too many calls for breakpoints): takes no more calls.
@@ -382,12 +428,18 @@ pub struct Probes {
     /// pid → `gcstate->collecting` address, for processes whose GC is watched.
     gc_addr: HashMap<i32, u64>,
     /// tid → its GC watchpoint.
-    gc_links: HashMap<i32, PerfEventLinkId>,
+    gc_links: HashMap<i32, Breakpoint>,
     pub gc_attach_failures: u64,
     /// `--probe-budget` as a share (0.02 = 2%); 0 = probes watched all the time.
     budget: f64,
-    /// Threads whose rotation ring `--probe-budget` re-sized.
+    /// Threads whose on-phases `--probe-budget` re-sized.
     pub budget_resizes: u64,
+    /// Watchpoints set or removed, and the recording loop's time doing it.
+    pub switches: u64,
+    pub switch_ns: u64,
+    /// Watchpoint writes outside any watched interval (before its start was stamped, or
+    /// drained after its watch was removed): not timed.
+    pub late_hits: u64,
 }
 
 impl Probes {
@@ -423,6 +475,9 @@ impl Probes {
             gc_attach_failures: 0,
             budget: 0.0,
             budget_resizes: 0,
+            switches: 0,
+            switch_ns: 0,
+            late_hits: 0,
         }
     }
 
@@ -574,8 +629,11 @@ impl Probes {
             cap: DEBUG_REGISTERS - gc,
             next: 0,
             last_ns: now_abs,
-            idle: 0,
+            phase: 1.0,
+            off_until: None,
+            on_since: now_abs,
             budget_mark: (now_abs, traps),
+            measured: false,
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -586,8 +644,9 @@ impl Probes {
             .iter()
             .filter(|&&j| self.active[j].links.contains_key(&tid))
             .count();
-        if self.active[i].links.contains_key(&tid) || on >= cap {
-            // Set already, or waits for its turn.
+        let off = self.regs.get(&tid).is_some_and(|r| r.off_until.is_some());
+        if self.active[i].links.contains_key(&tid) || on >= cap || off {
+            // Set already, or waits for its turn (or for the thread's next on-phase).
             return Ok(());
         }
         match self.watch_on(b, proc, tid, i, now_abs) {
@@ -627,17 +686,19 @@ impl Probes {
         // The count before the watch is set: the first write the watch sees is then one away
         // from it (a push, or the pop of a call already running, which is dropped).
         let seed = read_refcnt(proc, p.refcnt);
-        let ls = attach_all(b, tid, &p)?;
+        let t = std::time::Instant::now();
+        let ls = attach_all(b, tid, &p);
+        self.switch_ns += t.elapsed().as_nanos() as u64;
+        self.switches += 1;
+        let ls = ls?;
+        // The watched interval begins once the watch is surely set.
+        let set_ns = crate::sys::monotonic_ns().max(now_abs);
         self.active[i].links.insert(tid, ls);
-        self.open.insert(
-            (tid, i),
-            ThreadCalls {
-                last: seed,
-                open: Vec::new(),
-            },
-        );
+        if let Some(old) = self.open.insert((tid, i), ThreadCalls::new(seed, set_ns)) {
+            self.drop_open(&old);
+        }
         self.edges.push(ProbeWatch {
-            t_ns: now_abs,
+            t_ns: set_ns,
             probe: i as u32,
             tid,
             on: true,
@@ -651,16 +712,19 @@ impl Probes {
         let Some(ls) = self.active[i].links.remove(&tid) else {
             return;
         };
+        // The watched interval ends before the removal begins: writes up to here are timed
+        // when they are drained, later ones are not.
+        let now_abs = crate::sys::monotonic_ns().max(now_abs);
+        if let Some(c) = self.open.get_mut(&(tid, i)) {
+            c.until = now_abs;
+            c.rotated = rotation;
+        }
+        let t = std::time::Instant::now();
         for l in ls {
             b.unwatch_refcount(l);
         }
-        if let Some(c) = self.open.remove(&(tid, i)) {
-            if rotation {
-                self.rotation_dropped += c.open.len() as u64;
-            } else {
-                self.unfinished += c.open.len() as u64;
-            }
-        }
+        self.switch_ns += t.elapsed().as_nanos() as u64;
+        self.switches += 1;
         self.edges.push(ProbeWatch {
             t_ns: now_abs,
             probe: i as u32,
@@ -688,10 +752,13 @@ impl Probes {
         now_abs: u64,
     ) {
         self.apply_budget(now_abs);
+        self.phases(b, &proc_of, now_abs);
         let mut tids: Vec<i32> = self
             .regs
             .iter()
-            .filter(|(_, r)| r.rotates() && now_abs.saturating_sub(r.last_ns) >= self.rotate_ns)
+            .filter(|(_, r)| {
+                r.rotates() && r.phase >= 1.0 && now_abs.saturating_sub(r.last_ns) >= self.rotate_ns
+            })
             .map(|(&t, _)| t)
             .collect();
         tids.sort_unstable();
@@ -699,13 +766,7 @@ impl Probes {
             let Some(r) = self.regs.get_mut(&tid) else {
                 continue;
             };
-            let n = r.ring();
-            r.next = (r.next + 1) % n;
-            r.last_ns = now_abs;
-            // The `cap` turns from `next` on; idle turns (past the probes) watch nothing.
-            let chosen: Vec<usize> = (0..r.cap)
-                .filter_map(|k| r.want.get((r.next + k) % n).copied())
-                .collect();
+            let chosen = r.advance(now_abs);
             let want = r.want.clone();
             self.rotations += 1;
             // Out first: that frees the registers the ones coming in take.
@@ -729,13 +790,65 @@ impl Probes {
     }
 
     /// `--probe-budget`: keep each thread's debug-trap time under `budget` of its wall time.
-    /// Per thread, over a window of at least [`BUDGET_WINDOW_NS`] and one whole turn of its
-    /// ring (so that each probe was watched its share of it), the traps it took times the
-    /// calibrated trap cost, divided by the share each probe was watched, is what watching
-    /// them all the time would cost; the ring then gets the idle turns that bring that under
-    /// the budget. Re-measured every window, so a thread whose call rate changes is re-sized.
+    /// Per thread, over a window of at least [`BUDGET_WINDOW_NS`] and two whole cycles of its
+    /// phases (so that each probe was watched about its share of it), the traps it took times
+    /// the calibrated trap cost, divided by the share each probe was watched, is what
+    /// watching them all the time would cost; the thread's on-phases then get the share that
+    /// brings that under the budget. Re-measured every window, so a thread whose call rate
+    /// changes is re-sized.
     pub fn set_budget(&mut self, budget: f64) {
         self.budget = budget.max(0.0);
+    }
+
+    /// Threads under `--probe-budget`: end an on-phase that has lasted [`BUDGET_ON_NS`] (every
+    /// watch of the thread off, the calls open dropped as at a rotation) and start the next
+    /// when its off-phase is over (the next assignment of the rotation on).
+    fn phases<'a>(
+        &mut self,
+        b: &mut BpfSampler,
+        proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
+        now_abs: u64,
+    ) {
+        let mut tids: Vec<i32> = self
+            .regs
+            .iter()
+            .filter(|(_, r)| r.phase < 1.0 || r.off_until.is_some())
+            .map(|(&t, _)| t)
+            .collect();
+        tids.sort_unstable();
+        for tid in tids {
+            let Some(r) = self.regs.get_mut(&tid) else {
+                continue;
+            };
+            match r.off_until {
+                None if now_abs.saturating_sub(r.on_since) >= BUDGET_ON_NS => {
+                    r.off_until = Some(now_abs + off_phase_ns(BUDGET_ON_NS, r.phase));
+                    let want = r.want.clone();
+                    for j in want {
+                        if self.active[j].links.contains_key(&tid) {
+                            self.watch_off(b, tid, j, now_abs, true);
+                        }
+                    }
+                }
+                Some(t) if now_abs >= t => {
+                    r.off_until = None;
+                    r.on_since = now_abs;
+                    let chosen = r.advance(now_abs);
+                    for j in chosen {
+                        let Some(proc) = proc_of(self.active[j].info.pid) else {
+                            continue;
+                        };
+                        if self.active[j].links.contains_key(&tid) {
+                            continue;
+                        }
+                        if self.watch_on(b, proc, tid, j, now_abs).is_err() {
+                            self.rotation_attach_failures += 1;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
     }
 
     fn apply_budget(&mut self, now_abs: u64) {
@@ -754,13 +867,17 @@ impl Probes {
             }
             let traps = self.traps.get(&tid).copied().unwrap_or(0);
             let (t0, n0) = r.budget_mark;
-            let turn = if r.rotates() {
-                r.ring() as u64 * self.rotate_ns
-            } else {
-                0
-            };
+            // At least one whole cycle of phases and turns, so that each probe was watched
+            // about its share of the window.
+            let cycle = (BUDGET_ON_NS + off_phase_ns(BUDGET_ON_NS, r.phase))
+                * if r.rotates() { r.want.len() as u64 } else { 1 };
             let dt = now_abs.saturating_sub(t0);
-            if dt < BUDGET_WINDOW_NS.max(turn) {
+            let least = if r.measured {
+                BUDGET_WINDOW_NS
+            } else {
+                BUDGET_FIRST_WINDOW_NS
+            };
+            if dt < least.max(2 * cycle) {
                 continue;
             }
             r.budget_mark = (now_abs, traps);
@@ -768,12 +885,23 @@ impl Probes {
             if took == 0 {
                 continue;
             }
+            r.measured = true;
             let full = took as f64 * trap_ns as f64 / dt as f64 / r.duty();
-            let duty = (self.budget / full).min(1.0);
-            let idle = idle_turns(r.want.len(), r.cap, duty);
-            if idle != r.idle {
-                r.idle = idle;
-                r.next %= r.ring().max(1);
+            // The on share that brings the cost under the budget, in steps of a tenth of
+            // itself (a thread re-measured a little over or under keeps its phase).
+            let want = (self.budget / full).clamp(BUDGET_MIN_PHASE, 1.0);
+            let phase = if want >= 1.0 {
+                1.0
+            } else {
+                let step = 10f64.powf((want.log10() * 10.0).floor() / 10.0);
+                step.clamp(BUDGET_MIN_PHASE, 1.0)
+            };
+            if (phase - r.phase).abs() > 1e-9 {
+                r.phase = phase;
+                if phase >= 1.0 && r.off_until.is_some() {
+                    // Back to all the time: the off-phase ends now.
+                    r.off_until = Some(now_abs);
+                }
                 changed.push((tid, full, r.duty()));
             }
         }
@@ -952,14 +1080,12 @@ impl Probes {
         }
         self.regs.remove(&tid);
         self.traps.remove(&tid);
-        let mut dropped = 0;
-        self.open.retain(|&(t, _), c| {
-            if t == tid {
-                dropped += c.open.len() as u64;
+        let gone: Vec<(i32, usize)> = self.open.keys().filter(|k| k.0 == tid).copied().collect();
+        for k in gone {
+            if let Some(c) = self.open.remove(&k) {
+                self.drop_open(&c);
             }
-            t != tid
-        });
-        self.unfinished += dropped;
+        }
         // Forget the thread everywhere, so that threads coming and going for hours leave
         // nothing behind (tids are reused).
         for a in self.active.iter_mut() {
@@ -992,6 +1118,16 @@ impl Probes {
         self.gc_addr.remove(&pid);
     }
 
+    /// The calls a watch left open when it was removed (or at the end): counted, not timed.
+    fn drop_open(&mut self, c: &ThreadCalls) {
+        let n = c.open.len() as u64;
+        if c.rotated {
+            self.rotation_dropped += n;
+        } else {
+            self.unfinished += n;
+        }
+    }
+
     /// Thread `tid` took a debug trap that is not a probe hit (a GC watchpoint write): counted
     /// inside the calls open on it.
     pub fn note_trap(&mut self, tid: i32) {
@@ -1017,8 +1153,23 @@ impl Probes {
         let Some(&probe) = self.by_addr.get(&(pid, addr)) else {
             return Ok(());
         };
-        let tc = self.open.entry((tid, probe)).or_default();
+        // No state: a write drained after the watch was removed (a rotation, an on-phase's
+        // end); it belongs to no watched interval.
+        let Some(tc) = self.open.get_mut(&(tid, probe)) else {
+            self.late_hits += 1;
+            return Ok(());
+        };
+        if t_ns > tc.until {
+            // After its watch was removed.
+            self.late_hits += 1;
+            return Ok(());
+        }
         let (edge, sure) = tc.classify(f.value as u32);
+        if t_ns < tc.since {
+            // Before the watch's interval began: the count is kept, nothing is timed.
+            self.late_hits += 1;
+            return Ok(());
+        }
         if !sure {
             self.ambiguous_edges += 1;
         }
@@ -1157,10 +1308,6 @@ impl Probes {
             for i in 0..self.active.len() {
                 let tids: Vec<i32> = self.active[i].links.keys().copied().collect();
                 for tid in tids {
-                    // Calls open at the end are counted unfinished below, as before.
-                    if let Some(c) = self.open.remove(&(tid, i)) {
-                        self.unfinished += c.open.len() as u64;
-                    }
                     self.watch_off(b, tid, i, now, false);
                 }
             }
@@ -1172,8 +1319,9 @@ impl Probes {
             let pid = self.active[i].info.pid;
             self.emit_run(i, pid, tid, r, pipe)?;
         }
-        self.unfinished += self.open.values().map(|c| c.open.len() as u64).sum::<u64>();
-        self.open.clear();
+        for (_, c) in std::mem::take(&mut self.open) {
+            self.drop_open(&c);
+        }
         Ok(())
     }
 }
@@ -1193,6 +1341,9 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
     out.insert("probe_register_rotations".into(), v(|p| p.rotations));
     out.insert("probe_budget_resizes".into(), v(|p| p.budget_resizes));
+    out.insert("probe_watch_switches".into(), v(|p| p.switches));
+    out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
+    out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
     out.insert(
         "probe_calls_dropped_at_rotation".into(),
         v(|p| p.rotation_dropped),
@@ -1204,7 +1355,7 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
 }
 
 /// Set the watchpoint of `p` on thread `tid`.
-fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec<PerfEventLinkId>> {
+fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec<Breakpoint>> {
     let mut ls = Vec::new();
     for &addr in std::iter::once(&p.refcnt) {
         match b.watch_refcount(tid, addr) {
@@ -1272,13 +1423,7 @@ mod tests {
 
     /// Thread `tid` attached to probe 0 with the count at `last`.
     fn seed(p: &mut Probes, tid: i32, last: u32) {
-        p.open.insert(
-            (tid, 0),
-            ThreadCalls {
-                last: Some(last),
-                open: Vec::new(),
-            },
-        );
+        p.open.insert((tid, 0), ThreadCalls::new(Some(last), 0));
     }
 
     /// A write that left the count at `value`.
@@ -1416,38 +1561,43 @@ mod tests {
         assert!(plan_exact(&p, c + (1 << 40)).is_err());
     }
 
-    /// `--probe-budget`'s ring: each probe on a thread is watched `cap / ring` of the time.
+    /// `--probe-budget`'s phases: each probe on a thread is watched `phase`, times `cap /
+    /// probes` where they outnumber the registers, of the time.
     #[test]
-    fn budget_idle_turns_give_each_probe_its_share() {
-        let regs = |want: usize, cap: usize, idle: usize| ThreadRegs {
+    fn budget_phases_give_each_probe_its_share() {
+        let regs = |want: usize, cap: usize, phase: f64| ThreadRegs {
             want: (0..want).collect(),
             cap,
             next: 0,
             last_ns: 0,
-            idle,
+            phase,
+            off_until: None,
+            on_since: 0,
             budget_mark: (0, 0),
+            measured: false,
         };
-        // Three default probes, four registers: watched all the time without a budget.
-        assert_eq!(idle_turns(3, 4, 1.0), 0);
-        assert_eq!(regs(3, 4, 0).duty(), 1.0);
-        assert!(!regs(3, 4, 0).rotates());
-        // 20%: a ring of 20 turns, four of them holding a register at a time.
-        let idle = idle_turns(3, 4, 0.2);
-        assert_eq!(idle, 17);
-        let r = regs(3, 4, idle);
-        assert!(r.rotates());
-        assert!((r.duty() - 0.2).abs() < 1e-9);
-        // Never more than asked: 30% of 4 registers is a ring of 14 (28.6%).
-        let r = regs(2, 4, idle_turns(2, 4, 0.3));
-        assert!(r.duty() <= 0.3 && r.duty() > 0.25, "{}", r.duty());
-        // More probes than registers already: idle turns only where the share is still over.
-        assert_eq!(idle_turns(5, 4, 0.9), 0);
-        assert!((regs(5, 4, 0).duty() - 0.8).abs() < 1e-9);
-        assert_eq!(idle_turns(5, 4, 0.4), 5);
-        // A floor, and nothing for a thread without registers or probes.
-        assert_eq!(idle_turns(1, 4, 0.0), 80 - 1);
-        assert_eq!(idle_turns(1, 0, 0.1), 0);
-        assert_eq!(idle_turns(0, 4, 0.1), 0);
+        assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
+        assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
+        assert!((regs(5, 4, 1.0).duty() - 0.8).abs() < 1e-9);
+        assert!((regs(5, 4, 0.5).duty() - 0.4).abs() < 1e-9);
+        // On 250 ms, off 750 ms: a quarter of the time.
+        assert_eq!(off_phase_ns(BUDGET_ON_NS, 0.25), 750_000_000);
+        assert_eq!(off_phase_ns(BUDGET_ON_NS, 1.0), 0);
+        // Never below the floor: 5% is on 250 ms, off 4.75 s.
+        assert_eq!(off_phase_ns(BUDGET_ON_NS, 0.0), 4_750_000_000);
+        // Each on-phase takes the next assignment: five probes on four registers, every
+        // probe out once in five turns; three on four, all of them every turn.
+        let mut r = regs(5, 4, 0.5);
+        let mut seen = [0; 5];
+        for t in 0..5 {
+            for j in r.advance(t) {
+                seen[j] += 1;
+            }
+        }
+        assert_eq!(seen, [4; 5]);
+        let mut r = regs(3, 4, 0.5);
+        assert_eq!(r.advance(0), vec![0, 1, 2]);
+        assert_eq!(r.advance(1), vec![0, 1, 2]);
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct Recorder<'a> {
     /// Whether the recording loop runs as a real-time thread ([`crate::sys::realtime_this_thread`];
     /// counter `recorder_realtime`).
     realtime: bool,
+    /// Times the loop became real-time again after a busy spell (`recorder_realtime_regained`).
+    realtime_regained: u64,
     /// The running asyncio tasks of the targets.
     tasks: super::tasks::TaskReaders,
 }
@@ -60,6 +62,7 @@ impl<'a> Recorder<'a> {
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
             realtime: false,
+            realtime_regained: 0,
             tasks: super::tasks::TaskReaders::default(),
         }
     }
@@ -108,7 +111,11 @@ impl<'a> Recorder<'a> {
                 format!("the recording loop runs at normal priority ({e}): on a busy machine it may fall behind and lose events")
             }),
         }
-        let _normal = self.realtime.then_some(Normal);
+        // Allowed at all (a container may refuse it): then regained after a busy spell.
+        let can_realtime = self.realtime;
+        let _normal = can_realtime.then_some(Normal);
+        let mut quiet_seconds = 0u32;
+        let mut cpu_mark = crate::sys::thread_cpu_ns();
         let deadline = self.opts.duration.map(|d| Instant::now() + d);
         let period = self.source.period();
         let mut next = Instant::now();
@@ -137,11 +144,36 @@ impl<'a> Recorder<'a> {
                 if self.realtime && busy > Duration::from_millis(500) {
                     crate::sys::normal_this_thread();
                     self.realtime = false;
+                    quiet_seconds = 0;
                     self.say(|| {
                         format!("the recording loop was busy {busy:?} of the last second: back to normal priority")
                     });
+                } else if !self.realtime && can_realtime {
+                    // Its CPU time, not its wall time: at normal priority on a busy machine
+                    // the wall time of its work is mostly waiting to run.
+                    let cpu = crate::sys::thread_cpu_ns();
+                    let busy = Duration::from_nanos(cpu.saturating_sub(cpu_mark));
+                    // Busy spells come at the start (new code objects, symbol tables): once
+                    // the loop is light again it is real-time again, so that what it does on
+                    // time (register turns, --probe-budget's phases) is not put off until the
+                    // target idles, which would tie what is watched to the target's load.
+                    quiet_seconds = if busy < Duration::from_millis(100) {
+                        quiet_seconds + 1
+                    } else {
+                        0
+                    };
+                    if quiet_seconds >= 3 && crate::sys::realtime_this_thread().is_ok() {
+                        self.realtime = true;
+                        self.realtime_regained += 1;
+                        quiet_seconds = 0;
+                        self.say(|| {
+                            "the recording loop was busy under 10% for 3 s: real-time priority again"
+                                .to_string()
+                        });
+                    }
                 }
                 (busy, busy_since) = (Duration::ZERO, work);
+                cpu_mark = crate::sys::thread_cpu_ns();
             }
             self.source.collect(&mut self.targets, &mut self.pipe)?;
             if last_threads.elapsed() >= THREADS_EVERY {
@@ -297,7 +329,7 @@ impl<'a> Recorder<'a> {
         };
         let (source, targets, engines) = (&self.source, &self.targets, &self.engines);
         let exited = (self.exited_unresolved_frames, self.exited_code_rereads);
-        let realtime = self.realtime;
+        let (realtime, regained) = (self.realtime, self.realtime_regained);
         r.periodic(&mut self.pipe, &|p, r| {
             let mut c = counters(
                 source.as_ref(),
@@ -309,6 +341,7 @@ impl<'a> Recorder<'a> {
             );
             c.extend(task_counters.iter().map(|(k, v)| (k.to_string(), *v)));
             c.insert("recorder_realtime".into(), u64::from(realtime));
+            c.insert("recorder_realtime_regained".into(), regained);
             c
         })
     }
@@ -331,6 +364,7 @@ impl<'a> Recorder<'a> {
                 .map(|(k, v)| (k.to_string(), *v)),
         );
         c.insert("recorder_realtime".into(), u64::from(self.realtime));
+        c.insert("recorder_realtime_regained".into(), self.realtime_regained);
         c
     }
 
