@@ -7,25 +7,22 @@ use std::sync::{Arc, OnceLock};
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of every event time in a recording (the BPF
 /// programs' `bpf_ktime_get_ns`, the scraper's points, `Meta::start_mono_ns`).
 pub fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// CPU time of the calling thread, ns (`CLOCK_THREAD_CPUTIME_ID`): what it ran, not what it
+/// waited on the run queue.
+pub fn thread_cpu_ns() -> u64 {
+    clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes into the timespec we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// Seconds since the Unix epoch (0.0 if the clock is before it).
-/// CPU time of the calling thread, ns (`CLOCK_THREAD_CPUTIME_ID`): what it ran, not what it
-/// waited on the run queue.
-pub fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec we pass; no other preconditions.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    unsafe { libc::clock_gettime(clock, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
@@ -62,6 +59,7 @@ pub fn normal_this_thread() {
     unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
 }
 
+/// Seconds since the Unix epoch (0.0 if the clock is before it).
 pub fn unix_now_s() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

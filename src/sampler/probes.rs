@@ -753,15 +753,10 @@ impl Probes {
     ) {
         self.apply_budget(now_abs);
         self.phases(b, &proc_of, now_abs);
-        let mut tids: Vec<i32> = self
-            .regs
-            .iter()
-            .filter(|(_, r)| {
-                r.rotates() && r.phase >= 1.0 && now_abs.saturating_sub(r.last_ns) >= self.rotate_ns
-            })
-            .map(|(&t, _)| t)
-            .collect();
-        tids.sort_unstable();
+        let period = self.rotate_ns;
+        let tids = self.threads_where(|r| {
+            r.rotates() && r.phase >= 1.0 && now_abs.saturating_sub(r.last_ns) >= period
+        });
         for tid in tids {
             let Some(r) = self.regs.get_mut(&tid) else {
                 continue;
@@ -809,14 +804,7 @@ impl Probes {
         proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
-        let mut tids: Vec<i32> = self
-            .regs
-            .iter()
-            .filter(|(_, r)| r.phase < 1.0 || r.off_until.is_some())
-            .map(|(&t, _)| t)
-            .collect();
-        tids.sort_unstable();
-        for tid in tids {
+        for tid in self.threads_where(|r| r.phase < 1.0 || r.off_until.is_some()) {
             let Some(r) = self.regs.get_mut(&tid) else {
                 continue;
             };
@@ -849,6 +837,18 @@ impl Probes {
                 _ => {}
             }
         }
+    }
+
+    /// The threads whose registers' state satisfies `f`, in tid order.
+    fn threads_where(&self, f: impl Fn(&ThreadRegs) -> bool) -> Vec<i32> {
+        let mut tids: Vec<i32> = self
+            .regs
+            .iter()
+            .filter(|(_, r)| f(r))
+            .map(|(&t, _)| t)
+            .collect();
+        tids.sort_unstable();
+        tids
     }
 
     fn apply_budget(&mut self, now_abs: u64) {
