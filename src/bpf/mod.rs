@@ -466,7 +466,8 @@ pub struct GcUprobes {
 /// times a second.
 #[derive(Debug)]
 pub struct Breakpoint {
-    fd: std::os::fd::OwnedFd,
+    /// Held, not read: closing it (on drop) removes the watchpoint.
+    _fd: std::os::fd::OwnedFd,
 }
 
 /// `struct perf_event_attr` up to `bp_len` (`PERF_ATTR_SIZE_VER1`, 72 bytes), then zeros to
@@ -556,13 +557,7 @@ impl Breakpoint {
                 return Err(std::io::Error::new(e.kind(), format!("{what} failed: {e}")));
             }
         }
-        Ok(Breakpoint { fd })
-    }
-}
-
-impl std::os::fd::AsFd for Breakpoint {
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.fd.as_fd()
+        Ok(Breakpoint { _fd: fd })
     }
 }
 

@@ -762,24 +762,41 @@ impl Probes {
                 continue;
             };
             let chosen = r.advance(now_abs);
-            let want = r.want.clone();
             self.rotations += 1;
-            // Out first: that frees the registers the ones coming in take.
-            for &j in &want {
-                if !chosen.contains(&j) && self.active[j].links.contains_key(&tid) {
-                    self.watch_off(b, tid, j, now_abs, true);
-                }
+            self.assign(b, &proc_of, tid, &chosen, now_abs);
+        }
+    }
+
+    /// Watch exactly `chosen` of thread `tid`'s probes: the others it wants go out first
+    /// (that frees the registers the ones coming in take; their open calls are dropped as at
+    /// a rotation), then those of `chosen` not set yet come in.
+    fn assign<'a>(
+        &mut self,
+        b: &mut BpfSampler,
+        proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
+        tid: i32,
+        chosen: &[usize],
+        now_abs: u64,
+    ) {
+        let want = self
+            .regs
+            .get(&tid)
+            .map(|r| r.want.clone())
+            .unwrap_or_default();
+        for j in want {
+            if !chosen.contains(&j) && self.active[j].links.contains_key(&tid) {
+                self.watch_off(b, tid, j, now_abs, true);
             }
-            for &j in &chosen {
-                if self.active[j].links.contains_key(&tid) {
-                    continue;
-                }
-                let Some(proc) = proc_of(self.active[j].info.pid) else {
-                    continue;
-                };
-                if self.watch_on(b, proc, tid, j, now_abs).is_err() {
-                    self.rotation_attach_failures += 1;
-                }
+        }
+        for &j in chosen {
+            if self.active[j].links.contains_key(&tid) {
+                continue;
+            }
+            let Some(proc) = proc_of(self.active[j].info.pid) else {
+                continue;
+            };
+            if self.watch_on(b, proc, tid, j, now_abs).is_err() {
+                self.rotation_attach_failures += 1;
             }
         }
     }
@@ -811,28 +828,13 @@ impl Probes {
             match r.off_until {
                 None if now_abs.saturating_sub(r.on_since) >= BUDGET_ON_NS => {
                     r.off_until = Some(now_abs + off_phase_ns(BUDGET_ON_NS, r.phase));
-                    let want = r.want.clone();
-                    for j in want {
-                        if self.active[j].links.contains_key(&tid) {
-                            self.watch_off(b, tid, j, now_abs, true);
-                        }
-                    }
+                    self.assign(b, proc_of, tid, &[], now_abs);
                 }
                 Some(t) if now_abs >= t => {
                     r.off_until = None;
                     r.on_since = now_abs;
                     let chosen = r.advance(now_abs);
-                    for j in chosen {
-                        let Some(proc) = proc_of(self.active[j].info.pid) else {
-                            continue;
-                        };
-                        if self.active[j].links.contains_key(&tid) {
-                            continue;
-                        }
-                        if self.watch_on(b, proc, tid, j, now_abs).is_err() {
-                            self.rotation_attach_failures += 1;
-                        }
-                    }
+                    self.assign(b, proc_of, tid, &chosen, now_abs);
                 }
                 _ => {}
             }
