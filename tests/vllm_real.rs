@@ -1204,6 +1204,14 @@ fn two_servers_under_different_load() {
     }
     let w = enginescope::views::windows::Windows::new(10_000_000_000, span);
     let rows = enginescope::views::engines::engine_rows(&rec, &ix, &ids, &w, span);
+    for e in rec.scrape_errors.iter().filter(|e| ids.contains(&e.engine)) {
+        eprintln!(
+            "{} scrape error at {:.3} s: {}",
+            e.engine,
+            e.t_ns as f64 / 1e9,
+            e.error
+        );
+    }
     for r in &rows {
         eprintln!(
             "{}: {} scrapes, {} failed, coverage {:?}, longest gap {:?} s, TTFT p90 {:?} ms, last error {:?}",

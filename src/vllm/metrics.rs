@@ -24,7 +24,7 @@
 //! appearance, from 0, and never change while the scraper runs, so they index
 //! `Recording::series` when this scraper is the only writer of series.
 //!
-//! Every point of one scrape carries the same `t_ns` (when its response arrived), which
+//! Every point of one scrape carries the same `t_ns` (when its response's head arrived), which
 //! [`crate::metrics`] relies on to group a scrape's points.
 
 use std::collections::{BTreeMap, HashMap};
@@ -57,8 +57,13 @@ fn agent(timeout: Duration) -> ureq::Agent {
         .into()
 }
 
-/// GET `url`, returning the body of a 200 response or an error that says what failed.
-fn get_text(agent: &ureq::Agent, url: &str) -> Result<String, String> {
+/// GET `url`, returning the body of a 200 response and when its head arrived
+/// (`CLOCK_MONOTONIC` ns), or an error that says what failed.
+///
+/// The head's time is the point's: a server renders `/metrics` and then sends head and body
+/// together, so on a saturated API server, whose answer can wait seconds in its event loop,
+/// the head's arrival is the nearest our side can see to when the counters were read.
+fn get_text(agent: &ureq::Agent, url: &str) -> Result<(String, u64), String> {
     if url.starts_with("https://") {
         return Err(format!(
             "{url}: https is not supported (enginescope is built without TLS); \
@@ -72,6 +77,7 @@ fn get_text(agent: &ureq::Agent, url: &str) -> Result<String, String> {
         }
         e => format!("GET {url}: {e}"),
     })?;
+    let head_ns = crate::sys::monotonic_ns();
     let status = resp.status();
     if status != 200 {
         return Err(format!(
@@ -82,12 +88,13 @@ fn get_text(agent: &ureq::Agent, url: &str) -> Result<String, String> {
         .with_config()
         .limit(MAX_BODY_BYTES)
         .read_to_string()
+        .map(|text| (text, head_ns))
         .map_err(|e| format!("GET {url}: reading the body: {e}"))
 }
 
 /// Fetch and parse one `/metrics`, keeping the `vllm:` samples.
 pub fn fetch(url: &str, timeout: Duration) -> Result<Exposition, String> {
-    let text = get_text(&agent(timeout), url)?;
+    let (text, _) = get_text(&agent(timeout), url)?;
     Ok(prom_text::parse(&text, is_kept))
 }
 
@@ -258,13 +265,16 @@ pub struct Scraper {
     thread: Option<JoinHandle<()>>,
 }
 
-/// The per-request timeout: 5 intervals, within 5–30 s. A loaded API server answers
-/// `/metrics` late: vLLM on 2 CPUs at 24 concurrent requests took over 2 s for most scrapes
-/// (8 of 10 failed with a 2 s timeout), while its generation counter kept counting, so a late
-/// answer is still a good point. Each engine has its own thread, so a long wait only skips
-/// that engine's ticks (counted neither as scrapes nor as failures).
+/// The per-request timeout: 5 intervals, within 30–120 s. A loaded API server answers
+/// `/metrics` late, while its counters keep counting, so a late answer is still a good point
+/// (stamped when its head arrived) and only a server that answers nothing for that long is a
+/// failed scrape. Measured on 2 CPUs, vLLM at 24 concurrent requests: 8 of 10 scrapes over
+/// 2 s; answers up to 3.6 s with the CPUs loaded; a CI run with a 5 s timeout lost 3 of 24.
+/// Each engine has its own thread, so a long wait only skips that engine's ticks (counted
+/// neither as scrapes nor as failures; the longest gap between scrapes shows it), and stopping
+/// never waits for a request.
 pub fn request_timeout(interval: Duration) -> Duration {
-    (interval * 5).clamp(Duration::from_secs(5), Duration::from_secs(30))
+    (interval * 5).clamp(Duration::from_secs(30), Duration::from_secs(120))
 }
 
 impl Scraper {
@@ -276,6 +286,16 @@ impl Scraper {
         interval: Duration,
         start_mono_ns: u64,
     ) -> anyhow::Result<(Scraper, Receiver<ScrapeEvent>)> {
+        Self::spawn_with_timeout(engines, interval, request_timeout(interval), start_mono_ns)
+    }
+
+    /// [`Self::spawn`] with a request timeout other than [`request_timeout`]'s.
+    pub fn spawn_with_timeout(
+        engines: Vec<EngineInfo>,
+        interval: Duration,
+        timeout: Duration,
+        start_mono_ns: u64,
+    ) -> anyhow::Result<(Scraper, Receiver<ScrapeEvent>)> {
         anyhow::ensure!(
             interval >= Duration::from_millis(10),
             "scrape interval {interval:?} is too short (at least 10 ms)"
@@ -285,7 +305,14 @@ impl Scraper {
         let to_self = ctl.clone();
         let thread = std::thread::Builder::new()
             .name("es-scraper".into())
-            .spawn(move || coordinate(engines, interval, start_mono_ns, &tx, &ctl_rx, to_self))
+            .spawn(move || {
+                let timing = Timing {
+                    interval,
+                    timeout,
+                    start_mono_ns,
+                };
+                coordinate(engines, timing, &tx, &ctl_rx, to_self)
+            })
             .map_err(|e| anyhow::anyhow!("starting the metrics scraper thread: {e}"))?;
         Ok((
             Scraper {
@@ -342,24 +369,43 @@ struct EngineThread {
     _stop: Sender<()>,
 }
 
-/// Start a thread scraping `url` every `interval` until `stop`'s sender is dropped.
+/// When and how long the engine threads scrape.
+#[derive(Clone, Copy)]
+struct Timing {
+    interval: Duration,
+    /// Per request.
+    timeout: Duration,
+    /// What `t_ns` counts from (`CLOCK_MONOTONIC` ns).
+    start_mono_ns: u64,
+}
+
+/// Start a thread scraping `url` every `timing.interval` until `stop`'s sender is dropped.
 fn spawn_engine(
     engine: String,
     url: String,
-    interval: Duration,
-    start_mono_ns: u64,
+    timing: Timing,
     out: Sender<Msg>,
 ) -> Option<EngineThread> {
+    let Timing {
+        interval,
+        timeout,
+        start_mono_ns,
+    } = timing;
     let (stop_tx, stop) = mpsc::channel::<()>();
     let u = url.clone();
     let spawned = std::thread::Builder::new()
         .name("es-scrape".into())
         .spawn(move || {
-            let agent = agent(request_timeout(interval));
+            let agent = agent(timeout);
             let mut next_tick = Instant::now();
             loop {
-                let result = get_text(&agent, &u).map(|text| prom_text::parse(&text, is_kept));
-                let t_ns = since(start_mono_ns);
+                let (result, t_ns) = match get_text(&agent, &u) {
+                    Ok((text, head_ns)) => (
+                        Ok(prom_text::parse(&text, is_kept)),
+                        head_ns.saturating_sub(start_mono_ns),
+                    ),
+                    Err(e) => (Err(e), since(start_mono_ns)),
+                };
                 // Told to stop while the request ran: send nothing more.
                 if !matches!(stop.try_recv(), Err(mpsc::TryRecvError::Empty)) {
                     return;
@@ -400,8 +446,7 @@ fn spawn_engine(
 
 fn coordinate(
     engines: Vec<EngineInfo>,
-    interval: Duration,
-    start_mono_ns: u64,
+    timing: Timing,
     tx: &SyncSender<ScrapeEvent>,
     ctl: &Receiver<Msg>,
     to_self: Sender<Msg>,
@@ -417,13 +462,9 @@ fn coordinate(
         });
         for e in engines.iter().filter(|e| !e.metrics_url.is_empty()) {
             if !threads.contains_key(&e.id) {
-                if let Some(t) = spawn_engine(
-                    e.id.clone(),
-                    e.metrics_url.clone(),
-                    interval,
-                    start_mono_ns,
-                    to_self.clone(),
-                ) {
+                if let Some(t) =
+                    spawn_engine(e.id.clone(), e.metrics_url.clone(), timing, to_self.clone())
+                {
                     threads.insert(e.id.clone(), t);
                 }
             }
@@ -749,8 +790,9 @@ mod tests {
     #[test]
     fn timeouts() {
         let t = |ms| request_timeout(Duration::from_millis(ms));
-        assert_eq!(t(2000), Duration::from_secs(10));
-        assert_eq!(t(60_000), Duration::from_secs(30));
-        assert_eq!(t(20), Duration::from_secs(5));
+        assert_eq!(t(1000), Duration::from_secs(30));
+        assert_eq!(t(10_000), Duration::from_secs(50));
+        assert_eq!(t(60_000), Duration::from_secs(120));
+        assert_eq!(t(20), Duration::from_secs(30));
     }
 }
