@@ -39,10 +39,13 @@ Truth JSON (producer at PATH, consumer at PATH.consumer.json):
    "threads": {"<native tid>": "name"},
    "calls": {"MessageQueue.enqueue": [[tid, start_ns, dur_ns], ...], ...},
    "outer_calls": {same names: the same calls timed by their callers around the call},
-   "gc_pauses": [[start_ns, dur_ns, generation], ...]}   (producer, --gc-truth only)
+   "gc_pauses": [[start_ns, dur_ns, generation], ...],   (producer, --gc-truth only)
+   "gc_outer": [[start_ns, dur_ns], ...]}   (--gc-truth: an explicit gc.collect(0) after each
+                                            automatic collection, timed by its caller)
 """
 
 import argparse
+import gc
 import os
 import pickle
 import sys
@@ -218,6 +221,14 @@ class Engine:
 
 
 GC_PAUSES = []
+# --gc-truth: (start_ns, dur_ns) of each explicit gc.collect(0) the producer makes, timed by its
+# caller: a collection's outer clock (its callbacks' span is the inner one). One is made 5 steps
+# after each automatic collection, so that both kinds keep coming: an explicit collection
+# resets the allocation count that triggers the automatic ones, and made soon after one it
+# delays the next only a little (yet late enough to find garbage and caches as cold as an
+# automatic one does).
+GC_OUTER = []
+GC_EXPLICIT = {"running": False, "due": None}
 
 
 def gc_callback(phase, info):
@@ -230,6 +241,8 @@ def gc_callback(phase, info):
     elif getattr(gc_callback, "t0", None) is not None:
         GC_PAUSES.append((gc_callback.t0, t - gc_callback.t0, info.get("generation")))
         gc_callback.t0 = None
+        if not GC_EXPLICIT["running"] and GC_EXPLICIT["due"] is None:
+            GC_EXPLICIT["due"] = 5
 
 
 def write_truth(path, role, window):
@@ -242,6 +255,7 @@ def write_truth(path, role, window):
         "calls": CALLS,
         "outer_calls": OUTER,
         "gc_pauses": GC_PAUSES,
+        "gc_outer": GC_OUTER,
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -342,8 +356,6 @@ def main():
     mq = MessageQueue(shm, -1, notify_w)
     engine = Engine(mq, args.requests, args.tokens)
     if args.gc_truth:
-        import gc
-
         gc.callbacks.append(gc_callback)
     if os.read(ready_r, 1) != b"R":
         sys.exit("consumer failed to start")
@@ -375,6 +387,15 @@ def main():
         engine.step(step)
         outer("Engine.step", tc)
         step += 1
+        if GC_EXPLICIT["due"] is not None:
+            GC_EXPLICIT["due"] -= 1
+        if GC_EXPLICIT["due"] == 0:
+            GC_EXPLICIT["due"] = None
+            GC_EXPLICIT["running"] = True
+            tc = now()
+            gc.collect(0)
+            GC_OUTER.append((tc, now() - tc))
+            GC_EXPLICIT["running"] = False
         next_t += period
         delay = next_t - now()
         if delay > 0:

@@ -509,45 +509,105 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>) {
     }
 }
 
-/// GC pauses of the producer (gc.callbacks truth) beside the rotating probes: exact, counts
-/// within 1%, total within 10% or 0.03 ms per pause (the producer's collections are young
-/// ones of ~0.1 ms, where the callbacks' own cost, inside one method's span and partly
-/// outside the truth's clock reads, is tens of µs each).
+/// GC pauses of the producer beside the probes, against two clocks per collection (the
+/// clocks `exact_probes` uses for calls): the callbacks' span (`gc.callbacks`, read inside the
+/// collector) must lie inside every recorded pause, and an explicit `gc.collect(0)`'s recorded
+/// pause inside its caller's clock. Counts within 1%. An automatic collection has no caller's
+/// clock; what it spends outside its callbacks' span (the callback machinery: 15–30 µs a pause
+/// on this machine's ~0.15 ms young collections, more on a slower or loaded one) is bounded
+/// loosely: at most the span again plus 0.1 ms, plus what the process was switched out there
+/// (a preemption at a loaded 2-CPU machine's edges took up to 4 ms). A fixed 30 µs a pause
+/// failed in CI on an AMD host (6 pauses, +457 µs over the callbacks' spans).
 fn check_gc(label: &str, r: &Recording, truth: &serde_json::Value, pid: i32) {
     // `pid` as the host sees it (the truth's is the container's own in a PID namespace).
     let w0 = truth["window"]["start_mono_ns"].as_u64().unwrap() + 200_000_000;
     let w1 = truth["window"]["end_mono_ns"].as_u64().unwrap() - 200_000_000;
     let t0 = r.meta.start_mono_ns;
-    let want: Vec<(u64, u64)> = truth["gc_pauses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p[0].as_u64().unwrap(), p[1].as_u64().unwrap()))
-        .filter(|p| p.0 >= w0 && p.0 < w1)
-        .collect();
-    let got: Vec<(u64, u64)> = r
+    let spans = |key: &str| -> Vec<(u64, u64)> {
+        truth[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                (
+                    p[0].as_u64().unwrap(),
+                    p[0].as_u64().unwrap() + p[1].as_u64().unwrap(),
+                )
+            })
+            .filter(|p| p.0 >= w0 && p.0 < w1)
+            .collect()
+    };
+    let want = spans("gc_pauses");
+    let callers = spans("gc_outer");
+    let got: Vec<((u64, u64), i32)> = r
         .gc_pauses
         .iter()
         .filter(|g| g.pid == pid)
-        .map(|g| (t0 + g.start_ns, g.dur_ns))
-        .filter(|p| p.0 >= w0 && p.0 < w1)
+        .map(|g| ((t0 + g.start_ns, t0 + g.start_ns + g.dur_ns), g.tid))
+        .filter(|p| p.0 .0 >= w0 && p.0 .0 < w1)
         .collect();
-    let (tw, tg): (u64, u64) = (
-        want.iter().map(|p| p.1).sum(),
-        got.iter().map(|p| p.1).sum(),
-    );
+    // Thread `tid`'s time switched out (sched_switch, from the recording) inside `span`.
+    let switched_out = |tid: i32, span: (u64, u64)| -> u64 {
+        r.offcpu
+            .iter()
+            .filter(|o| o.pid == pid && o.tid == tid)
+            .map(|o| {
+                let s = t0 + o.start_ns;
+                (s + o.dur_ns).min(span.1).saturating_sub(s.max(span.0))
+            })
+            .sum()
+    };
     let method = r
         .gc_methods
         .iter()
         .find(|g| g.pid == pid)
         .map(|g| g.method.clone());
+    let overlap = |a: (u64, u64), b: (u64, u64)| a.1.min(b.1).saturating_sub(a.0.max(b.0));
+    let (mut explicit, mut automatic) = (0, 0);
+    let mut bad: Vec<String> = Vec::new();
+    let mut outside_span_ns: Vec<u64> = Vec::new();
+    for &inner in &want {
+        let Some(&(g, tid)) = got.iter().find(|&&(g, _)| overlap(g, inner) > 0) else {
+            continue; // the count check below
+        };
+        if g.0 > inner.0 + SLACK || g.1 + SLACK < inner.1 {
+            bad.push(format!("{g:?} does not hold its callbacks' span {inner:?}"));
+        }
+        let outside = (g.1 - g.0).saturating_sub(inner.1 - inner.0);
+        if let Some(&c) = callers.iter().find(|&&c| c.0 <= inner.0 && inner.1 <= c.1) {
+            explicit += 1;
+            if g.0 + SLACK < c.0 || g.1 > c.1 + SLACK {
+                bad.push(format!("explicit {g:?} outside its caller's clock {c:?}"));
+            }
+        } else {
+            automatic += 1;
+            outside_span_ns.push(outside);
+            let preempted = switched_out(tid, (g.0, inner.0)) + switched_out(tid, (inner.1, g.1));
+            if outside > (inner.1 - inner.0) + 100_000 + preempted {
+                bad.push(format!(
+                    "automatic {g:?}: {outside} ns outside its callbacks' span {inner:?}"
+                ));
+            }
+        }
+    }
+    outside_span_ns.sort_unstable();
+    let q = |f: f64| {
+        outside_span_ns
+            .get(((outside_span_ns.len() as f64 - 1.0) * f).round() as usize)
+            .map_or(0.0, |&n| n as f64 / 1e3)
+    };
+    let (tw, tg): (u64, u64) = (
+        want.iter().map(|p| p.1 - p.0).sum(),
+        got.iter().map(|(p, _)| p.1 - p.0).sum(),
+    );
     eprintln!(
-        "{label} GC (producer, {method:?}): pauses truth {} recorded {}; total truth {:.3} ms recorded {:.3} ms ({:+.1}%)",
+        "{label} GC (producer, {method:?}): pauses truth {} recorded {} ({explicit} explicit, {automatic} automatic); total truth {:.3} ms recorded {:.3} ms; automatic ones outside their callbacks' span: p50 {:.1} µs, max {:.1} µs",
         want.len(),
         got.len(),
         tw as f64 / 1e6,
         tg as f64 / 1e6,
-        (tg as f64 / tw.max(1) as f64 - 1.0) * 100.0
+        q(0.5),
+        q(1.0)
     );
     assert!(
         method.is_some_and(|m| m == "uprobe" || m == "watchpoint"),
@@ -560,9 +620,10 @@ fn check_gc(label: &str, r: &Recording, truth: &serde_json::Value, pid: i32) {
         want.len()
     );
     assert!(
-        (tg as f64 - tw as f64).abs() <= (0.10 * tw as f64).max(30_000.0 * want.len() as f64),
-        "{label}: GC total {tg} vs {tw}"
+        explicit >= 2 && automatic >= 2,
+        "{label}: {explicit} explicit and {automatic} automatic collections in the window"
     );
+    assert!(bad.is_empty(), "{label}: {}", bad.join("; "));
 }
 
 #[test]
