@@ -93,6 +93,46 @@ fn collector_bytes(pid: u32) -> (u8, u8) {
     (mem[0], file[0])
 }
 
+/// Every site where a GC uprobe of this interpreter goes (each collector's entry, and its
+/// start where that is probed past the entry), as its address in `pid` and its byte in the
+/// file.
+fn probe_sites(pid: u32) -> Vec<(u64, u8)> {
+    use std::os::unix::fs::FileExt;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let maps = enginescope::cpython::binary::parse_maps(&maps);
+    let bin = enginescope::cpython::binary::find_interpreter(pid as i32, &maps).unwrap();
+    let cs = enginescope::cpython::binary::find_collectors(&bin, 12, 0).unwrap();
+    let mut sites = Vec::new();
+    for c in &cs {
+        let entry = bin.symbols[c.name];
+        for off in [c.file_offset, c.enter_file_offset] {
+            let mut file = [0u8; 1];
+            std::fs::File::open(&c.path)
+                .unwrap()
+                .read_exact_at(&mut file, off)
+                .unwrap();
+            sites.push((entry + (off - c.file_offset), file[0]));
+        }
+    }
+    sites.sort_unstable();
+    sites.dedup();
+    sites
+}
+
+/// How many of `sites` hold something else than their file's byte in `pid` (an int3).
+fn sites_probed(pid: u32, sites: &[(u64, u8)]) -> usize {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    sites
+        .iter()
+        .filter(|&&(addr, file)| {
+            let mut b = [0u8; 1];
+            mem.read_exact_at(&mut b, addr).unwrap();
+            b[0] != file
+        })
+        .count()
+}
+
 /// Reads `collector_bytes(pid)` until memory and file agree or `bound` passes; returns the
 /// last bytes read and how many reads it took (one read is ~40 ms of ELF parsing).
 fn restored_within(pid: u32, bound: std::time::Duration) -> ((u8, u8), u32) {
@@ -278,4 +318,88 @@ fn no_probe_left_after_sigint() {
 #[test]
 fn no_probe_left_after_sigkill() {
     check("sigkill");
+}
+
+/// A SIGKILL while the recorder removes its GC uprobes (after SIGINT: the recording ends and
+/// closes them one by one, ~20-100 ms each) leaves none behind, in the target or in a process
+/// it did not record. The kill is sent once some probe sites read clean and others do not,
+/// so it lands in the middle of the removal. Before the removal moved to a helper process,
+/// this left int3 at 3 of the 4 collectors in both processes ("failed to unregister, leaking
+/// uprobe" in the kernel log).
+#[test]
+fn no_probe_left_after_sigkill_while_removing() {
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let args = ["--truth", "{dir}/truth.json", "--threads", "1", "--spin"];
+    let w = start(&i, "stacks.py", &args);
+    let bystander = start(&i, "stacks.py", &args);
+    let sites = probe_sites(w.pid as u32);
+    assert!(sites.len() >= 4, "{sites:?}");
+    let out = w.dir.join("x.esrec");
+    let mut rec = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args([
+            "record",
+            "--backend",
+            "bpf",
+            "--rate",
+            "99",
+            "--duration",
+            "60",
+        ])
+        .args(["--pid", &w.pid.to_string(), "-o"])
+        .arg(&out)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(rec.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("GC pauses of process") {
+        line.clear();
+        assert!(
+            err.read_line(&mut line).unwrap() > 0,
+            "recorder ended early"
+        );
+    }
+    assert!(line.contains("uprobe"), "{line}");
+    let all = sites_probed(w.pid as u32, &sites);
+    assert_eq!(all, sites.len(), "every site probed while recording");
+    // SAFETY: signals to the recorder we started.
+    unsafe { libc::kill(rec.id() as i32, libc::SIGINT) };
+    let t = std::time::Instant::now();
+    let mut seen = all;
+    while seen == all && t.elapsed() < std::time::Duration::from_secs(10) {
+        seen = sites_probed(w.pid as u32, &sites);
+    }
+    unsafe { libc::kill(rec.id() as i32, libc::SIGKILL) };
+    let st = rec.wait().unwrap();
+    eprintln!(
+        "killed {:.0} ms after SIGINT with {seen} of {all} sites still probed",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(
+        seen > 0 && seen < all,
+        "the kill did not land during the removal ({seen} of {all} probed)"
+    );
+    assert!(!st.success());
+    // The removal goes on without the recorder: bounded wait for it.
+    for (who, pid) in [("target", w.pid), ("bystander", bystander.pid)] {
+        let sites = probe_sites(pid as u32);
+        let t = std::time::Instant::now();
+        let mut left = sites_probed(pid as u32, &sites);
+        while left > 0 && t.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::yield_now();
+            left = sites_probed(pid as u32, &sites);
+        }
+        eprintln!(
+            "{who}: {left} sites probed {:.0} ms later",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        assert_eq!(
+            left, 0,
+            "{who}: uprobes left after a SIGKILL during their removal"
+        );
+    }
 }

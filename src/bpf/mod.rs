@@ -5,6 +5,7 @@
 //! exits, however it exits (SIGKILL included), the kernel detaches and frees all of it.
 
 pub mod abi;
+pub mod closer;
 
 use anyhow::{anyhow, Context};
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
@@ -42,8 +43,13 @@ pub struct BpfSampler {
     /// Held while the kernel times BPF programs (`ENGINESCOPE_BPF_STATS=1`: benchmarks).
     stats: Option<std::os::fd::OwnedFd>,
     /// Threads closing uprobe links (see [`detach_gc_uprobes`](Self::detach_gc_uprobes)),
-    /// joined before the sampler goes.
+    /// joined before the sampler goes: only where the helper below could not take them.
     detaching: Vec<std::thread::JoinHandle<()>>,
+    /// The process that makes uprobe links' last close (`closer`), forked before the first
+    /// GC uprobe is attached; `None` before that, or if it could not be started.
+    closer: Option<closer::UprobeCloser>,
+    /// Links closed on a thread of ours because the helper could not take them.
+    closed_here: u64,
 }
 
 impl Drop for BpfSampler {
@@ -149,6 +155,8 @@ impl BpfSampler {
             counters,
             stats,
             detaching: Vec::new(),
+            closer: None,
+            closed_here: 0,
         })
     }
 
@@ -225,6 +233,16 @@ impl BpfSampler {
         use aya::programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope};
         use aya::programs::UProbe;
         let scope = UProbeScope::AllProcesses;
+        if self.closer.is_none() {
+            // Before the first uprobe exists (the fork copies every descriptor). If it cannot
+            // start, links are closed on threads of ours as before (`gc_uprobe_links_closed_here`).
+            match closer::UprobeCloser::spawn() {
+                Ok(c) => self.closer = Some(c),
+                Err(e) => eprintln!(
+                    "enginescope: could not start the process that removes GC uprobes ({e});                      a SIGKILL while they are removed may leave them in the traced processes"
+                ),
+            }
+        }
         let mut links = GcUprobes { links: Vec::new() };
         use crate::cpython::binary::CollectorSite;
         for c in collectors {
@@ -277,9 +295,11 @@ impl BpfSampler {
     }
 
     /// Remove uprobes set by [`attach_gc_uprobes`](Self::attach_gc_uprobes), off the caller's
-    /// thread: closing a uprobe waits for a kernel grace period (~110 ms a link here), so the
-    /// links are taken from their programs and closed on short-lived threads of their own
-    /// (joined by [`wait_detached`](Self::wait_detached)).
+    /// thread: closing a uprobe waits for a kernel grace period (~110 ms a link here). Each
+    /// link is handed to the helper process that makes its last close ([`closer`]: a kill of
+    /// enginescope during a close of its own would leave the probe in every process of that
+    /// interpreter), or where that fails closed on a short-lived thread of ours. Either way
+    /// [`wait_detached`](Self::wait_detached) waits for them.
     pub fn detach_gc_uprobes(&mut self, u: GcUprobes) {
         let mut taken = Vec::with_capacity(u.links.len());
         for (name, l) in u.links {
@@ -293,7 +313,22 @@ impl BpfSampler {
             }
         }
         self.detaching.retain(|h| !h.is_finished());
+        let mut left = Vec::new();
         for link in taken {
+            match self.closer.as_mut() {
+                Some(c) => {
+                    if let Err(link) = hand_over_link(c, link) {
+                        left.push(link);
+                    }
+                }
+                None => left.push(link),
+            }
+        }
+        if let Some(c) = self.closer.as_mut() {
+            c.collect(std::time::Duration::ZERO);
+        }
+        self.closed_here += left.len() as u64;
+        for link in left {
             // A failed spawn drops its closure, and the link with it, here.
             if let Ok(h) = std::thread::Builder::new()
                 .name("es-detach".into())
@@ -312,6 +347,10 @@ impl BpfSampler {
     pub fn wait_detached(&mut self) {
         for h in self.detaching.drain(..) {
             let _ = h.join();
+        }
+        if let Some(c) = self.closer.as_mut() {
+            // Bounded: a helper that stops answering is left to finish on its own.
+            c.collect(std::time::Duration::from_secs(10));
         }
     }
 
@@ -438,6 +477,7 @@ impl BpfSampler {
             out.push(("bpf_prog_run_ns", ns));
             out.push(("bpf_prog_runs", runs));
         }
+        out.push(("gc_uprobe_links_closed_here", self.closed_here));
         out
     }
 
@@ -445,6 +485,55 @@ impl BpfSampler {
     pub fn object(&self) -> &Ebpf {
         &self.bpf
     }
+}
+
+/// Give `link` to the helper to close: its descriptor is found by link id among ours
+/// (aya keeps the number private), sent, and our copy closed. The link back if it could not.
+fn hand_over_link(
+    c: &mut closer::UprobeCloser,
+    link: aya::programs::uprobe::UProbeLink,
+) -> Result<(), aya::programs::uprobe::UProbeLink> {
+    use std::os::fd::BorrowedFd;
+    let fd_link: aya::programs::links::FdLink = match link.try_into() {
+        Ok(l) => l,
+        // Not a bpf_link (kernels before 5.15 attach uprobes without one): the conversion
+        // has closed it, here.
+        Err(_) => return Ok(()),
+    };
+    let handed = fd_link
+        .info()
+        .ok()
+        .and_then(|info| link_fd_number(info.id()))
+        // SAFETY: the descriptor is `fd_link`'s, open until it drops below.
+        .map(|fd| c.hand_over(unsafe { BorrowedFd::borrow_raw(fd) }));
+    match handed {
+        Some(Ok(())) => {
+            drop(fd_link); // not the last close: the helper holds the link now
+            Ok(())
+        }
+        // Back to the caller to close on a thread; a conversion that fails has closed it.
+        _ => match aya::programs::uprobe::UProbeLink::try_from(fd_link) {
+            Ok(link) => Err(link),
+            Err(_) => Ok(()),
+        },
+    }
+}
+
+/// Our descriptor for BPF link `id` (the `link_id:` of its fdinfo).
+fn link_fd_number(id: u32) -> Option<std::os::fd::RawFd> {
+    let want = id.to_string();
+    for e in std::fs::read_dir("/proc/self/fdinfo").ok()?.flatten() {
+        let Ok(info) = std::fs::read_to_string(e.path()) else {
+            continue;
+        };
+        if info
+            .lines()
+            .any(|l| l.strip_prefix("link_id:").is_some_and(|v| v.trim() == want))
+        {
+            return e.file_name().to_str()?.parse().ok();
+        }
+    }
+    None
 }
 
 /// The uprobes and uretprobes timing GC pauses in one interpreter binary.
