@@ -31,6 +31,9 @@ pub fn pctl(v: &mut [u64], q: f64) -> f64 {
 /// harness's in-process timers over the same window (from the probe's attach, or the load's
 /// start, to the load's end; calls counted by start time). Returns the table (markdown) and
 /// the rows that fail the tolerances (calls within 5%, p50/p90 within 10% or 0.06 ms).
+/// Under `--probe-budget` (the recording resized a budget) every probe is watched part of the
+/// time by design: calls (scaled) within 5% and p50 as above; the p90 of such a subsample is
+/// printed, not checked (docs/probes.md: under changing load it is no yardstick).
 pub fn probe_truth(
     rec: &Recording,
     timers: &Path,
@@ -43,6 +46,10 @@ pub fn probe_truth(
         "| probe | process | calls: truth → reported | p50 truth → reported | p90 truth → reported | method |\n|---|---|---|---|---|---|\n",
     );
     let mut failures = Vec::new();
+    let budgeted = rec
+        .counters
+        .get("probe_budget_resizes")
+        .is_some_and(|&n| n > 0);
     let mut rows: Vec<(i32, &str, String)> = [
         (core, "EngineCore", "MessageQueue.enqueue"),
         (worker, "worker", "MessageQueue.enqueue"),
@@ -143,7 +150,8 @@ pub fn probe_truth(
             methods.join(", ")
         ));
         let close = |a: f64, b: f64| (a / b - 1.0).abs() <= 0.10 || (a - b).abs() <= 60_000.0;
-        if !methods.iter().all(|m| m.starts_with("exact")) || (default_row && !rotated.is_empty()) {
+        let rotated_default = default_row && !rotated.is_empty() && !budgeted;
+        if !methods.iter().all(|m| m.starts_with("exact")) || rotated_default {
             failures.push(format!("{role} {function}: method {methods:?}"));
         } else if t.len() < 20 {
             failures.push(format!("{role} {function}: {} calls in the truth", t.len()));
@@ -152,7 +160,7 @@ pub fn probe_truth(
                 "{role} {function}: calls {m_calls:.0} vs {}",
                 t.len()
             ));
-        } else if !close(m50, t50) || !close(m90, t90) {
+        } else if !close(m50, t50) || (!budgeted && !close(m90, t90)) {
             failures.push(format!(
                 "{role} {function}: p50 {m50} vs {t50}, p90 {m90} vs {t90}"
             ));
