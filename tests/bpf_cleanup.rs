@@ -154,46 +154,61 @@ fn restored_within(pid: u32, bound: std::time::Duration) -> ((u8, u8), u32) {
 /// run: the bystander read 0xcc just after this test's target read clean).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn check(how: &str) {
-    let i = interp("pyenv-3.12");
-    if !available(&i) {
-        return;
-    }
-    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let w = start(
-        &i,
-        "stacks.py",
-        &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"],
-    );
-    // A process of the same interpreter that is not recorded: the GC uprobes are set on the
-    // interpreter's file, so they reach it too (their programs return at once there), and
-    // must leave it as they leave the target.
-    let bystander = start(
-        &i,
-        "stacks.py",
-        &["--truth", "{dir}/truth.json", "--threads", "1", "--spin"],
-    );
-    let out = w.dir.join("x.esrec");
-    let duration = if how == "exit" { "1" } else { "60" };
+/// A spinning target and a bystander of the same interpreter (not recorded: the GC uprobes
+/// are set on the interpreter's file, so they reach it too, their programs returning at once
+/// there, and must leave it as they leave the target), and a BPF recorder of the target at
+/// `rate` Hz for `duration` s writing `out`, its stderr piped.
+struct Run {
+    target: Workload,
+    bystander: Workload,
+    rec: std::process::Child,
+    err: BufReader<std::process::ChildStderr>,
+    out: std::path::PathBuf,
+}
+
+fn start_run(i: &Interp, rate: &str, duration: &str) -> Run {
+    let args = ["--truth", "{dir}/truth.json", "--threads", "1", "--spin"];
+    let target = start(i, "stacks.py", &args);
+    let bystander = start(i, "stacks.py", &args);
+    let out = target.dir.join("x.esrec");
     let mut rec = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args(["record", "--backend", "bpf", "--rate", rate])
         .args([
-            "record",
-            "--backend",
-            "bpf",
-            "--rate",
-            "499",
             "--duration",
             duration,
             "--pid",
-            &w.pid.to_string(),
+            &target.pid.to_string(),
             "-o",
         ])
         .arg(&out)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let err = BufReader::new(rec.stderr.take().unwrap());
+    Run {
+        target,
+        bystander,
+        rec,
+        err,
+        out,
+    }
+}
+
+fn check(how: &str) {
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let duration = if how == "exit" { "1" } else { "60" };
+    let Run {
+        target: w,
+        bystander,
+        mut rec,
+        mut err,
+        out,
+    } = start_run(&i, "499", duration);
     // The recorder says "recording ..." once its programs are loaded and attached.
-    let mut err = BufReader::new(rec.stderr.take().unwrap());
     let mut line = String::new();
     err.read_line(&mut line).unwrap();
     assert!(line.contains("recording") && line.contains("bpf"), "{line}");
@@ -333,28 +348,15 @@ fn no_probe_left_after_sigkill_while_removing() {
         return;
     }
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let args = ["--truth", "{dir}/truth.json", "--threads", "1", "--spin"];
-    let w = start(&i, "stacks.py", &args);
-    let bystander = start(&i, "stacks.py", &args);
+    let Run {
+        target: w,
+        bystander,
+        mut rec,
+        mut err,
+        ..
+    } = start_run(&i, "99", "60");
     let sites = probe_sites(w.pid as u32);
     assert!(sites.len() >= 4, "{sites:?}");
-    let out = w.dir.join("x.esrec");
-    let mut rec = Command::new(env!("CARGO_BIN_EXE_enginescope"))
-        .args([
-            "record",
-            "--backend",
-            "bpf",
-            "--rate",
-            "99",
-            "--duration",
-            "60",
-        ])
-        .args(["--pid", &w.pid.to_string(), "-o"])
-        .arg(&out)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(rec.stderr.take().unwrap());
     let mut line = String::new();
     while !line.contains("GC pauses of process") {
         line.clear();
