@@ -224,6 +224,39 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
         );
         ours.push(rate);
         truths.push(truth_rate);
+        // Per-request latency over the same window, against the API server's own clock: the
+        // mean (the histogram's _sum over _count increase) within 5%, and each quantile's
+        // bucket holding the truth's quantile (a quantile is only as fine as its bucket).
+        for (family, key) in [(&names::TTFT, "ttft_ns"), (&names::TPOT, "tpot_ns")] {
+            let l = ix
+                .histogram(&ids[i], family, t0, t1)
+                .unwrap_or_else(|| panic!("{}: {} scraped", ids[i], family.name))
+                .quantiles_ms();
+            let tr = &t["requests"][key];
+            let ms = |k: &str| tr[k].as_f64().map(|v| v / 1e6);
+            let mean = l.mean.expect("observations in the window");
+            let truth_mean = ms("mean").expect("truth");
+            eprintln!(
+                "{} {}: mean {mean:.3} ms (truth {truth_mean:.3}), p50 {:?} in {:?} (truth {:?}), p90 {:?} in {:?} (truth {:?}), {} observed ({} in the truth)",
+                ids[i], family.name, l.p50, l.p50_bucket, ms("p50"), l.p90, l.p90_bucket, ms("p90"), l.count, tr["count"]
+            );
+            assert!(
+                (mean / truth_mean - 1.0).abs() <= 0.05,
+                "{} {}: mean {mean} vs truth {truth_mean}",
+                ids[i],
+                family.name
+            );
+            for (q, bucket) in [("p50", l.p50_bucket), ("p90", l.p90_bucket)] {
+                let v = ms(q).expect("truth quantile");
+                let b = bucket.expect("a bucket");
+                assert!(
+                    v >= b.0 && b.1.is_none_or(|hi| v <= hi),
+                    "{} {}: truth {q} {v} ms outside the bucket {b:?}",
+                    ids[i],
+                    family.name
+                );
+            }
+        }
     }
     let ratio = |v: &[f64]| {
         let max = v.iter().copied().fold(f64::MIN, f64::max);

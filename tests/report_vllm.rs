@@ -692,7 +692,7 @@ fn markdown_sections_and_cli_flags() {
         "## Engines",
         "| engine0 | 10 | 20 | - | http://127.0.0.1:8000/metrics | 21 | 1 |",
         "| engine0 | 75.0 | 50.0 | 100.0 | 10.0 |",
-        "| engine0 | 175.0 | 350.0 | 395.0 | - | - | - | - | - | - | 100 |",
+        "| engine0 | 175.0 | 350.0 | 395.0 | - | - | - | - | - | - | - | - | - | - | 100 |",
         "## Per-window timeline",
         "10 windows of 2 s.",
         "| window s | gen tok/s | KV | running | waiting | 20:20 MainThread | 20:21 worker | 10:10 MainThread | 20:core.py:EngineCore.step |",
@@ -1097,13 +1097,21 @@ fn diff_folded_lines_scale_by_duration() {
 /// KV usage, inter-token latency and the prefix-cache hit rate. Two scrapes, 10 s apart: the
 /// first with every counter and histogram at zero (a fresh server), the second the page, so
 /// the window's increases are the page's values.
-#[test]
-fn older_vllm_metric_names_in_the_report() {
-    let page = include_str!("fixtures/metrics-vllm-0.8.txt");
-    let exp = enginescope::vllm::prom_text::parse(page, enginescope::vllm::metrics::is_kept);
-    assert_eq!(exp.bad_lines, 0, "{:?}", exp.errors);
+/// A recording of one engine (API server pid 10) scraped twice, 10 s apart: `first` (its
+/// counters and histograms taken as 0 there, as at an engine's start) and `second`.
+fn two_scrapes(first: &str, second: &str) -> (tempfile::TempDir, enginescope::record::Recording) {
+    let parse =
+        |page| enginescope::vllm::prom_text::parse(page, enginescope::vllm::metrics::is_kept);
+    let (a, b) = (parse(first), parse(second));
+    assert_eq!(
+        a.bad_lines + b.bad_lines,
+        0,
+        "{:?} {:?}",
+        a.errors,
+        b.errors
+    );
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("old.esrec");
+    let path = dir.path().join("two.esrec");
     let mut w = RecordingWriter::create(&path, &meta()).unwrap();
     w.engine(&EngineInfo {
         id: "engine0".into(),
@@ -1112,7 +1120,7 @@ fn older_vllm_metric_names_in_the_report() {
         ..Default::default()
     })
     .unwrap();
-    for (id, s) in exp.samples.iter().enumerate() {
+    for (id, s) in b.samples.iter().enumerate() {
         w.series(&MetricSeries {
             id: id as u32,
             engine: "engine0".into(),
@@ -1122,13 +1130,21 @@ fn older_vllm_metric_names_in_the_report() {
         })
         .unwrap();
     }
-    for (t_ns, fresh) in [(0, true), (10 * S, false)] {
-        for (id, s) in exp.samples.iter().enumerate() {
+    for (t_ns, exp) in [(0, &a), (10 * S, &b)] {
+        for (id, s) in b.samples.iter().enumerate() {
+            let same = exp
+                .samples
+                .iter()
+                .find(|x| x.name == s.name && x.labels == s.labels);
             let counts = s.kind.as_str() != "gauge";
             w.metric(&MetricPoint {
                 t_ns,
                 series: id as u32,
-                value: if fresh && counts { 0.0 } else { s.value },
+                value: match same {
+                    Some(x) => x.value,
+                    None if counts => 0.0,
+                    None => s.value,
+                },
             })
             .unwrap();
         }
@@ -1139,6 +1155,13 @@ fn older_vllm_metric_names_in_the_report() {
     })
     .unwrap();
     let rec = read_recording(&path).unwrap();
+    (dir, rec)
+}
+
+#[test]
+fn older_vllm_metric_names_in_the_report() {
+    let page = include_str!("fixtures/metrics-vllm-0.8.txt");
+    let (_dir, rec) = two_scrapes("", page);
     let v = report_json(&rec, &opts(10));
     let e = &v["engines"][0];
     assert_eq!(e["id"], "engine0");
@@ -1152,6 +1175,11 @@ fn older_vllm_metric_names_in_the_report() {
     assert_close(&e["itl_ms"]["p50"], 10.0 * 15.0 / 29.0);
     assert_close(&e["itl_ms"]["p90"], 10.0 * 27.0 / 29.0);
     assert_close(&e["itl_ms"]["p99"], 10.0 + 15.0 * 0.7);
+    // p50 and p90 fell in the first bucket: only "at most 10 ms" is known.
+    assert_eq!(e["itl_ms"]["p50_bucket"], serde_json::json!([0.0, 10.0]));
+    assert_eq!(e["itl_ms"]["p99_bucket"], serde_json::json!([10.0, 25.0]));
+    // 0.8 had no per-request TPOT.
+    assert_eq!(e["tpot_ms"]["p50"], Value::Null);
     // The names that did not change: 32 generated tokens in 10 s; TTFT 2 observations,
     // one <= 20 ms, one <= 40 ms.
     assert_close(&e["gen_tok_s"]["mean"], 3.2);
@@ -1164,14 +1192,15 @@ fn older_vllm_metric_names_in_the_report() {
         .lines()
         .filter(|l| l.starts_with("| engine0 |"))
         .collect();
-    // The figures table (KV mean and max, hit rate) and the latency table (ITL p50 5.2 ms).
+    // The figures table (KV mean and max, hit rate) and the latency table (ITL p50 and p90
+    // inside the first bucket, p99 20.5 ms).
     assert!(
         rows.iter()
             .any(|r| r.matches("43.8%").count() == 2 && r.ends_with("| 25.0% |")),
         "{rows:?}"
     );
     assert!(
-        rows.iter().any(|r| r.contains("| 5.2 | 9.3 | 20.5 |")),
+        rows.iter().any(|r| r.contains("| ≤10.0 | ≤10.0 | 20.5 |")),
         "{rows:?}"
     );
 }
@@ -1235,4 +1264,54 @@ fn data_parallel_ranks_apart() {
     let (_d, _p, plain) = vllm_fixture();
     let v = report_json(&plain, &opts(10));
     assert!(v.get("engine_ranks").is_none() && v.get("rank_imbalance").is_none());
+}
+
+/// vLLM's per-request time per output token and where each quantile's rank fell: 100
+/// requests, 40 of TPOT <= 10 ms, 50 in (10, 25], 10 in (25, 50], 1.5 s in all; 10 first
+/// tokens, 9 <= 100 ms and one past the last bound.
+#[test]
+fn tpot_and_the_buckets_quantiles_fall_in() {
+    let page = "\
+# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_bucket{engine=\"0\",le=\"0.01\",model_name=\"m\"} 40.0
+vllm:request_time_per_output_token_seconds_bucket{engine=\"0\",le=\"0.025\",model_name=\"m\"} 90.0
+vllm:request_time_per_output_token_seconds_bucket{engine=\"0\",le=\"0.05\",model_name=\"m\"} 100.0
+vllm:request_time_per_output_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 100.0
+vllm:request_time_per_output_token_seconds_count{engine=\"0\",model_name=\"m\"} 100.0
+vllm:request_time_per_output_token_seconds_sum{engine=\"0\",model_name=\"m\"} 1.5
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.1\",model_name=\"m\"} 9.0
+vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 10.0
+vllm:time_to_first_token_seconds_count{engine=\"0\",model_name=\"m\"} 10.0
+vllm:time_to_first_token_seconds_sum{engine=\"0\",model_name=\"m\"} 3.0
+";
+    let (_dir, rec) = two_scrapes("", page);
+    let v = report_json(&rec, &opts(10));
+    let t = &v["engines"][0]["tpot_ms"];
+    assert_close(&t["count"], 100.0);
+    assert_close(&t["mean"], 15.0);
+    // Rank 50: 10 of the 50 in (10, 25]; rank 90: all of them; rank 99: 9 of the 10 above.
+    assert_close(&t["p50"], 13.0);
+    assert_close(&t["p90"], 25.0);
+    assert_close(&t["p99"], 47.5);
+    assert_eq!(t["p50_bucket"], serde_json::json!([10.0, 25.0]));
+    assert_eq!(t["p99_bucket"], serde_json::json!([25.0, 50.0]));
+    let f = &v["engines"][0]["ttft_ms"];
+    // Rank 9.9 lies past the last bound: Prometheus answers that bound, a lower bound only.
+    assert_close(&f["p99"], 100.0);
+    assert_eq!(f["p99_bucket"], serde_json::json!([100.0, null]));
+    assert_eq!(f["p50_bucket"], serde_json::json!([0.0, 100.0]));
+    let md = String::from_utf8(
+        views::report_with(&rec, &Selection::all(&rec), ReportFormat::Md, &opts(10)).unwrap(),
+    )
+    .unwrap();
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| engine0 |") && l.contains("| 15.00 |"))
+        .unwrap_or_else(|| panic!("no latency row with TPOT mean 15.00:\n{md}"));
+    // TTFT p50/p90 inside the first bucket, p99 past the last; TPOT mean, p50, p90, p99.
+    assert!(
+        row.starts_with("| engine0 | ≤100.0 | ≤100.0 | >100.0 | 15.00 | 13.0 | 25.0 | 47.5 |"),
+        "{row}"
+    );
 }

@@ -931,6 +931,18 @@ fn serve_discovery_and_scraped_throughput() {
     let ttft = latency(&names::TTFT).p50.expect("ttft");
     let itl = latency(&names::ITL).p50.expect("itl");
     assert!(ttft > 0.0 && ttft < p99 && itl > 0.0, "{ttft} {itl}");
+    // vLLM's per-request TPOT against its other histograms: one observation per finished
+    // request, as E2E has; and every request being 64 tokens long, its mean is the mean
+    // inter-token latency (the same first-to-last-token spans over the same token counts;
+    // ITL also has the tokens of requests cancelled at the window's end).
+    let (tpot, itl) = (latency(&names::TPOT), latency(&names::ITL));
+    eprintln!("tpot {tpot:?}\nitl {itl:?}");
+    assert_eq!(tpot.count, e2e.count, "TPOT and E2E observations");
+    let (tm, im) = (tpot.mean.expect("tpot mean"), itl.mean.expect("itl mean"));
+    assert!(
+        (tm / im - 1.0).abs() <= 0.10,
+        "TPOT mean {tm} ms vs ITL mean {im} ms"
+    );
     let max_in = |f| {
         ix.gauge(&e.id, f)
             .into_iter()

@@ -78,8 +78,10 @@ class EngineClient:
         self.bye = None
         self.engine_failed = None
         self.gen_tokens = 0
-        # (ns, value) observations for the truth: first token, inter-token, end-to-end
+        # (ns, value) observations for the truth: first token, per-request time per output
+        # token, inter-token, end-to-end
         self.ttft = []
+        self.tpot = []
         self.itl = []
         self.e2e = []
         self.window = None
@@ -208,6 +210,11 @@ class EngineClient:
                     v = now - r.arrival_ns
                     m.e2e.observe(v / 1e9)
                     self.e2e.append((now, v))
+                    # vLLM's TPOT: decode time (first to last token) over the tokens after
+                    # the first; 0 for a one-token request.
+                    v = (now - r.first_ns) // (r.tokens - 1) if r.tokens > 1 else 0
+                    m.tpot.observe(v / 1e9)
+                    self.tpot.append((now, v))
                     m.success["length"] += 1
                     del reqs[rid]
                     if r.routed:
@@ -472,7 +479,8 @@ def serve(args, cfg):
                          "finished_window": sum(1 for t, _ in client.e2e if start <= t < end),
                          "ttft_ns": _pairs_doc(client.ttft, start, end),
                          "itl_ns": _pairs_doc(client.itl, start, end),
-                         "e2e_ns": _pairs_doc(client.e2e, start, end)},
+                         "e2e_ns": _pairs_doc(client.e2e, start, end),
+                         "tpot_ns": _pairs_doc(client.tpot, start, end)},
             "metrics_final": metrics.render(),
         })
         if frontend is not None:

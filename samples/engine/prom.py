@@ -33,6 +33,8 @@ HELP = {
     "vllm:time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "vllm:inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "vllm:request_time_per_output_token_seconds": (
+        "Histogram of time_per_output_token_seconds per request."),
 }
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
@@ -95,6 +97,8 @@ class EngineMetrics:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        # vLLM's per-request TPOT: its buckets are the inter-token ones.
+        self.tpot = Histogram(ITL_BUCKETS)
 
     def render(self):
         with self.lock:
@@ -164,3 +168,4 @@ class EngineMetrics:
         yield self._histogram("vllm:time_to_first_token_seconds", self.ttft)
         yield self._histogram("vllm:inter_token_latency_seconds", self.itl)
         yield self._histogram("vllm:e2e_request_latency_seconds", self.e2e)
+        yield self._histogram("vllm:request_time_per_output_token_seconds", self.tpot)

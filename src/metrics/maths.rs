@@ -120,6 +120,13 @@ pub fn combine<'a>(
 /// falls in (from 0 for the first bucket); a rank in the `+Inf` bucket gives the highest
 /// finite bound. None without observations or without a `+Inf` bucket.
 pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
+    quantile_in_bucket(q, buckets).map(|(v, _)| v)
+}
+
+/// [`histogram_quantile`] and the bucket its rank fell in, `(lower, upper]`: where the true
+/// quantile lies (the value interpolates inside it). `upper` is `+Inf` for the last bucket,
+/// where the value is only the highest finite bound.
+pub fn quantile_in_bucket(q: f64, buckets: &[(f64, f64)]) -> Option<(f64, (f64, f64))> {
     let mut b: Vec<(f64, f64)> = buckets
         .iter()
         .copied()
@@ -143,12 +150,13 @@ pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
         .position(|&(_, c)| c >= rank)
         .unwrap_or(b.len() - 1);
     if i == b.len() - 1 {
-        return Some(b[b.len() - 2].0);
+        let highest = b[b.len() - 2].0;
+        return Some((highest, (highest, f64::INFINITY)));
     }
     let (end, count) = b[i];
     let (start, below) = if i == 0 {
         if end <= 0.0 {
-            return Some(end);
+            return Some((end, (f64::NEG_INFINITY, end)));
         }
         (0.0, 0.0)
     } else {
@@ -156,9 +164,12 @@ pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
     };
     let in_bucket = count - below;
     if in_bucket <= 0.0 {
-        return Some(end);
+        return Some((end, (start, end)));
     }
-    Some(start + (end - start) * (rank - below) / in_bucket)
+    Some((
+        start + (end - start) * (rank - below) / in_bucket,
+        (start, end),
+    ))
 }
 
 /// A histogram bucket's `le` label.
@@ -188,6 +199,36 @@ pub struct LatencyQuantiles {
     pub mean: Option<f64>,
     /// Observations (requests, or tokens for inter-token latency): the `_count` increase.
     pub count: f64,
+    /// The bucket each quantile's rank fell in, `[lower, upper]` ms (upper null for `+Inf`):
+    /// where the true quantile lies. A quantile is only as fine as the engine's buckets
+    /// (vLLM's inter-token and per-request TPOT buckets start at 10 ms: every token of a
+    /// 2-5 ms step falls in the first, and an interpolated p50 reads 5 ms whatever it was).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p50_bucket: Option<QuantileBucket>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p90_bucket: Option<QuantileBucket>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub p99_bucket: Option<QuantileBucket>,
+}
+
+/// A histogram bucket's bounds in ms, `(lower, upper]`; `upper` None for the `+Inf` bucket.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct QuantileBucket(pub f64, pub Option<f64>);
+
+impl LatencyQuantiles {
+    /// A quantile as a reader should see it: the interpolated value, except where its bucket
+    /// says only a bound is known: `≤ upper` in the first bucket (interpolated from 0),
+    /// `> lower` in `+Inf`.
+    pub fn show(value: Option<f64>, bucket: Option<QuantileBucket>, decimals: usize) -> String {
+        match (value, bucket) {
+            (None, _) => "-".into(),
+            (Some(_), Some(QuantileBucket(lo, None))) => format!(">{lo:.decimals$}"),
+            (Some(_), Some(QuantileBucket(lo, Some(hi)))) if lo <= 0.0 => {
+                format!("≤{hi:.decimals$}")
+            }
+            (Some(v), _) => format!("{v:.decimals$}"),
+        }
+    }
 }
 
 impl HistogramDelta {
@@ -197,13 +238,23 @@ impl HistogramDelta {
 
     /// Quantiles in ms of a histogram in seconds.
     pub fn quantiles_ms(&self) -> LatencyQuantiles {
-        let ms = |v: Option<f64>| v.map(|s| s * 1e3);
+        let q = |q: f64| quantile_in_bucket(q, &self.buckets);
+        let (p50, p90, p99) = (q(0.5), q(0.9), q(0.99));
+        let value = |x: Option<(f64, (f64, f64))>| x.map(|(v, _)| v * 1e3);
+        let bucket = |x: Option<(f64, (f64, f64))>| {
+            x.map(|(_, (lo, hi))| {
+                QuantileBucket(lo.max(0.0) * 1e3, hi.is_finite().then_some(hi * 1e3))
+            })
+        };
         LatencyQuantiles {
-            p50: ms(self.quantile(0.5)),
-            p90: ms(self.quantile(0.9)),
-            p99: ms(self.quantile(0.99)),
+            p50: value(p50),
+            p90: value(p90),
+            p99: value(p99),
             mean: (self.count > 0.0).then(|| self.sum / self.count * 1e3),
             count: self.count,
+            p50_bucket: bucket(p50),
+            p90_bucket: bucket(p90),
+            p99_bucket: bucket(p99),
         }
     }
 }

@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | KV-cache usage | `kv_cache_usage_perc` | `gpu_cache_usage_perc` (V0, V1 ≤ 0.10; hidden later) |
 //! | inter-token latency | `inter_token_latency_seconds` | `time_per_output_token_seconds` (≤ 0.12, deprecated in 0.11, removed in 0.13) |
+//! | time per output token, per request (TPOT: decode time / (tokens − 1)) | `request_time_per_output_token_seconds` | none (absent before V1 0.10: the older `time_per_output_token_seconds` was per token, the ITL above) |
 //! | prefix-cache queries/hits | `prefix_cache_{queries,hits}_total` | `gpu_prefix_cache_{queries,hits}_total` (V1 0.8–0.10) |
 //! | prefix-cache hit rate | (counters above) | `gpu_prefix_cache_hit_rate` gauge (V0; a fraction since the engine started, -1 without prefix caching) |
 //!
@@ -71,6 +72,8 @@ pub const ITL: Family = Family::new(
     Sum,
 );
 pub const E2E: Family = Family::new("vllm:e2e_request_latency_seconds", &[], Sum);
+/// Per finished request: its decode time over its output tokens less one (vLLM's TPOT).
+pub const TPOT: Family = Family::new("vllm:request_time_per_output_token_seconds", &[], Sum);
 /// Counters, in tokens.
 pub const PREFIX_QUERIES: Family = Family::new(
     "vllm:prefix_cache_queries_total",
@@ -87,7 +90,7 @@ pub const PREFIX_HIT_RATE_V0: Family = Family::new("vllm:gpu_prefix_cache_hit_ra
 
 /// Families the summaries read, with the sample name a scrape must hold (histograms by their
 /// `_bucket`); `discover --check` reports those an engine lacks under every spelling.
-pub const RELIED_ON: [(Family, &str); 10] = [
+pub const RELIED_ON: [(Family, &str); 11] = [
     (GENERATION_TOKENS, ""),
     (PROMPT_TOKENS, ""),
     (KV_CACHE_USAGE, ""),
@@ -96,12 +99,13 @@ pub const RELIED_ON: [(Family, &str); 10] = [
     (TTFT, "_bucket"),
     (ITL, "_bucket"),
     (E2E, "_bucket"),
+    (TPOT, "_bucket"),
     (PREFIX_QUERIES, ""),
     (PREFIX_HITS, ""),
 ];
 
 /// Every family a view reads.
-pub const ALL: [Family; 12] = [
+pub const ALL: [Family; 13] = [
     GENERATION_TOKENS,
     PROMPT_TOKENS,
     KV_CACHE_USAGE,
@@ -111,6 +115,7 @@ pub const ALL: [Family; 12] = [
     TTFT,
     ITL,
     E2E,
+    TPOT,
     PREFIX_QUERIES,
     PREFIX_HITS,
     PREFIX_HIT_RATE_V0,

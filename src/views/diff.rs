@@ -155,6 +155,10 @@ pub struct EngineDelta {
     pub kv_usage: Figure,
     pub ttft_p50_ms: Figure,
     pub itl_p50_ms: Figure,
+    /// Mean time per output token per request (`_sum` over `_count`: exact, where a
+    /// quantile is only as fine as vLLM's 10 ms-wide first bucket).
+    #[serde(default)]
+    pub tpot_mean_ms: Figure,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -264,7 +268,7 @@ struct Profile {
     fns: HashMap<(String, String), FnTally>,
     /// (process, probe) -> its calls
     probes: BTreeMap<(String, String), Vec<TimedCall>>,
-    engines: BTreeMap<String, [Thirds; 4]>,
+    engines: BTreeMap<String, [Thirds; 5]>,
 }
 
 impl Profile {
@@ -360,7 +364,7 @@ impl Profile {
         let mut engines = BTreeMap::new();
         for id in super::engines::engine_ids(rec, &ix) {
             let kv = ix.gauge(&id, &names::KV_CACHE_USAGE);
-            let f = |i: usize| -> [Option<f64>; 4] {
+            let f = |i: usize| -> [Option<f64>; 5] {
                 let (t0, t1) = halves.range(i);
                 let t1 = t1.max(t0 + 1);
                 let in_range: Vec<f64> = kv
@@ -379,6 +383,8 @@ impl Profile {
                         .then(|| in_range.iter().sum::<f64>() / in_range.len() as f64),
                     p50(&names::TTFT),
                     p50(&names::ITL),
+                    ix.histogram(&id, &names::TPOT, t0, t1)
+                        .and_then(|h| (h.count > 0.0).then(|| h.sum / h.count * 1e3)),
                 ]
             };
             let (w, h1, h2) = (f(0), f(1), f(2));
@@ -532,14 +538,15 @@ impl Diff {
         let engines = engine_ids
             .into_iter()
             .map(|id| {
-                let ea = pa.engines.get(id).copied().unwrap_or([none; 4]);
-                let eb = pb.engines.get(id).copied().unwrap_or([none; 4]);
+                let ea = pa.engines.get(id).copied().unwrap_or([none; 5]);
+                let eb = pb.engines.get(id).copied().unwrap_or([none; 5]);
                 EngineDelta {
                     engine: id.clone(),
                     gen_tok_s: Figure::new(ea[0], eb[0]),
                     kv_usage: Figure::new(ea[1], eb[1]),
                     ttft_p50_ms: Figure::new(ea[2], eb[2]),
                     itl_p50_ms: Figure::new(ea[3], eb[3]),
+                    tpot_mean_ms: Figure::new(ea[4], eb[4]),
                 }
             })
             .collect();
@@ -584,18 +591,19 @@ impl Diff {
             let _ = writeln!(s, "## Engines\n");
             let _ = writeln!(
                 s,
-                "| engine | gen tok/s | KV usage % | TTFT p50 ms | ITL p50 ms |"
+                "| engine | gen tok/s | KV usage % | TTFT p50 ms | TPOT mean ms | ITL p50 ms |"
             );
-            let _ = writeln!(s, "|---|---|---|---|---|");
+            let _ = writeln!(s, "|---|---|---|---|---|---|");
             for e in &self.engines {
                 let kv = scaled(&e.kv_usage, 100.0);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} |",
                     md(&e.engine),
                     cell(&e.gen_tok_s, 1),
                     cell(&kv, 1),
                     cell(&e.ttft_p50_ms, 1),
+                    cell(&e.tpot_mean_ms, 2),
                     cell(&e.itl_p50_ms, 2)
                 );
             }

@@ -61,6 +61,10 @@ pub struct EngineRow {
     pub ttft_ms: LatencyQuantiles,
     pub itl_ms: LatencyQuantiles,
     pub e2e_ms: LatencyQuantiles,
+    /// Time per output token per finished request (decode time over output tokens less one;
+    /// vLLM's `request_time_per_output_token_seconds`, V1 0.10+), ms.
+    #[serde(default)]
+    pub tpot_ms: LatencyQuantiles,
     /// Prefix-cache hits over queries (tokens) during the recording; null without queries.
     pub prefix_cache_hit_rate: Option<f64>,
     /// Failed scrapes.
@@ -251,6 +255,7 @@ pub fn engine_rows(
                 ttft_ms: latency(&names::TTFT),
                 itl_ms: latency(&names::ITL),
                 e2e_ms: latency(&names::E2E),
+                tpot_ms: latency(&names::TPOT),
                 prefix_cache_hit_rate: ix.prefix_cache_hit_rate(id, 0, end_ns.max(1)),
                 scrape_errors: errors.len() as u64,
                 last_scrape_error: errors.last().map(|e| e.error.clone()).unwrap_or_default(),

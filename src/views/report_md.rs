@@ -2,6 +2,7 @@
 //! per-window table with correlations and throughput drops, function latency and API-server
 //! stalls. Each section is left out when the recording has nothing for it.
 
+use crate::metrics::maths::LatencyQuantiles;
 use std::fmt::Write;
 
 use super::report::{md, Report};
@@ -138,30 +139,38 @@ impl Report {
         }
         let _ = writeln!(
             s,
-            "\nLatency over the recording, ms (from histogram bucket increases; requests: \
-             first tokens observed):\n"
+            "\nLatency over the recording, ms (from histogram bucket increases, as Prometheus's \
+             `histogram_quantile`; `≤x`: inside the engine's first bucket, where only the bound \
+             is known; `>x`: above its last; TPOT: time per output token per request, its mean \
+             exact; requests: first tokens observed):\n"
         );
         let _ = writeln!(
             s,
-            "| engine | TTFT p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | p90 | p99 | requests |"
+            "| engine | TTFT p50 | p90 | p99 | TPOT mean | p50 | p90 | p99 | ITL p50 | p90 | p99 | E2E p50 | p90 | p99 | requests |"
         );
-        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            s,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
         for e in &self.engines {
-            let (t, i, x) = (&e.ttft_ms, &e.itl_ms, &e.e2e_ms);
+            let q = |l: &LatencyQuantiles| {
+                [
+                    LatencyQuantiles::show(l.p50, l.p50_bucket, 1),
+                    LatencyQuantiles::show(l.p90, l.p90_bucket, 1),
+                    LatencyQuantiles::show(l.p99, l.p99_bucket, 1),
+                ]
+                .join(" | ")
+            };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} |",
                 md(&e.id),
-                opt(t.p50, 1),
-                opt(t.p90, 1),
-                opt(t.p99, 1),
-                opt(i.p50, 1),
-                opt(i.p90, 1),
-                opt(i.p99, 1),
-                opt(x.p50, 1),
-                opt(x.p90, 1),
-                opt(x.p99, 1),
-                t.count.round()
+                q(&e.ttft_ms),
+                opt(e.tpot_ms.mean, 2),
+                q(&e.tpot_ms),
+                q(&e.itl_ms),
+                q(&e.e2e_ms),
+                e.ttft_ms.count.round()
             );
         }
         if let Some(im) = &self.engine_imbalance {
@@ -203,20 +212,22 @@ impl Report {
             let _ = writeln!(s, "\nData-parallel ranks (vLLM's `engine` label):\n");
             let _ = writeln!(
                 s,
-                "| rank | gen tok/s | KV mean | running | waiting | TTFT p90 | ITL p90 |"
+                "| rank | gen tok/s | KV mean | running | waiting | TTFT p90 | TPOT p90 | ITL p90 |"
             );
-            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|");
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
             for e in &self.engine_ranks {
+                let p90 = |l: &LatencyQuantiles| LatencyQuantiles::show(l.p90, l.p90_bucket, 1);
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |",
                     md(&e.id),
                     opt(e.gen_tok_s.mean, 1),
                     pct_opt(e.kv_usage.mean),
                     opt(e.running.mean, 1),
                     opt(e.waiting.mean, 1),
-                    opt(e.ttft_ms.p90, 1),
-                    opt(e.itl_ms.p90, 1)
+                    p90(&e.ttft_ms),
+                    p90(&e.tpot_ms),
+                    p90(&e.itl_ms)
                 );
             }
             if let Some(g) = self
