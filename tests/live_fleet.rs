@@ -226,7 +226,9 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
         truths.push(truth_rate);
         // Per-request latency over the same window, against the API server's own clock: the
         // mean (the histogram's _sum over _count increase) within 5%, and each quantile's
-        // bucket holding the truth's quantile (a quantile is only as fine as its bucket).
+        // bucket holding the truth's quantile (a quantile is only as fine as its bucket),
+        // within 1% of its bounds: the sample engine's TPOT sits at 50.00 ms, a bound, and
+        // the histogram's window edges (scrapes) are not the truth's.
         for (family, key) in [(&names::TTFT, "ttft_ns"), (&names::TPOT, "tpot_ns")] {
             let l = ix
                 .histogram(&ids[i], family, t0, t1)
@@ -250,7 +252,7 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
                 let v = ms(q).expect("truth quantile");
                 let b = bucket.expect("a bucket");
                 assert!(
-                    v >= b.0 && b.1.is_none_or(|hi| v <= hi),
+                    v >= 0.99 * b.0 && b.1.is_none_or(|hi| v <= 1.01 * hi),
                     "{} {}: truth {q} {v} ms outside the bucket {b:?}",
                     ids[i],
                     family.name
