@@ -181,6 +181,10 @@ pub struct EngineMetrics {
     pub kv_cache: MetricView,
     pub running: MetricView,
     pub waiting: MetricView,
+    /// Time to first token and time per output token (per request) over the window, from
+    /// the histograms' bucket increases in it.
+    pub ttft: maths::LatencyQuantiles,
+    pub tpot: maths::LatencyQuantiles,
     /// The latest failed scrape, if any.
     pub scrape_error: Option<String>,
     /// Scrapes in the window that got a page, and those that failed.
@@ -626,6 +630,41 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     let view = |engine: &str, f: &Family, counter: bool| {
         metric_view(&family(engine, f), f, counter, start)
     };
+    // A latency histogram over the window: each series' increase between its first and last
+    // point in it, buckets added up by bound (label sets: DP ranks).
+    let histogram = |engine: &str, f: &Family| -> maths::LatencyQuantiles {
+        let ours = || rec.series.iter().filter(|s| s.engine == engine);
+        let Some(base) = f.resolve(|n| ours().any(|s| s.name.strip_suffix("_bucket") == Some(n)))
+        else {
+            return maths::LatencyQuantiles::default();
+        };
+        let increase = |id: u32| {
+            w.metric_points.get(&id).map_or(0.0, |q| {
+                let pts: Vec<(u64, f64)> = q.iter().copied().collect();
+                maths::series_increase(&pts, start, u64::MAX).0
+            })
+        };
+        let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+        let (mut sum, mut count) = (0.0, 0.0);
+        for s in ours() {
+            match s.name.strip_prefix(base) {
+                Some("_bucket") => {
+                    if let Some(le) = s.labels.get("le").and_then(|l| maths::parse_le(l)) {
+                        by_le.entry(le.to_bits()).or_insert((le, 0.0)).1 += increase(s.id);
+                    }
+                }
+                Some("_sum") => sum += increase(s.id),
+                Some("_count") => count += increase(s.id),
+                _ => {}
+            }
+        }
+        maths::HistogramDelta {
+            buckets: by_le.into_values().collect(),
+            sum,
+            count,
+        }
+        .quantiles_ms()
+    };
     let engine_metrics = engine_ids
         .into_iter()
         .map(|id| EngineMetrics {
@@ -638,6 +677,8 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             kv_cache: view(&id, &names::KV_CACHE_USAGE, false),
             running: view(&id, &names::RUNNING, false),
             waiting: view(&id, &names::WAITING, false),
+            ttft: histogram(&id, &names::TTFT),
+            tpot: histogram(&id, &names::TPOT),
             scrape_error: rec
                 .scrape_errors
                 .iter()

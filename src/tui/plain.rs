@@ -22,6 +22,17 @@ fn engine_line(e: &EngineMetrics) -> String {
         fmt_opt(e.running.now, |v| format!("{v:.0}")),
         fmt_opt(e.waiting.now, |v| format!("{v:.0}")),
     );
+    if e.ttft.count > 0.0 {
+        let q = |v, b| crate::metrics::LatencyQuantiles::show(v, b, 1);
+        s.push_str(&format!(
+            ", TTFT p50 {} p90 {} ms",
+            q(e.ttft.p50, e.ttft.p50_bucket),
+            q(e.ttft.p90, e.ttft.p90_bucket)
+        ));
+    }
+    if let Some(m) = e.tpot.mean {
+        s.push_str(&format!(", TPOT mean {m:.2} ms"));
+    }
     if let Some(err) = &e.scrape_error {
         s.push_str(&format!(" (last scrape failed: {err})"));
     }

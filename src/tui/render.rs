@@ -586,6 +586,29 @@ fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
             None,
             w,
         ),
+        Line::from(vec![
+            Span::raw(format!("{:<22}", "TTFT p50 / p90 ms")),
+            Span::styled(
+                format!(
+                    "{:>10}  ",
+                    format!(
+                        "{} / {}",
+                        latency_cell(&e.ttft, 0.5),
+                        latency_cell(&e.ttft, 0.9)
+                    )
+                ),
+                Style::new().bold(),
+            ),
+            Span::raw(format!("{:<20}", "TPOT mean / p90 ms")),
+            Span::styled(
+                format!(
+                    "{} / {}",
+                    e.tpot.mean.map_or("-".into(), |m| format!("{m:.1}")),
+                    latency_cell(&e.tpot, 0.9)
+                ),
+                Style::new().bold(),
+            ),
+        ]),
     ];
     if let Some(err) = &e.scrape_error {
         lines.push(Line::styled(
@@ -601,6 +624,17 @@ fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
     Paragraph::new(lines).block(Block::bordered().title(title))
 }
 
+/// A window's latency quantile (0.5 or 0.9) as the report prints it: `≤x` inside the first
+/// bucket, `>x` past the last, `-` without observations.
+fn latency_cell(l: &crate::metrics::LatencyQuantiles, q: f64) -> String {
+    let (v, b) = if q < 0.75 {
+        (l.p50, l.p50_bucket)
+    } else {
+        (l.p90, l.p90_bucket)
+    };
+    crate::metrics::LatencyQuantiles::show(v, b, 0)
+}
+
 /// From this many engines the Metrics view is one table row per engine (the fleet view).
 pub const FLEET_TABLE_FROM: usize = 3;
 
@@ -608,7 +642,7 @@ pub const FLEET_TABLE_FROM: usize = 3;
 /// coverage; sorted by the fleet sort column (`s`/`S`, `r` reverses).
 fn draw_fleet(f: &mut Frame, area: Rect, app: &App) {
     let rows = app.ui.fleet_rows(&app.snap);
-    let spark_w = area.width.saturating_sub(70).clamp(8, 40) as usize;
+    let spark_w = area.width.saturating_sub(90).clamp(8, 40) as usize;
     let gen_max = rows
         .iter()
         .filter_map(|e| e.gen_tokens_per_s.history.iter().copied().reduce(f64::max))
@@ -633,6 +667,8 @@ fn draw_fleet(f: &mut Frame, area: Rect, app: &App) {
                 Cell::from(e.kv_cache.now.map_or("-".to_string(), pct)),
                 Cell::from(num(e.running.now, 0)),
                 Cell::from(num(e.waiting.now, 0)),
+                Cell::from(latency_cell(&e.ttft, 0.9)),
+                Cell::from(e.tpot.mean.map_or("-".into(), |m| format!("{m:.1}"))),
                 cov_cell,
             ])
         })
@@ -651,6 +687,8 @@ fn draw_fleet(f: &mut Frame, area: Rect, app: &App) {
             Constraint::Length(7),
             Constraint::Length(8),
             Constraint::Length(8),
+            Constraint::Length(10),
+            Constraint::Length(9),
             Constraint::Length(11),
         ],
     )
@@ -662,6 +700,8 @@ fn draw_fleet(f: &mut Frame, area: Rect, app: &App) {
             "KV",
             "RUNNING",
             "WAITING",
+            "TTFT P90",
+            "TPOT ms",
             "SCRAPES OK",
         ])
         .style(Style::new().bold().underlined()),
@@ -689,7 +729,7 @@ fn draw_metrics(f: &mut Frame, area: Rect, app: &App) {
     }
     let heights: Vec<Constraint> = engines
         .iter()
-        .map(|e| Constraint::Length(if e.scrape_error.is_some() { 7 } else { 6 }))
+        .map(|e| Constraint::Length(if e.scrape_error.is_some() { 8 } else { 7 }))
         .chain(std::iter::once(Constraint::Min(0)))
         .collect();
     let areas = Layout::vertical(heights).split(area);
@@ -1018,6 +1058,8 @@ mod tests {
         assert!(gen.contains("████"), "{gen}");
         assert!(row_with(&scr, "KV cache usage").contains("42.0%"));
         assert!(row_with(&scr, "requests running").contains(" - "));
+        let lat = row_with(&scr, "TTFT p50 / p90 ms");
+        assert!(lat.contains("TPOT mean / p90 ms"), "{lat}");
         a.snap.engines.clear();
         let scr = screen(&a, 120, 12);
         row_with(&scr, "No engine metrics");
