@@ -1091,4 +1091,53 @@ mod tests {
         let s = snapshot(&w, &b.0, &topo);
         assert_eq!(s.process(300).unwrap().name, "Worker");
     }
+
+    /// TTFT over the window from its histogram's increases in it: from 5 s on, 10 first
+    /// tokens a second, 9 of them <= 100 ms, 200 ms on average; before that, first tokens of
+    /// 5 s that must not count. No TPOT series: nothing.
+    #[test]
+    fn latency_histograms_over_the_window() {
+        let mut b = Rec::new().process(100, "python3 -m vllm.entrypoints.openai.api_server", "");
+        let base = "vllm:time_to_first_token_seconds";
+        let series = [
+            (format!("{base}_bucket"), Some("0.1")),
+            (format!("{base}_bucket"), Some("+Inf")),
+            (format!("{base}_sum"), None),
+            (format!("{base}_count"), None),
+        ];
+        for (i, (name, le)) in series.iter().enumerate() {
+            b.0.series.push(MetricSeries {
+                id: i as u32,
+                engine: "engine0".into(),
+                name: name.clone(),
+                labels: le
+                    .map(|l| [("le".to_string(), l.to_string())].into())
+                    .unwrap_or_default(),
+                kind: "histogram".into(),
+            });
+        }
+        for k in 0..=20u64 {
+            let (slow, fast) = (k.min(5) as f64, k.saturating_sub(5) as f64);
+            let (n, fast_n, sum) = (10.0 * (slow + fast), 9.0 * fast, 50.0 * slow + 2.0 * fast);
+            for (series, value) in [(0, fast_n), (1, n), (2, sum), (3, n)] {
+                b.0.metrics.push(MetricPoint {
+                    t_ns: k * S,
+                    series,
+                    value,
+                });
+            }
+        }
+        let s = snap_at(&b.0, 20 * S);
+        assert!(s.window_start_ns >= 5 * S, "{}", s.window_start_ns);
+        let seconds = (20 * S - s.window_start_ns) as f64 / S as f64;
+        let t = &s.engines[0].ttft;
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| (a - b).abs() < 1e-6);
+        assert!(close(Some(t.count), 10.0 * seconds), "{t:?}");
+        assert!(close(t.mean, 200.0), "{t:?}");
+        assert!(close(t.p50, 100.0 * 50.0 / 90.0), "{t:?}");
+        assert_eq!(t.p50_bucket, Some(maths::QuantileBucket(0.0, Some(100.0))));
+        assert_eq!(t.p99_bucket, Some(maths::QuantileBucket(100.0, None)));
+        let e = &s.engines[0];
+        assert_eq!(e.tpot, maths::LatencyQuantiles::default());
+    }
 }
