@@ -239,7 +239,8 @@ impl BpfSampler {
             match closer::UprobeCloser::spawn() {
                 Ok(c) => self.closer = Some(c),
                 Err(e) => eprintln!(
-                    "enginescope: could not start the process that removes GC uprobes ({e});                      a SIGKILL while they are removed may leave them in the traced processes"
+                    "enginescope: could not start the process that removes GC uprobes ({e}); \
+                     a SIGKILL while they are removed may leave them in the traced processes"
                 ),
             }
         }
