@@ -191,29 +191,21 @@ impl<'r> MetricIndex<'r> {
         t1: u64,
     ) -> Option<HistogramDelta> {
         let base = self.resolve(engine, family, "_bucket")?;
-        let buckets = self.series(engine, &format!("{base}_bucket"));
-        let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
-        for p in buckets {
-            let Some(le) = p.le.and_then(parse_le) else {
-                continue;
-            };
-            let (v, _) = series_increase(&p.pts, t0, t1);
-            // Key by the bound's bits (bounds are non-negative, so bit order is value order).
-            by_le.entry(le.to_bits()).or_insert((le, 0.0)).1 += v;
-        }
+        let buckets = self
+            .series(engine, &format!("{base}_bucket"))
+            .iter()
+            .filter_map(|p| Some((p.le.and_then(parse_le)?, series_increase(&p.pts, t0, t1).0)));
         let inc = |suffix: &str| {
             self.series(engine, &format!("{base}_{suffix}"))
                 .iter()
                 .map(|p| series_increase(&p.pts, t0, t1).0)
                 .sum::<f64>()
         };
-        let mut buckets: Vec<(f64, f64)> = by_le.into_values().collect();
-        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-        Some(HistogramDelta {
+        Some(HistogramDelta::from_increases(
             buckets,
-            sum: inc("sum"),
-            count: inc("count"),
-        })
+            inc("sum"),
+            inc("count"),
+        ))
     }
 
     /// Prefix-cache hits over queries (tokens) within `[t0, t1)`; None without queries. An

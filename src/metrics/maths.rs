@@ -216,10 +216,19 @@ pub struct LatencyQuantiles {
 pub struct QuantileBucket(pub f64, pub Option<f64>);
 
 impl LatencyQuantiles {
+    /// p50, p90 and p99 as a reader should see them ([`show`](Self::show)), `decimals` places.
+    pub fn shown(&self, decimals: usize) -> [String; 3] {
+        [
+            Self::show(self.p50, self.p50_bucket, decimals),
+            Self::show(self.p90, self.p90_bucket, decimals),
+            Self::show(self.p99, self.p99_bucket, decimals),
+        ]
+    }
+
     /// A quantile as a reader should see it: the interpolated value, except where its bucket
     /// says only a bound is known: `≤ upper` in the first bucket (interpolated from 0),
-    /// `> lower` in `+Inf`.
-    pub fn show(value: Option<f64>, bucket: Option<QuantileBucket>, decimals: usize) -> String {
+    /// `> lower` in `+Inf`; `-` without one.
+    fn show(value: Option<f64>, bucket: Option<QuantileBucket>, decimals: usize) -> String {
         match (value, bucket) {
             (None, _) => "-".into(),
             (Some(_), Some(QuantileBucket(lo, None))) => format!(">{lo:.decimals$}"),
@@ -232,6 +241,33 @@ impl LatencyQuantiles {
 }
 
 impl HistogramDelta {
+    /// From each `_bucket` series' increase (`(le, increase)`, label sets other than `le`
+    /// added up by bound) and the `_sum` and `_count` increases.
+    pub fn from_increases(
+        buckets: impl IntoIterator<Item = (f64, f64)>,
+        sum: f64,
+        count: f64,
+    ) -> HistogramDelta {
+        // Keyed by the bound's bits (bounds are non-negative, so bit order is value order).
+        let mut by_le: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
+        for (le, v) in buckets {
+            by_le.entry(le.to_bits()).or_insert((le, 0.0)).1 += v;
+        }
+        let mut buckets: Vec<(f64, f64)> = by_le.into_values().collect();
+        buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+        HistogramDelta {
+            buckets,
+            sum,
+            count,
+        }
+    }
+
+    /// `_sum` increase over `_count` increase, ms (of a histogram in seconds); None without
+    /// observations.
+    pub fn mean_ms(&self) -> Option<f64> {
+        (self.count > 0.0).then(|| self.sum / self.count * 1e3)
+    }
+
     pub fn quantile(&self, q: f64) -> Option<f64> {
         histogram_quantile(q, &self.buckets)
     }
@@ -250,7 +286,7 @@ impl HistogramDelta {
             p50: value(p50),
             p90: value(p90),
             p99: value(p99),
-            mean: (self.count > 0.0).then(|| self.sum / self.count * 1e3),
+            mean: self.mean_ms(),
             count: self.count,
             p50_bucket: bucket(p50),
             p90_bucket: bucket(p90),

@@ -644,13 +644,13 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 maths::series_increase(&pts, start, u64::MAX).0
             })
         };
-        let mut by_le: BTreeMap<u64, (f64, f64)> = BTreeMap::new();
+        let mut buckets = Vec::new();
         let (mut sum, mut count) = (0.0, 0.0);
         for s in ours() {
             match s.name.strip_prefix(base) {
                 Some("_bucket") => {
                     if let Some(le) = s.labels.get("le").and_then(|l| maths::parse_le(l)) {
-                        by_le.entry(le.to_bits()).or_insert((le, 0.0)).1 += increase(s.id);
+                        buckets.push((le, increase(s.id)));
                     }
                 }
                 Some("_sum") => sum += increase(s.id),
@@ -658,12 +658,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 _ => {}
             }
         }
-        maths::HistogramDelta {
-            buckets: by_le.into_values().collect(),
-            sum,
-            count,
-        }
-        .quantiles_ms()
+        maths::HistogramDelta::from_increases(buckets, sum, count).quantiles_ms()
     };
     let engine_metrics = engine_ids
         .into_iter()

@@ -23,12 +23,8 @@ fn engine_line(e: &EngineMetrics) -> String {
         fmt_opt(e.waiting.now, |v| format!("{v:.0}")),
     );
     if e.ttft.count > 0.0 {
-        let q = |v, b| crate::metrics::LatencyQuantiles::show(v, b, 1);
-        s.push_str(&format!(
-            ", TTFT p50 {} p90 {} ms",
-            q(e.ttft.p50, e.ttft.p50_bucket),
-            q(e.ttft.p90, e.ttft.p90_bucket)
-        ));
+        let [p50, p90, _] = e.ttft.shown(1);
+        s.push_str(&format!(", TTFT p50 {p50} p90 {p90} ms"));
     }
     if let Some(m) = e.tpot.mean {
         s.push_str(&format!(", TPOT mean {m:.2} ms"));

@@ -586,29 +586,21 @@ fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
             None,
             w,
         ),
-        Line::from(vec![
-            Span::raw(format!("{:<22}", "TTFT p50 / p90 ms")),
-            Span::styled(
-                format!(
-                    "{:>10}  ",
-                    format!(
-                        "{} / {}",
-                        latency_cell(&e.ttft, 0.5),
-                        latency_cell(&e.ttft, 0.9)
-                    )
+        {
+            let ([t50, t90, _], [_, p90, _]) = (e.ttft.shown(0), e.tpot.shown(0));
+            Line::from(vec![
+                Span::raw(format!("{:<22}", "TTFT p50 / p90 ms")),
+                Span::styled(
+                    format!("{:>10}  ", format!("{t50} / {t90}")),
+                    Style::new().bold(),
                 ),
-                Style::new().bold(),
-            ),
-            Span::raw(format!("{:<20}", "TPOT mean / p90 ms")),
-            Span::styled(
-                format!(
-                    "{} / {}",
-                    e.tpot.mean.map_or("-".into(), |m| format!("{m:.1}")),
-                    latency_cell(&e.tpot, 0.9)
+                Span::raw(format!("{:<20}", "TPOT mean / p90 ms")),
+                Span::styled(
+                    format!("{} / {p90}", tpot_mean_cell(e)),
+                    Style::new().bold(),
                 ),
-                Style::new().bold(),
-            ),
-        ]),
+            ])
+        },
     ];
     if let Some(err) = &e.scrape_error {
         lines.push(Line::styled(
@@ -624,15 +616,9 @@ fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
     Paragraph::new(lines).block(Block::bordered().title(title))
 }
 
-/// A window's latency quantile (0.5 or 0.9) as the report prints it: `≤x` inside the first
-/// bucket, `>x` past the last, `-` without observations.
-fn latency_cell(l: &crate::metrics::LatencyQuantiles, q: f64) -> String {
-    let (v, b) = if q < 0.75 {
-        (l.p50, l.p50_bucket)
-    } else {
-        (l.p90, l.p90_bucket)
-    };
-    crate::metrics::LatencyQuantiles::show(v, b, 0)
+/// The window's mean time per output token, ms (`-` without finished requests).
+fn tpot_mean_cell(e: &EngineMetrics) -> String {
+    e.tpot.mean.map_or("-".into(), |m| format!("{m:.1}"))
 }
 
 /// From this many engines the Metrics view is one table row per engine (the fleet view).
@@ -667,8 +653,8 @@ fn draw_fleet(f: &mut Frame, area: Rect, app: &App) {
                 Cell::from(e.kv_cache.now.map_or("-".to_string(), pct)),
                 Cell::from(num(e.running.now, 0)),
                 Cell::from(num(e.waiting.now, 0)),
-                Cell::from(latency_cell(&e.ttft, 0.9)),
-                Cell::from(e.tpot.mean.map_or("-".into(), |m| format!("{m:.1}"))),
+                Cell::from(e.ttft.shown(0)[1].clone()),
+                Cell::from(tpot_mean_cell(e)),
                 cov_cell,
             ])
         })

@@ -384,7 +384,7 @@ impl Profile {
                     p50(&names::TTFT),
                     p50(&names::ITL),
                     ix.histogram(&id, &names::TPOT, t0, t1)
-                        .and_then(|h| (h.count > 0.0).then(|| h.sum / h.count * 1e3)),
+                        .and_then(|h| h.mean_ms()),
                 ]
             };
             let (w, h1, h2) = (f(0), f(1), f(2));

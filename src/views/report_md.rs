@@ -153,14 +153,7 @@ impl Report {
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for e in &self.engines {
-            let q = |l: &LatencyQuantiles| {
-                [
-                    LatencyQuantiles::show(l.p50, l.p50_bucket, 1),
-                    LatencyQuantiles::show(l.p90, l.p90_bucket, 1),
-                    LatencyQuantiles::show(l.p99, l.p99_bucket, 1),
-                ]
-                .join(" | ")
-            };
+            let q = |l: &LatencyQuantiles| l.shown(1).join(" | ");
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {} | {} | {} | {} |",
@@ -216,7 +209,7 @@ impl Report {
             );
             let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|");
             for e in &self.engine_ranks {
-                let p90 = |l: &LatencyQuantiles| LatencyQuantiles::show(l.p90, l.p90_bucket, 1);
+                let p90 = |l: &LatencyQuantiles| l.shown(1)[1].clone();
                 let _ = writeln!(
                     s,
                     "| {} | {} | {} | {} | {} | {} | {} | {} |",
