@@ -413,14 +413,19 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
             &[("engine", ""), ("role", role.as_str()), ("thread", name)],
         )
     };
+    // The recorder ends its last segment with the threads' last intervals, then its counters
+    // (rotations among them), then the end record; the agent may read a prefix of that. It
+    // has read the whole when the rotations counted equal the segments' boundaries.
+    let rotations = (recs.len() - 1) as f64;
     let exp = poll_until(Duration::from_secs(15), Duration::from_millis(200), || {
         let exp = parse_exposition(&agent.metrics());
-        let caught_up = names.iter().all(|n| {
-            let c = exported(&exp, "enginescope_thread_cpu_seconds_total", n);
-            let o = exported(&exp, "enginescope_thread_offcpu_seconds_total", n);
-            (c - seg.cpu.get(n).copied().unwrap_or(0.0)).abs() < 1e-6
-                && (o - seg.offcpu.get(n).copied().unwrap_or(0.0)).abs() < 1e-6
-        });
+        let caught_up = sum_of(&exp, "enginescope_recording_rotations_total", &[]) == rotations
+            && names.iter().all(|n| {
+                let c = exported(&exp, "enginescope_thread_cpu_seconds_total", n);
+                let o = exported(&exp, "enginescope_thread_offcpu_seconds_total", n);
+                (c - seg.cpu.get(n).copied().unwrap_or(0.0)).abs() < 1e-6
+                    && (o - seg.offcpu.get(n).copied().unwrap_or(0.0)).abs() < 1e-6
+            });
         (caught_up, exp)
     });
     let mut report = Vec::new();
@@ -469,7 +474,11 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
         ),
         1.0
     );
-    assert!(sum_of(&exp, "enginescope_recording_rotations_total", &[]) >= (recs.len() - 1) as f64);
+    assert_eq!(
+        sum_of(&exp, "enginescope_recording_rotations_total", &[]),
+        rotations,
+        "rotations exported against the segments written"
+    );
     assert_eq!(
         sum_of(&exp, "enginescope_recording_segments", &[]),
         recs.len() as f64
