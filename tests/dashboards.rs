@@ -278,11 +278,14 @@ fn dashboards_are_valid_and_query_exported_metrics() {
         "expected the overview and the thread dashboards"
     );
     assert!(errs.is_empty(), "{}", errs.join("\n"));
-    // The dashboards show what the issue asks for: vLLM throughput and KV usage beside
+    // The dashboards show what the issue asks for: vLLM throughput, KV usage, TTFT and TPOT beside
     // enginescope's CPU, GIL, GC and queue latency, and the agent's health.
     for m in [
         "vllm:generation_tokens_total",
         "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:request_time_per_output_token_seconds_sum",
+        "vllm:request_time_per_output_token_seconds_bucket",
         "enginescope_thread_cpu_seconds_total",
         "enginescope_thread_gil_wait_seconds_total",
         "enginescope_thread_gil_held_seconds_total",
