@@ -34,16 +34,22 @@ pub enum FleetSort {
     KvCache,
     Running,
     Waiting,
+    /// TTFT p90 over the window (slowest first by default).
+    TtftP90,
+    /// Mean time per output token over the window.
+    TpotMean,
     Coverage,
     Name,
 }
 
 impl FleetSort {
-    pub const ALL: [FleetSort; 6] = [
+    pub const ALL: [FleetSort; 8] = [
         FleetSort::GenTokens,
         FleetSort::KvCache,
         FleetSort::Running,
         FleetSort::Waiting,
+        FleetSort::TtftP90,
+        FleetSort::TpotMean,
         FleetSort::Coverage,
         FleetSort::Name,
     ];
@@ -54,6 +60,8 @@ impl FleetSort {
             FleetSort::KvCache => "KV",
             FleetSort::Running => "running",
             FleetSort::Waiting => "waiting",
+            FleetSort::TtftP90 => "TTFT p90",
+            FleetSort::TpotMean => "TPOT",
             FleetSort::Coverage => "scrapes ok",
             FleetSort::Name => "engine",
         }
@@ -64,16 +72,17 @@ impl FleetSort {
         Self::ALL[(i + by).rem_euclid(Self::ALL.len() as isize) as usize]
     }
 
-    fn value(self, e: &EngineMetrics) -> f64 {
-        let v = match self {
+    fn value(self, e: &EngineMetrics) -> Option<f64> {
+        match self {
             FleetSort::GenTokens => e.gen_tokens_per_s.now,
             FleetSort::KvCache => e.kv_cache.now,
             FleetSort::Running => e.running.now,
             FleetSort::Waiting => e.waiting.now,
+            FleetSort::TtftP90 => e.ttft.p90,
+            FleetSort::TpotMean => e.tpot.mean,
             FleetSort::Coverage => coverage(e),
             FleetSort::Name => None,
-        };
-        v.unwrap_or(f64::NEG_INFINITY)
+        }
     }
 }
 
@@ -243,15 +252,18 @@ impl Ui {
     }
 
     /// The fleet table's rows: engines by the fleet sort column, largest first unless
-    /// reversed (names A→Z); ties by name.
+    /// reversed (names A→Z), engines without the figure last either way; ties by name.
     pub fn fleet_rows<'a>(&self, snap: &'a Snapshot) -> Vec<&'a EngineMetrics> {
         let mut v: Vec<&EngineMetrics> = snap.engines.iter().collect();
+        let dir = |o: std::cmp::Ordering| if self.ascending { o } else { o.reverse() };
         v.sort_by(|a, b| {
             let o = match self.fleet_sort {
-                FleetSort::Name => b.engine.cmp(&a.engine),
-                k => k.value(a).total_cmp(&k.value(b)),
+                FleetSort::Name => dir(b.engine.cmp(&a.engine)),
+                k => match (k.value(a), k.value(b)) {
+                    (Some(x), Some(y)) => dir(x.total_cmp(&y)),
+                    (x, y) => y.is_some().cmp(&x.is_some()),
+                },
             };
-            let o = if self.ascending { o } else { o.reverse() };
             o.then(a.engine.cmp(&b.engine))
         });
         v
@@ -447,6 +459,7 @@ impl Ui {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::metrics::maths;
     use crate::tui::model::{snapshot, Topology};
     use crate::tui::testutil::*;
     use crate::tui::window::Window;
@@ -511,6 +524,49 @@ pub(crate) mod tests {
         );
         ui.on_key(&s, key(KeyCode::Char('S')));
         assert_eq!(ui.sort, SortKey::OffCpu);
+    }
+
+    /// The fleet table sorts by the window's TTFT p90 and TPOT mean: slowest engine first,
+    /// engines without finished requests last; `r` puts the fastest first.
+    #[test]
+    fn fleet_sorts_by_ttft_and_tpot() {
+        let engine = |name: &str, ttft_p90: Option<f64>, tpot_mean: Option<f64>| EngineMetrics {
+            engine: name.into(),
+            ttft: maths::LatencyQuantiles {
+                p90: ttft_p90,
+                ..Default::default()
+            },
+            tpot: maths::LatencyQuantiles {
+                mean: tpot_mean,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let s = Snapshot {
+            engines: vec![
+                engine("a", Some(120.0), Some(9.0)),
+                engine("b", None, None),
+                engine("c", Some(480.0), Some(4.5)),
+                engine("d", Some(60.0), Some(30.0)),
+            ],
+            ..Default::default()
+        };
+        let names = |ui: &Ui| -> Vec<String> {
+            ui.fleet_rows(&s).iter().map(|e| e.engine.clone()).collect()
+        };
+        let mut ui = Ui {
+            view: View::Metrics,
+            ..Ui::default()
+        };
+        while ui.fleet_sort != FleetSort::TtftP90 {
+            ui.on_key(&s, key(KeyCode::Char('s')));
+        }
+        assert_eq!(names(&ui), ["c", "a", "d", "b"]);
+        ui.on_key(&s, key(KeyCode::Char('s')));
+        assert_eq!(ui.fleet_sort, FleetSort::TpotMean);
+        assert_eq!(names(&ui), ["d", "a", "c", "b"]);
+        ui.on_key(&s, key(KeyCode::Char('r')));
+        assert_eq!(names(&ui), ["c", "a", "d", "b"]);
     }
 
     #[test]

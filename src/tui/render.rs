@@ -806,7 +806,7 @@ const HELP: &[(&str, &str)] = &[
     (
         "s / S",
         "sort by the next / previous column (threads: CPU, GIL, GIL wait, GC, off-CPU, name; \
-         fleet table: gen tok/s, KV, running, waiting, scrapes ok, engine)",
+         fleet table: gen tok/s, KV, running, waiting, TTFT p90, TPOT, scrapes ok, engine)",
     ),
     ("r", "reverse the sort order"),
     (
