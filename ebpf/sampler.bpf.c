@@ -420,12 +420,29 @@ static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u
         count(ES_C_RINGBUF_FULL);
 }
 
+#define ES_NR_SCHED_YIELD 24 /* x86-64 */
+
+/* Is the current task switching out inside sched_yield(2)? orig_rax holds the system call
+ * being made (-1 after an interrupt from user mode: preempted). */
+static __always_inline int in_sched_yield(void)
+{
+    struct task_struct *task = bpf_get_current_task_btf();
+    struct pt_regs *tr = (struct pt_regs *)bpf_task_pt_regs(task);
+    __u64 nr = 0;
+    if (!tr || bpf_probe_read_kernel(&nr, sizeof(nr), &tr->orig_rax))
+        return 0;
+    return nr == ES_NR_SCHED_YIELD;
+}
+
 /* Only threads user space knows (with a PyThreadState) are traced off-CPU: a native thread
  * (BLAS/OpenMP pools, torch, gRPC) has no Python stack to blame, and engines have dozens of
- * them switching thousands of times a second. A switch-out of a still-runnable thread
- * (preempted, or sched_yield in a busy-wait loop) carries no stack: user space gives the
- * interval the thread's last known stack. This keeps the event rate of yield-spinning loops
- * (vLLM's shm_broadcast) to two 32-byte records per yield. */
+ * them switching thousands of times a second. A switch-out of a still-runnable thread is
+ * marked preempted. Inside sched_yield (a busy-wait loop: vLLM's shm_broadcast) it carries no
+ * stack and user space gives the interval the thread's last known stack: two 32-byte records
+ * per yield. Any other (preempted by the scheduler) walks the stack, as a sample does: the
+ * last known stack can be another function's (a thread preempted right after dropping the GIL
+ * on its way into a blocking read would otherwise be blamed on the function it sampled last),
+ * and preemptions come at most once per time slice. */
 SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
 {
@@ -439,7 +456,10 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
         } else if (preempt || prev_state == 0) {
             /* Runs in prev's context: its memory is the current address space. */
             count(ES_C_SWITCH_OUT);
-            submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
+            if (!preempt && in_sched_yield())
+                submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
+            else
+                record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, ES_EV_PREEMPTED, 0);
         } else {
             count(ES_C_SWITCH_OUT);
             record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0, 0);

@@ -485,7 +485,7 @@ fn prepare(
                 entry,
             }
         }
-        // Still runnable (preempted, yielded): no stack walked.
+        // Still runnable inside sched_yield (a busy-wait loop): no stack walked.
         kind::SWITCH_OUT => Body::Preempted,
         kind::PROBE_HIT => Body::ProbeHit(h.ip, abi::parse_probe_frame(bytes)?),
         kind::SWITCH_IN => Body::SwitchIn,

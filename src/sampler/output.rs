@@ -266,7 +266,7 @@ mod tests {
         let second = rotator.path.clone();
         assert_ne!(second, first);
 
-        // The thread's last known stack (for preempted switch-outs recorded without a walk)
+        // The thread's last known stack (for yields recorded without a walk)
         // names the same frames in the new segment.
         pipe.switch_in(me, tid, rot + 5 * ms).unwrap();
         let last = pipe.last_stack(me, tid);

@@ -17,7 +17,7 @@ struct ThreadTimeline {
     /// Stack at recording start, for a thread that had not run yet.
     initial_stack: Option<u32>,
     seen_event: bool,
-    /// The thread's latest known stack (sample or blocking switch-out).
+    /// The thread's latest known stack (a sample, or a switch-out with its stack walked).
     last_stack: u32,
 }
 
@@ -112,8 +112,8 @@ impl<W: Sink> Pipeline<W> {
         self.sample_weighted(pid, tid, t_ns, stack, fl, weight_ns)
     }
 
-    /// The thread's latest known stack: what a preempted switch-out (recorded without a stack
-    /// walk) is attributed to. 0 (empty) when none is known yet.
+    /// The thread's latest known stack: what a switch-out recorded without a stack walk (a
+    /// yield in a busy-wait loop) is attributed to. 0 (empty) when none is known yet.
     pub fn last_stack(&self, pid: i32, tid: i32) -> u32 {
         self.timelines.get(&(pid, tid)).map_or(0, |t| {
             if t.last_stack != 0 {
@@ -534,7 +534,7 @@ mod tests {
         p.sample(1, 10, t0 + 5 * MS, 7, 0, 10 * MS).unwrap();
         p.switch_out(1, 10, t0 + 10 * MS, 8, false).unwrap();
         p.switch_in(1, 10, t0 + 25 * MS).unwrap();
-        // Preempted: no stack walked; the last known stack stands for it.
+        // Yielded (no stack walked): the last known stack stands for it.
         let last = p.last_stack(1, 10);
         assert_eq!(last, 8);
         p.switch_out(1, 10, t0 + 30 * MS, last, true).unwrap();
