@@ -355,7 +355,10 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
     __u64 now = bpf_ktime_get_ns();
     struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
     if (t->flags & (ES_TARGET_KSTACK | ES_TARGET_USTACK))
-        record_native(ctx, slot, t, tgid, tid, now, uregs, kind == ES_EV_SWITCH_OUT,
+        /* Blocked in a system call: a shallow native stack. A preempted thread was stopped
+         * anywhere, as a sampled one is. */
+        record_native(ctx, slot, t, tgid, tid, now, uregs,
+                      kind == ES_EV_SWITCH_OUT && !(extra_flags & ES_EV_PREEMPTED),
                       th && th->tgid == tgid ? th->ustack_window : 0);
     ev->h.kind = kind;
     ev->h.tgid = tgid;
