@@ -51,6 +51,43 @@ pub fn realtime_this_thread() -> Result<(), String> {
     }
 }
 
+/// The CPU affinity of thread `tid` (0 = the calling thread).
+pub fn affinity(tid: i32) -> std::io::Result<libc::cpu_set_t> {
+    // SAFETY: cpu_set_t is plain data; all zeros is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: sched_getaffinity writes at most `size_of::<cpu_set_t>()` bytes into `set`.
+    let rc =
+        unsafe { libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    if rc == 0 {
+        Ok(set)
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Set the CPU affinity of thread `tid` (0 = the calling thread).
+pub fn set_affinity(tid: i32, set: &libc::cpu_set_t) -> std::io::Result<()> {
+    // SAFETY: sched_setaffinity reads `size_of::<cpu_set_t>()` bytes of `set`.
+    let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), set) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Pin thread `tid` (0 = the calling thread) to CPU `cpu`.
+pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
+    // SAFETY: cpu_set_t is plain data; all zeros is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: CPU_SET writes one bit of `set`; `cpu` past the set's size is refused below.
+    if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
+        return Err(std::io::Error::other(format!("CPU {cpu} out of range")));
+    }
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    set_affinity(tid, &set)
+}
+
 /// Back to `SCHED_OTHER` (see [`realtime_this_thread`]).
 pub fn normal_this_thread() {
     let param = libc::sched_param { sched_priority: 0 };
@@ -180,5 +217,74 @@ mod tests {
             !c.is_stopped(),
             "a new run is not stopped by an earlier stop"
         );
+    }
+}
+
+/// Start-up and shutdown steps timed, in the order they ended: what `record` did between the
+/// command and its window, and between the window's end and its exit (docs/benchmarks.md).
+/// `ENGINESCOPE_TIMINGS=1` prints each as it ends; the recording keeps them as counters
+/// (`step_<name>_us`).
+pub mod steps {
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    static STEPS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+
+    fn printing() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("ENGINESCOPE_TIMINGS").is_ok_and(|v| v == "1"))
+    }
+
+    /// Times one step from now until the guard drops.
+    pub struct Step {
+        name: &'static str,
+        start: Instant,
+    }
+
+    /// Time the step `name` until the returned guard drops.
+    pub fn step(name: &'static str) -> Step {
+        Step {
+            name,
+            start: Instant::now(),
+        }
+    }
+
+    /// Note a step's length measured elsewhere.
+    pub fn note(name: &str, us: u64) {
+        if printing() {
+            static T0: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+            let t0 = T0.get_or_init(Instant::now);
+            eprintln!(
+                "enginescope: step {name}: {:.1} ms (ended at {:.3} s)",
+                us as f64 / 1e3,
+                t0.elapsed().as_secs_f64()
+            );
+        }
+        if let Ok(mut s) = STEPS.lock() {
+            // Bounded: a long recording that adds targets keeps the first 256 steps.
+            if s.len() < 256 {
+                s.push((name.to_string(), us));
+            }
+        }
+    }
+
+    impl Drop for Step {
+        fn drop(&mut self) {
+            note(self.name, self.start.elapsed().as_micros() as u64);
+        }
+    }
+
+    /// The steps timed so far, summed by name (a step done once per target adds up).
+    pub fn totals() -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = Vec::new();
+        if let Ok(s) = STEPS.lock() {
+            for (name, us) in s.iter() {
+                match out.iter_mut().find(|(n, _)| n == name) {
+                    Some(e) => e.1 += us,
+                    None => out.push((name.clone(), *us)),
+                }
+            }
+        }
+        out
     }
 }

@@ -658,6 +658,39 @@ pub struct ElfFacts {
     pub bss: Option<(u64, u64)>,
 }
 
+/// [`inspect_elf`] of a mapped file, read once per file: engines run several processes of
+/// one interpreter, and each reader of a target (the recorder, its task readers, `top`'s
+/// replay) attaches on its own; a shared libpython's symbol tables took hundreds of ms per
+/// read on a loaded machine. Keyed by the file's device, inode, size and modification time,
+/// so a file replaced in place is read again.
+fn inspect_mapped(pid: i32, m: &Mapping) -> Option<(PathBuf, std::sync::Arc<ElfFacts>)> {
+    use std::os::unix::fs::MetadataExt;
+    use std::sync::{Arc, Mutex};
+    type Key = (u64, u64, u64, i64, i64);
+    static CACHE: Mutex<Option<HashMap<Key, Option<Arc<ElfFacts>>>>> = Mutex::new(None);
+    let (opened_from, data) = open_mapped_file(pid, m)?;
+    let key = std::fs::metadata(&opened_from)
+        .ok()
+        .map(|md| (md.dev(), md.ino(), md.size(), md.mtime(), md.mtime_nsec()));
+    if let Some(k) = key {
+        if let Ok(c) = CACHE.lock() {
+            if let Some(hit) = c.as_ref().and_then(|c| c.get(&k)) {
+                return hit.clone().map(|f| (opened_from, f));
+            }
+        }
+    }
+    let facts = inspect_elf(&data).map(Arc::new);
+    if let (Some(k), Ok(mut c)) = (key, CACHE.lock()) {
+        let c = c.get_or_insert_with(HashMap::new);
+        // Bounded: a host with many interpreters starts over rather than grow.
+        if c.len() >= 64 {
+            c.clear();
+        }
+        c.insert(k, facts.clone());
+    }
+    facts.map(|f| (opened_from, f))
+}
+
 /// Find the interpreter core among a process's mappings.
 pub fn find_interpreter(pid: i32, maps: &[Mapping]) -> Option<InterpreterBinary> {
     // Candidate files in map order (the executable comes first), each once.
@@ -677,10 +710,7 @@ pub fn find_interpreter(pid: i32, maps: &[Mapping]) -> Option<InterpreterBinary>
         if !plausible {
             continue;
         }
-        let Some((opened_from, data)) = open_mapped_file(pid, m) else {
-            continue;
-        };
-        let Some(facts) = inspect_elf(&data) else {
+        let Some((opened_from, facts)) = inspect_mapped(pid, m) else {
             continue;
         };
         // The mapping with file offset 0 is the start of the first PT_LOAD segment.
@@ -700,10 +730,10 @@ pub fn find_interpreter(pid: i32, maps: &[Mapping]) -> Option<InterpreterBinary>
             is_shared_lib: base_name.contains(".so"),
             pie: facts.is_dyn,
             stripped: facts.stripped,
-            build_id: facts.build_id,
+            build_id: facts.build_id.clone(),
             bias,
             runtime_addr: symbols["_PyRuntime"],
-            runtime_found_by: facts.runtime_found_by,
+            runtime_found_by: facts.runtime_found_by.clone(),
             symbols,
             bss: facts
                 .bss

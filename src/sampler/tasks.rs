@@ -25,6 +25,8 @@ use crate::sys::monotonic_ns;
 /// How often each target's running tasks are read: a few reads per thread, and a stack walk
 /// of the threads that run one.
 pub const TASKS_EVERY: Duration = Duration::from_millis(20);
+/// How long stopping waits for the readers to end.
+const STOP_WAIT: Duration = Duration::from_millis(100);
 /// How often a reader refreshes its target's thread list.
 const THREADS_EVERY: Duration = Duration::from_millis(100);
 /// Changes a reader may have queued before it waits for the recording loop (bounded memory).
@@ -91,13 +93,25 @@ impl TaskReaders {
     /// Stop reading `pids` (exited), writing what their readers sent.
     pub fn stop(&mut self, pids: &[i32], w: &mut RecordingWriter) -> anyhow::Result<()> {
         for pid in pids {
+            if let Some(r) = self.readers.get(pid) {
+                r.stop.store(true, Ordering::Relaxed);
+            }
+        }
+        // A reader sees `stop` within one period (its last changes are queued by then), unless
+        // it is still attaching (reading the binary's tables; seconds on a loaded machine,
+        // and it has read nothing yet): that one is left to end on its own.
+        let deadline = Instant::now() + STOP_WAIT;
+        for pid in pids {
             let Some(mut r) = self.readers.remove(pid) else {
                 continue;
             };
-            r.stop.store(true, Ordering::Relaxed);
-            // It sees `stop` within one period; its last changes are queued by then.
             if let Some(h) = r.handle.take() {
-                let _ = h.join();
+                while !h.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                if h.is_finished() {
+                    let _ = h.join();
+                }
             }
             while let Ok(c) = r.rx.try_recv() {
                 w.task_change(&c)?;
@@ -166,14 +180,17 @@ fn read_loop(
     // reader at the default priority went 1.2 s without a read, through a whole stall. It
     // sleeps between reads and each takes about a millisecond, so it takes little from
     // anything else. (Failure, without CAP_SYS_NICE, leaves it at the default.)
-    // SAFETY: setpriority(2) on this thread's own id.
-    unsafe {
-        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -20);
-    }
+    // Attached first, at the default priority: reading the binary's tables is the one long
+    // step, and at nice -20 three readers starting together held the recording loop off its
+    // CPU for over a second on a loaded machine.
     let Ok(proc) = PythonProcess::attach(pid) else {
         counters.errors.store(1, Ordering::Relaxed);
         return;
     };
+    // SAFETY: setpriority(2) on this thread's own id.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -20);
+    }
     let mut reader = AsyncioTasks::default();
     let mut sym = Symbolizer::new();
     let mut last: HashMap<i32, RunningTask> = HashMap::new();
