@@ -736,7 +736,10 @@ fn prometheus_scrapes_the_agent_and_answers_promql() {
         "0.25",
         "--probe",
         "cpu_mix.py:hot_b",
+        "--exact-probes",
     ]);
+    // The probe is placed before the window begins (`sampling started`).
+    agent.wait_line("probe cpu_mix.py:hot_b -> hot_b", Duration::from_secs(30));
     agent.wait_line("sampling started", Duration::from_secs(30));
     let t0 = Instant::now();
     let prom = Prometheus::start(&prom_bin, &agent.addr);
@@ -749,8 +752,7 @@ fn prometheus_scrapes_the_agent_and_answers_promql() {
         up.first().is_some_and(|x| x.1 == 1.0),
         "agent not scraped: {up:?}"
     );
-    agent.wait_line("probe cpu_mix.py:hot_b -> hot_b", Duration::from_secs(30));
-    eprintln!("scraped and probe attached after {:?}", t0.elapsed());
+    eprintln!("scraped after {:?}", t0.elapsed());
     mix.go();
     gcw.go();
     assert!(mix.child.wait().unwrap().success());
@@ -1306,6 +1308,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let engine_pid = fleet.pid.to_string();
     let mut agent = Agent::start(&[
         "--vllm",
+        "--exact-probes",
         "--engine-pid",
         &engine_pid,
         "--backend",

@@ -119,6 +119,9 @@ impl Cur<'_> {
     }
 }
 
+/// Spaces after the header's JSON, for [`RecordingWriter::restart_meta`].
+const META_SLACK: usize = 48;
+
 /// Appends records to a recording file. Stacks and frames are interned: each distinct frame
 /// and stack is written once and referred to by index.
 pub struct RecordingWriter {
@@ -138,6 +141,9 @@ pub struct RecordingWriter {
     generation: u64,
     /// Set when events are stored aggregated per interval ([`Self::aggregate`]).
     profile: Option<Profile>,
+    /// Where this file's `META` payload lies and how long it is (padded with spaces, so that
+    /// [`Self::restart_meta`] can write the window's real start over it).
+    meta_at: (u64, usize),
 }
 
 /// A writer's aggregation state (`record::profile`).
@@ -223,6 +229,7 @@ impl RecordingWriter {
             carried: None,
             generation: 0,
             profile: None,
+            meta_at: (0, 0),
         };
         w.header(meta)?;
         Ok(w)
@@ -351,12 +358,38 @@ impl RecordingWriter {
         self.out.write_all(MAGIC)?;
         self.out.write_all(&VERSION.to_le_bytes())?;
         self.bytes = 8;
-        self.json(tag::META, meta)?;
+        self.buf.clear();
+        serde_json::to_writer(&mut self.buf, meta)?;
+        // Room for the start written again when the window begins (JSON allows the spaces).
+        self.buf.resize(self.buf.len() + META_SLACK, b' ');
+        let len = self.buf.len();
+        self.record(tag::META)?;
+        self.meta_at = (self.bytes - len as u64, len);
         // Stack 0 is the empty stack.
         self.intern_stack(&[])?;
         // The header is on disk before anything else happens: a recorder killed at once still
         // leaves a readable (empty) recording.
         self.out.flush()?;
+        Ok(())
+    }
+
+    /// Write `meta` over this file's header record (same length, padded): the recording's
+    /// start is known only once its targets are attached and their probes set, after the
+    /// file was created. Fails, changing nothing, if it does not fit.
+    pub fn restart_meta(&mut self, meta: &Meta) -> anyhow::Result<()> {
+        use std::io::{Seek, SeekFrom};
+        let (at, len) = self.meta_at;
+        let mut json = serde_json::to_vec(meta)?;
+        anyhow::ensure!(
+            at > 0 && json.len() <= len,
+            "the recording's header has no room for its start"
+        );
+        json.resize(len, b' ');
+        self.out.flush()?;
+        let f = self.out.get_mut();
+        f.seek(SeekFrom::Start(at))?;
+        f.write_all(&json)?;
+        f.seek(SeekFrom::End(0))?;
         Ok(())
     }
 

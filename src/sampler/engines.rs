@@ -166,7 +166,7 @@ impl EngineSession {
         if change.is_empty() {
             return Ok(Vec::new());
         }
-        let now = monotonic_ns().saturating_sub(pipe.start_ns);
+        let now = pipe.rel(monotonic_ns());
         for e in &change.changed_engines {
             pipe.writer.engine(&EngineInfo {
                 t_ns: now,

@@ -57,7 +57,7 @@ impl MemorySource {
         if t.sym.new_code.is_empty() {
             return Ok(());
         }
-        let now = monotonic_ns().saturating_sub(pipe.start_ns);
+        let now = pipe.rel(monotonic_ns());
         for (code, info, tid) in std::mem::take(&mut t.sym.new_code) {
             self.probes
                 .consider(None, &t.proc, tid, code, &info, now, pipe)?;

@@ -31,10 +31,17 @@ pub use pipeline::Pipeline;
 use crate::cpython::PythonProcess;
 use crate::record::rotate::RotationPolicy;
 use crate::record::{EndInfo, Meta, ProcessInfo};
-use crate::sys::{monotonic_ns, StopToken};
+use crate::sys::{monotonic_ns, steps, StopToken};
 use recorder::Recorder;
 use source::Source;
 use target::{Target, Targets};
+
+/// The share of each thread's wall time its exact probes' debug traps may take by default
+/// (`--probe-budget 0.5`): the traps' cost is measured on this machine at start, and each
+/// thread's probes are watched the share of the time that keeps them under it (all the
+/// time on an engine whose steps are long beside a trap). Measured on a real vLLM:
+/// docs/benchmarks.md.
+pub const DEFAULT_PROBE_BUDGET: f64 = 0.005;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
@@ -77,6 +84,9 @@ pub struct RecordOptions {
     /// and call `stop()` from another thread, or let `main` stop it on SIGINT/SIGTERM. A new
     /// one per run (`RecordOptions::new` makes one).
     pub stop: StopToken,
+    /// Set once the window has begun (the header holds its start): a reader that follows the
+    /// file live (`top`) opens it after that.
+    pub window_begun: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Native and kernel frames (bpf backend).
     pub native: crate::native::NativeOptions,
     /// Store events added up per interval of this length instead of one record each
@@ -100,13 +110,14 @@ impl RecordOptions {
             quiet: false,
             probes: Vec::new(),
             probe_max_rate: 2000,
-            probe_budget: 0.0,
+            probe_budget: DEFAULT_PROBE_BUDGET,
             vllm: false,
             metrics_url: None,
             scrape_interval: Duration::from_secs(1),
             default_probes: true,
             vllm_root_pid: None,
             stop: StopToken::new(),
+            window_begun: Default::default(),
             native: crate::native::NativeOptions::default(),
             aggregate: None,
         }
@@ -141,11 +152,26 @@ pub fn record_rotating(
             .with_context(|| format!("creating {}", r.dir.display()))?,
         None => output::check_writable(&opts.output)?,
     }
+    // Start-up and shutdown as a real-time thread: at normal priority beside a loaded engine
+    // on 2 CPUs each step waited on the run queue for most of its wall time (attaching 3
+    // processes 0.15-3.7 s, timing a trap 0.05-2.9 s, for ~0.1 s of CPU each). Neither is in
+    // the window, and both are bounded work; the kernel's real-time throttling keeps 5% of
+    // each CPU for normal tasks regardless. Normal again when this returns.
+    let _rt = RealtimeScope::enter();
     let asked = opts.pids.clone();
-    let (opts, discovery) = plan(opts)?;
+    let (opts, discovery) = {
+        let _s = steps::step("discover");
+        plan(opts)?
+    };
     let opts = &opts;
-    let targets = attach(opts, &asked, discovery.as_ref())?;
-    let (source, reason) = choose_source(opts)?;
+    let targets = {
+        let _s = steps::step("attach");
+        attach(opts, &asked, discovery.as_ref())?
+    };
+    let (source, reason) = {
+        let _s = steps::step("bpf_load");
+        choose_source(opts)?
+    };
     let rate = rate_of(opts, source.as_ref());
     announce(
         opts,
@@ -155,8 +181,15 @@ pub fn record_rotating(
         rate,
         rotation.as_ref(),
     );
+    // Provisional: the window's start is written over it once the targets are attached.
     let start_ns = monotonic_ns();
-    let meta = meta(source.name(), reason, rate, start_ns);
+    let meta = meta(
+        source.name(),
+        reason,
+        rate,
+        start_ns,
+        crate::sys::unix_now_s(),
+    );
     let (mut writer, rotator) = output::open(&opts.output, rotation, &meta)?;
     if let Some(every) = opts.aggregate {
         writer.aggregate(crate::record::profile::AggregateOptions {
@@ -166,6 +199,7 @@ pub fn record_rotating(
         });
     }
     let mut pipe = Pipeline::new(writer, start_ns, rate);
+    pipe.pre_window = true;
     for t in targets.iter() {
         pipe.writer.process(&ProcessInfo {
             pid: t.pid,
@@ -179,20 +213,63 @@ pub fn record_rotating(
     }
     let backend = source.name();
     let mut rec = Recorder::new(opts, targets, pipe, source, rotator);
-    if let Some(d) = discovery {
-        rec.engines = Some(engines::EngineSession::start(d, &mut rec.pipe, opts)?);
-    }
-    let result = rec.start().and_then(|()| rec.run());
+    let begin = |rec: &mut Recorder| -> anyhow::Result<()> {
+        rec.warm_up()?;
+        // The window: from here, with the targets attached and their probes set.
+        let (mono, unix) = (monotonic_ns(), crate::sys::unix_now_s());
+        {
+            let _s = steps::step("window_header");
+            rec.pipe.writer.restart_meta(&Meta {
+                start_mono_ns: mono,
+                start_unix_s: unix,
+                ..meta.clone()
+            })?;
+        }
+        rec.begin_window(mono)?;
+        opts.window_begun
+            .store(true, std::sync::atomic::Ordering::Release);
+        if let Some(d) = discovery {
+            let _s = steps::step("scraper_start");
+            rec.engines = Some(engines::EngineSession::start(d, &mut rec.pipe, opts)?);
+        }
+        Ok(())
+    };
+    let result = rec
+        .start()
+        .and_then(|()| begin(&mut rec))
+        .and_then(|()| rec.run());
     let end_ns = monotonic_ns();
-    let finished = rec.finish(end_ns);
-    let counters = rec.counters();
+    // run() leaves the thread normal.
+    let _rt = RealtimeScope::enter();
+    let finished = {
+        let _s = steps::step("finish");
+        rec.finish(end_ns)
+    };
+    let mut counters = rec.counters();
+    for (name, us) in steps::totals() {
+        counters.insert(format!("step_{name}_us"), us);
+    }
     rec.pipe.writer.counters(&counters)?;
     let reason = match (&result, &finished) {
         (Ok(r), Ok(())) => r.clone(),
         (Err(e), _) | (Ok(_), Err(e)) => format!("error: {e:#}"),
     };
-    let Recorder { pipe, .. } = rec;
+    let Recorder {
+        pipe,
+        source,
+        engines,
+        ..
+    } = rec;
+    {
+        let _s = steps::step("drop_source");
+        drop(source);
+    }
+    {
+        let _s = steps::step("drop_engines");
+        drop(engines);
+    }
     let written = pipe.written;
+    let window_start = pipe.start_ns;
     // The last segment's own length when rotating (each segment's times start at its start).
     let bytes = pipe.writer.finish(&EndInfo {
         duration_ns: end_ns.saturating_sub(pipe.start_ns),
@@ -205,10 +282,27 @@ pub fn record_rotating(
         samples: written.samples,
         offcpu_intervals: written.offcpu,
         bytes,
-        duration_s: (end_ns - start_ns) as f64 / 1e9,
+        duration_s: end_ns.saturating_sub(window_start) as f64 / 1e9,
         lost: counters.get("bpf_ringbuf_full_lost").copied().unwrap_or(0),
         counters,
     })
+}
+
+/// The calling thread as a real-time one until dropped (nothing if that is refused).
+struct RealtimeScope(bool);
+
+impl RealtimeScope {
+    fn enter() -> Self {
+        RealtimeScope(crate::sys::realtime_this_thread().is_ok())
+    }
+}
+
+impl Drop for RealtimeScope {
+    fn drop(&mut self) {
+        if self.0 {
+            crate::sys::normal_this_thread();
+        }
+    }
 }
 
 /// The options with what `--vllm` adds (the engines' processes, the default probes), and the
@@ -371,10 +465,10 @@ fn announce(
     }
 }
 
-fn meta(backend: &str, reason: String, rate: u32, start_ns: u64) -> Meta {
+fn meta(backend: &str, reason: String, rate: u32, start_ns: u64, start_unix_s: f64) -> Meta {
     Meta {
         tool_version: env!("CARGO_PKG_VERSION").into(),
-        start_unix_s: crate::sys::unix_now_s(),
+        start_unix_s,
         start_mono_ns: start_ns,
         rate_hz: rate,
         backend: backend.into(),

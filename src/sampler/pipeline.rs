@@ -61,6 +61,14 @@ pub struct Pipeline<W: Sink = RecordingWriter> {
     /// `CLOCK_MONOTONIC` at the start of the recording (of the segment, when rotating): event
     /// times are written relative to it.
     pub start_ns: u64,
+    /// Before the window (the warm-up, while probes are being placed): nothing that happens
+    /// is written, and every time written is the window's start (0). See
+    /// [`Self::begin_window`].
+    pub pre_window: bool,
+    /// The window's start (absolute): nothing before it is written. Unlike `start_ns` it
+    /// stays when a rotating recorder starts a new segment (an interval open across the
+    /// rotation is the new segment's, from its start).
+    window_ns: u64,
     /// CPU time one sample stands for (the sampling period).
     pub weight_ns: u32,
     /// Measured cost of one watchpoint hit, subtracted from each GC pause (probe effect).
@@ -79,6 +87,8 @@ impl<W: Sink> Pipeline<W> {
         Pipeline {
             writer,
             start_ns,
+            pre_window: false,
+            window_ns: start_ns,
             weight_ns: (1_000_000_000u64 / rate_hz.max(1) as u64) as u32,
             gc_trap_ns: 0,
             gc_uprobe_pids: std::collections::HashSet::new(),
@@ -89,8 +99,27 @@ impl<W: Sink> Pipeline<W> {
         }
     }
 
+    /// `t` (absolute) as a time in the window: 0 before it, and for anything written before
+    /// the window began.
     pub fn rel(&self, t: u64) -> u64 {
-        t.saturating_sub(self.start_ns)
+        if self.pre_window {
+            0
+        } else {
+            t.saturating_sub(self.start_ns)
+        }
+    }
+
+    /// Whether something at absolute time `t` lies in the window (and is written).
+    pub fn in_window(&self, t: u64) -> bool {
+        !self.pre_window && t >= self.window_ns
+    }
+
+    /// Start the window at `start_ns` (absolute): from now on events at or after it are
+    /// written, relative to it; intervals open since before it count from it.
+    pub fn begin_window(&mut self, start_ns: u64) {
+        self.start_ns = start_ns;
+        self.window_ns = start_ns;
+        self.pre_window = false;
     }
 
     /// A timer sample of a thread, standing for `weight_ns` of its CPU time (the period, less
@@ -134,6 +163,9 @@ impl<W: Sink> Pipeline<W> {
         fl: u8,
         weight_ns: u64,
     ) -> anyhow::Result<()> {
+        if !self.in_window(t_ns) {
+            return Ok(());
+        }
         let t = self.rel(t_ns);
         self.written.samples += 1;
         self.writer.sample(&Sample {
@@ -155,6 +187,9 @@ impl<W: Sink> Pipeline<W> {
         dur_ns: u64,
         stack: u32,
     ) -> anyhow::Result<()> {
+        if !self.in_window(start_ns) {
+            return Ok(());
+        }
         self.written.offcpu += 1;
         self.writer.offcpu(&OffCpu {
             pid,
@@ -219,6 +254,9 @@ impl<W: Sink> Pipeline<W> {
         stack: u32,
         preempted: bool,
     ) -> anyhow::Result<()> {
+        if self.pre_window {
+            return Ok(());
+        }
         self.written.offcpu += 1;
         self.writer.offcpu(&OffCpu {
             pid,
@@ -302,6 +340,9 @@ impl<W: Sink> Pipeline<W> {
         w: &PendingGilWait,
         end: u64,
     ) -> anyhow::Result<()> {
+        if self.pre_window {
+            return Ok(());
+        }
         self.written.gil_waits += 1;
         self.writer.gil_wait(&GilWait {
             pid,
@@ -332,9 +373,14 @@ impl<W: Sink> Pipeline<W> {
             });
             return Ok(());
         }
-        let Some(p) = self.gc.remove(&pid) else {
+        let Some(mut p) = self.gc.remove(&pid) else {
             return Ok(());
         };
+        if self.pre_window {
+            return Ok(());
+        }
+        // A pause under way when the window began counts from its start.
+        p.start_abs_ns = p.start_abs_ns.max(self.window_ns);
         let uprobe = self.gc_uprobe_pids.contains(&pid);
         // The generation whose `collections` counter moved; the oldest one if several did.
         let moved = (0..3)

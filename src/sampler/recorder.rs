@@ -25,6 +25,13 @@ use crate::sys::monotonic_ns;
 
 const THREADS_EVERY: Duration = Duration::from_millis(100);
 const FLUSH_EVERY: Duration = Duration::from_millis(200);
+/// The warm-up before the window ([`Recorder::warm_up`]): at least this long, so that every
+/// busy thread has been read a few times and sampled.
+const WARM_MIN: Duration = Duration::from_millis(300);
+/// It ends once no probe or thread watch has been added for this long.
+const WARM_QUIET: Duration = Duration::from_millis(200);
+/// And at this at the most: a probe found later carries its own start (coverage).
+const WARM_MAX: Duration = Duration::from_millis(1500);
 pub struct Recorder<'a> {
     pub opts: &'a RecordOptions,
     pub targets: Targets,
@@ -42,6 +49,8 @@ pub struct Recorder<'a> {
     realtime_regained: u64,
     /// The running asyncio tasks of the targets.
     tasks: super::tasks::TaskReaders,
+    /// When the window began ([`Self::begin_window`]): `--duration` counts from here.
+    window_start: Option<Instant>,
 }
 
 impl<'a> Recorder<'a> {
@@ -64,6 +73,7 @@ impl<'a> Recorder<'a> {
             realtime: false,
             realtime_regained: 0,
             tasks: super::tasks::TaskReaders::default(),
+            window_start: None,
         }
     }
 
@@ -77,7 +87,10 @@ impl<'a> Recorder<'a> {
     /// cannot be set up (it exited while we attached) is skipped; a `--pid` target is an error.
     pub fn start(&mut self) -> anyhow::Result<()> {
         // Threads first, then targets: once a target is configured its threads' events count.
-        self.sync_threads()?;
+        {
+            let _s = crate::sys::steps::step("threads");
+            self.sync_threads()?;
+        }
         let failed = self.source.start(&mut self.targets, &mut self.pipe)?;
         let mut skipped = Vec::new();
         for (pid, e) in failed {
@@ -89,6 +102,62 @@ impl<'a> Recorder<'a> {
         }
         if !skipped.is_empty() {
             self.drop_exited(&skipped, true)?;
+        }
+        Ok(())
+    }
+
+    /// Before the window: the loop's duties (drain, threads, exits) with nothing written,
+    /// while every thread's stack is read from memory so that the probes are found and set
+    /// on the threads that run them. Ends once no probe or thread has been added for
+    /// [`WARM_QUIET`] (after at least [`WARM_MIN`]), at [`WARM_MAX`] at the most, or when
+    /// stopped. Without probes there is nothing to wait for.
+    pub fn warm_up(&mut self) -> anyhow::Result<()> {
+        if self.opts.probes.is_empty() || self.source.name() != "bpf" {
+            return Ok(());
+        }
+        let _s = crate::sys::steps::step("warm_up");
+        let started = Instant::now();
+        let mut placed = self
+            .source
+            .look_for_probes(&mut self.targets, &mut self.pipe)?;
+        let mut changed = Instant::now();
+        let mut last_threads = Instant::now();
+        let period = self.source.period();
+        loop {
+            let e = started.elapsed();
+            if self.opts.stop.is_stopped()
+                || e >= WARM_MAX
+                || (e >= WARM_MIN && changed.elapsed() >= WARM_QUIET)
+            {
+                break;
+            }
+            std::thread::sleep(period);
+            self.source.collect(&mut self.targets, &mut self.pipe)?;
+            if last_threads.elapsed() >= THREADS_EVERY {
+                last_threads = Instant::now();
+                self.sync_threads()?;
+                self.drop_exited_targets()?;
+            }
+            let now = self
+                .source
+                .look_for_probes(&mut self.targets, &mut self.pipe)?;
+            if now != placed {
+                placed = now;
+                changed = Instant::now();
+            }
+        }
+        Ok(())
+    }
+
+    /// The window begins at `start_ns` (absolute): from here on what happens is written, the
+    /// task readers and the metrics scraper start, and `--duration` counts.
+    pub fn begin_window(&mut self, start_ns: u64) -> anyhow::Result<()> {
+        self.pipe.begin_window(start_ns);
+        let ago = Duration::from_nanos(monotonic_ns().saturating_sub(start_ns));
+        let now = Instant::now();
+        self.window_start = Some(now.checked_sub(ago).unwrap_or(now));
+        for t in self.targets.iter() {
+            self.tasks.watch(t.pid, start_ns);
         }
         // Scripts and tests that need the whole of some activity recorded start it after
         // this line.
@@ -116,7 +185,8 @@ impl<'a> Recorder<'a> {
         let _normal = can_realtime.then_some(Normal);
         let mut quiet_seconds = 0u32;
         let mut cpu_mark = crate::sys::thread_cpu_ns();
-        let deadline = self.opts.duration.map(|d| Instant::now() + d);
+        let since = self.window_start.unwrap_or_else(Instant::now);
+        let deadline = self.opts.duration.map(|d| since + d);
         let period = self.source.period();
         let mut next = Instant::now();
         // Real-time only while the loop mostly sleeps: a loop that cannot keep up would take
@@ -207,9 +277,11 @@ impl<'a> Recorder<'a> {
 
     /// Push thread changes of every target to the source and the recording.
     fn sync_threads(&mut self) -> anyhow::Result<()> {
-        let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
+        let now = self.pipe.rel(monotonic_ns());
         for t in self.targets.iter_mut() {
-            self.tasks.watch(t.pid, self.pipe.start_ns);
+            if !self.pipe.pre_window {
+                self.tasks.watch(t.pid, self.pipe.start_ns);
+            }
             let (changed, gone) = t.refresh_threads();
             let tstates: Vec<(i32, u64)> = changed.iter().map(|&(tid, ts, _)| (tid, ts)).collect();
             self.source.threads_changed(t.pid, &tstates, &gone)?;
@@ -294,7 +366,7 @@ impl<'a> Recorder<'a> {
             .source
             .threads_changed(pid, &tstates, &gone)
             .and_then(|()| self.source.add_target(t));
-        let now = monotonic_ns().saturating_sub(self.pipe.start_ns);
+        let now = self.pipe.rel(monotonic_ns());
         let native = std::mem::take(&mut t.native_changes);
         let names: Vec<(i32, String, Option<String>)> = changed
             .into_iter()
@@ -371,9 +443,17 @@ impl<'a> Recorder<'a> {
     /// Stop the source and the scraper, write what they have left and close the intervals
     /// still open at `end_ns`.
     pub fn finish(&mut self, end_ns: u64) -> anyhow::Result<()> {
-        self.source.finish(&mut self.targets, &mut self.pipe)?;
-        self.tasks.finish(&mut self.pipe.writer)?;
+        use crate::sys::steps::step;
+        {
+            let _s = step("finish_source");
+            self.source.finish(&mut self.targets, &mut self.pipe)?;
+        }
+        {
+            let _s = step("finish_tasks");
+            self.tasks.finish(&mut self.pipe.writer)?;
+        }
         if let Some(e) = self.engines.as_mut() {
+            let _s = step("finish_scraper");
             e.finish(&mut self.pipe)?;
         }
         self.pipe.close(end_ns)

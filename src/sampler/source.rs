@@ -52,6 +52,18 @@ pub trait Source {
     /// Stop new events and write what is left (before the pipeline closes its intervals).
     fn finish(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()>;
 
+    /// Before the window: read every thread's stack from memory and offer what is on it to
+    /// the probes, so that they are set before the window begins instead of when sampling
+    /// first meets them. Returns how many (probe, thread) watches are wanted so far (the
+    /// warm-up ends once that stops growing).
+    fn look_for_probes(
+        &mut self,
+        _targets: &mut Targets,
+        _pipe: &mut Pipeline,
+    ) -> anyhow::Result<usize> {
+        Ok(0)
+    }
+
     /// This source's failure-path and health counters (docs/recording-format.md, record 8).
     fn counters(&self, pipe: &Pipeline, out: &mut BTreeMap<String, u64>);
 }

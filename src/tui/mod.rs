@@ -142,6 +142,7 @@ fn run_with(
 ) -> anyhow::Result<()> {
     let path = ropts.output.clone();
     let stop = ropts.stop.clone();
+    let begun = ropts.window_begun.clone();
     let handle = std::thread::Builder::new()
         .name("es-recorder".into())
         .spawn(move || crate::sampler::record(&ropts))
@@ -152,7 +153,7 @@ fn run_with(
         stop,
     };
     let result = (|| {
-        let Some(follow) = wait_for_recording(&path, &mut recorder)? else {
+        let Some(follow) = wait_for_recording(&path, &begun, &mut recorder)? else {
             return Ok(());
         };
         let feed = Feed::Live {
@@ -234,13 +235,15 @@ impl Recorder {
 /// or has failed, or a stop signal came. Polls the file: the recorder says nothing else.
 fn wait_for_recording(
     path: &Path,
+    begun: &std::sync::atomic::AtomicBool,
     recorder: &mut Recorder,
 ) -> anyhow::Result<Option<source::Follow>> {
     loop {
         if terminal::signalled().is_some() {
             return Ok(None);
         }
-        if path.exists() {
+        // The header's start is the window's once it has begun.
+        if begun.load(std::sync::atomic::Ordering::Acquire) && path.exists() {
             let mut f = source::Follow::open(path)?;
             f.poll()?;
             if f.has_meta() {

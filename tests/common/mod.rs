@@ -331,10 +331,17 @@ impl Recorder {
         }
     }
 
-    /// Read the recorder's stderr until `n` lines containing `needle` have appeared (the
-    /// recorder says when a probe attaches); returns those lines. Panics if it exits first.
+    /// Read the recorder's stderr until `n` lines containing `needle` have appeared, counting
+    /// those before `sampling started` (the default probes are placed before the window
+    /// begins; a probe found later says so later); returns those lines. Panics if it exits
+    /// first.
     pub fn wait_for_lines(&mut self, needle: &str, n: usize) -> Vec<String> {
-        let mut found = Vec::new();
+        let mut found: Vec<String> = self
+            .early_stderr
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(|l| format!("{l}\n"))
+            .collect();
         while found.len() < n {
             let mut line = String::new();
             let got = self.stderr.read_line(&mut line).unwrap();
