@@ -259,6 +259,9 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         vllm_root_pid: Some(engine.pid),
         default_probes: true,
         probes: DEMO_PROBES.iter().map(|s| s.to_string()).collect(),
+        // Every call watched (`--exact-probes`): the demo sets each figure beside the
+        // engine's own timers, call for call. A real engine gets the cost budget instead.
+        probe_budget: 0.0,
         scrape_interval: Duration::from_millis(500),
         quiet: live,
         native: crate::native::NativeOptions {

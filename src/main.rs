@@ -86,9 +86,15 @@ enum Cmd {
         /// its exact probes only part of the time (in turns, as when they outnumber the debug
         /// registers): counts are then scaled and marked `~`, percentiles come from the
         /// calls watched, and every figure carries its coverage. Each exact call costs two
-        /// traps (~9 µs each in a VM, ~1 µs on bare metal). 0 = watch all the time.
-        #[arg(long, value_name = "PCT", default_value_t = 0.0)]
+        /// traps, whose cost is measured at start (a few µs in a VM, ~1 µs on bare metal).
+        /// An engine stepping every 10-50 ms stays under the default with every call
+        /// watched. 0 = watch all the time (`--exact-probes`).
+        #[arg(long, value_name = "PCT", default_value_t = DEFAULT_PROBE_BUDGET_PCT)]
         probe_budget: f64,
+        /// Watch every call of every exact probe, whatever it costs the target (the same as
+        /// `--probe-budget 0`).
+        #[arg(long, conflicts_with = "probe_budget")]
+        exact_probes: bool,
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
@@ -313,8 +319,11 @@ struct AgentArgs {
     probe_max_rate: u64,
     /// Keep each thread's debug traps under this percentage of its wall time by watching its
     /// exact probes only part of the time (see `record --probe-budget`). 0 = all the time.
-    #[arg(long, value_name = "PCT", default_value_t = 0.0)]
+    #[arg(long, value_name = "PCT", default_value_t = DEFAULT_PROBE_BUDGET_PCT)]
     probe_budget: f64,
+    /// Watch every call of every exact probe (the same as `--probe-budget 0`).
+    #[arg(long, conflicts_with = "probe_budget")]
+    exact_probes: bool,
 }
 
 /// What `record` and `agent` trace besides on-CPU samples, and with which backend.
@@ -390,7 +399,7 @@ impl AgentArgs {
             rate_hz: self.rate,
             probes: self.probes,
             probe_max_rate: self.probe_max_rate,
-            probe_budget: budget_share(self.probe_budget)?,
+            probe_budget: budget_share(self.probe_budget, self.exact_probes)?,
             vllm: self.vllm,
             metrics_url: self.metrics_url,
             scrape_interval: Duration::from_secs_f64(self.scrape_interval.max(0.01)),
@@ -417,9 +426,14 @@ impl AgentArgs {
     }
 }
 
-/// One place that turns failures into advice.
-/// `--probe-budget PCT` as a share of the time.
-fn budget_share(pct: f64) -> anyhow::Result<f64> {
+/// `--probe-budget`'s default, percent: [`enginescope::sampler::DEFAULT_PROBE_BUDGET`].
+const DEFAULT_PROBE_BUDGET_PCT: f64 = enginescope::sampler::DEFAULT_PROBE_BUDGET * 100.0;
+
+/// `--probe-budget PCT` as a share of the time (`--exact-probes`: none).
+fn budget_share(pct: f64, exact: bool) -> anyhow::Result<f64> {
+    if exact {
+        return Ok(0.0);
+    }
     anyhow::ensure!(
         pct.is_finite() && (0.0..100.0).contains(&pct),
         "--probe-budget must be a percentage from 0 (no budget: probes watched all the time) to under 100, such as 2"
@@ -509,6 +523,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             probes,
             probe_max_rate,
             probe_budget,
+            exact_probes,
             vllm,
             metrics_url,
             scrape_interval,
@@ -521,7 +536,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 rate_hz: rate,
                 probes,
                 probe_max_rate,
-                probe_budget: budget_share(probe_budget)?,
+                probe_budget: budget_share(probe_budget, exact_probes)?,
                 vllm,
                 metrics_url,
                 scrape_interval: std::time::Duration::from_secs_f64(scrape_interval.max(0.01)),
@@ -531,7 +546,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             trace.apply(&mut opts);
             opts.stop = enginescope::sys::stop_on_signals();
-            let s = enginescope::sampler::record(&opts)?;
+            let s = enginescope::sampler::record(&opts);
+            // The exit itself (freeing the ring buffer, the heap, the descriptors) runs as a
+            // real-time thread too: at normal priority beside a loaded engine it waited 2-5 s
+            // on the run queue after the recording was written.
+            let _ = enginescope::sys::realtime_this_thread();
+            let s = s?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&s)?);
             } else {
@@ -718,8 +738,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    let _s = enginescope::sys::steps::step("main_start");
+    drop(_s);
     let cli = Cli::parse();
-    match run(cli) {
+    let out = run(cli);
+    enginescope::sys::steps::note("main_end", 0);
+    match out {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("{}", advise(&e));

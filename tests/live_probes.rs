@@ -236,8 +236,10 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>) {
             rargs.push(e);
         }
     }
-    if let Some(b) = budget {
-        rargs.extend(["--probe-budget", b]);
+    match budget {
+        Some(b) => rargs.extend(["--probe-budget", b]),
+        // Every call, as the truth counts them (the default is a budget).
+        None => rargs.push("--exact-probes"),
     }
     let mut rec = Recorder::start(&rargs);
     // Probes attach when the sampler first meets the function: wait for all of them.

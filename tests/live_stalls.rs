@@ -222,6 +222,7 @@ fn check(label: &str) {
     let pid_s = e.pid.to_string();
     let rec = Recorder::start(&[
         "--vllm",
+        "--exact-probes",
         "--engine-pid",
         &pid_s,
         "--rate",

@@ -656,6 +656,7 @@ fn serve_discovery_and_scraped_throughput() {
         .args([
             "record",
             "--vllm",
+            "--exact-probes",
             "--rate",
             "99",
             "--scrape-interval",

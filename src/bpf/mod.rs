@@ -7,7 +7,7 @@
 pub mod abi;
 pub mod closer;
 
-use anyhow::{anyhow, Context};
+use anyhow::{anyhow, bail, Context};
 use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
@@ -54,7 +54,7 @@ pub struct BpfSampler {
 
 impl Drop for BpfSampler {
     fn drop(&mut self) {
-        self.wait_detached();
+        self.wait_detached(std::time::Duration::ZERO);
     }
 }
 
@@ -315,10 +315,16 @@ impl BpfSampler {
         }
         self.detaching.retain(|h| !h.is_finished());
         let mut left = Vec::new();
+        let _s = crate::sys::steps::step("gc_uprobes_hand_over");
+        let fds = if self.closer.is_some() {
+            link_fds()
+        } else {
+            Default::default()
+        };
         for link in taken {
             match self.closer.as_mut() {
                 Some(c) => {
-                    if let Err(link) = hand_over_link(c, link) {
+                    if let Err(link) = hand_over_link(c, link, &fds) {
                         left.push(link);
                     }
                 }
@@ -345,13 +351,21 @@ impl BpfSampler {
     /// (the process exiting around it) can leave the probe's breakpoint in the traced
     /// processes' code: the kernel's write of the original byte fails under a pending fatal
     /// signal. So the recording joins them before it ends, and the sampler before it goes.
-    pub fn wait_detached(&mut self) {
+    ///
+    /// The helper's closes are waited for at most `wait`: they are safe whatever happens to
+    /// enginescope (that is the helper's purpose), and each waits for kernel grace periods
+    /// (0.1 s on an idle machine, seconds under load), which a user who stops a recording
+    /// should not wait for. Returns how many links were still being closed.
+    pub fn wait_detached(&mut self, wait: std::time::Duration) -> usize {
         for h in self.detaching.drain(..) {
             let _ = h.join();
         }
-        if let Some(c) = self.closer.as_mut() {
-            // Bounded: a helper that stops answering is left to finish on its own.
-            c.collect(std::time::Duration::from_secs(10));
+        match self.closer.as_mut() {
+            Some(c) => {
+                let _s = crate::sys::steps::step("gc_uprobes_closed");
+                c.collect(wait)
+            }
+            None => 0,
         }
     }
 
@@ -406,6 +420,110 @@ impl BpfSampler {
         let watched = write_n();
         drop(w);
         Ok(watched.saturating_sub(base) / N as u64)
+    }
+
+    /// What a thread holding write watchpoints pays per context switch here, over one that
+    /// holds none ([`SwitchCost`]): the kernel writes the debug registers each time such a
+    /// thread is switched in or out, and in a VM each write may exit to the hypervisor. A
+    /// thread that yields thousands of times a second (vLLM's busy-wait on its shared-memory
+    /// queue) pays this far more often than it takes a trap.
+    ///
+    /// Measured on this thread and a helper, both pinned to the CPU this thread is on,
+    /// yielding to each other in batches; the cheapest batch of each kind is kept (time
+    /// another task took on that CPU is not switch cost). The threads' affinity is restored.
+    pub fn watched_switch_cost_ns(&mut self) -> anyhow::Result<SwitchCost> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        static mut SLOTS: [u64; 4] = [0; 4];
+        const BATCHES: usize = 6;
+        const N: u64 = 200;
+        let prog = self.gc_write_program()?;
+        // SAFETY: sched_getcpu and gettid have no preconditions.
+        let (cpu, me) = unsafe { (libc::sched_getcpu(), libc::gettid()) };
+        if cpu < 0 {
+            bail!("sched_getcpu failed: {}", std::io::Error::last_os_error());
+        }
+        // SAFETY: sched_getscheduler on the calling thread.
+        let realtime =
+            unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK == libc::SCHED_FIFO;
+        let stop = Arc::new(AtomicBool::new(false));
+        // The helper takes this thread's policy, then pins itself, and says so; only then is
+        // this thread pinned too (a real-time thread pinned first would keep a helper of
+        // normal priority from ever running on that CPU).
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel::<bool>();
+        let helper = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("es-switch-cal".into())
+                .spawn(move || {
+                    // The same policy as the measuring thread, or its yields would not
+                    // switch to this one.
+                    let same = !realtime || crate::sys::realtime_this_thread().is_ok();
+                    let pinned = same && crate::sys::pin(0, cpu as usize).is_ok();
+                    let _ = ready_tx.send(pinned);
+                    if !pinned {
+                        return;
+                    }
+                    // Bounded: the measuring thread sets `stop` however it ends; the cap is
+                    // for the case it could not.
+                    for _ in 0..10_000_000u32 {
+                        if stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        // SAFETY: sched_yield has no preconditions.
+                        unsafe { libc::sched_yield() };
+                    }
+                })
+                .context("starting the switch-calibration thread")?
+        };
+        let pinned = ready_rx
+            .recv_timeout(std::time::Duration::from_secs(1))
+            .unwrap_or(false);
+        let saved = crate::sys::affinity(0);
+        let measure = |regs: usize, prog: &PerfEvent| -> anyhow::Result<u64> {
+            let base = std::ptr::addr_of_mut!(SLOTS) as u64;
+            let mut held = Vec::new();
+            for i in 0..regs {
+                held.push(
+                    Breakpoint::write(prog, me, base + 8 * i as u64, 8)
+                        .map_err(|e| anyhow!("setting a calibration watchpoint: {e}"))?,
+                );
+            }
+            let mut best = u64::MAX;
+            for _ in 0..BATCHES {
+                let t0 = crate::sys::monotonic_ns();
+                for _ in 0..N {
+                    // SAFETY: sched_yield has no preconditions.
+                    unsafe { libc::sched_yield() };
+                }
+                best = best.min(crate::sys::monotonic_ns().saturating_sub(t0) / N);
+            }
+            drop(held);
+            Ok(best)
+        };
+        let result = (|| {
+            if !pinned {
+                bail!("the helper thread could not take this thread's policy and CPU {cpu}");
+            }
+            let saved = saved
+                .as_ref()
+                .map_err(|e| anyhow!("reading this thread's CPU affinity: {e}"))?;
+            crate::sys::pin(0, cpu as usize).context("pinning this thread for the calibration")?;
+            let r = (|| {
+                let none = measure(0, prog)?;
+                let one = measure(1, prog)?;
+                let four = measure(4, prog)?;
+                Ok(SwitchCost {
+                    one_ns: one.saturating_sub(none),
+                    four_ns: four.saturating_sub(none).max(one.saturating_sub(none)),
+                })
+            })();
+            let _ = crate::sys::set_affinity(0, saved);
+            r
+        })();
+        stop.store(true, Ordering::Release);
+        let _ = helper.join();
+        result
     }
 
     pub fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {
@@ -493,6 +611,7 @@ impl BpfSampler {
 fn hand_over_link(
     c: &mut closer::UprobeCloser,
     link: aya::programs::uprobe::UProbeLink,
+    fds: &std::collections::HashMap<u32, std::os::fd::RawFd>,
 ) -> Result<(), aya::programs::uprobe::UProbeLink> {
     use std::os::fd::BorrowedFd;
     let fd_link: aya::programs::links::FdLink = match link.try_into() {
@@ -504,7 +623,7 @@ fn hand_over_link(
     let handed = fd_link
         .info()
         .ok()
-        .and_then(|info| link_fd_number(info.id()))
+        .and_then(|info| fds.get(&info.id()).copied())
         // SAFETY: the descriptor is `fd_link`'s, open until it drops below.
         .map(|fd| c.hand_over(unsafe { BorrowedFd::borrow_raw(fd) }));
     match handed {
@@ -520,27 +639,64 @@ fn hand_over_link(
     }
 }
 
-/// Our descriptor for BPF link `id` (the `link_id:` of its fdinfo).
-fn link_fd_number(id: u32) -> Option<std::os::fd::RawFd> {
-    let want = id.to_string();
-    for e in std::fs::read_dir("/proc/self/fdinfo").ok()?.flatten() {
-        let Ok(info) = std::fs::read_to_string(e.path()) else {
+/// Our descriptors of BPF links by link id (the `link_id:` of their fdinfo).
+fn link_fds() -> std::collections::HashMap<u32, std::os::fd::RawFd> {
+    let mut out = std::collections::HashMap::new();
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else {
+        return out;
+    };
+    for e in dir.flatten() {
+        // Only BPF links' fdinfo is read: reading every descriptor's (perf events, maps,
+        // the recording) took seconds on a loaded machine, once per link.
+        let is_link =
+            std::fs::read_link(e.path()).is_ok_and(|t| t.as_os_str() == "anon_inode:bpf_link");
+        if !is_link {
+            continue;
+        }
+        let Some(fd) = e.file_name().to_str().and_then(|n| n.parse().ok()) else {
             continue;
         };
-        if info
+        let Ok(info) = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")) else {
+            continue;
+        };
+        if let Some(id) = info
             .lines()
-            .any(|l| l.strip_prefix("link_id:").is_some_and(|v| v.trim() == want))
+            .find_map(|l| l.strip_prefix("link_id:"))
+            .and_then(|v| v.trim().parse().ok())
         {
-            return e.file_name().to_str()?.parse().ok();
+            out.insert(id, fd);
         }
     }
-    None
+    out
 }
 
 /// The uprobes and uretprobes timing GC pauses in one interpreter binary.
 #[derive(Default)]
 pub struct GcUprobes {
     links: Vec<(&'static str, aya::programs::uprobe::UProbeLinkId)>,
+}
+
+/// What a thread holding write watchpoints pays per switch-in (and the switch-out that
+/// follows) over one holding none, ns ([`BpfSampler::watched_switch_cost_ns`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SwitchCost {
+    /// Holding one watchpoint.
+    pub one_ns: u64,
+    /// Holding all four.
+    pub four_ns: u64,
+}
+
+impl SwitchCost {
+    /// Holding `regs` of them (between one and four, linearly; none costs nothing).
+    pub fn with_regs(&self, regs: usize) -> u64 {
+        match regs {
+            0 => 0,
+            r => {
+                let r = r.min(4) as u64;
+                self.one_ns + self.four_ns.saturating_sub(self.one_ns) * (r - 1) / 3
+            }
+        }
+    }
 }
 
 /// A hardware write watchpoint on one thread with a BPF program on every hit: a perf event

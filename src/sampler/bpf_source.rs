@@ -57,7 +57,13 @@ pub struct BpfSource {
     gc_methods_pending: Vec<GcMethodInfo>,
     /// Processes whose GC uprobes could not be attached (counter `gc_uprobe_attach_failures`).
     gc_uprobe_failures: u64,
+    /// GC uprobe links still being closed by the helper when the recording ended (counter
+    /// `gc_uprobe_closes_after_end`).
+    gc_uprobe_closes_pending: u64,
 }
+
+/// How long the end of a recording waits for the helper's uprobe closes.
+const GC_UPROBE_CLOSE_WAIT: Duration = Duration::from_millis(300);
 
 /// The GC uprobes on one interpreter binary and the targets they time.
 struct SharedGcUprobes {
@@ -107,6 +113,7 @@ impl BpfSource {
             gc_uprobes: std::collections::HashMap::new(),
             gc_methods_pending: Vec::new(),
             gc_uprobe_failures: 0,
+            gc_uprobe_closes_pending: 0,
         })
     }
 
@@ -203,11 +210,15 @@ impl BpfSource {
             return Ok((sh.names.clone(), sh.how.clone()));
         }
         let o = &t.proc.offsets;
-        let cs = crate::cpython::binary::find_collectors(
-            bin,
-            t.proc.version.minor,
-            o.interp_gc.wrapping_add(o.gc_collecting),
-        )?;
+        let cs = {
+            let _s = crate::sys::steps::step("gc_collectors_decode");
+            crate::cpython::binary::find_collectors(
+                bin,
+                t.proc.version.minor,
+                o.interp_gc.wrapping_add(o.gc_collecting),
+            )?
+        };
+        let _s = crate::sys::steps::step("gc_uprobes_attach");
         let links = self.b.attach_gc_uprobes(&cs).map_err(|e| {
             self.gc_uprobe_failures += 1;
             format!("{e:#}")
@@ -287,7 +298,7 @@ impl BpfSource {
         if self.probes.is_empty() {
             return Ok(());
         }
-        let now = monotonic_ns().saturating_sub(pipe.start_ns);
+        let now = pipe.rel(monotonic_ns());
         for t in targets.iter_mut() {
             if t.sym.new_code.is_empty() {
                 continue;
@@ -305,6 +316,8 @@ impl BpfSource {
     /// table: events whose native frames wait for one go to the backlog, applied in order
     /// once their modules' symbols are read.
     fn drain(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        // Everything that happened before now is in the ring buffer, and drained below.
+        self.probes.drained_to(monotonic_ns());
         let mut err = None;
         let mut event_max_ns = self.event_max_ns;
         let mut unparsed = 0u64;
@@ -568,7 +581,7 @@ fn apply(
         Body::GilWaitEnd => pipe.gil_wait_end(pid, tid, time_ns).map(|_| ()),
         Body::GcEdge(value, st) => {
             if !pipe.gc_uprobe_pids.contains(&pid) {
-                probes.note_trap(tid);
+                probes.note_trap(tid, time_ns);
             }
             pipe.gc_edge(pid, tid, time_ns, value, st)
         }
@@ -610,6 +623,7 @@ impl Source for BpfSource {
         pipe: &mut Pipeline,
     ) -> anyhow::Result<Vec<(i32, anyhow::Error)>> {
         // Stacks at start, for threads that are blocked when we begin.
+        let initial = crate::sys::steps::step("initial_stacks");
         for t in targets.iter_mut() {
             t.sym.collect_new_code = !self.probes.is_empty();
             if let Ok(stacks) = t.stacks() {
@@ -619,14 +633,17 @@ impl Source for BpfSource {
                 }
             }
         }
+        drop(initial);
         let mut failed = Vec::new();
         for t in targets.iter_mut() {
+            let _s = crate::sys::steps::step("configure");
             if let Err(e) = self.configure(t) {
                 failed.push((t.pid, e));
             }
         }
         self.flush_gc_methods(pipe)?;
         if self.tracing.gc || !self.probes.is_empty() {
+            let _s = crate::sys::steps::step("trap_calibration");
             match self.b.watchpoint_cost_ns() {
                 Ok(ns) => {
                     pipe.gc_trap_ns = ns;
@@ -635,6 +652,18 @@ impl Source for BpfSource {
                 Err(e) if !self.tracing.quiet => {
                     eprintln!("enginescope: could not time a watchpoint hit: {e:#}")
                 }
+                Err(_) => {}
+            }
+        }
+        if !self.probes.is_empty() && self.probes.budget() > 0.0 {
+            // What holding watchpoints costs a thread per context switch: part of what the
+            // budget sizes (a busy-wait loop yields thousands of times a second).
+            let _s = crate::sys::steps::step("switch_calibration");
+            match self.b.watched_switch_cost_ns() {
+                Ok(c) => self.probes.switch_cost = c,
+                Err(e) if !self.tracing.quiet => eprintln!(
+                    "enginescope: could not time a context switch with watchpoints held ({e:#}); the probe budget counts debug traps only"
+                ),
                 Err(_) => {}
             }
         }
@@ -735,21 +764,65 @@ impl Source for BpfSource {
         self.probes.flush_watches(pipe)
     }
 
+    fn look_for_probes(
+        &mut self,
+        targets: &mut Targets,
+        pipe: &mut Pipeline,
+    ) -> anyhow::Result<usize> {
+        if self.probes.is_empty() {
+            return Ok(0);
+        }
+        let mut seen = Vec::new();
+        for t in targets.iter_mut() {
+            let threads: Vec<(i32, u64)> =
+                t.threads.iter().map(|(&tid, &(ts, _))| (tid, ts)).collect();
+            for (tid, tstate) in threads {
+                let (raw, _) = t.proc.walk_raw(tstate);
+                // Resolving collects the code objects met for the first time.
+                let _ = t.resolve(tid, &raw);
+                seen.push((t.pid, tid, raw.iter().map(|f| f.code).collect::<Vec<u64>>()));
+            }
+        }
+        self.consider_new_code(targets, pipe)?;
+        for (pid, tid, codes) in seen {
+            if self.probes.needs_attach(pid, tid, &codes) {
+                if let Some(t) = targets.get_mut(pid) {
+                    self.probes.observe(&mut self.b, &t.proc, tid, &codes);
+                }
+            }
+        }
+        self.probes.flush_watches(pipe)?;
+        Ok(self.probes.placed())
+    }
+
     fn finish(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
         // Stop new events, then drain what is left.
         for t in targets.iter() {
             self.b.remove_target(t.pid as u32);
         }
-        let drained = self.drain(targets, pipe);
+        let drained = {
+            let _s = crate::sys::steps::step("finish_drain");
+            self.drain(targets, pipe)
+        };
         // What still waits for symbols: read them now (the target is no longer sampled).
         let t = std::time::Instant::now();
         let waited = self.apply_backlog(pipe, true);
         self.finish_wait_ns = t.elapsed().as_nanos() as u64;
-        let closed = self.probes.close(Some(&mut self.b), pipe);
+        let closed = {
+            let _s = crate::sys::steps::step("finish_probes");
+            self.probes.close(Some(&mut self.b), pipe)
+        };
+        let _s = crate::sys::steps::step("finish_gc_uprobes");
         for (_, sh) in self.gc_uprobes.drain() {
             self.b.detach_gc_uprobes(sh.links);
         }
-        self.b.wait_detached();
+        let left = self.b.wait_detached(GC_UPROBE_CLOSE_WAIT);
+        if left > 0 && !self.tracing.quiet {
+            eprintln!(
+                "enginescope: {left} GC uprobe link(s) are still being removed by the helper process (es-uprobe-close): the kernel waits for grace periods; they are gone within seconds, whatever happens to enginescope"
+            );
+        }
+        self.gc_uprobe_closes_pending = left as u64;
         drained.and(waited).and(closed)
     }
 
@@ -771,6 +844,10 @@ impl Source for BpfSource {
             self.probes.gc_attach_failures,
         );
         out.insert("gc_uprobe_attach_failures".into(), self.gc_uprobe_failures);
+        out.insert(
+            "gc_uprobe_closes_after_end".into(),
+            self.gc_uprobe_closes_pending,
+        );
         out.insert(
             "gc_uprobe_calls_without_collection".into(),
             pipe.written.gc_calls_without_collection,

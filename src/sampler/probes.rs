@@ -173,6 +173,96 @@ struct ThreadRegs {
     budget_mark: (u64, u64),
     /// Whether a budget window has been measured on the thread yet.
     measured: bool,
+    /// The thread's scheduler counters at the budget window's start (None when unreadable).
+    sched: Option<Schedstat>,
+    /// What the budget is sized from, by the events' own times (not when they were
+    /// drained, which lags when the recording loop does): the traps the thread took at or
+    /// after the window's start, and its probes' watched time (probe·ns) since then: the
+    /// watched time summed up to `on_mark`, plus `on_count` probes watched since it.
+    window: BudgetWindow,
+}
+
+/// A thread's scheduler counters (`/proc/TID/schedstat`): its CPU time and how many times it
+/// was switched in, read at `t_ns` (monotonic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedstat {
+    pub t_ns: u64,
+    pub run_ns: u64,
+    pub switches: u64,
+}
+
+impl Schedstat {
+    /// `run_ns wait_ns switches` as the kernel writes them; None for anything else.
+    pub fn parse(text: &str, t_ns: u64) -> Option<Schedstat> {
+        let mut f = text.split_ascii_whitespace();
+        let run_ns = f.next()?.parse().ok()?;
+        let _wait = f.next()?;
+        let switches = f.next()?.parse().ok()?;
+        Some(Schedstat {
+            t_ns,
+            run_ns,
+            switches,
+        })
+    }
+
+    /// Thread `tid`'s counters now (None when it is gone or schedstats are not built in).
+    pub fn read(tid: i32) -> Option<Schedstat> {
+        let text = std::fs::read_to_string(format!("/proc/{tid}/schedstat")).ok()?;
+        Schedstat::parse(&text, crate::sys::monotonic_ns())
+    }
+}
+
+/// What watching a thread's probes all the time would cost it, as a share of its wall time:
+/// `trap_share` (its traps' time over the wall time, scaled to every probe watched) plus its
+/// context switches from `from` to `to` times what each costs holding `regs` watchpoints.
+/// Without scheduler counters, the trap share alone.
+pub fn full_cost(
+    trap_share: f64,
+    from: Option<Schedstat>,
+    to: Option<Schedstat>,
+    switch: crate::bpf::SwitchCost,
+    regs: usize,
+) -> f64 {
+    let (Some(a), Some(b)) = (from, to) else {
+        return trap_share;
+    };
+    let wall = b.t_ns.saturating_sub(a.t_ns);
+    if wall == 0 {
+        return trap_share;
+    }
+    let switches = b.switches.saturating_sub(a.switches) as f64;
+    trap_share + switches * switch.with_regs(regs) as f64 / wall as f64
+}
+
+/// One thread's budget window, measured by event time.
+#[derive(Debug, Default, Clone, Copy)]
+struct BudgetWindow {
+    traps: u64,
+    on_acc: u64,
+    on_count: u64,
+    on_mark: u64,
+}
+
+impl BudgetWindow {
+    /// The thread's watched probe count changes by `delta` at `t`.
+    fn watch(&mut self, t: u64, delta: i64) {
+        let t = t.max(self.on_mark);
+        self.on_acc += self.on_count * (t - self.on_mark);
+        self.on_mark = t;
+        self.on_count = self.on_count.saturating_add_signed(delta);
+    }
+
+    /// Watched probe·ns from the window's start to `t`.
+    fn watched(&self, t: u64) -> u64 {
+        self.on_acc + self.on_count * t.saturating_sub(self.on_mark)
+    }
+
+    /// A new window from `t` on (the probes watched then stay counted).
+    fn restart(&mut self, t: u64) {
+        self.traps = 0;
+        self.on_acc = 0;
+        self.on_mark = self.on_mark.max(t);
+    }
 }
 
 impl ThreadRegs {
@@ -387,6 +477,9 @@ pub struct Probes {
     blocked: HashSet<(i32, usize)>,
     /// Cost of one breakpoint trap, subtracted from exact durations.
     pub trap_ns: u64,
+    /// What a context switch costs a thread holding watchpoints here (calibrated at start;
+    /// zero when it could not be).
+    pub switch_cost: crate::bpf::SwitchCost,
     /// Per thread: the debug traps seen on it (probe hits and GC watchpoint writes). A call's
     /// duration loses the cost of one trap (the end of its push trap and the start of its
     /// pop trap); the traps the thread took inside the call (probed calls nested in it, GC
@@ -440,6 +533,10 @@ pub struct Probes {
     /// Watchpoint writes outside any watched interval (before its start was stamped, or
     /// drained after its watch was removed): not timed.
     pub late_hits: u64,
+    /// Calls that began before the window (timed in the warm-up): not written.
+    pub calls_before_window: u64,
+    /// Events up to here (absolute ns) have been drained ([`Self::drained_to`]).
+    drained_ns: u64,
 }
 
 impl Probes {
@@ -475,9 +572,12 @@ impl Probes {
             gc_attach_failures: 0,
             budget: 0.0,
             budget_resizes: 0,
+            switch_cost: crate::bpf::SwitchCost::default(),
             switches: 0,
             switch_ns: 0,
             late_hits: 0,
+            calls_before_window: 0,
+            drained_ns: 0,
         }
     }
 
@@ -505,6 +605,12 @@ impl Probes {
 
     pub fn is_empty(&self) -> bool {
         self.specs.is_empty()
+    }
+
+    /// Probes found plus (probe, thread) watches wanted: what the warm-up waits to stop
+    /// growing.
+    pub fn placed(&self) -> usize {
+        self.active.len() + self.regs.values().map(|r| r.want.len()).sum::<usize>()
     }
 
     pub fn infos(&self) -> impl Iterator<Item = &ProbeInfo> {
@@ -537,7 +643,7 @@ impl Probes {
             return Ok(());
         };
         let spec = spec.clone();
-        let now_abs = now_rel_ns + pipe.start_ns;
+        let now_abs = crate::sys::monotonic_ns().max(now_rel_ns.saturating_add(pipe.start_ns));
         let id = self.active.len();
         let (mut plan, mut why_sampled) = match (&b, plan_exact(proc, code)) {
             (None, _) => (None, "no BPF backend".to_string()),
@@ -634,6 +740,11 @@ impl Probes {
             on_since: now_abs,
             budget_mark: (now_abs, traps),
             measured: false,
+            sched: Schedstat::read(tid),
+            window: BudgetWindow {
+                on_mark: now_abs,
+                ..BudgetWindow::default()
+            },
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -693,6 +804,9 @@ impl Probes {
         let ls = ls?;
         // The watched interval begins once the watch is surely set.
         let set_ns = crate::sys::monotonic_ns().max(now_abs);
+        if let Some(r) = self.regs.get_mut(&tid) {
+            r.window.watch(set_ns, 1);
+        }
         self.active[i].links.insert(tid, ls);
         if let Some(old) = self.open.insert((tid, i), ThreadCalls::new(seed, set_ns)) {
             self.drop_open(&old);
@@ -715,6 +829,9 @@ impl Probes {
         // The watched interval ends before the removal begins: writes up to here are timed
         // when they are drained, later ones are not.
         let now_abs = crate::sys::monotonic_ns().max(now_abs);
+        if let Some(r) = self.regs.get_mut(&tid) {
+            r.window.watch(now_abs, -1);
+        }
         if let Some(c) = self.open.get_mut(&(tid, i)) {
             c.until = now_abs;
             c.rotated = rotation;
@@ -736,7 +853,7 @@ impl Probes {
     /// Write the queued watch edges (their probes' records are written).
     pub fn flush_watches(&mut self, pipe: &mut Pipeline<impl Sink>) -> anyhow::Result<()> {
         for mut w in std::mem::take(&mut self.edges) {
-            w.t_ns = w.t_ns.saturating_sub(pipe.start_ns);
+            w.t_ns = pipe.rel(w.t_ns);
             pipe.writer.probe_watch(&w)?;
         }
         Ok(())
@@ -801,15 +918,21 @@ impl Probes {
         }
     }
 
-    /// `--probe-budget`: keep each thread's debug-trap time under `budget` of its wall time.
+    /// `--probe-budget`: keep what each thread's probes cost it under `budget` of its wall time.
     /// Per thread, over a window of at least [`BUDGET_WINDOW_NS`] and two whole cycles of its
     /// phases (so that each probe was watched about its share of it), the traps it took times
-    /// the calibrated trap cost, divided by the share each probe was watched, is what
+    /// the calibrated trap cost, divided by the share each probe was watched, plus its context
+    /// switches times what one costs it holding its watchpoints ([`full_cost`]), is what
     /// watching them all the time would cost; the thread's on-phases then get the share that
     /// brings that under the budget. Re-measured every window, so a thread whose call rate
     /// changes is re-sized.
     pub fn set_budget(&mut self, budget: f64) {
         self.budget = budget.max(0.0);
+    }
+
+    /// The `--probe-budget` share (0 = every call watched).
+    pub fn budget(&self) -> f64 {
+        self.budget
     }
 
     /// Threads under `--probe-budget`: end an on-phase that has lasted [`BUDGET_ON_NS`] (every
@@ -862,18 +985,24 @@ impl Probes {
         } else {
             10_000
         };
+        // The window ends where the events are known: those drained (by their own times).
+        let end = if self.drained_ns > 0 {
+            self.drained_ns.min(now_abs)
+        } else {
+            now_abs
+        };
         let mut changed = Vec::new();
         for (&tid, r) in self.regs.iter_mut() {
             if r.want.is_empty() {
                 continue;
             }
             let traps = self.traps.get(&tid).copied().unwrap_or(0);
-            let (t0, n0) = r.budget_mark;
+            let (t0, _) = r.budget_mark;
             // At least one whole cycle of phases and turns, so that each probe was watched
             // about its share of the window.
             let cycle = (BUDGET_ON_NS + off_phase_ns(BUDGET_ON_NS, r.phase))
                 * if r.rotates() { r.want.len() as u64 } else { 1 };
-            let dt = now_abs.saturating_sub(t0);
+            let dt = end.saturating_sub(t0);
             let least = if r.measured {
                 BUDGET_WINDOW_NS
             } else {
@@ -882,13 +1011,30 @@ impl Probes {
             if dt < least.max(2 * cycle) {
                 continue;
             }
-            r.budget_mark = (now_abs, traps);
-            let took = traps.saturating_sub(n0);
-            if took == 0 {
+            let took = r.window.traps;
+            // What the probes were really watched (the phases run when the loop gets to
+            // them), per probe: watching all of them all the time would cost the traps
+            // taken per watched probe-time, times the probes.
+            let watched = r.window.watched(end);
+            r.budget_mark = (end, traps);
+            r.window.restart(end);
+            let sched = Schedstat::read(tid);
+            let from = std::mem::replace(&mut r.sched, sched);
+            if took == 0 || watched == 0 {
                 continue;
             }
             r.measured = true;
-            let full = took as f64 * trap_ns as f64 / dt as f64 / r.duty();
+            let trap_share = took as f64 * trap_ns as f64 * r.want.len() as f64 / watched as f64;
+            // Holding registers also costs every context switch (the kernel reloads them):
+            // the thread's switches over the window, at the registers it holds when all of
+            // its probes are on.
+            let full = full_cost(
+                trap_share,
+                from,
+                sched,
+                self.switch_cost,
+                r.want.len().min(r.cap),
+            );
             // The on share that brings the cost under the budget, in steps of a tenth of
             // itself (a thread re-measured a little over or under keeps its phase).
             let want = (self.budget / full).clamp(BUDGET_MIN_PHASE, 1.0);
@@ -912,7 +1058,7 @@ impl Probes {
             self.budget_resizes += 1;
             if !self.quiet {
                 eprintln!(
-                    "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time; watched {:.0}% of the time for --probe-budget {:.1}% (counts scaled, coverage on every figure)",
+                    "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time (debug traps and context switches); watched {:.0}% of the time for --probe-budget {:.1}% (counts scaled, coverage on every figure)",
                     full * 100.0,
                     duty * 100.0,
                     self.budget * 100.0
@@ -992,7 +1138,7 @@ impl Probes {
         info.id = self.active.len() as u32;
         info.method = "sampled".into();
         info.resolution_ns = self.period_ns;
-        info.t_ns = now_ns.saturating_sub(pipe.start_ns);
+        info.t_ns = pipe.rel(now_ns);
         if !self.quiet {
             eprintln!(
                 "enginescope: probe {} in process {}: {why}; sampled from now on",
@@ -1132,8 +1278,24 @@ impl Probes {
 
     /// Thread `tid` took a debug trap that is not a probe hit (a GC watchpoint write): counted
     /// inside the calls open on it.
-    pub fn note_trap(&mut self, tid: i32) {
+    pub fn note_trap(&mut self, tid: i32, t_ns: u64) {
         *self.traps.entry(tid).or_default() += 1;
+        self.budget_trap(tid, t_ns);
+    }
+
+    /// A trap of thread `tid` at `t_ns` (event time) counts in its budget window if it
+    /// happened in it.
+    fn budget_trap(&mut self, tid: i32, t_ns: u64) {
+        if let Some(r) = self.regs.get_mut(&tid) {
+            if t_ns >= r.budget_mark.0 {
+                r.window.traps += 1;
+            }
+        }
+    }
+
+    /// Events up to `t_ns` (absolute) have been drained: the budget's windows end there.
+    pub fn drained_to(&mut self, t_ns: u64) {
+        self.drained_ns = t_ns;
     }
 
     /// A watchpoint hit (BPF PROBE_HIT): thread `tid` wrote the reference count of a probed
@@ -1152,6 +1314,7 @@ impl Probes {
         let traps = self.traps.entry(tid).or_default();
         let before = *traps;
         *traps += 1;
+        self.budget_trap(tid, t_ns);
         let Some(&probe) = self.by_addr.get(&(pid, addr)) else {
             return Ok(());
         };
@@ -1196,6 +1359,11 @@ impl Probes {
                 }) => {
                     self.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
                     let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
+                    if !pipe.in_window(start) {
+                        // Began before the window (during the warm-up): not in it.
+                        self.calls_before_window += 1;
+                        return Ok(());
+                    }
                     self.calls += 1;
                     pipe.writer.call(&FunctionCall {
                         probe: probe as u32,
@@ -1284,6 +1452,10 @@ impl Probes {
         (first, last): (u64, u64),
         pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
+        if !pipe.in_window(first) {
+            self.calls_before_window += 1;
+            return Ok(());
+        }
         self.calls += 1;
         pipe.writer.call(&FunctionCall {
             probe: probe as u32,
@@ -1343,9 +1515,21 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
     out.insert("probe_register_rotations".into(), v(|p| p.rotations));
     out.insert("probe_budget_resizes".into(), v(|p| p.budget_resizes));
+    out.insert(
+        "probe_switch_cost_1reg_ns".into(),
+        v(|p| p.switch_cost.one_ns),
+    );
+    out.insert(
+        "probe_switch_cost_4reg_ns".into(),
+        v(|p| p.switch_cost.four_ns),
+    );
     out.insert("probe_watch_switches".into(), v(|p| p.switches));
     out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
     out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
+    out.insert(
+        "probe_calls_before_window".into(),
+        v(|p| p.calls_before_window),
+    );
     out.insert(
         "probe_calls_dropped_at_rotation".into(),
         v(|p| p.rotation_dropped),
@@ -1489,9 +1673,9 @@ mod tests {
         // A write at an address no probe has (a probe rotated out meanwhile), two GC
         // watchpoint writes, and another thread's trap.
         p.hit(1, 10, T0 + 2 * MS, 0xBAD, rc(1), &mut pipe).unwrap();
-        p.note_trap(10);
-        p.note_trap(10);
-        p.note_trap(11);
+        p.note_trap(10, 0);
+        p.note_trap(10, 0);
+        p.note_trap(11, 0);
         p.hit(1, 10, T0 + 5 * MS, 0xC0DE, rc(5), &mut pipe).unwrap();
         // The next call has none inside.
         p.hit(1, 10, T0 + 6 * MS, 0xC0DE, rc(6), &mut pipe).unwrap();
@@ -1577,6 +1761,8 @@ mod tests {
             on_since: 0,
             budget_mark: (0, 0),
             measured: false,
+            sched: None,
+            window: BudgetWindow::default(),
         };
         assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
         assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
@@ -1600,6 +1786,56 @@ mod tests {
         let mut r = regs(3, 4, 0.5);
         assert_eq!(r.advance(0), vec![0, 1, 2]);
         assert_eq!(r.advance(1), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn budget_counts_context_switches() {
+        let st = |t_ns, run_ns, switches| Schedstat {
+            t_ns,
+            run_ns,
+            switches,
+        };
+        assert_eq!(Schedstat::parse("2500 77 30\n", 9), Some(st(9, 2500, 30)));
+        assert_eq!(Schedstat::parse("2500 77\n", 9), None);
+        let cost = crate::bpf::SwitchCost {
+            one_ns: 1000,
+            four_ns: 4000,
+        };
+        assert_eq!(cost.with_regs(0), 0);
+        assert_eq!(cost.with_regs(2), 2000);
+        assert_eq!(cost.with_regs(9), 4000);
+        let s = 1_000_000_000;
+        // 1% of the wall time in traps, on a thread that switched 5,000 times in 1 s holding
+        // one register: +0.5%; holding four, +2%.
+        let full = full_cost(0.01, Some(st(0, 0, 0)), Some(st(s, s, 5000)), cost, 1);
+        assert!((full - 0.015).abs() < 1e-9, "{full}");
+        let full = full_cost(0.01, Some(st(0, 0, 0)), Some(st(s, 0, 5000)), cost, 4);
+        assert!((full - 0.03).abs() < 1e-9, "{full}");
+        // No counters: the trap share alone.
+        assert_eq!(full_cost(0.01, None, Some(st(s, s, 1)), cost, 1), 0.01);
+    }
+
+    #[test]
+    fn budget_window_counts_watched_probe_time_by_event_time() {
+        let mut w = BudgetWindow::default();
+        // Two probes on from 100, one off at 300, the other off at 500: 200·2 + 200·1.
+        w.watch(100, 1);
+        w.watch(100, 1);
+        w.watch(300, -1);
+        assert_eq!(w.watched(400), 400 + 100);
+        w.watch(500, -1);
+        assert_eq!(w.watched(900), 600);
+        // A new window at 900 with one probe set at 1000: 50 at 1050.
+        w.restart(900);
+        w.watch(1000, 1);
+        assert_eq!(w.watched(1050), 50);
+        // An edge stamped before the window's start counts from the start.
+        let mut w = BudgetWindow {
+            on_mark: 2000,
+            ..BudgetWindow::default()
+        };
+        w.watch(1500, 1);
+        assert_eq!(w.watched(2100), 100);
     }
 
     #[test]
