@@ -547,6 +547,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     // Function latency. A probe that took turns for its thread's debug registers is scaled
     // by the share of the window it was watched, as `report` does (views/latency.rs).
     let cov = crate::views::latency::window_coverages(rec, w.start_ns(), w.now_ns());
+    let first_watch = crate::views::latency::first_watches(rec);
     let mut latency = Vec::new();
     let mut keys: BTreeSet<(u32, ThreadKey)> = w.totals.calls.keys().copied().collect();
     keys.extend(w.call_durations.keys().copied());
@@ -578,6 +579,22 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             }
             method = format!("{method}, {:.0}% of the window", c.share() * 100.0);
         }
+        // Attached after the window's start (a process or thread that came later, a probe
+        // found late): its figures say from when, its rate is over that span (as `report`).
+        let attached = info.map_or(0, |p| {
+            first_watch
+                .get(&(probe, tid))
+                .copied()
+                .unwrap_or(p.t_ns)
+                .max(p.t_ns)
+        });
+        let mut span = wall;
+        if let Some(share) = crate::views::latency::late_share(attached, w.start_ns(), w.now_ns()) {
+            let base = info.map(|p| p.method.clone()).unwrap_or_default();
+            let c = cov.get(&(probe, tid)).map(|c| c.share());
+            method = crate::views::latency::late_method(&base, attached, share, c);
+            span = w.now_ns().saturating_sub(attached);
+        }
         latency.push(LatencyRow {
             probe,
             spec: info.map(|p| p.spec.clone()).unwrap_or_default(),
@@ -590,10 +607,10 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             method,
             resolution_ns: info.map_or(0, |p| p.resolution_ns),
             calls,
-            calls_per_s: if wall == 0 {
+            calls_per_s: if span == 0 {
                 0.0
             } else {
-                calls as f64 / (wall as f64 / 1e9)
+                calls as f64 / (span as f64 / 1e9)
             },
             p50_ns: p50,
             p90_ns: p90,
@@ -974,6 +991,29 @@ mod tests {
             (50 * MS, 90 * MS, 99 * MS, 100 * MS)
         );
         assert!(approx(l.calls_per_s, 100.0 / 9.75));
+    }
+
+    /// A probe first watched halfway through the window says from when; its count is what
+    /// was seen, its rate over the span since.
+    #[test]
+    fn late_probe_says_from_when() {
+        let mut b = Rec::new().thread(1, 2, "caller");
+        let p = b.probe(1, "x.py:step", "step", "exact");
+        b.0.probe_watches.push(crate::record::ProbeWatch {
+            t_ns: 5 * S,
+            probe: p,
+            tid: 2,
+            on: true,
+        });
+        for i in 0..50u64 {
+            b.call(p, 1, 2, 5 * S + i * 100 * MS + MS, MS);
+        }
+        // The window is 0.25..10 s: 5 s of its 9.75 s.
+        let s = snap_at(&b.0, 10 * S);
+        let l = &s.latency[0];
+        assert_eq!(l.method, "exact, from 5.0 s (51% of the window)");
+        assert_eq!(l.calls, 50);
+        assert!(approx(l.calls_per_s, 10.0), "{}", l.calls_per_s);
     }
 
     /// A probe watched on and off (it took turns for the thread's debug registers) half of

@@ -112,7 +112,48 @@ pub fn watch_intervals(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Vec
 
 /// Coverage below which an exact probe's counts are scaled (a probe that took turns with
 /// others for a thread's debug registers); above it the probe counts as watched throughout.
-const FULL_COVERAGE: f64 = 0.995;
+/// Also the share of a window below which a probe attached after the window's start says
+/// from when its figures count ([`late_method`]).
+pub const FULL_COVERAGE: f64 = 0.995;
+
+/// When each exact probe was first watched on each thread, ns since start (from the watch
+/// edges; none for recordings without them).
+pub fn first_watches(rec: &Recording) -> BTreeMap<(u32, i32), u64> {
+    let mut out: BTreeMap<(u32, i32), u64> = BTreeMap::new();
+    for w in rec.probe_watches.iter().filter(|w| w.on) {
+        let t = out.entry((w.probe, w.tid)).or_insert(w.t_ns);
+        *t = (*t).min(w.t_ns);
+    }
+    out
+}
+
+/// A row whose probe was attached at `from_ns`, inside the window `[win_from_ns, win_to_ns)`:
+/// the share of the window it covers, when that is short of the whole (a process or thread
+/// that came later, a probe found late). Its counts are what was seen from then on (not
+/// scaled to the window) and its rates are over the span it covers.
+pub fn late_share(from_ns: u64, win_from_ns: u64, win_to_ns: u64) -> Option<f64> {
+    let win = win_to_ns.saturating_sub(win_from_ns);
+    if from_ns <= win_from_ns || win == 0 {
+        return None;
+    }
+    let share = win_to_ns.saturating_sub(from_ns) as f64 / win as f64;
+    (share < FULL_COVERAGE).then_some(share)
+}
+
+/// `method` of a row attached late ([`late_share`]): `exact, from 2.5 s (75% of the
+/// window)`; with a coverage (it took turns for the registers after that) `exact, from 2.5 s
+/// (75% of the window), watched 80% of it`.
+pub fn late_method(method: &str, from_ns: u64, share: f64, coverage: Option<f64>) -> String {
+    let mut m = format!(
+        "{method}, from {:.1} s ({:.0}% of the window)",
+        secs(from_ns),
+        share * 100.0
+    );
+    if let Some(c) = coverage {
+        m.push_str(&format!(", watched {:.0}% of it", c * 100.0));
+    }
+    m
+}
 
 /// An exact probe on one thread watched for part of its span: the span and its watched
 /// intervals.
@@ -256,12 +297,27 @@ pub struct FunctionLatencyRow {
     pub coverage: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calls_observed: Option<u64>,
+    /// A probe attached after the window's start (a process or thread that came later, a
+    /// probe found late): when its figures begin, s since the recording's start, and the
+    /// share of the window from then on (`method` reads `exact, from 2.5 s (75% of the
+    /// window)`). Its counts are what was seen from then on, not scaled to the window, and
+    /// `calls_per_s` is over that span.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_s: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_share: Option<f64>,
 }
 
 impl FunctionLatencyRow {
     /// Whether the counts are estimates scaled from part of the window.
     pub fn estimated(&self) -> bool {
         self.coverage.is_some()
+    }
+
+    /// Whether every call the row covers was timed (an exact probe throughout, however much
+    /// of the window that is), as opposed to followed across samples.
+    pub fn every_call(&self) -> bool {
+        self.method.starts_with("exact") && !self.method.contains("sampled")
     }
 }
 
@@ -300,6 +356,7 @@ pub fn function_latency(
             .unwrap_or(probe)
     };
     let cov = coverages(rec, windows.end_ns);
+    let first = first_watches(rec);
     // (end, duration, weight) per row.
     let mut by_key: BTreeMap<RowKey, Vec<WeightedCall>> = BTreeMap::new();
     let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
@@ -343,8 +400,23 @@ pub fn function_latency(
                 }
             }
             let coverage = row_cov.get(&(probe, pid, tid)).copied();
-            let method = match coverage {
-                Some(c) => method
+            // Attached: the earliest of its probes' starts on this thread (the first watch
+            // of an exact probe, the attach of a sampled one).
+            let attached = used
+                .iter()
+                .map(|u| {
+                    first
+                        .get(&(u.id, tid))
+                        .copied()
+                        .unwrap_or(u.t_ns)
+                        .max(u.t_ns)
+                })
+                .min()
+                .unwrap_or(0);
+            let late = late_share(attached, 0, windows.end_ns);
+            let method = match (late, coverage) {
+                (Some(share), c) => late_method(&method.join(", then "), attached, share, c),
+                (None, Some(c)) => method
                     .iter()
                     .map(|m| {
                         if *m == "exact" {
@@ -355,7 +427,7 @@ pub fn function_latency(
                     })
                     .collect::<Vec<_>>()
                     .join(", then "),
-                None => method.join(", then "),
+                (None, None) => method.join(", then "),
             };
             let resolution_ns = used.iter().map(|p| p.resolution_ns).max().unwrap_or(0);
             let mut durs: Vec<u64> = calls.iter().map(|&(_, d, _)| d).collect();
@@ -368,7 +440,6 @@ pub fn function_latency(
                 let l = LatencyMs::of(&mut durs)?;
                 (l, calls.len() as f64, durs.iter().sum())
             };
-            let attached = p.map_or(0, |p| p.t_ns);
             let observed = windows.end_ns.saturating_sub(attached);
             let mut per_window: Vec<Vec<u64>> = vec![Vec::new(); windows.count];
             let mut per_window_w: Vec<f64> = vec![0.0; windows.count];
@@ -408,6 +479,8 @@ pub fn function_latency(
                     .collect(),
                 coverage,
                 calls_observed: coverage.map(|_| calls.len() as u64),
+                from_s: late.map(|_| secs(attached)),
+                window_share: late,
             })
         })
         .collect();
@@ -540,5 +613,62 @@ mod tests {
         assert_eq!(r.method, "exact, 90% of the window");
         assert_eq!((r.calls, r.calls_observed), (100, Some(90)));
         assert!((r.coverage.unwrap() - 0.9).abs() < 1e-9);
+    }
+
+    #[test]
+    fn late_probe_rows_say_from_when_and_are_not_scaled() {
+        use crate::record::{FunctionCall, ProbeWatch};
+        let s = 1_000_000_000u64;
+        let mut rec = Recording::default();
+        rec.probes.push(ProbeInfo {
+            id: 0,
+            pid: 1,
+            function: "f".into(),
+            method: "exact".into(),
+            t_ns: 2 * s,
+            ..Default::default()
+        });
+        // Thread 10 watched from 2.5 s to the end of a 10 s window: 75% of it.
+        rec.probe_watches.push(ProbeWatch {
+            t_ns: 5 * s / 2,
+            probe: 0,
+            tid: 10,
+            on: true,
+        });
+        rec.threads.push(crate::record::ThreadInfo {
+            pid: 1,
+            tid: 10,
+            name: "t".into(),
+            ..Default::default()
+        });
+        for i in 0..75 {
+            rec.calls.push(FunctionCall {
+                probe: 0,
+                pid: 1,
+                tid: 10,
+                start_ns: 5 * s / 2 + i * s / 10,
+                dur_ns: 1000,
+            });
+        }
+        let w = Windows::new(10 * s, 10 * s);
+        let rows = function_latency(&rec, &Selection::all(&rec), &w);
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(r.method, "exact, from 2.5 s (75% of the window)");
+        // Counted as seen (not scaled to the window), the rate over the span covered.
+        assert_eq!(r.calls, 75);
+        assert!((r.calls_per_s - 10.0).abs() < 1e-9, "{}", r.calls_per_s);
+        assert_eq!(r.from_s, Some(2.5));
+        assert!((r.window_share.unwrap() - 0.75).abs() < 1e-9);
+        assert!(r.coverage.is_none());
+
+        // Watched from the window's start: nothing said.
+        assert_eq!(late_share(0, 0, 10 * s), None);
+        // Within the last half percent: nothing said either.
+        assert_eq!(late_share(s / 1000, 0, 10 * s), None);
+        assert_eq!(
+            late_method("exact", 5 * s / 2, 0.75, Some(0.8)),
+            "exact, from 2.5 s (75% of the window), watched 80% of it"
+        );
     }
 }

@@ -450,7 +450,7 @@ impl Report {
                 // scaled from the share of the window an exact probe was watched.
                 if f.estimated() {
                     "~ "
-                } else if f.method == "exact" {
+                } else if f.every_call() {
                     ""
                 } else {
                     "≥ "
@@ -482,7 +482,7 @@ impl Report {
         if self
             .function_latency
             .iter()
-            .any(|f| f.method != "exact" && !f.estimated())
+            .any(|f| !f.every_call() && !f.estimated())
         {
             let _ = writeln!(
                 s,
