@@ -298,6 +298,8 @@ pub struct Recorder {
     pub child: std::process::Child,
     stderr: BufReader<std::process::ChildStderr>,
     pub early_stderr: String,
+    /// What [`Self::start`] read that [`Self::wait_for_lines`] has not looked at yet.
+    unscanned: String,
 }
 
 impl Recorder {
@@ -327,6 +329,7 @@ impl Recorder {
         Recorder {
             child,
             stderr,
+            unscanned: early.clone(),
             early_stderr: early,
         }
     }
@@ -336,8 +339,8 @@ impl Recorder {
     /// begins; a probe found later says so later); returns those lines. Panics if it exits
     /// first.
     pub fn wait_for_lines(&mut self, needle: &str, n: usize) -> Vec<String> {
-        let mut found: Vec<String> = self
-            .early_stderr
+        // Lines read before `sampling started` count once, at the first call.
+        let mut found: Vec<String> = std::mem::take(&mut self.unscanned)
             .lines()
             .filter(|l| l.contains(needle))
             .map(|l| format!("{l}\n"))
