@@ -202,6 +202,45 @@ pub fn stop_on_signals() -> StopToken {
     t
 }
 
+/// A thread's scheduler counters (`/proc/TID/schedstat`): its CPU time and how many times it
+/// was switched in, read at `t_ns` (monotonic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedstat {
+    pub t_ns: u64,
+    pub run_ns: u64,
+    pub switches: u64,
+}
+
+impl Schedstat {
+    /// `run_ns wait_ns switches` as the kernel writes them; None for anything else.
+    pub fn parse(text: &str, t_ns: u64) -> Option<Schedstat> {
+        let mut f = text.split_ascii_whitespace();
+        let run_ns = f.next()?.parse().ok()?;
+        let _wait = f.next()?;
+        let switches = f.next()?.parse().ok()?;
+        Some(Schedstat {
+            t_ns,
+            run_ns,
+            switches,
+        })
+    }
+
+    /// Thread `tid`'s counters now (None when it is gone or schedstats are not built in).
+    pub fn of_thread(tid: i32) -> Option<Schedstat> {
+        Self::read(&format!("/proc/{tid}/schedstat"))
+    }
+
+    /// Thread `tid` of process `pid`: its counters now.
+    pub fn of_task(pid: i32, tid: i32) -> Option<Schedstat> {
+        Self::read(&format!("/proc/{pid}/task/{tid}/schedstat"))
+    }
+
+    fn read(path: &str) -> Option<Schedstat> {
+        let text = std::fs::read_to_string(path).ok()?;
+        Schedstat::parse(&text, monotonic_ns())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

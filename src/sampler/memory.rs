@@ -18,12 +18,6 @@ use crate::sys::monotonic_ns;
 /// Highest rate the memory backend attempts; each tick reads every thread's stack.
 pub const MAX_RATE_HZ: u32 = 250;
 
-/// Nanoseconds the thread has run on a CPU (first field of schedstat).
-fn thread_cpu_ns(pid: i32, tid: i32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat")).ok()?;
-    s.split_whitespace().next()?.parse().ok()
-}
-
 pub struct MemorySource {
     period: Duration,
     /// (thread CPU ns, monotonic ns) at the previous tick, per (pid, tid).
@@ -73,7 +67,7 @@ impl MemorySource {
             return Ok(());
         };
         for th in threads {
-            let Some(cpu) = thread_cpu_ns(t.pid, th.tid) else {
+            let Some(cpu) = crate::sys::Schedstat::of_task(t.pid, th.tid).map(|s| s.run_ns) else {
                 continue;
             };
             let now = monotonic_ns();

@@ -31,6 +31,7 @@
 //! (its switch-out stack contains the function); its duration is the run's length, so only
 //! calls longer than the sampling interval are seen, and back-to-back calls merge.
 
+use crate::sys::Schedstat;
 use std::collections::{HashMap, HashSet};
 
 use crate::bpf::Breakpoint;
@@ -180,36 +181,6 @@ struct ThreadRegs {
     /// after the window's start, and its probes' watched time (probe·ns) since then: the
     /// watched time summed up to `on_mark`, plus `on_count` probes watched since it.
     window: BudgetWindow,
-}
-
-/// A thread's scheduler counters (`/proc/TID/schedstat`): its CPU time and how many times it
-/// was switched in, read at `t_ns` (monotonic).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Schedstat {
-    pub t_ns: u64,
-    pub run_ns: u64,
-    pub switches: u64,
-}
-
-impl Schedstat {
-    /// `run_ns wait_ns switches` as the kernel writes them; None for anything else.
-    pub fn parse(text: &str, t_ns: u64) -> Option<Schedstat> {
-        let mut f = text.split_ascii_whitespace();
-        let run_ns = f.next()?.parse().ok()?;
-        let _wait = f.next()?;
-        let switches = f.next()?.parse().ok()?;
-        Some(Schedstat {
-            t_ns,
-            run_ns,
-            switches,
-        })
-    }
-
-    /// Thread `tid`'s counters now (None when it is gone or schedstats are not built in).
-    pub fn read(tid: i32) -> Option<Schedstat> {
-        let text = std::fs::read_to_string(format!("/proc/{tid}/schedstat")).ok()?;
-        Schedstat::parse(&text, crate::sys::monotonic_ns())
-    }
 }
 
 /// What watching a thread's probes all the time would cost it, as a share of its wall time:
@@ -740,7 +711,7 @@ impl Probes {
             on_since: now_abs,
             budget_mark: (now_abs, traps),
             measured: false,
-            sched: Schedstat::read(tid),
+            sched: Schedstat::of_thread(tid),
             window: BudgetWindow {
                 on_mark: now_abs,
                 ..BudgetWindow::default()
@@ -1018,7 +989,7 @@ impl Probes {
             let watched = r.window.watched(end);
             r.budget_mark = (end, traps);
             r.window.restart(end);
-            let sched = Schedstat::read(tid);
+            let sched = Schedstat::of_thread(tid);
             let from = std::mem::replace(&mut r.sched, sched);
             if took == 0 || watched == 0 {
                 continue;

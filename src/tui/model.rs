@@ -582,11 +582,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         // Attached after the window's start (a process or thread that came later, a probe
         // found late): its figures say from when, its rate is over that span (as `report`).
         let attached = info.map_or(0, |p| {
-            first_watch
-                .get(&(probe, tid))
-                .copied()
-                .unwrap_or(p.t_ns)
-                .max(p.t_ns)
+            crate::views::latency::attached_ns(&first_watch, p, tid)
         });
         let mut span = wall;
         if let Some(share) = crate::views::latency::late_share(attached, w.start_ns(), w.now_ns()) {

@@ -127,6 +127,16 @@ pub fn first_watches(rec: &Recording) -> BTreeMap<(u32, i32), u64> {
     out
 }
 
+/// When probe `p` began to count on thread `tid`, ns since start: its first watch there (an
+/// exact probe, [`first_watches`]), never before its attach.
+pub fn attached_ns(first: &BTreeMap<(u32, i32), u64>, p: &ProbeInfo, tid: i32) -> u64 {
+    first
+        .get(&(p.id, tid))
+        .copied()
+        .unwrap_or(p.t_ns)
+        .max(p.t_ns)
+}
+
 /// A row whose probe was attached at `from_ns`, inside the window `[win_from_ns, win_to_ns)`:
 /// the share of the window it covers, when that is short of the whole (a process or thread
 /// that came later, a probe found late). Its counts are what was seen from then on (not
@@ -404,13 +414,7 @@ pub fn function_latency(
             // of an exact probe, the attach of a sampled one).
             let attached = used
                 .iter()
-                .map(|u| {
-                    first
-                        .get(&(u.id, tid))
-                        .copied()
-                        .unwrap_or(u.t_ns)
-                        .max(u.t_ns)
-                })
+                .map(|u| attached_ns(&first, u, tid))
                 .min()
                 .unwrap_or(0);
             let late = late_share(attached, 0, windows.end_ns);
