@@ -89,23 +89,164 @@ static __always_inline void count(__u32 which)
         *c += 1;
 }
 
+/* A frame's fields, and a code object's, are read with one copy each when they lie within
+ * ES_CHUNK bytes of each other (every supported version): a copy from user memory costs about
+ * the same for 8 bytes as for 128, and a walk made one per field (up to seven per frame) cost
+ * most of what a switch-out does in an engine that switches thousands of times a second. A
+ * chunk that cannot be read whole (an object at the end of a mapping) is read field by field. */
+#define ES_CHUNK 128
+struct walk_buf {
+    __u8 frame[ES_CHUNK + 8];
+    __u8 code[ES_CHUNK + 8];
+};
+
+/* One per event buffer slot (a sample can interrupt a program that walks with IRQs on). */
+struct {
+    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(max_entries, 3);
+    __type(key, __u32);
+    __type(value, struct walk_buf);
+} walk_bufs SEC(".maps");
+
+static __always_inline __u64 ld64(const __u8 *b, __u32 off)
+{
+    off &= ES_CHUNK - 1;
+    return *(const __u64 *)(b + off);
+}
+
+static __always_inline __u32 ld32(const __u8 *b, __u32 off)
+{
+    off &= ES_CHUNK - 1;
+    return *(const __u32 *)(b + off);
+}
+
+static __always_inline __u8 ld8(const __u8 *b, __u32 off)
+{
+    off &= ES_CHUNK - 1;
+    return b[off];
+}
+
 struct walk_ctx {
     const struct es_target *t;
     struct es_event *ev;
+    struct walk_buf *buf;
     __u64 frame;
     __u32 n;
     __u8 flags;
+    /* Offsets of the chunks within a frame and a code object; 0xffffffff = read by field. */
+    __u32 flo, clo;
+    /* The stack's identity: every frame's address, executable and instruction, mixed (valid
+     * while every frame's chunk was read). */
+    __u64 hash;
+    __u8 hash_ok;
+    /* The top frame's address and instruction (a quick test before the whole identity). */
+    __u64 top, top_instr;
 };
+
+/* A stack's identity, with its top frame's address and instruction. */
+struct es_walk_id {
+    __u64 hash;
+    __u64 top;
+    __u64 top_instr;
+};
+
+/* Per thread, the identity of the stack its last sample or switch-out carried (stacks walked
+ * whole only). A switch-out whose stack has the same identity sends no frames. */
+struct {
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(max_entries, ES_MAX_THREADS);
+    __type(key, __u32);
+    __type(value, struct es_walk_id);
+} last_walk SEC(".maps");
+
+/* A frame's instruction field from its chunk (f_lasti widened on 3.10). */
+static __always_inline __u64 chunk_instr(const struct es_target *t, const __u8 *chunk, __u32 flo)
+{
+    if (t->frame_kind == 0)
+        return ld32(chunk, t->frame_instr - flo);
+    return ld64(chunk, t->frame_instr - flo);
+}
+
+static __always_inline __u64 mix(__u64 h, __u64 x)
+{
+    h = (h ^ x) * 0x9E3779B97F4A7C15ull;
+    return h ^ (h >> 29);
+}
+
+/* One frame's part of the stack's identity, from its chunk. */
+static __always_inline __u64 mix_frame(const struct es_target *t, const __u8 *chunk, __u32 flo, __u64 h,
+                                       __u64 frame)
+{
+    h = mix(h, frame);
+    h = mix(h, ld64(chunk, t->frame_code - flo));
+    return mix(h, chunk_instr(t, chunk, flo));
+}
+
+#define ES_NO_CHUNK 0xffffffffu
+
+static __always_inline __u32 min_u32(__u32 a, __u32 b)
+{
+    return a < b ? a : b;
+}
+
+static __always_inline __u32 max_u32(__u32 a, __u32 b)
+{
+    return a > b ? a : b;
+}
+
+/* The frame chunk's start, or ES_NO_CHUNK when the fields read span more than ES_CHUNK. */
+static __always_inline __u32 frame_chunk(const struct es_target *t)
+{
+    __u32 isz = t->frame_kind == 0 ? 4 : 8;
+    __u32 lo = min_u32(min_u32(t->frame_previous, t->frame_code), t->frame_instr);
+    __u32 hi = max_u32(max_u32(t->frame_previous + 8, t->frame_code + 8), t->frame_instr + isz);
+    if (t->frame_owner >= 0) {
+        lo = min_u32(lo, (__u32)t->frame_owner);
+        hi = max_u32(hi, (__u32)t->frame_owner + 1);
+    }
+    if ((t->flags & ES_TARGET_USTACK) && t->frame_is_entry >= 0) {
+        lo = min_u32(lo, (__u32)t->frame_is_entry);
+        hi = max_u32(hi, (__u32)t->frame_is_entry + 1);
+    }
+    return hi - lo <= ES_CHUNK ? lo : ES_NO_CHUNK;
+}
+
+/* The code chunk's start (type, co_firstlineno, co_name), or ES_NO_CHUNK. */
+static __always_inline __u32 code_chunk(const struct es_target *t)
+{
+    __u32 lo = min_u32(t->code_firstlineno, t->code_name);
+    __u32 hi = max_u32(t->code_firstlineno + 4, t->code_name + 8);
+    if (t->code_type_addr) {
+        lo = min_u32(lo, 8);
+        hi = max_u32(hi, 16);
+    }
+    return hi - lo <= ES_CHUNK ? lo : ES_NO_CHUNK;
+}
 
 static long walk_one(__u64 index, void *data)
 {
     struct walk_ctx *w = data;
     const struct es_target *t = w->t;
+    struct walk_buf *b = w->buf;
     __u64 frame = w->frame, prev = 0, code = 0;
     if (frame == 0)
         return 1;
-    if (bpf_probe_read_user(&prev, sizeof(prev), (void *)(frame + t->frame_previous)) ||
-        bpf_probe_read_user(&code, sizeof(code), (void *)(frame + t->frame_code))) {
+    int fc = w->flo != ES_NO_CHUNK && b &&
+             bpf_probe_read_user(b->frame, ES_CHUNK, (void *)(frame + w->flo)) == 0;
+    if (fc) {
+        prev = ld64(b->frame, t->frame_previous - w->flo);
+        code = ld64(b->frame, t->frame_code - w->flo);
+        w->hash = mix_frame(t, b->frame, w->flo, w->hash, frame);
+        if (index == 0) {
+            w->top = frame;
+            w->top_instr = chunk_instr(t, b->frame, w->flo);
+        }
+    } else {
+        w->hash_ok = 0;
+    }
+    if (fc) {
+    } else if (bpf_probe_read_user(&prev, sizeof(prev), (void *)(frame + t->frame_previous)) ||
+               bpf_probe_read_user(&code, sizeof(code), (void *)(frame + t->frame_code))) {
         w->flags |= ES_EV_PARTIAL;
         count(ES_C_READ_FRAME_ERR);
         return 1;
@@ -113,7 +254,9 @@ static long walk_one(__u64 index, void *data)
     w->frame = prev;
     if (t->frame_owner >= 0) {
         __u8 owner = 0;
-        if (bpf_probe_read_user(&owner, 1, (void *)(frame + t->frame_owner))) {
+        if (fc) {
+            owner = ld8(b->frame, (__u32)t->frame_owner - w->flo);
+        } else if (bpf_probe_read_user(&owner, 1, (void *)(frame + t->frame_owner))) {
             w->flags |= ES_EV_PARTIAL;
             count(ES_C_READ_FRAME_ERR);
             return 1;
@@ -131,33 +274,53 @@ static long walk_one(__u64 index, void *data)
     code &= ~t->code_tag_mask;
     if (code == 0)
         return 0;
+    __s32 firstlineno = 0, offset = -1;
+    __u64 name = 0;
+    int cc = w->clo != ES_NO_CHUNK && b &&
+             bpf_probe_read_user(b->code, ES_CHUNK, (void *)(code + w->clo)) == 0;
     if (t->code_type_addr) {
         __u64 type = 0;
-        if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)) || type != t->code_type_addr) {
+        if (cc)
+            type = ld64(b->code, 8 - w->clo);
+        else if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)))
+            type = 0;
+        if (type != t->code_type_addr) {
             count(ES_C_SKIPPED_NONCODE);
             return 0;
         }
     }
-    __s32 firstlineno = 0, offset = -1;
-    __u64 name = 0;
-    if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
-        bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
+    if (cc) {
+        firstlineno = (__s32)ld32(b->code, t->code_firstlineno - w->clo);
+        name = ld64(b->code, t->code_name - w->clo);
+    } else if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
+               bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
         w->flags |= ES_EV_PARTIAL;
         count(ES_C_READ_FRAME_ERR);
         return 1;
     }
     if (t->frame_kind == 0) {
         __s32 lasti = -1;
-        if (bpf_probe_read_user(&lasti, sizeof(lasti), (void *)(frame + t->frame_instr)) == 0)
-            offset = lasti < 0 ? -1 : lasti * 2;
+        if (fc)
+            lasti = (__s32)ld32(b->frame, t->frame_instr - w->flo);
+        else if (bpf_probe_read_user(&lasti, sizeof(lasti), (void *)(frame + t->frame_instr)))
+            lasti = -1;
+        offset = lasti < 0 ? -1 : lasti * 2;
     } else {
         __u64 instr = 0;
-        if (bpf_probe_read_user(&instr, sizeof(instr), (void *)(frame + t->frame_instr)) == 0)
+        if (fc) {
+            instr = ld64(b->frame, t->frame_instr - w->flo);
             offset = (__s32)(instr - (code + t->code_adaptive));
+        } else if (bpf_probe_read_user(&instr, sizeof(instr), (void *)(frame + t->frame_instr)) == 0) {
+            offset = (__s32)(instr - (code + t->code_adaptive));
+        }
     }
     if ((t->flags & ES_TARGET_USTACK) && t->frame_is_entry >= 0 && offset >= 0) {
         __u8 entry = 0;
-        if (bpf_probe_read_user(&entry, 1, (void *)(frame + t->frame_is_entry)) == 0 && entry)
+        if (fc)
+            entry = ld8(b->frame, (__u32)t->frame_is_entry - w->flo);
+        else if (bpf_probe_read_user(&entry, 1, (void *)(frame + t->frame_is_entry)))
+            entry = 0;
+        if (entry)
             offset |= ES_FRAME_ENTRY;
     }
     __u32 n = w->n;
@@ -173,24 +336,37 @@ static long walk_one(__u64 index, void *data)
     return 0;
 }
 
-/* Fill ev->frames with the current thread's Python stack; returns the flags. */
-static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, struct es_event *ev)
+/* The thread's top frame (tstate -> frame, or -> cframe -> current_frame); 0 on a read error. */
+static __always_inline int top_frame(const struct es_target *t, __u64 tstate, __u64 *f)
 {
-    struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0 };
+    *f = 0;
+    if (bpf_probe_read_user(f, sizeof(*f), (void *)(tstate + t->tstate_frame)))
+        return 0;
+    if (t->cframe_current_frame >= 0 && *f) {
+        __u64 cf = *f;
+        *f = 0;
+        if (bpf_probe_read_user(f, sizeof(*f), (void *)(cf + t->cframe_current_frame)))
+            return 0;
+    }
+    return 1;
+}
+
+/* Fill ev->frames with the current thread's Python stack; returns the flags. `slot`: the
+ * caller's event buffer slot (its chunk buffers). `*hash` is the stack's identity, 0 when it
+ * is not known (a frame read by field, an error, a stack cut short). */
+static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, struct es_event *ev, __u32 slot,
+                                       struct es_walk_id *id)
+{
+    struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0, .hash = 1, .hash_ok = 1 };
+    id->hash = 0;
+    w.buf = bpf_map_lookup_elem(&walk_bufs, &slot);
+    w.flo = frame_chunk(t);
+    w.clo = code_chunk(t);
     __u64 f = 0;
-    if (bpf_probe_read_user(&f, sizeof(f), (void *)(tstate + t->tstate_frame))) {
+    if (!top_frame(t, tstate, &f)) {
         count(ES_C_READ_TSTATE_ERR);
         ev->h.nframes = 0;
         return ES_EV_PARTIAL;
-    }
-    if (t->cframe_current_frame >= 0 && f) {
-        __u64 cf = f;
-        f = 0;
-        if (bpf_probe_read_user(&f, sizeof(f), (void *)(cf + t->cframe_current_frame))) {
-            count(ES_C_READ_TSTATE_ERR);
-            ev->h.nframes = 0;
-            return ES_EV_PARTIAL;
-        }
     }
     w.frame = f;
     /* Shim frames are skipped without using an output slot, so allow some extra steps. */
@@ -200,7 +376,56 @@ static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, 
         count(ES_C_TRUNCATED);
     }
     ev->h.nframes = w.n;
+    if (w.hash_ok && w.frame == 0 && !(w.flags & (ES_EV_PARTIAL | ES_EV_TRUNCATED))) {
+        id->hash = w.hash;
+        id->top = w.top;
+        id->top_instr = w.top_instr;
+    }
     return w.flags;
+}
+
+struct hash_ctx {
+    const struct es_target *t;
+    struct walk_buf *buf;
+    __u64 frame;
+    __u64 hash;
+    __u32 flo;
+    __u8 ok;
+};
+
+static long hash_one(__u64 index, void *data)
+{
+    struct hash_ctx *c = data;
+    __u64 frame = c->frame;
+    if (frame == 0)
+        return 1;
+    struct walk_buf *b = c->buf;
+    if (!b || bpf_probe_read_user(b->frame, ES_CHUNK, (void *)(frame + c->flo))) {
+        c->ok = 0;
+        return 1;
+    }
+    const struct es_target *t = c->t;
+    c->hash = mix_frame(t, b->frame, c->flo, c->hash, frame);
+    c->frame = ld64(b->frame, t->frame_previous - c->flo);
+    return 0;
+}
+
+/* Whether the thread's stack has identity `last` (what walk_stack would give it), reading one
+ * chunk per frame and nothing of the code objects; a different top frame or instruction, the
+ * common case, is told from the first chunk. */
+static __always_inline int same_stack(const struct es_target *t, __u64 tstate, __u32 slot,
+                                      const struct es_walk_id *last)
+{
+    struct hash_ctx c = { .t = t, .frame = 0, .hash = 1, .ok = 1 };
+    c.flo = frame_chunk(t);
+    c.buf = bpf_map_lookup_elem(&walk_bufs, &slot);
+    if (c.flo == ES_NO_CHUNK || !c.buf || !top_frame(t, tstate, &c.frame) || c.frame != last->top)
+        return 0;
+    if (bpf_probe_read_user(c.buf->frame, ES_CHUNK, (void *)(c.frame + c.flo)) ||
+        chunk_instr(t, c.buf->frame, c.flo) != last->top_instr)
+        return 0;
+    bpf_loop(ES_MAX_FRAMES + 32, hash_one, &c, 0);
+    return c.ok && c.frame == 0 && c.hash == last->hash;
 }
 
 static __always_inline __u8 gil_gc_flags(const struct es_target *t, __u64 tstate)
@@ -372,8 +597,26 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
         count(ES_C_NO_TSTATE);
         flags |= ES_EV_NO_TSTATE;
     } else {
-        flags |= walk_stack(t, th->tstate, ev);
+        /* A thread switched out where it was when its stack was last walked (blocked again
+         * in the same call, preempted in the same loop) sends no frames: user space gives it
+         * that stack. Not with native stacks, which may differ below the same Python frames. */
+        if (kind == ES_EV_SWITCH_OUT && !(t->flags & (ES_TARGET_KSTACK | ES_TARGET_USTACK))) {
+            const struct es_walk_id *last = bpf_map_lookup_elem(&last_walk, &tid);
+            if (last && same_stack(t, th->tstate, slot, last)) {
+                count(ES_C_SAME_STACK);
+                ev->h.flags = flags | ES_EV_SAME_STACK;
+                if (bpf_ringbuf_output(&events, &ev->h, sizeof(ev->h), BPF_RB_NO_WAKEUP))
+                    count(ES_C_RINGBUF_FULL);
+                return;
+            }
+        }
+        struct es_walk_id id = {};
+        flags |= walk_stack(t, th->tstate, ev, slot, &id);
         flags |= gil_gc_flags(t, th->tstate);
+        if (id.hash)
+            bpf_map_update_elem(&last_walk, &tid, &id, BPF_ANY);
+        else
+            bpf_map_delete_elem(&last_walk, &tid);
     }
     ev->h.flags = flags;
     submit(ev);
@@ -424,68 +667,7 @@ static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u
 }
 
 #define ES_NR_SCHED_YIELD 24 /* x86-64 */
-
-/* Is the current task switching out inside sched_yield(2)? orig_rax holds the system call
- * being made (-1 after an interrupt from user mode: preempted). */
-static __always_inline int in_sched_yield(void)
-{
-    struct task_struct *task = bpf_get_current_task_btf();
-    struct pt_regs *tr = (struct pt_regs *)bpf_task_pt_regs(task);
-    __u64 nr = 0;
-    if (!tr || bpf_probe_read_kernel(&nr, sizeof(nr), &tr->orig_rax))
-        return 0;
-    return nr == ES_NR_SCHED_YIELD;
-}
-
-/* Only threads user space knows (with a PyThreadState) are traced off-CPU: a native thread
- * (BLAS/OpenMP pools, torch, gRPC) has no Python stack to blame, and engines have dozens of
- * them switching thousands of times a second. A switch-out of a still-runnable thread is
- * marked preempted. Inside sched_yield (a busy-wait loop: vLLM's shm_broadcast) it carries no
- * stack and user space gives the interval the thread's last known stack: two 32-byte records
- * per yield. Any other (preempted by the scheduler) walks the stack, as a sample does: the
- * last known stack can be another function's (a thread preempted right after dropping the GIL
- * on its way into a blocking read would otherwise be blamed on the function it sampled last),
- * and preemptions come at most once per time slice. */
-SEC("tp_btf/sched_switch")
-int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
-{
-    __u32 prev_tgid = BPF_CORE_READ(prev, tgid);
-    const struct es_target *t = bpf_map_lookup_elem(&targets, &prev_tgid);
-    if (t && (t->flags & ES_TARGET_OFFCPU)) {
-        __u32 tid = BPF_CORE_READ(prev, pid);
-        struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
-        if (!th || th->tgid != prev_tgid) {
-            count(ES_C_SWITCH_NATIVE);
-        } else if (preempt || prev_state == 0) {
-            /* Runs in prev's context: its memory is the current address space. */
-            count(ES_C_SWITCH_OUT);
-            if (!preempt && in_sched_yield())
-                submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
-            else
-                record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, ES_EV_PREEMPTED, 0);
-        } else {
-            count(ES_C_SWITCH_OUT);
-            record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0, 0);
-        }
-    }
-    __u32 next_tgid = BPF_CORE_READ(next, tgid);
-    t = bpf_map_lookup_elem(&targets, &next_tgid);
-    if (t && (t->flags & ES_TARGET_OFFCPU)) {
-        __u32 tid = BPF_CORE_READ(next, pid);
-        struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
-        if (!th || th->tgid != next_tgid)
-            return 0;
-        count(ES_C_SWITCH_IN);
-        submit_header(ES_EV_SWITCH_IN, 0, next_tgid, tid);
-    }
-    return 0;
-}
-
-#define ES_NR_FUTEX 202 /* x86-64 */
-/* Offsets of `di` and `si` (first and second syscall arguments) in the kernel's x86-64
- * struct pt_regs. */
-#define ES_PT_REGS_DI 112
-#define ES_PT_REGS_SI 104
+#define ES_NR_FUTEX 202      /* x86-64 */
 /* futex(2) operations (linux/futex.h): the command is op without FUTEX_PRIVATE_FLAG (128) and
  * FUTEX_CLOCK_REALTIME (256). */
 #define ES_FUTEX_CMD_MASK 127
@@ -495,20 +677,43 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
 #define ES_FUTEX_WAIT_REQUEUE_PI 11
 #define ES_FUTEX_LOCK_PI2 13
 
-SEC("tp_btf/sys_enter")
-int BPF_PROG(on_sys_enter, void *regs, long id)
+/* The system call the current task is in and its first two arguments, from the user
+ * registers the kernel saved at entry (x86-64 struct pt_regs: si at 104, di at 112, orig_ax at
+ * 120). nr is -1 when the task entered the kernel by an interrupt or exception (preempted, a
+ * page fault). Returns 0 when they could not be read. */
+struct es_syscall {
+    __u64 si, di, nr;
+};
+
+static __always_inline int current_syscall(struct es_syscall *sc)
 {
-    if (id != ES_NR_FUTEX)
+    struct task_struct *task = bpf_get_current_task_btf();
+    void *tr = (void *)bpf_task_pt_regs(task);
+    if (!tr || bpf_probe_read_kernel(sc, sizeof(*sc), (char *)tr + 104))
         return 0;
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-    __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
-    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
-    if (!t || !(t->flags & ES_TARGET_GIL) || !t->gil_addr)
-        return 0;
-    __u64 uaddr = 0, op = 0;
-    if (bpf_probe_read_kernel(&uaddr, sizeof(uaddr), (char *)regs + ES_PT_REGS_DI) ||
-        bpf_probe_read_kernel(&op, sizeof(op), (char *)regs + ES_PT_REGS_SI))
-        return 0;
+    return 1;
+}
+
+/* Is the current task switching out inside sched_yield(2)? (-1 after an interrupt from user
+ * mode: preempted.) */
+static __always_inline int in_sched_yield(void)
+{
+    struct es_syscall sc = {};
+    return current_syscall(&sc) && sc.nr == ES_NR_SCHED_YIELD;
+}
+
+/* A thread of target t blocks in futex(2) (it is being switched out asleep, in prev's context:
+ * its memory is the current address space): when the futex word is in the GIL's condition
+ * variables or mutexes, a GIL wait begins (ended at its switch-in). Timed from the sleep, not
+ * from the system call's entry: a futex call that returns at once (the word changed) waits for
+ * nothing. Tracing the switch instead of sys_enter/sys_exit leaves every other system call of
+ * every process on the machine untouched (an engine's busy-wait loops make ~77k/s). */
+static __always_inline void gil_wait_begins(const struct es_target *t, __u32 tgid, __u32 tid)
+{
+    struct es_syscall sc = {};
+    if (!current_syscall(&sc) || sc.nr != ES_NR_FUTEX)
+        return;
+    __u64 uaddr = sc.di, op = sc.si;
     /* Only the operations that block: a FUTEX_WAKE (a thread dropping the GIL signals the
      * condition, unlocks a contended mutex) is not a wait. */
     switch (op & ES_FUTEX_CMD_MASK) {
@@ -519,11 +724,11 @@ int BPF_PROG(on_sys_enter, void *regs, long id)
     case ES_FUTEX_LOCK_PI2:
         break;
     default:
-        return 0;
+        return;
     }
     __u64 off = uaddr - t->gil_addr;
     if (off < t->gil_cond_off || off >= t->gil_size)
-        return 0;
+        return;
     __u64 now = bpf_ktime_get_ns();
     bpf_map_update_elem(&gil_waiting, &tid, &now, BPF_ANY);
     count(ES_C_GIL_WAITS);
@@ -531,7 +736,7 @@ int BPF_PROG(on_sys_enter, void *regs, long id)
     __u32 slot = ES_SLOT_SYSCALL;
     struct es_event *ev = bpf_map_lookup_elem(&scratch, &slot);
     if (!ev)
-        return 0;
+        return;
     ev->h.kind = ES_EV_GIL_WAIT_START;
     ev->h.tgid = tgid;
     ev->h.tid = tid;
@@ -571,31 +776,72 @@ int BPF_PROG(on_sys_enter, void *regs, long id)
         }
     }
     ev->h.ip = holder;
-    if (holder)
-        flags |= walk_stack(t, holder, ev) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    if (holder) {
+        struct es_walk_id id = {};
+        flags |= walk_stack(t, holder, ev, slot, &id) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    }
     ev->h.flags = flags;
     submit(ev);
-    return 0;
 }
 
-SEC("tp_btf/sys_exit")
-int BPF_PROG(on_sys_exit, void *regs, long ret)
+/* Only threads user space knows (with a PyThreadState) are traced off-CPU: a native thread
+ * (BLAS/OpenMP pools, torch, gRPC) has no Python stack to blame, and engines have dozens of
+ * them switching thousands of times a second. A switch-out of a still-runnable thread is
+ * marked preempted. Inside sched_yield (a busy-wait loop: vLLM's shm_broadcast) it carries no
+ * stack and user space gives the interval the thread's last known stack: two 32-byte records
+ * per yield. Any other (preempted by the scheduler) walks the stack, as a sample does: the
+ * last known stack can be another function's (a thread preempted right after dropping the GIL
+ * on its way into a blocking read would otherwise be blamed on the function it sampled last),
+ * and preemptions come at most once per time slice. With GIL tracing, a thread falling asleep
+ * on the GIL begins a GIL wait (before its switch-out record) and its switch-in ends it
+ * (after its switch-in record). */
+SEC("tp_btf/sched_switch")
+int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
 {
-    __u64 pid_tgid = bpf_get_current_pid_tgid();
-    __u32 tid = (__u32)pid_tgid;
-    __u64 *start = bpf_map_lookup_elem(&gil_waiting, &tid);
-    if (!start)
-        return 0;
-    bpf_map_delete_elem(&gil_waiting, &tid);
-    struct es_event_header h = {
-        .kind = ES_EV_GIL_WAIT_END,
-        .tgid = pid_tgid >> 32,
-        .tid = tid,
-        .cpu = bpf_get_smp_processor_id(),
-        .time_ns = bpf_ktime_get_ns(),
-    };
-    if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
-        count(ES_C_RINGBUF_FULL);
+    __u32 prev_tgid = BPF_CORE_READ(prev, tgid);
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &prev_tgid);
+    if (t && (t->flags & (ES_TARGET_OFFCPU | ES_TARGET_GIL))) {
+        __u32 tid = BPF_CORE_READ(prev, pid);
+        struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
+        int offcpu = t->flags & ES_TARGET_OFFCPU;
+        int asleep = !preempt && prev_state != 0;
+        if (!th || th->tgid != prev_tgid) {
+            if (offcpu)
+                count(ES_C_SWITCH_NATIVE);
+        } else {
+            if (asleep && (t->flags & ES_TARGET_GIL) && t->gil_addr)
+                gil_wait_begins(t, prev_tgid, tid);
+            if (!offcpu) {
+                /* GIL waits only. */
+            } else if (!asleep) {
+                /* Runs in prev's context: its memory is the current address space. */
+                count(ES_C_SWITCH_OUT);
+                if (!preempt && in_sched_yield())
+                    submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
+                else
+                    record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, ES_EV_PREEMPTED, 0);
+            } else {
+                count(ES_C_SWITCH_OUT);
+                record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0, 0);
+            }
+        }
+    }
+    __u32 next_tgid = BPF_CORE_READ(next, tgid);
+    t = bpf_map_lookup_elem(&targets, &next_tgid);
+    if (t && (t->flags & (ES_TARGET_OFFCPU | ES_TARGET_GIL))) {
+        __u32 tid = BPF_CORE_READ(next, pid);
+        struct es_thread *th = bpf_map_lookup_elem(&threads, &tid);
+        if (!th || th->tgid != next_tgid)
+            return 0;
+        if (t->flags & ES_TARGET_OFFCPU) {
+            count(ES_C_SWITCH_IN);
+            submit_header(ES_EV_SWITCH_IN, 0, next_tgid, tid);
+        }
+        if ((t->flags & ES_TARGET_GIL) && bpf_map_lookup_elem(&gil_waiting, &tid)) {
+            bpf_map_delete_elem(&gil_waiting, &tid);
+            submit_header(ES_EV_GIL_WAIT_END, 0, next_tgid, tid);
+        }
+    }
     return 0;
 }
 

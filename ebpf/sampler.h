@@ -111,6 +111,10 @@ enum es_event_kind {
 #define ES_EV_NO_TSTATE 32 /* thread not (yet) known to user space */
 #define ES_EV_TRUNCATED 64 /* more than ES_MAX_FRAMES frames */
 #define ES_EV_PREEMPTED 128 /* switch-out while still runnable */
+#define ES_EV_SAME_STACK 8  /* on SWITCH_OUT (same bit as KERNEL, which only SAMPLE uses): no
+                             * frames sent, the thread's stack is the one its last walked
+                             * sample or switch-out carried (every frame's address and
+                             * instruction unchanged) */
 
 struct es_event_header {
     __u8 kind;
@@ -189,6 +193,7 @@ enum es_counter {
     ES_C_GC_UPROBE_HITS,     /* collector entries and returns seen by the GC uprobes */
     ES_C_GC_RETURN_UNPAIRED, /* collector return without an entry (attached mid-collection) */
     ES_C_GC_NESTED,          /* collector entered while it runs on that thread (not a pause) */
+    ES_C_SAME_STACK,         /* switch-outs sent without frames: the stack last walked */
     ES_C_COUNT,
 };
 

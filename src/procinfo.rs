@@ -26,34 +26,75 @@ pub fn parse_nspid(status: &str) -> Option<Vec<i32>> {
 /// All threads of `pid`, with their namespace ids and names. Threads that exit while we read
 /// are skipped.
 pub fn tasks(pid: i32) -> std::io::Result<Vec<TaskInfo>> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let Ok(entry) = entry else { continue };
-        let Some(host_tid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        let base = format!("/proc/{pid}/task/{host_tid}");
-        let Ok(status) = std::fs::read_to_string(format!("{base}/status")) else {
-            continue;
-        };
-        let ns_tid = parse_nspid(&status)
-            .and_then(|v| v.last().copied())
-            .unwrap_or(host_tid);
-        let comm = std::fs::read_to_string(format!("{base}/comm"))
-            .map(|s| s.trim_end_matches('\n').to_string())
-            .unwrap_or_default();
-        out.push(TaskInfo {
-            host_tid,
-            ns_tid,
-            comm,
-        });
+    TaskCache::default().tasks(pid)
+}
+
+/// How long a thread's name, once read, stands before it is read again.
+pub const COMM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The threads of one process, listed again at each call, each thread's namespace id read
+/// once (`status`: it never changes) and its name at most every [`COMM_EVERY`] (threads name
+/// themselves once, as they start). Listing a 74-thread vLLM every 100 ms read ~1,500 `status`
+/// and as many `comm` files a second, each a walk through the target's task and signal
+/// structures; a listing now opens only the files of threads it has not met.
+#[derive(Debug, Default)]
+pub struct TaskCache {
+    known: HashMap<i32, (i32, String, std::time::Instant)>,
+}
+
+impl TaskCache {
+    /// The threads of `pid` now (sorted by host tid).
+    pub fn tasks(&mut self, pid: i32) -> std::io::Result<Vec<TaskInfo>> {
+        let mut out = Vec::new();
+        let now = std::time::Instant::now();
+        for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            let Ok(entry) = entry else { continue };
+            let Some(host_tid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let base = format!("/proc/{pid}/task/{host_tid}");
+            let cached = self.known.get(&host_tid).cloned();
+            let ns_tid = match &cached {
+                Some((ns, _, _)) => *ns,
+                None => {
+                    let Ok(status) = std::fs::read_to_string(format!("{base}/status")) else {
+                        continue;
+                    };
+                    parse_nspid(&status)
+                        .and_then(|v| v.last().copied())
+                        .unwrap_or(host_tid)
+                }
+            };
+            let comm = match cached {
+                Some((_, comm, at)) if now.duration_since(at) < COMM_EVERY => {
+                    out.push(TaskInfo {
+                        host_tid,
+                        ns_tid,
+                        comm,
+                    });
+                    continue;
+                }
+                _ => std::fs::read_to_string(format!("{base}/comm"))
+                    .map(|s| s.trim_end_matches('\n').to_string())
+                    .unwrap_or_default(),
+            };
+            self.known.insert(host_tid, (ns_tid, comm.clone(), now));
+            out.push(TaskInfo {
+                host_tid,
+                ns_tid,
+                comm,
+            });
+        }
+        out.sort_by_key(|t| t.host_tid);
+        // Threads gone are forgotten (a tid reused later is a new thread).
+        self.known
+            .retain(|tid, _| out.binary_search_by_key(tid, |t| t.host_tid).is_ok());
+        Ok(out)
     }
-    out.sort_by_key(|t| t.host_tid);
-    Ok(out)
 }
 
 /// Map namespace tid → task.

@@ -130,6 +130,9 @@ pub mod ev {
     pub const NO_TSTATE: u8 = 32;
     pub const TRUNCATED: u8 = 64;
     pub const PREEMPTED: u8 = 128;
+    /// On SWITCH_OUT (same bit as KERNEL, which only SAMPLE uses): no frames were sent; the
+    /// thread's stack is the one its last walked sample or switch-out carried.
+    pub const SAME_STACK: u8 = 8;
     /// On GIL_WAIT_START (same bit as PREEMPTED, which only SWITCH_OUT uses).
     pub const SWITCH_WAIT: u8 = 128;
 }
@@ -161,6 +164,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_gc_uprobe_hits",
     "bpf_gc_return_unpaired",
     "bpf_gc_nested_calls",
+    "bpf_same_stack_switch_outs",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).

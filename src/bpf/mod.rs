@@ -58,6 +58,17 @@ impl Drop for BpfSampler {
     }
 }
 
+/// What one watchpoint hit costs the thread that takes it, ns
+/// ([`BpfSampler::watchpoint_costs_ns`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TrapCost {
+    /// The trap alone (what a GC pause timed between two hits includes).
+    pub hot: u64,
+    /// The trap and the cache lines it costs code working on its own data (what a probed
+    /// engine pays; at least `hot`).
+    pub in_use: u64,
+}
+
 impl BpfSampler {
     /// Load the programs, start cpu-clock sampling on every online CPU at `rate_hz`, and (when
     /// `offcpu`) trace sched_switch. Nothing is recorded until targets are added.
@@ -65,8 +76,8 @@ impl BpfSampler {
         Self::start_with(rate_hz, offcpu, false)
     }
 
-    /// As [`start`](Self::start); with `gil`, also trace futex waits (sys_enter/sys_exit) so
-    /// that waits on targets' GILs are timed exactly.
+    /// As [`start`](Self::start); with `gil`, also time the waits of targets' threads on
+    /// their GILs (a thread falling asleep in futex(2) on the GIL, to its switch-in).
     pub fn start_with(rate_hz: u32, offcpu: bool, gil: bool) -> anyhow::Result<Self> {
         Self::start_sized(rate_hz, offcpu, gil, None)
     }
@@ -109,7 +120,9 @@ impl BpfSampler {
                 .with_context(|| format!("opening a cpu-clock perf event on CPU {cpu}"))?;
             }
         }
-        if offcpu {
+        // GIL waits are timed from the switches too (a thread falling asleep in futex(2) on
+        // the GIL, and its switch-in): no program runs on other system calls.
+        if offcpu || gil {
             let prog: &mut BtfTracePoint = bpf
                 .program_mut("on_switch")
                 .context("BPF object has no on_switch program")?
@@ -117,18 +130,6 @@ impl BpfSampler {
             prog.load("sched_switch", &btf)
                 .map_err(|e| anyhow!("verifier rejected on_switch: {e:#}"))?;
             prog.attach().context("attaching to sched_switch")?;
-        }
-        if gil {
-            for (prog_name, tp) in [("on_sys_enter", "sys_enter"), ("on_sys_exit", "sys_exit")] {
-                let prog: &mut BtfTracePoint = bpf
-                    .program_mut(prog_name)
-                    .with_context(|| format!("BPF object has no {prog_name} program"))?
-                    .try_into()?;
-                prog.load(tp, &btf)
-                    .map_err(|e| anyhow!("verifier rejected {prog_name}: {e:#}"))?;
-                prog.attach()
-                    .with_context(|| format!("attaching to {tp}"))?;
-            }
         }
         drop(btf);
         // The parsed BTF was the largest allocation; hand its pages back to the kernel.
@@ -379,6 +380,15 @@ impl BpfSampler {
     /// once). A GC pause measured between two hits includes about one such cost (the exit of
     /// the first trap and the entry of the second), which `record` subtracts.
     pub fn watchpoint_cost_ns(&mut self) -> anyhow::Result<u64> {
+        Ok(self.watchpoint_costs_ns()?.hot)
+    }
+
+    /// What one watchpoint hit costs the writing thread here, ns, two ways ([`TrapCost`]):
+    /// alone (`hot`), and what it costs code that works on data of its own between hits
+    /// (`in_use`): a trap's path through the kernel (and, in a VM, the hypervisor) evicts
+    /// cache lines that code must then fetch again, which a loop of bare writes never pays.
+    /// On a real vLLM on an Intel VM, the throughput each trap cost was about twice `hot`.
+    pub fn watchpoint_costs_ns(&mut self) -> anyhow::Result<TrapCost> {
         static mut PROBE: u32 = 0;
         // Batches of writes timed on this thread's CPU clock (time the thread spends
         // preempted on a busy machine is not trap cost), the cheapest batch kept: a mean over
@@ -386,6 +396,9 @@ impl BpfSampler {
         // inside probed calls cost ~45 µs.
         const BATCHES: u32 = 16;
         const N: u32 = 100;
+        // Between two writes of the working-set runs, a pass over WORKING_SET bytes (one load
+        // per cache line): data the code in use keeps close.
+        const WORKING_SET: usize = 256 << 10;
         let addr = std::ptr::addr_of_mut!(PROBE);
         let prog = self.gc_write_program()?;
         let cpu_ns = || {
@@ -397,29 +410,41 @@ impl BpfSampler {
             unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
             ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
         };
-        let write_n = || {
+        let data = vec![1u8; WORKING_SET];
+        let write_n = |touch: bool| {
             let mut best = u64::MAX;
+            let mut sum = 0u64;
             for _ in 0..BATCHES {
                 let t0 = cpu_ns();
                 for i in 0..N {
+                    if touch {
+                        for line in data.iter().step_by(64) {
+                            // SAFETY: a reference to a live byte of `data`; volatile so that
+                            // the pass is not folded away.
+                            sum = sum.wrapping_add(unsafe { std::ptr::read_volatile(line) } as u64);
+                        }
+                    }
                     // SAFETY: a private static only this function touches, written through a
                     // raw pointer with volatile stores so that every write reaches memory.
                     unsafe { std::ptr::write_volatile(addr, i) };
                 }
                 best = best.min(cpu_ns().saturating_sub(t0));
             }
+            std::hint::black_box(sum);
             best
         };
-        let base = write_n();
+        let (base, base_ws) = (write_n(false), write_n(true));
         // This thread (the one that writes below), not the process's main thread: `record`
         // may run on a thread of its own (top, demo, agent).
         // SAFETY: gettid has no preconditions.
         let me = unsafe { libc::gettid() };
         let w = Breakpoint::write(prog, me, addr as u64, 4)
             .map_err(|e| anyhow!("setting a calibration watchpoint: {e}"))?;
-        let watched = write_n();
+        let (watched, watched_ws) = (write_n(false), write_n(true));
         drop(w);
-        Ok(watched.saturating_sub(base) / N as u64)
+        let hot = watched.saturating_sub(base) / N as u64;
+        let in_use = (watched_ws.saturating_sub(base_ws) / N as u64).max(hot);
+        Ok(TrapCost { hot, in_use })
     }
 
     /// What a thread holding write watchpoints pays per context switch here, over one that
@@ -571,9 +596,10 @@ impl BpfSampler {
     }
 
     /// Counters summed over CPUs, by name; with `ENGINESCOPE_BPF_STATS=1`, also the time
-    /// and runs of this sampler's programs as the kernel counted them.
-    pub fn counters(&self) -> Vec<(&'static str, u64)> {
-        let mut out: Vec<(&'static str, u64)> = abi::COUNTER_NAMES
+    /// and runs of this sampler's programs as the kernel counted them, in all and per
+    /// program (`bpf_prog_<name>_run_ns`, `bpf_prog_<name>_runs`).
+    pub fn counters(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = abi::COUNTER_NAMES
             .iter()
             .enumerate()
             .map(|(i, name)| {
@@ -582,21 +608,24 @@ impl BpfSampler {
                     .get(&(i as u32), 0)
                     .map(|per_cpu| per_cpu.iter().sum())
                     .unwrap_or(0);
-                (*name, v)
+                (name.to_string(), v)
             })
             .collect();
         if self.stats.is_some() {
             let (mut ns, mut runs) = (0u64, 0u64);
-            for (_, prog) in self.bpf.programs() {
+            for (name, prog) in self.bpf.programs() {
                 if let Ok(info) = prog.info() {
-                    ns += info.run_time().as_nanos() as u64;
-                    runs += info.run_count();
+                    let (n, r) = (info.run_time().as_nanos() as u64, info.run_count());
+                    ns += n;
+                    runs += r;
+                    out.push((format!("bpf_prog_{name}_run_ns"), n));
+                    out.push((format!("bpf_prog_{name}_runs"), r));
                 }
             }
-            out.push(("bpf_prog_run_ns", ns));
-            out.push(("bpf_prog_runs", runs));
+            out.push(("bpf_prog_run_ns".into(), ns));
+            out.push(("bpf_prog_runs".into(), runs));
         }
-        out.push(("gc_uprobe_links_closed_here", self.closed_here));
+        out.push(("gc_uprobe_links_closed_here".into(), self.closed_here));
         out
     }
 

@@ -442,8 +442,10 @@ enum Body {
         entry: Vec<bool>,
         native: Option<RawNative>,
     },
-    /// A preempted switch-out without a stack walk.
-    Preempted,
+    /// A switch-out with no stack walked: the thread's latest known stack stands for it.
+    Preempted {
+        preempted: bool,
+    },
     SwitchIn,
     GilWaitStart {
         holder_tid: i32,
@@ -478,6 +480,21 @@ fn prepare(
 ) -> Option<Prepared> {
     let (pid, tid) = (h.tgid as i32, h.tid as i32);
     let body = match h.kind {
+        kind::SWITCH_OUT if h.flags & abi::ev::SAME_STACK != 0 => match t.last_walked.get(&tid) {
+            // The stack last walked, unchanged (the kernel compared every frame's address
+            // and instruction): as if walked again.
+            Some(python) => Body::Stack {
+                switch_out: true,
+                weight_ns: 0,
+                native: None,
+                python: python.clone(),
+                entry,
+            },
+            // Its walk was not seen (dropped before the window, lost): the latest known stack.
+            None => Body::Preempted {
+                preempted: h.flags & abi::ev::PREEMPTED != 0,
+            },
+        },
         kind::SAMPLE | kind::SWITCH_OUT
             if !(h.kind == kind::SWITCH_OUT
                 && frames.is_empty()
@@ -485,6 +502,11 @@ fn prepare(
         {
             let python = t.resolve(tid, frames);
             let switch_out = h.kind == kind::SWITCH_OUT;
+            if h.flags & (abi::ev::PARTIAL | abi::ev::TRUNCATED | abi::ev::NO_TSTATE) == 0 {
+                t.last_walked.insert(tid, python.clone());
+            } else {
+                t.last_walked.remove(&tid);
+            }
             Body::Stack {
                 switch_out,
                 // A sample carries its thread's scheduler runtime.
@@ -499,7 +521,7 @@ fn prepare(
             }
         }
         // Still runnable inside sched_yield (a busy-wait loop): no stack walked.
-        kind::SWITCH_OUT => Body::Preempted,
+        kind::SWITCH_OUT => Body::Preempted { preempted: true },
         kind::PROBE_HIT => Body::ProbeHit(h.ip, abi::parse_probe_frame(bytes)?),
         kind::SWITCH_IN => Body::SwitchIn,
         kind::GIL_WAIT_START => {
@@ -565,10 +587,10 @@ fn apply(
             }
             probes.stack(pid, tid, time_ns, &python, switch_out, pipe)
         }
-        Body::Preempted => {
+        Body::Preempted { preempted } => {
             // Its latest known stack.
             let s = pipe.last_stack(pid, tid);
-            pipe.switch_out(pid, tid, time_ns, s, true)
+            pipe.switch_out(pid, tid, time_ns, s, preempted)
         }
         Body::ProbeHit(ip, frame) => probes.hit(pid, tid, time_ns, ip, frame, pipe),
         Body::SwitchIn => pipe.switch_in(pid, tid, time_ns),
@@ -644,10 +666,11 @@ impl Source for BpfSource {
         self.flush_gc_methods(pipe)?;
         if self.tracing.gc || !self.probes.is_empty() {
             let _s = crate::sys::steps::step("trap_calibration");
-            match self.b.watchpoint_cost_ns() {
-                Ok(ns) => {
-                    pipe.gc_trap_ns = ns;
-                    self.probes.trap_ns = ns;
+            match self.b.watchpoint_costs_ns() {
+                Ok(c) => {
+                    pipe.gc_trap_ns = c.hot;
+                    self.probes.trap_ns = c.hot;
+                    self.probes.budget_trap_ns = c.in_use;
                 }
                 Err(e) if !self.tracing.quiet => {
                     eprintln!("enginescope: could not time a watchpoint hit: {e:#}")
@@ -827,9 +850,7 @@ impl Source for BpfSource {
     }
 
     fn counters(&self, pipe: &Pipeline, out: &mut BTreeMap<String, u64>) {
-        for (k, v) in self.b.counters() {
-            out.insert(k.to_string(), v);
-        }
+        out.extend(self.b.counters());
         out.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
         out.insert(
             "offcpu_switch_ins_missed".into(),
@@ -893,11 +914,7 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
     b.set_target(pid as u32, &target.bpf_config(abi::TARGET_OFFCPU)?)?;
     std::thread::sleep(duration);
     b.remove_target(pid as u32);
-    let mut out: BTreeMap<String, u64> = b
-        .counters()
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+    let mut out: BTreeMap<String, u64> = b.counters().into_iter().collect();
     let mut frames = 0u64;
     let mut unresolved = 0u64;
     b.drain(usize::MAX, |bytes| {

@@ -448,6 +448,9 @@ pub struct Probes {
     blocked: HashSet<(i32, usize)>,
     /// Cost of one breakpoint trap, subtracted from exact durations.
     pub trap_ns: u64,
+    /// What a trap costs the code it interrupts, cache lines refetched included
+    /// (`TrapCost::in_use`): what the budget is sized from. 0 = `trap_ns`.
+    pub budget_trap_ns: u64,
     /// What a context switch costs a thread holding watchpoints here (calibrated at start;
     /// zero when it could not be).
     pub switch_cost: crate::bpf::SwitchCost,
@@ -521,6 +524,7 @@ impl Probes {
             runs: HashMap::new(),
             blocked: HashSet::new(),
             trap_ns: 0,
+            budget_trap_ns: 0,
             traps: HashMap::new(),
             nested_traps: 0,
             period_ns: period_ns.max(1),
@@ -951,7 +955,9 @@ impl Probes {
         if self.budget <= 0.0 {
             return;
         }
-        let trap_ns = if self.trap_ns > 0 {
+        let trap_ns = if self.budget_trap_ns > 0 {
+            self.budget_trap_ns
+        } else if self.trap_ns > 0 {
             self.trap_ns
         } else {
             10_000
@@ -1476,6 +1482,7 @@ impl Probes {
 pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String, u64>) {
     let v = |f: fn(&Probes) -> u64| p.map_or(0, f);
     out.insert("probe_trap_cost_ns".into(), v(|p| p.trap_ns));
+    out.insert("probe_trap_cost_in_use_ns".into(), v(|p| p.budget_trap_ns));
     out.insert("probe_nested_traps".into(), v(|p| p.nested_traps));
     out.insert("probe_calls".into(), v(|p| p.calls));
     out.insert("probe_calls_unfinished".into(), v(|p| p.unfinished));

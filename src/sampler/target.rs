@@ -42,6 +42,13 @@ pub struct Target {
     /// Known Python threads missing from a thread list read to its end while their OS thread
     /// still ran and their thread state still named them, kept for that refresh.
     pub threads_kept_unlisted: u64,
+    /// host tid → the Python frames of its last sample or switch-out that carried its own
+    /// stack: what a switch-out sent without frames (`SAME_STACK`) stands for.
+    pub last_walked: HashMap<i32, Vec<Frame>>,
+    /// Its thread list, each thread's ids and name read once (`procinfo::TaskCache`).
+    task_cache: procinfo::TaskCache,
+    /// When the interpreter's thread list was last read, and the OS threads then.
+    py_list_read: Option<(std::time::Instant, Vec<i32>)>,
     /// Threads kept so at the last refresh: missing again, they are gone.
     unlisted: std::collections::HashSet<i32>,
 }
@@ -52,6 +59,9 @@ const UNNAMED_RETRIES: u32 = 5;
 /// Python thread names are read again at least this often (renames), and whenever a thread
 /// comes or goes.
 pub const PYTHON_NAMES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How long the interpreter's thread list stands while the process's OS threads stay the same.
+pub const PY_THREADS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Target {
     pub fn new(proc: PythonProcess) -> Self {
@@ -72,6 +82,9 @@ impl Target {
             thread_list_failures: 0,
             thread_list_partial_reads: 0,
             threads_kept_unlisted: 0,
+            last_walked: HashMap::new(),
+            task_cache: procinfo::TaskCache::default(),
+            py_list_read: None,
             unlisted: Default::default(),
         }
     }
@@ -175,11 +188,23 @@ impl Target {
 
     /// Re-read the thread list. Returns (new or renamed threads, threads gone).
     pub fn refresh_threads(&mut self) -> (Vec<(i32, u64, String)>, Vec<i32>) {
-        let Ok(tasks) = procinfo::tasks(self.pid) else {
+        let Ok(tasks) = self.task_cache.tasks(self.pid) else {
             let gone: Vec<i32> = self.threads.keys().copied().collect();
             self.threads.clear();
             return (vec![], gone);
         };
+        // The same OS threads as at the last read of the interpreter's list, read under
+        // PY_THREADS_EVERY ago: nothing to read (a Python thread is born with an OS thread,
+        // bar a native thread's first PyGILState_Ensure, found at the next full read).
+        let tids: Vec<i32> = tasks.iter().map(|t| t.host_tid).collect();
+        if self
+            .py_list_read
+            .as_ref()
+            .is_some_and(|(at, known)| *known == tids && at.elapsed() < PY_THREADS_EVERY)
+        {
+            return (vec![], vec![]);
+        }
+        self.py_list_read = Some((std::time::Instant::now(), tids));
         let comm: HashMap<i32, &str> = tasks
             .iter()
             .map(|t| (t.host_tid, t.comm.as_str()))
@@ -209,6 +234,7 @@ impl Target {
                     .collect();
                 for t in &gone {
                     self.threads.remove(t);
+                    self.last_walked.remove(t);
                 }
                 return (vec![], gone);
             }
@@ -285,6 +311,7 @@ impl Target {
             .collect();
         for t in &gone {
             self.threads.remove(t);
+            self.last_walked.remove(t);
         }
         (changed, gone)
     }
