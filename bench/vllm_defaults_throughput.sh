@@ -4,9 +4,11 @@
 # load generator and the profiler on CPU 1, so the profiler's own CPU is not the engine's and
 # what remains is what it does inside the engine. Per round, interleaved phases of DUR s of
 # closed-loop load: none, `record --vllm` at its defaults, none, py-spy 0.4.3
-# `--nonblocking --rate 100 --subprocesses` on the API server (EXTRA_MODES adds
-# `exact`: `record --vllm --exact-probes`). Each profiled phase is divided by the mean of the
-# unprofiled phases beside it; prints every ratio and the median per mode.
+# `--nonblocking --rate 100 --subprocesses` on the API server. EXTRA_MODES adds others:
+# `exact` (`record --vllm --exact-probes`), `noprobes` (`--no-default-probes`). Each profiled
+# phase is divided by the mean of the unprofiled phases beside it; prints every ratio and the
+# median per mode, and each recording's probe counters (traps, their calibrated cost, the
+# budget's phases).
 # Env: PORT (8140), C (16), MAXTOK (128), DUR (20), ROUNDS (4), EXTRA_MODES, SERVE_ARGS, OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +25,10 @@ load 10 > /dev/null
 phase() { # $1 = mode, $2 = round
   local prof=""
   case "$1" in
-    es|exact)
+    es|exact|noprobes)
       local extra=()
       [ "$1" = exact ] && extra=(--exact-probes)
+      [ "$1" = noprobes ] && extra=(--no-default-probes)
       taskset -c 1 "$ES" record --vllm "${extra[@]}" --engine-pid "$PID" -o "$OUT/$1-$2.esrec" \
         > /dev/null 2> "$OUT/$1-$2.log" &
       prof=$!
@@ -60,4 +63,12 @@ for i, (mode, r, tps) in enumerate(rows):
 for mode, rs in ratios.items():
     print(f"{mode}: " + ", ".join(f"{x:.3f}" for x in rs) + f"  median {statistics.median(rs):.3f}")
 PY
+for f in "$OUT"/*.esrec; do
+  [ -f "$f" ] || continue
+  "$ES" report -f json "$f" 2>/dev/null | python3 -c '
+import json, sys
+c = json.load(sys.stdin).get("counters", {})
+keys = ("bpf_probe_hits", "probe_calls", "probe_trap_cost_ns", "probe_switch_cost_1reg_ns", "probe_switch_cost_4reg_ns", "probe_budget_resizes", "probe_watch_switches", "bpf_switch_out", "bpf_samples", "bpf_gil_waits")
+print(sys.argv[1], " ".join(f"{k}={c[k]}" for k in keys if k in c))' "$(basename "$f")" || true
+done
 echo "phases and recordings in $OUT"
