@@ -243,13 +243,12 @@ static long walk_one(__u64 index, void *data)
         }
     } else {
         w->hash_ok = 0;
-    }
-    if (fc) {
-    } else if (bpf_probe_read_user(&prev, sizeof(prev), (void *)(frame + t->frame_previous)) ||
-               bpf_probe_read_user(&code, sizeof(code), (void *)(frame + t->frame_code))) {
-        w->flags |= ES_EV_PARTIAL;
-        count(ES_C_READ_FRAME_ERR);
-        return 1;
+        if (bpf_probe_read_user(&prev, sizeof(prev), (void *)(frame + t->frame_previous)) ||
+            bpf_probe_read_user(&code, sizeof(code), (void *)(frame + t->frame_code))) {
+            w->flags |= ES_EV_PARTIAL;
+            count(ES_C_READ_FRAME_ERR);
+            return 1;
+        }
     }
     w->frame = prev;
     if (t->frame_owner >= 0) {
