@@ -438,7 +438,8 @@ enum Body {
         switch_out: bool,
         /// A sample's CPU time (ns).
         weight_ns: u64,
-        python: Vec<Frame>,
+        /// Shared with the thread's `last_walked` (a switch-out with the same stack reuses it).
+        python: std::sync::Arc<[Frame]>,
         entry: Vec<bool>,
         native: Option<RawNative>,
     },
@@ -500,7 +501,7 @@ fn prepare(
                 && frames.is_empty()
                 && h.flags & abi::ev::PREEMPTED != 0) =>
         {
-            let python = t.resolve(tid, frames);
+            let python: std::sync::Arc<[Frame]> = t.resolve(tid, frames).into();
             let switch_out = h.kind == kind::SWITCH_OUT;
             if h.flags & (abi::ev::PARTIAL | abi::ev::TRUNCATED | abi::ev::NO_TSTATE) == 0 {
                 t.last_walked.insert(tid, python.clone());

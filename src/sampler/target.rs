@@ -44,7 +44,7 @@ pub struct Target {
     pub threads_kept_unlisted: u64,
     /// host tid → the Python frames of its last sample or switch-out that carried its own
     /// stack: what a switch-out sent without frames (`SAME_STACK`) stands for.
-    pub last_walked: HashMap<i32, Vec<Frame>>,
+    pub last_walked: HashMap<i32, std::sync::Arc<[Frame]>>,
     /// Its thread list, each thread's ids and name read once (`procinfo::TaskCache`).
     task_cache: procinfo::TaskCache,
     /// When the interpreter's thread list was last read, and the OS threads then.
