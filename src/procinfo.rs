@@ -40,7 +40,14 @@ pub const COMM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 #[derive(Debug, Default)]
 pub struct TaskCache {
     known: HashMap<i32, (i32, String, std::time::Instant)>,
+    /// When the caller last read what depends on the thread list (the interpreter's own list
+    /// of thread states), and the OS threads then: [`TaskCache::list_due`].
+    list_read: Option<(std::time::Instant, Vec<i32>)>,
 }
+
+/// How long what was read for a thread list stands while the process's OS threads stay the
+/// same ([`TaskCache::list_due`]).
+pub const LIST_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl TaskCache {
     /// The threads of `pid` now (sorted by host tid).
@@ -57,9 +64,16 @@ impl TaskCache {
                 continue;
             };
             let base = format!("/proc/{pid}/task/{host_tid}");
-            let cached = self.known.get(&host_tid).cloned();
-            let ns_tid = match &cached {
-                Some((ns, _, _)) => *ns,
+            let ns_tid = match self.known.get(&host_tid) {
+                Some((ns_tid, comm, at)) if now.duration_since(*at) < COMM_EVERY => {
+                    out.push(TaskInfo {
+                        host_tid,
+                        ns_tid: *ns_tid,
+                        comm: comm.clone(),
+                    });
+                    continue;
+                }
+                Some((ns_tid, _, _)) => *ns_tid,
                 None => {
                     let Ok(status) = std::fs::read_to_string(format!("{base}/status")) else {
                         continue;
@@ -69,19 +83,9 @@ impl TaskCache {
                         .unwrap_or(host_tid)
                 }
             };
-            let comm = match cached {
-                Some((_, comm, at)) if now.duration_since(at) < COMM_EVERY => {
-                    out.push(TaskInfo {
-                        host_tid,
-                        ns_tid,
-                        comm,
-                    });
-                    continue;
-                }
-                _ => std::fs::read_to_string(format!("{base}/comm"))
-                    .map(|s| s.trim_end_matches('\n').to_string())
-                    .unwrap_or_default(),
-            };
+            let comm = std::fs::read_to_string(format!("{base}/comm"))
+                .map(|s| s.trim_end_matches('\n').to_string())
+                .unwrap_or_default();
             self.known.insert(host_tid, (ns_tid, comm.clone(), now));
             out.push(TaskInfo {
                 host_tid,
@@ -94,6 +98,24 @@ impl TaskCache {
         self.known
             .retain(|tid, _| out.binary_search_by_key(tid, |t| t.host_tid).is_ok());
         Ok(out)
+    }
+
+    /// Whether what depends on the thread list must be read again: the OS threads in `tasks`
+    /// are not those of the last [`TaskCache::list_read`], or that was [`LIST_EVERY`] ago or
+    /// more (a Python thread is born with an OS thread, bar a native thread's first
+    /// `PyGILState_Ensure`, found at the next read).
+    pub fn list_due(&self, tasks: &[TaskInfo]) -> bool {
+        !self.list_read.as_ref().is_some_and(|(at, tids)| {
+            at.elapsed() < LIST_EVERY && tids.iter().copied().eq(tasks.iter().map(|t| t.host_tid))
+        })
+    }
+
+    /// What depends on `tasks` was read now.
+    pub fn list_read(&mut self, tasks: &[TaskInfo]) {
+        self.list_read = Some((
+            std::time::Instant::now(),
+            tasks.iter().map(|t| t.host_tid).collect(),
+        ));
     }
 }
 
@@ -183,6 +205,33 @@ pub fn in_other_pid_namespace(pid: i32) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thread_list_due_when_threads_change_or_never_read() {
+        let task = |host_tid| TaskInfo {
+            host_tid,
+            ns_tid: host_tid,
+            comm: String::new(),
+        };
+        let (a, b) = (vec![task(1), task(2)], vec![task(1), task(3)]);
+        let mut c = TaskCache::default();
+        assert!(c.list_due(&a), "never read");
+        c.list_read(&a);
+        assert!(!c.list_due(&a), "the same threads, just read");
+        assert!(c.list_due(&b), "another thread");
+        assert!(c.list_due(&a[..1]), "a thread gone");
+    }
+
+    #[test]
+    fn own_threads_listed_with_names() {
+        let mut c = TaskCache::default();
+        let me = std::process::id() as i32;
+        let mine = |v: Vec<TaskInfo>| v.into_iter().find(|t| t.host_tid == me);
+        let first = mine(c.tasks(me).expect("own task list")).expect("main thread listed");
+        assert!(!first.comm.is_empty());
+        // The second listing, from the cache, says the same of it.
+        assert_eq!(mine(c.tasks(me).expect("own task list")), Some(first));
+    }
 
     #[test]
     fn nspid() {

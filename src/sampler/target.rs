@@ -47,8 +47,6 @@ pub struct Target {
     pub last_walked: HashMap<i32, std::sync::Arc<[Frame]>>,
     /// Its thread list, each thread's ids and name read once (`procinfo::TaskCache`).
     task_cache: procinfo::TaskCache,
-    /// When the interpreter's thread list was last read, and the OS threads then.
-    py_list_read: Option<(std::time::Instant, Vec<i32>)>,
     /// Threads kept so at the last refresh: missing again, they are gone.
     unlisted: std::collections::HashSet<i32>,
 }
@@ -59,9 +57,6 @@ const UNNAMED_RETRIES: u32 = 5;
 /// Python thread names are read again at least this often (renames), and whenever a thread
 /// comes or goes.
 pub const PYTHON_NAMES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// How long the interpreter's thread list stands while the process's OS threads stay the same.
-pub const PY_THREADS_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Target {
     pub fn new(proc: PythonProcess) -> Self {
@@ -84,7 +79,6 @@ impl Target {
             threads_kept_unlisted: 0,
             last_walked: HashMap::new(),
             task_cache: procinfo::TaskCache::default(),
-            py_list_read: None,
             unlisted: Default::default(),
         }
     }
@@ -193,18 +187,11 @@ impl Target {
             self.threads.clear();
             return (vec![], gone);
         };
-        // The same OS threads as at the last read of the interpreter's list, read under
-        // PY_THREADS_EVERY ago: nothing to read (a Python thread is born with an OS thread,
-        // bar a native thread's first PyGILState_Ensure, found at the next full read).
-        let tids: Vec<i32> = tasks.iter().map(|t| t.host_tid).collect();
-        if self
-            .py_list_read
-            .as_ref()
-            .is_some_and(|(at, known)| *known == tids && at.elapsed() < PY_THREADS_EVERY)
-        {
+        // The same OS threads as at the last read of the interpreter's list, read under a
+        // second ago: nothing to read.
+        if !self.task_cache.list_due(&tasks) {
             return (vec![], vec![]);
         }
-        self.py_list_read = Some((std::time::Instant::now(), tids));
         let comm: HashMap<i32, &str> = tasks
             .iter()
             .map(|t| (t.host_tid, t.comm.as_str()))
@@ -212,6 +199,7 @@ impl Target {
         let mut seen = HashMap::new();
         match self.proc.threads_with_tids(&tasks) {
             Ok((list, complete)) => {
+                self.task_cache.list_read(&tasks);
                 for (tstate, host) in list {
                     if let Some(h) = host {
                         seen.insert(h, tstate);

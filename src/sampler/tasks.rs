@@ -206,7 +206,6 @@ fn read_loop(
     let mut threads: Vec<(i32, u64)> = Vec::new();
     let mut threads_read: Option<Instant> = None;
     let mut task_cache = crate::procinfo::TaskCache::default();
-    let mut list_read: Option<(Instant, Vec<i32>)> = None;
     let mut next = Instant::now();
     let mut task_seen = Instant::now();
     while !stop.load(Ordering::Relaxed) {
@@ -217,16 +216,14 @@ fn read_loop(
                 return; // exited
             };
             // The interpreter's list read again when the OS threads changed, else every
-            // PY_THREADS_EVERY (as the recorder does).
-            let tids: Vec<i32> = tasks.iter().map(|t| t.host_tid).collect();
-            let fresh = list_read
-                .as_ref()
-                .is_some_and(|(at, known): &(Instant, Vec<i32>)| {
-                    *known == tids && at.elapsed() < super::target::PY_THREADS_EVERY
-                });
-            if fresh {
-            } else if let Ok((list, _)) = proc.threads_with_tids(&tasks) {
-                list_read = Some((t0, tids));
+            // second (as the recorder does).
+            let list = if task_cache.list_due(&tasks) {
+                proc.threads_with_tids(&tasks).ok()
+            } else {
+                None
+            };
+            if let Some((list, _)) = list {
+                task_cache.list_read(&tasks);
                 threads = list
                     .into_iter()
                     .filter_map(|(ts, tid)| Some((tid?, ts)))
