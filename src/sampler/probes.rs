@@ -181,6 +181,29 @@ struct ThreadRegs {
     /// after the window's start, and its probes' watched time (probe·ns) since then: the
     /// watched time summed up to `on_mark`, plus `on_count` probes watched since it.
     window: BudgetWindow,
+    /// Watchpoints the thread holds now (its probes watched, not the GC's).
+    held: usize,
+    /// The thread's context switches when `held` last changed (None when unreadable): each
+    /// switch while it holds watchpoints costs it a reload of its debug registers.
+    held_mark: Option<u64>,
+}
+
+/// The context switches from `from` to `to` of a thread holding `held` watchpoints all that
+/// time, and what they cost it at `cost` (nothing without a reading at both ends, or with no
+/// watchpoint held).
+fn watched_switches(
+    from: Option<u64>,
+    to: Option<u64>,
+    held: usize,
+    cost: crate::bpf::SwitchCost,
+) -> (u64, u64) {
+    match (from, to) {
+        (Some(a), Some(b)) if held > 0 => {
+            let n = b.saturating_sub(a);
+            (n, n.saturating_mul(cost.with_regs(held)))
+        }
+        _ => (0, 0),
+    }
 }
 
 /// What watching a thread's probes all the time would cost it, as a share of its wall time:
@@ -286,6 +309,14 @@ pub const BUDGET_MIN_PHASE: f64 = 0.05;
 fn off_phase_ns(on_ns: u64, phase: f64) -> u64 {
     let phase = phase.clamp(BUDGET_MIN_PHASE, 1.0);
     (on_ns as f64 * (1.0 / phase - 1.0)).round() as u64
+}
+
+/// When the off-phase of an on-phase that began at `on_since` and ends at `now` ends, for an
+/// on share of `phase`: sized from the on-phase as it really lasted, not as planned, so that
+/// a recording loop that gets to the phase's end late (a busy machine, normal priority) still
+/// keeps the probes within their share over every on/off cycle.
+fn off_phase_end(on_since: u64, now: u64, phase: f64) -> u64 {
+    now.saturating_add(off_phase_ns(now.saturating_sub(on_since), phase))
 }
 
 /// Whether setting a watchpoint failed for want of a free debug register.
@@ -507,6 +538,10 @@ pub struct Probes {
     /// Watchpoint writes outside any watched interval (before its start was stamped, or
     /// drained after its watch was removed): not timed.
     pub late_hits: u64,
+    /// Context switches of threads while they held probe watchpoints, and what they cost
+    /// them at the calibrated switch cost ([`crate::bpf::SwitchCost`]).
+    pub watched_switches: u64,
+    pub watched_switch_ns: u64,
     /// Calls that began before the window (timed in the warm-up): not written.
     pub calls_before_window: u64,
     /// Events up to here (absolute ns) have been drained ([`Self::drained_to`]).
@@ -551,6 +586,8 @@ impl Probes {
             switches: 0,
             switch_ns: 0,
             late_hits: 0,
+            watched_switches: 0,
+            watched_switch_ns: 0,
             calls_before_window: 0,
             drained_ns: 0,
         }
@@ -720,6 +757,8 @@ impl Probes {
                 on_mark: now_abs,
                 ..BudgetWindow::default()
             },
+            held: 0,
+            held_mark: None,
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -782,6 +821,7 @@ impl Probes {
         if let Some(r) = self.regs.get_mut(&tid) {
             r.window.watch(set_ns, 1);
         }
+        self.held_changed(tid, 1);
         self.active[i].links.insert(tid, ls);
         if let Some(old) = self.open.insert((tid, i), ThreadCalls::new(seed, set_ns)) {
             self.drop_open(&old);
@@ -807,6 +847,7 @@ impl Probes {
         if let Some(r) = self.regs.get_mut(&tid) {
             r.window.watch(now_abs, -1);
         }
+        self.held_changed(tid, -1);
         if let Some(c) = self.open.get_mut(&(tid, i)) {
             c.until = now_abs;
             c.rotated = rotation;
@@ -823,6 +864,21 @@ impl Probes {
             tid,
             on: false,
         });
+    }
+
+    /// Thread `tid`'s watchpoints change by `delta`: the switches it made holding the ones
+    /// it had are counted, at what each cost it.
+    fn held_changed(&mut self, tid: i32, delta: i64) {
+        let cost = self.switch_cost;
+        let Some(r) = self.regs.get_mut(&tid) else {
+            return;
+        };
+        let now = Schedstat::of_thread(tid).map(|s| s.switches);
+        let (n, ns) = watched_switches(r.held_mark, now, r.held, cost);
+        self.watched_switches += n;
+        self.watched_switch_ns += ns;
+        r.held_mark = now;
+        r.held = r.held.saturating_add_signed(delta as isize);
     }
 
     /// Write the queued watch edges (their probes' records are written).
@@ -925,7 +981,7 @@ impl Probes {
             };
             match r.off_until {
                 None if now_abs.saturating_sub(r.on_since) >= BUDGET_ON_NS => {
-                    r.off_until = Some(now_abs + off_phase_ns(BUDGET_ON_NS, r.phase));
+                    r.off_until = Some(off_phase_end(r.on_since, now_abs, r.phase));
                     self.assign(b, proc_of, tid, &[], now_abs);
                 }
                 Some(t) if now_abs >= t => {
@@ -1035,7 +1091,7 @@ impl Probes {
             self.budget_resizes += 1;
             if !self.quiet {
                 eprintln!(
-                    "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time (debug traps and context switches); watched {:.0}% of the time for --probe-budget {:.1}% (counts scaled, coverage on every figure)",
+                    "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time (debug traps and context switches); watched {:.0}% of the time for --probe-budget {:.2}% (counts scaled, coverage on every figure)",
                     full * 100.0,
                     duty * 100.0,
                     self.budget * 100.0
@@ -1504,6 +1560,8 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probe_watch_switches".into(), v(|p| p.switches));
     out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
     out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
+    out.insert("probe_watched_switches".into(), v(|p| p.watched_switches));
+    out.insert("probe_watched_switch_ns".into(), v(|p| p.watched_switch_ns));
     out.insert(
         "probe_calls_before_window".into(),
         v(|p| p.calls_before_window),
@@ -1741,6 +1799,8 @@ mod tests {
             measured: false,
             sched: None,
             window: BudgetWindow::default(),
+            held: 0,
+            held_mark: None,
         };
         assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
         assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
@@ -1764,6 +1824,37 @@ mod tests {
         let mut r = regs(3, 4, 0.5);
         assert_eq!(r.advance(0), vec![0, 1, 2]);
         assert_eq!(r.advance(1), vec![0, 1, 2]);
+    }
+
+    /// A recording loop that gets to an on-phase's end late (here 1 s instead of 250 ms)
+    /// makes the off-phase after it as much longer: the share over the cycle stays `phase`.
+    #[test]
+    fn budget_share_holds_when_the_loop_is_late() {
+        for (on, phase) in [
+            (BUDGET_ON_NS, 0.25),
+            (1_000_000_000, 0.25),
+            (3_700_000_000, 0.1),
+        ] {
+            let end = off_phase_end(500, 500 + on, phase);
+            let share = on as f64 / (end - 500) as f64;
+            assert!((share - phase).abs() < 1e-6, "on {on} ns: share {share}");
+        }
+        // Watched all the time: no off-phase.
+        assert_eq!(off_phase_end(0, 900, 1.0), 900);
+    }
+
+    #[test]
+    fn watched_switches_cost_what_the_registers_held_cost() {
+        let cost = crate::bpf::SwitchCost {
+            one_ns: 1000,
+            four_ns: 4000,
+        };
+        assert_eq!(watched_switches(Some(10), Some(25), 1, cost), (15, 15_000));
+        assert_eq!(watched_switches(Some(10), Some(25), 4, cost), (15, 60_000));
+        // Nothing held, or a reading missing at either end: nothing counted.
+        assert_eq!(watched_switches(Some(10), Some(25), 0, cost), (0, 0));
+        assert_eq!(watched_switches(None, Some(25), 2, cost), (0, 0));
+        assert_eq!(watched_switches(Some(30), Some(25), 2, cost), (0, 0));
     }
 
     #[test]
