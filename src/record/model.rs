@@ -372,6 +372,9 @@ pub struct Recording {
     pub profile_intervals: Vec<(u64, u64)>,
     /// Failure-path and health counters (last value written wins).
     pub counters: BTreeMap<String, u64>,
+    /// The span the counters cover, ns, once [`Recording::trim`] has cut the events to part
+    /// of the recording (None: the recording's duration).
+    pub counters_span_ns: Option<u64>,
     /// Present when the recorder finished cleanly.
     pub end: Option<EndInfo>,
     /// True when the file ended inside a record (recorder killed): everything before it is
@@ -425,6 +428,8 @@ impl Recording {
     /// metric points inside it; times are shifted so the range starts at 0. Tables (processes,
     /// threads, frames, stacks, engines, series, probes) are kept whole.
     pub fn trim(&mut self, from_ns: u64, to_ns: u64) {
+        let whole = self.duration_ns();
+        self.counters_span_ns.get_or_insert(whole);
         let inside = |t: u64| t >= from_ns && t < to_ns;
         self.samples.retain(|s| inside(s.t_ns));
         for s in &mut self.samples {

@@ -7,6 +7,7 @@
 //! stand for sample flags, so that every format shows the same names.
 
 pub mod chrome;
+pub mod cost;
 pub mod diff;
 pub mod engines;
 pub mod filter;

@@ -129,6 +129,10 @@ pub struct Report {
     pub gc: GcSummary,
     /// Recorder health counters, copied from the recording.
     pub counters: BTreeMap<String, u64>,
+    /// What the recording cost inside its targets (kernel's BPF run times, calibrated traps
+    /// and watched switches), over the whole recording. Absent without counters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<super::cost::RecordingCost>,
     /// Engines (vLLM-aware recordings): processes and metrics over the whole recording.
     #[serde(default)]
     pub engines: Vec<EngineRow>,
@@ -757,6 +761,10 @@ impl Report {
             gil_blocking_pairs,
             gc,
             counters: rec.counters.clone(),
+            cost: super::cost::RecordingCost::from_counters(
+                &rec.counters,
+                rec.counters_span_ns.unwrap_or_else(|| rec.duration_ns()),
+            ),
             engine_imbalance: engines::imbalance(&engine_rows),
             rank_imbalance: engines::imbalance(&rank_rows),
             engine_ranks: rank_rows,
@@ -820,6 +828,13 @@ impl Report {
                 } else {
                     format!(", `{}`", p.cmdline.replace('`', "'"))
                 }
+            );
+        }
+        if let Some(c) = &self.cost {
+            let _ = writeln!(
+                s,
+                "- **What recording cost its targets:** {} ([details](#what-recording-cost))",
+                c.headline()
             );
         }
         let _ = writeln!(s, "- **Selection:** {}", md(&self.selection));
@@ -909,6 +924,9 @@ impl Report {
             }
         }
 
+        if let Some(c) = &self.cost {
+            c.markdown(&mut s);
+        }
         if !self.counters.is_empty() {
             let _ = writeln!(s, "\n## Recorder counters\n");
             let _ = writeln!(s, "| counter | value |");
