@@ -206,6 +206,9 @@ pub struct Snapshot {
     pub ended: Option<String>,
     /// Failure counters of the recorder that are not zero (`bpf_ringbuf_full_lost`, …).
     pub problems: Vec<(String, u64)>,
+    /// What the recording has cost its targets so far (from its counters, over the time
+    /// since it began: [`crate::views::cost`]).
+    pub cost: Option<crate::views::cost::RecordingCost>,
 }
 
 impl Snapshot {
@@ -722,6 +725,9 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                     .map(|&v| (k.to_string(), v))
             })
             .collect(),
+        // The counters come every few seconds and add up from the start: over the time
+        // they cover, not the window.
+        cost: crate::views::cost::RecordingCost::from_counters(&rec.counters, w.now_ns()),
     }
 }
 

@@ -104,5 +104,8 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
     for (k, v) in &snap.problems {
         out.push(format!("recorder counter {k} = {v}"));
     }
+    if let Some(c) = &snap.cost {
+        out.push(format!("what recording cost its targets: {}", c.headline()));
+    }
     out
 }

@@ -129,6 +129,14 @@ fn draw_header(f: &mut Frame, area: Rect, app: &App) {
         ))),
         None => spans.push(Span::raw(format!("t {:.1} s │ ", s.now_ns as f64 / 1e9))),
     }
+    if let Some(c) = &s.cost {
+        // What watching costs the targets, so far: the figure a user weighs the rest against.
+        spans.push(Span::raw(format!(
+            "cost {:.2}% CPU{} │ ",
+            c.share_of_cpu * 100.0,
+            if c.bpf_timed { "" } else { " (BPF untimed)" }
+        )));
+    }
     spans.push(Span::styled(
         format!("frame {:.1} ms, update {:.1} ms ", h.frame_ms, h.update_ms),
         Style::new().dim(),
