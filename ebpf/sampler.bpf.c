@@ -53,6 +53,22 @@ struct {
     __type(value, __u64);
 } counters SEC(".maps");
 
+/* One value: the ES_OFF_* bits of the parts switched off (0 = everything on). An array
+ * lookup, inlined by the verifier: a load and a test at each program's start. */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, __u32);
+    __type(value, __u32);
+} control SEC(".maps");
+
+static __always_inline int is_off(__u32 part)
+{
+    __u32 zero = 0;
+    const __u32 *v = bpf_map_lookup_elem(&control, &zero);
+    return v && (*v & part);
+}
+
 /* Per-CPU event buffers, one per program that builds events in place: a syscall tracepoint
  * program can be interrupted by the cpu-clock sample or preempted into sched_switch on the
  * same CPU, so sharing one buffer would let one event overwrite another half-built one. */
@@ -624,6 +640,8 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
 SEC("perf_event")
 int on_sample(struct bpf_perf_event_data *ctx)
 {
+    if (is_off(ES_OFF_SAMPLE))
+        return 0;
     __u64 id = bpf_get_current_pid_tgid();
     __u32 tgid = id >> 32, tid = (__u32)id;
     const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
@@ -797,6 +815,8 @@ static __always_inline void gil_wait_begins(const struct es_target *t, __u32 tgi
 SEC("tp_btf/sched_switch")
 int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_struct *next, unsigned int prev_state)
 {
+    if (is_off(ES_OFF_SWITCH))
+        return 0;
     __u32 prev_tgid = BPF_CORE_READ(prev, tgid);
     const struct es_target *t = bpf_map_lookup_elem(&targets, &prev_tgid);
     if (t && (t->flags & (ES_TARGET_OFFCPU | ES_TARGET_GIL))) {
@@ -903,6 +923,9 @@ int on_gc_write(struct bpf_perf_event_data *ctx)
         count(ES_C_GC_READ_ERR);
         return 0;
     }
+    /* Off: no collection starts (its end is still sent, for one begun while on). */
+    if (value && is_off(ES_OFF_GC))
+        return 0;
     gc_edge_out(t, tgid, (__u32)pid_tgid, value, -1);
     return 0;
 }
@@ -938,6 +961,8 @@ static __always_inline const struct es_target *gc_uprobe_target(__u32 *tgid, __u
 SEC("uprobe")
 int on_gc_enter(struct pt_regs *ctx)
 {
+    if (is_off(ES_OFF_GC))
+        return 0;
     __u32 tgid, tid;
     const struct es_target *t = gc_uprobe_target(&tgid, &tid);
     if (!t)
@@ -998,6 +1023,8 @@ int on_gc_clear(struct pt_regs *ctx)
 SEC("perf_event")
 int on_probe_hit(struct bpf_perf_event_data *ctx)
 {
+    if (is_off(ES_OFF_PROBE))
+        return 0;
     __u64 pid_tgid = bpf_get_current_pid_tgid();
     __u32 tgid = pid_tgid >> 32, tid = (__u32)pid_tgid;
     const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);

@@ -59,6 +59,14 @@ struct es_target {
 #define ES_TARGET_USTACK 16     /* user registers + a window of the user stack, likewise */
 #define ES_TARGET_GC_UPROBE 32  /* GC pauses from a uprobe + uretprobe on the collector */
 
+/* The `control` map's one value: which parts are off (`enginescope cost`'s off arms). A
+ * program whose part is off returns at its first instruction. */
+#define ES_OFF_SAMPLE 1         /* on_sample */
+#define ES_OFF_SWITCH 2         /* on_switch: off-CPU intervals and GIL waits */
+#define ES_OFF_GC 4             /* a GC's start (on_gc_enter, on_gc_write); its end is always
+                                   seen, so that a collection begun while on still closes */
+#define ES_OFF_PROBE 8          /* on_probe_hit */
+
 /* One thread: its PyThreadState, found by user space walking interp->threads. */
 struct es_thread {
     __u64 tstate;

@@ -60,6 +60,13 @@ pub const TARGET_GIL: u32 = 2;
 pub const TARGET_GC: u32 = 4;
 /// GC pauses from a uprobe + uretprobe on the collector function (`ES_TARGET_GC_UPROBE`).
 pub const TARGET_GC_UPROBE: u32 = 32;
+
+/// Bits of the `control` map's value (`ES_OFF_*`): parts switched off, each program returning
+/// at its first instruction (`enginescope cost`'s off arms).
+pub const OFF_SAMPLE: u32 = 1;
+pub const OFF_SWITCH: u32 = 2;
+pub const OFF_GC: u32 = 4;
+pub const OFF_PROBE: u32 = 8;
 pub const TARGET_KSTACK: u32 = 8;
 pub const TARGET_USTACK: u32 = 16;
 

@@ -8,7 +8,7 @@ pub mod abi;
 pub mod closer;
 
 use anyhow::{anyhow, bail, Context};
-use aya::maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
 use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
@@ -40,6 +40,8 @@ pub struct BpfSampler {
     targets: BpfHashMap<MapData, u32, EsTarget>,
     threads: BpfHashMap<MapData, u32, EsThread>,
     counters: PerCpuArray<MapData, u64>,
+    /// The parts switched off (`ES_OFF_*`, one value).
+    control: Array<MapData, u32>,
     /// Held while the kernel times BPF programs (unless `ENGINESCOPE_BPF_STATS=0`).
     stats: Option<std::os::fd::OwnedFd>,
     /// Threads closing uprobe links (see [`detach_gc_uprobes`](Self::detach_gc_uprobes)),
@@ -141,6 +143,7 @@ impl BpfSampler {
         let targets = BpfHashMap::try_from(bpf.take_map("targets").context("no targets map")?)?;
         let threads = BpfHashMap::try_from(bpf.take_map("threads").context("no threads map")?)?;
         let counters = PerCpuArray::try_from(bpf.take_map("counters").context("no counters map")?)?;
+        let control = Array::try_from(bpf.take_map("control").context("no control map")?)?;
         // Have the kernel time every BPF program run (BPF_ENABLE_STATS, for as long as the fd
         // is held; it adds two clock reads per run, ~0.1 µs against the 1-7 µs a run of ours
         // takes), so that what the recording costs in its targets' context is the kernel's
@@ -156,6 +159,7 @@ impl BpfSampler {
             targets,
             threads,
             counters,
+            control,
             stats,
             detaching: Vec::new(),
             closer: None,
@@ -595,6 +599,14 @@ impl BpfSampler {
             n += 1;
         }
         n
+    }
+
+    /// Switch off the parts in `mask` (`abi::OFF_*`; 0 = everything on): each of their
+    /// programs returns at its first instruction from now on.
+    pub fn set_off(&mut self, mask: u32) -> anyhow::Result<()> {
+        self.control
+            .set(0, mask, 0)
+            .context("writing the BPF control map")
     }
 
     /// Counters summed over CPUs, by name, and (unless `ENGINESCOPE_BPF_STATS=0`) the time

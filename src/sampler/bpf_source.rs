@@ -788,6 +788,17 @@ impl Source for BpfSource {
         self.probes.flush_watches(pipe)
     }
 
+    fn set_off(&mut self, mask: u32, targets: &Targets) -> anyhow::Result<()> {
+        self.b.set_off(mask)?;
+        let proc_of = |pid| targets.iter().find(|t| t.pid == pid).map(|t| &t.proc);
+        if mask & crate::bpf::abi::OFF_PROBE != 0 {
+            self.probes.suspend(&mut self.b, proc_of, monotonic_ns());
+        } else {
+            self.probes.resume(&mut self.b, proc_of, monotonic_ns());
+        }
+        Ok(())
+    }
+
     fn look_for_probes(
         &mut self,
         targets: &mut Targets,

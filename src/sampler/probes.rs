@@ -542,6 +542,9 @@ pub struct Probes {
     /// them at the calibrated switch cost ([`crate::bpf::SwitchCost`]).
     pub watched_switches: u64,
     pub watched_switch_ns: u64,
+    /// Every watchpoint removed and none set until [`Self::resume`] (`enginescope cost`'s
+    /// off arms).
+    suspended: bool,
     /// Calls that began before the window (timed in the warm-up): not written.
     pub calls_before_window: u64,
     /// Events up to here (absolute ns) have been drained ([`Self::drained_to`]).
@@ -588,6 +591,7 @@ impl Probes {
             late_hits: 0,
             watched_switches: 0,
             watched_switch_ns: 0,
+            suspended: false,
             calls_before_window: 0,
             drained_ns: 0,
         }
@@ -769,7 +773,7 @@ impl Probes {
             .iter()
             .filter(|&&j| self.active[j].links.contains_key(&tid))
             .count();
-        let off = self.regs.get(&tid).is_some_and(|r| r.off_until.is_some());
+        let off = self.suspended || self.regs.get(&tid).is_some_and(|r| r.off_until.is_some());
         if self.active[i].links.contains_key(&tid) || on >= cap || off {
             // Set already, or waits for its turn (or for the thread's next on-phase).
             return Ok(());
@@ -899,6 +903,9 @@ impl Probes {
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
+        if self.suspended {
+            return;
+        }
         self.apply_budget(now_abs);
         self.phases(b, &proc_of, now_abs);
         let period = self.rotate_ns;
@@ -911,6 +918,47 @@ impl Probes {
             };
             let chosen = r.advance(now_abs);
             self.rotations += 1;
+            self.assign(b, &proc_of, tid, &chosen, now_abs);
+        }
+    }
+
+    /// Remove every probe watchpoint and set none until [`Self::resume`]: what watching costs
+    /// is then nothing but the idle registers (`enginescope cost`'s off arms). Calls open are
+    /// dropped as at a rotation; counts scale by the watched time as under a budget.
+    pub fn suspend<'a>(
+        &mut self,
+        b: &mut BpfSampler,
+        proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
+        now_abs: u64,
+    ) {
+        if self.suspended {
+            return;
+        }
+        self.suspended = true;
+        for tid in self.threads_where(|_| true) {
+            self.assign(b, &proc_of, tid, &[], now_abs);
+        }
+    }
+
+    /// Watch again after [`Self::suspend`]: each thread begins an on-phase with the next
+    /// assignment of its rotation.
+    pub fn resume<'a>(
+        &mut self,
+        b: &mut BpfSampler,
+        proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
+        now_abs: u64,
+    ) {
+        if !self.suspended {
+            return;
+        }
+        self.suspended = false;
+        for tid in self.threads_where(|_| true) {
+            let Some(r) = self.regs.get_mut(&tid) else {
+                continue;
+            };
+            r.off_until = None;
+            r.on_since = now_abs;
+            let chosen = r.advance(now_abs);
             self.assign(b, &proc_of, tid, &chosen, now_abs);
         }
     }

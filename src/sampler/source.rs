@@ -64,6 +64,16 @@ pub trait Source {
         Ok(0)
     }
 
+    /// Switch the parts in `mask` off (`crate::bpf::abi::OFF_*`; 0 = everything on) for
+    /// `enginescope cost`: their BPF programs return at once and, for probes, every
+    /// watchpoint is removed until they are on again. Sources that cannot say so.
+    fn set_off(&mut self, _mask: u32, _targets: &Targets) -> anyhow::Result<()> {
+        anyhow::bail!(
+            "the {} backend cannot switch its parts off (enginescope cost needs the BPF backend)",
+            self.name()
+        )
+    }
+
     /// This source's failure-path and health counters (docs/recording-format.md, record 8).
     fn counters(&self, pipe: &Pipeline, out: &mut BTreeMap<String, u64>);
 }

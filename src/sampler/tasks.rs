@@ -59,6 +59,8 @@ pub struct TaskReaders {
     readers: HashMap<i32, Reader>,
     /// Counters of readers stopped (errors, reads, ns).
     stopped: [u64; 3],
+    /// Every reader skips its reads while set (`enginescope cost`'s off arms).
+    paused: Arc<AtomicBool>,
 }
 
 impl TaskReaders {
@@ -70,10 +72,10 @@ impl TaskReaders {
         let (tx, rx) = mpsc::sync_channel(QUEUE);
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
-        let (s, c) = (stop.clone(), counters.clone());
+        let (s, c, p) = (stop.clone(), counters.clone(), self.paused.clone());
         let handle = std::thread::Builder::new()
             .name(format!("es-tasks-{pid}"))
-            .spawn(move || read_loop(pid, start_ns, &tx, &s, &c))
+            .spawn(move || read_loop(pid, start_ns, &tx, &s, &p, &c))
             .ok();
         self.readers.insert(
             pid,
@@ -84,6 +86,11 @@ impl TaskReaders {
                 handle,
             },
         );
+    }
+
+    /// Pause every reader (no reads of the targets' memory) or let them go on.
+    pub fn pause(&self, paused: bool) {
+        self.paused.store(paused, Ordering::Relaxed);
     }
 
     /// Write the changes the readers sent so far.
@@ -180,6 +187,7 @@ fn read_loop(
     start_ns: u64,
     tx: &mpsc::SyncSender<TaskChange>,
     stop: &AtomicBool,
+    paused: &AtomicBool,
     counters: &Counters,
 ) {
     // Scheduled ahead of ordinary threads when it wakes: at a load average of 14 on 2 CPUs a
@@ -209,6 +217,11 @@ fn read_loop(
     let mut next = Instant::now();
     let mut task_seen = Instant::now();
     while !stop.load(Ordering::Relaxed) {
+        if paused.load(Ordering::Relaxed) {
+            std::thread::sleep(TASKS_EVERY);
+            next = Instant::now();
+            continue;
+        }
         let t0 = Instant::now();
         if threads_read.is_none_or(|t| t.elapsed() >= THREADS_EVERY) {
             threads_read = Some(t0);
