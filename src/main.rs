@@ -98,6 +98,8 @@ enum Cmd {
         /// Print the summary as JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        cost: enginescope::sampler::cost::CostArgs,
     },
     /// Run a bundled sample workload and show what enginescope sees in it.
     Demo {
@@ -530,8 +532,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             no_default_probes,
             engine_pid,
             json,
+            cost,
         } => {
+            let cost = cost.plan()?;
+            anyhow::ensure!(
+                cost.is_none() || (duration.is_none() && vllm),
+                "--measure-cost runs for its slices (--cost-pairs x 2 x --cost-slice), not --duration, and reads the engine's own counter: use it with --vllm and without --duration"
+            );
             let mut opts = enginescope::sampler::RecordOptions {
+                cost,
                 duration: duration.map(std::time::Duration::from_secs_f64),
                 rate_hz: rate,
                 probes,
@@ -565,6 +574,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     s.bytes as f64 / s.samples.max(1) as f64,
                     s.lost
                 );
+                if let Some(c) = &s.cost {
+                    print!("{}", c.text());
+                }
                 if let Some(calls) = s.counters.get("probe_calls") {
                     eprintln!(
                         "enginescope: {calls} probed calls timed ({} unfinished, {} probe(s) switched to sampling)",

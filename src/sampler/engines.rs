@@ -102,6 +102,16 @@ impl EngineSession {
     }
 
     /// The role discovery gave `pid` ("" when none).
+    /// (engine id, metrics URL) of each engine that has one.
+    pub fn metrics_urls(&self) -> Vec<(String, String)> {
+        self.discovery
+            .engines
+            .iter()
+            .filter(|e| !e.metrics_url.is_empty())
+            .map(|e| (e.id.clone(), e.metrics_url.clone()))
+            .collect()
+    }
+
     pub fn role(&self, pid: i32) -> String {
         self.discovery.roles.get(&pid).cloned().unwrap_or_default()
     }

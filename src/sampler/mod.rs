@@ -7,6 +7,7 @@
 //! sample's path end to end.
 
 pub mod bpf_source;
+pub mod cost;
 pub mod engines;
 pub mod memory;
 pub mod output;
@@ -96,6 +97,9 @@ pub struct RecordOptions {
     /// (`record::profile`; the agent's default), and of the engine metrics only the series
     /// views read. `None`: raw events (`record`'s default, `agent --raw-events`).
     pub aggregate: Option<Duration>,
+    /// `--measure-cost`: measure what the recording costs instead of recording for a
+    /// duration ([`cost`]).
+    pub cost: Option<cost::CostPlan>,
 }
 
 impl RecordOptions {
@@ -123,6 +127,7 @@ impl RecordOptions {
             window_begun: Default::default(),
             native: crate::native::NativeOptions::default(),
             aggregate: None,
+            cost: None,
         }
     }
 }
@@ -137,6 +142,9 @@ pub struct RecordSummary {
     pub duration_s: f64,
     pub lost: u64,
     pub counters: BTreeMap<String, u64>,
+    /// `--measure-cost`'s outcome.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<cost::CostResult>,
 }
 
 /// Attach to every pid, choose a backend, record until the duration ends or `opts.stop`.
@@ -261,8 +269,10 @@ pub fn record_rotating(
         pipe,
         source,
         engines,
+        cost,
         ..
     } = rec;
+    let cost = cost.map(|c| c.result());
     {
         let _s = steps::step("drop_source");
         drop(source);
@@ -288,6 +298,7 @@ pub fn record_rotating(
         duration_s: end_ns.saturating_sub(window_start) as f64 / 1e9,
         lost: counters.get("bpf_ringbuf_full_lost").copied().unwrap_or(0),
         counters,
+        cost,
     })
 }
 

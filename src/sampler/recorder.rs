@@ -51,6 +51,8 @@ pub struct Recorder<'a> {
     tasks: super::tasks::TaskReaders,
     /// When the window began ([`Self::begin_window`]): `--duration` counts from here.
     window_start: Option<Instant>,
+    /// `--measure-cost`: the measurement under way.
+    pub cost: Option<super::cost::CostRun>,
 }
 
 impl<'a> Recorder<'a> {
@@ -74,6 +76,7 @@ impl<'a> Recorder<'a> {
             realtime_regained: 0,
             tasks: super::tasks::TaskReaders::default(),
             window_start: None,
+            cost: None,
         }
     }
 
@@ -185,6 +188,22 @@ impl<'a> Recorder<'a> {
         let _normal = can_realtime.then_some(Normal);
         let mut quiet_seconds = 0u32;
         let mut cpu_mark = crate::sys::thread_cpu_ns();
+        if let Some(plan) = self.opts.cost.clone() {
+            let urls = self
+                .engines
+                .as_ref()
+                .map(|e| e.metrics_urls())
+                .unwrap_or_default();
+            let run = super::cost::CostRun::new(plan, urls)?;
+            let total = run.total();
+            self.say(|| {
+                format!(
+                    "measuring what this recording costs: {:.0} s of slices, its parts switched off and on",
+                    total.as_secs_f64()
+                )
+            });
+            self.cost = Some(run);
+        }
         let since = self.window_start.unwrap_or_else(Instant::now);
         let deadline = self.opts.duration.map(|d| since + d);
         let period = self.source.period();
@@ -246,6 +265,9 @@ impl<'a> Recorder<'a> {
                 cpu_mark = crate::sys::thread_cpu_ns();
             }
             self.source.collect(&mut self.targets, &mut self.pipe)?;
+            if let Some(done) = self.cost_tick()? {
+                return Ok(done);
+            }
             if last_threads.elapsed() >= THREADS_EVERY {
                 last_threads = Instant::now();
                 self.sync_threads()?;
@@ -273,6 +295,22 @@ impl<'a> Recorder<'a> {
             }
             busy += work.elapsed();
         }
+    }
+
+    /// `--measure-cost`: at a slice's edge, switch the parts of the next slice off (the rest
+    /// on); Some(reason) once every slice is measured (everything on again).
+    fn cost_tick(&mut self) -> anyhow::Result<Option<String>> {
+        let Some(run) = self.cost.as_mut() else {
+            return Ok(None);
+        };
+        let (mask, done) = match run.tick(Instant::now()) {
+            super::cost::Tick::Wait => return Ok(None),
+            super::cost::Tick::Apply(mask) => (mask, false),
+            super::cost::Tick::Done => (0, true),
+        };
+        self.source.set_off(mask, &self.targets)?;
+        self.tasks.pause(mask & super::cost::OFF_TASKS != 0);
+        Ok(done.then(|| "cost measured".to_string()))
     }
 
     /// Push thread changes of every target to the source and the recording.

@@ -48,7 +48,7 @@ pub fn is_kept(name: &str) -> bool {
 }
 
 /// An HTTP agent for scraping: plain HTTP, `timeout` for the whole request.
-fn agent(timeout: Duration) -> ureq::Agent {
+pub fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .timeout_global(Some(timeout))
         .http_status_as_error(false)
@@ -63,7 +63,7 @@ fn agent(timeout: Duration) -> ureq::Agent {
 /// The head's time is the point's: a server renders `/metrics` and then sends head and body
 /// together, so on a saturated API server, whose answer can wait seconds in its event loop,
 /// the head's arrival is the nearest our side can see to when the counters were read.
-fn get_text(agent: &ureq::Agent, url: &str) -> Result<(String, u64), String> {
+pub fn get_text(agent: &ureq::Agent, url: &str) -> Result<(String, u64), String> {
     if url.starts_with("https://") {
         return Err(format!(
             "{url}: https is not supported (enginescope is built without TLS); \
