@@ -301,6 +301,9 @@ pub struct CostResult {
     /// Counter reads that failed (their slices are left out).
     pub read_errors: u64,
     pub last_error: String,
+    /// When the parts switched off changed: (ns since the recording's start, the mask
+    /// from then on); the last entry is everything on again.
+    pub mask_changes: Vec<(u64, u32)>,
 }
 
 impl CostResult {
@@ -366,6 +369,10 @@ pub struct CostRun {
     slices: Vec<Vec<SliceResult>>,
     read_errors: u64,
     last_error: String,
+    /// The recording's start (monotonic ns) and the masks applied since, as in
+    /// [`CostResult::mask_changes`].
+    start_ns: u64,
+    mask_changes: Vec<(u64, u32)>,
 }
 
 /// What the loop does after a tick.
@@ -386,7 +393,11 @@ type Reading = Option<(u64, f64)>;
 
 impl CostRun {
     /// A measurement of `plan` reading the counter from each (engine id, metrics URL).
-    pub fn new(plan: CostPlan, urls: Vec<(String, String)>) -> anyhow::Result<CostRun> {
+    pub fn new(
+        plan: CostPlan,
+        urls: Vec<(String, String)>,
+        start_ns: u64,
+    ) -> anyhow::Result<CostRun> {
         anyhow::ensure!(
             !urls.is_empty(),
             "--measure-cost reads the engine's own progress counter from its /metrics: no engine with a metrics URL was found (give --vllm, and --metrics-url when the API server's port is not found)"
@@ -404,6 +415,8 @@ impl CostRun {
             slices: vec![Vec::new(); n],
             read_errors: 0,
             last_error: String::new(),
+            start_ns,
+            mask_changes: Vec::new(),
         })
     }
 
@@ -434,6 +447,18 @@ impl CostRun {
 
     /// Called by the loop: at a slice's end, read the counters and say what comes next.
     pub fn tick(&mut self, now: Instant) -> Tick {
+        let t = self.step(now);
+        let mask = match t {
+            Tick::Wait => return t,
+            Tick::Apply(m) => m,
+            Tick::Done => 0,
+        };
+        let rel = crate::sys::monotonic_ns().saturating_sub(self.start_ns);
+        self.mask_changes.push((rel, mask));
+        t
+    }
+
+    fn step(&mut self, now: Instant) -> Tick {
         let Some((at, _)) = &self.edge else {
             let values = self.read();
             self.edge = Some((now, values));
@@ -479,6 +504,7 @@ impl CostRun {
                 .collect(),
             read_errors: self.read_errors,
             last_error: self.last_error.clone(),
+            mask_changes: self.mask_changes.clone(),
         }
     }
 }

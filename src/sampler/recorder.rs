@@ -194,7 +194,7 @@ impl<'a> Recorder<'a> {
                 .as_ref()
                 .map(|e| e.metrics_urls())
                 .unwrap_or_default();
-            let run = super::cost::CostRun::new(plan, urls)?;
+            let run = super::cost::CostRun::new(plan, urls, self.pipe.start_ns)?;
             let total = run.total();
             self.say(|| {
                 format!(
