@@ -31,6 +31,11 @@ pub fn pctl(v: &mut [u64], q: f64) -> f64 {
 /// harness's in-process timers over the same window (from the probe's attach, or the load's
 /// start, to the load's end; calls counted by start time). Returns the table (markdown) and
 /// the rows that fail the tolerances (calls within 5%, p50/p90 within 10% or 0.06 ms).
+/// The timers run around the call in its caller, so each timed call also holds the two debug
+/// traps of its push and pop, which the probe's figure leaves out by design (it spans the end
+/// of the push trap to the start of the pop trap, docs/probes.md): the reported percentiles are
+/// compared with two traps at the cost calibrated at start (`probe_trap_cost_ns`) added, so
+/// that the tolerance is the same on a VM whose trap costs 22 µs as on one where it costs 9.
 /// Under `--probe-budget` (the recording resized a budget) every probe is watched part of the
 /// time by design: calls (scaled) within 5% and p50 as above; the p90 of such a subsample is
 /// printed, not checked (docs/probes.md: under changing load it is no yardstick).
@@ -46,6 +51,14 @@ pub fn probe_truth(
         "| probe | process | calls: truth → reported | p50 truth → reported | p90 truth → reported | method |\n|---|---|---|---|---|---|\n",
     );
     let mut failures = Vec::new();
+    let traps_ns = 2.0 * rec.counters.get("probe_trap_cost_ns").copied().unwrap_or(0) as f64;
+    table.insert_str(
+        0,
+        &format!(
+            "Reported percentiles are compared with two calibrated traps added (+{:.3} ms).\n\n",
+            traps_ns / 1e6
+        ),
+    );
     let budgeted = rec
         .counters
         .get("probe_budget_resizes")
@@ -160,7 +173,7 @@ pub fn probe_truth(
                 "{role} {function}: calls {m_calls:.0} vs {}",
                 t.len()
             ));
-        } else if !close(m50, t50) || (!budgeted && !close(m90, t90)) {
+        } else if !close(m50 + traps_ns, t50) || (!budgeted && !close(m90 + traps_ns, t90)) {
             failures.push(format!(
                 "{role} {function}: p50 {m50} vs {t50}, p90 {m90} vs {t90}"
             ));
