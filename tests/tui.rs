@@ -228,19 +228,24 @@ fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
     assert_eq!(line("engine0:"), "engine0: API server 100, EngineCore 200");
     assert_eq!(
         line("EngineCore (pid 200)"),
-        "EngineCore (pid 200): 3 threads, CPU 90.0%, GIL held 90.0%, GIL wait 50.0%, GC 0.4%"
+        "EngineCore (pid 200): 3 threads, CPU 90.0%, GIL held 90.0%, GIL wait 50.0%, GC 0.4% \
+         | execute_model p50 84.00 ms, 10/s · aux-writer: AuxOutputStore._evict_to_fit 100%"
     );
     assert_eq!(
         line("launcher"),
         "  launcher (tid 201): CPU 30.0%, GIL held 30.0%, GIL wait 50.0%, GC 0.0%, off-CPU 0.0%, top Worker.execute_model (worker.py) 100.0%"
     );
-    assert!(line("aux-writer").contains("CPU 60.0%") && line("aux-writer").contains("GC 0.4%"));
-    assert!(line("1 thread with no samples").starts_with("  "));
+    assert!(
+        line("aux-writer (tid").contains("CPU 60.0%")
+            && line("aux-writer (tid").contains("GC 0.4%")
+    );
+    // The quiet thread folded into one counted line (the busiest of each process stays).
+    assert_eq!(line("quiet thread"), "  1 quiet thread: 1 MainThread");
     // 200 tokens per 0.5 s: 400 tokens/s; the KV cache's last scrape (5.5 s) was 0.3875.
     let eng = line("engine engine0:");
     assert!(
         eng.starts_with(
-            "engine engine0: generation 400.0 tokens/s, KV cache 38.8%, running 8, waiting 5"
+            "engine engine0: generation 400.0 tokens/s, KV cache 38.8%, running 8 (window mean 8.0, max 8), waiting 5 (window mean 2.5, max 5)"
         ),
         "{eng}"
     );

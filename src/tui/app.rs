@@ -171,6 +171,115 @@ pub fn is_idle(s: &Stats) -> bool {
     s.cpu < 0.001 && s.gil_wait < 0.001 && s.gc < 0.001
 }
 
+/// A thread folded into its process's quiet row by default: under 0.5% of the window on CPU,
+/// waiting for the GIL and collecting garbage (a vLLM worker's 15 `gloo_tcp_loop` threads at
+/// 0.0-0.3% each, and 29 with nothing in the window, filled a 50-line screen before its
+/// EngineCore and API server came).
+pub fn is_quiet(s: &Stats) -> bool {
+    s.cpu < 0.005 && s.gil_wait < 0.005 && s.gc < 0.005
+}
+
+/// What a process is doing, for its line: its busiest probed function's median call (the
+/// probe whose calls take the most of the window: `execute_model p50 2.40 ms, 180/s`), then
+/// its busiest thread's top function. None when it has neither.
+pub fn process_headline(
+    p: &ProcessRow,
+    latency: &[crate::tui::model::LatencyRow],
+) -> Option<String> {
+    let probe = latency
+        .iter()
+        .filter(|l| l.pid == p.pid && l.calls > 0)
+        .max_by(|a, b| {
+            (a.calls_per_s * a.p50_ns as f64).total_cmp(&(b.calls_per_s * b.p50_ns as f64))
+        })
+        .map(|l| {
+            let name = l.function.rsplit('.').next().unwrap_or(&l.function);
+            format!(
+                "{name} p50 {:.2} ms, {:.0}/s",
+                l.p50_ns as f64 / 1e6,
+                l.calls_per_s
+            )
+        });
+    let top = p
+        .threads
+        .iter()
+        .max_by(|a, b| a.stats.cpu.total_cmp(&b.stats.cpu).then(b.tid.cmp(&a.tid)))
+        .filter(|t| t.stats.cpu > 0.0)
+        .and_then(|t| {
+            t.top_self
+                .first()
+                .map(|f| format!("{}: {} {:.0}%", t.name, f.function, f.self_share * 100.0))
+        });
+    match (probe, top) {
+        (None, None) => None,
+        (a, b) => Some(a.into_iter().chain(b).collect::<Vec<_>>().join(" · ")),
+    }
+}
+
+/// The quiet threads of one process, folded into one line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Folded {
+    pub threads: usize,
+    /// (name, threads of that name), most first, then by name.
+    pub names: Vec<(String, usize)>,
+}
+
+impl Folded {
+    /// "44 quiet threads: 29 pt_gloo_runloop, 15 gloo_tcp_loop" (at most `max` names).
+    pub fn label(&self, max: usize) -> String {
+        let mut parts: Vec<String> = self
+            .names
+            .iter()
+            .take(max)
+            .map(|(n, k)| format!("{k} {n}"))
+            .collect();
+        if self.names.len() > max {
+            let rest: usize = self.names[max..].iter().map(|(_, k)| k).sum();
+            parts.push(format!("{rest} more"));
+        }
+        format!(
+            "{} quiet thread{}: {}",
+            self.threads,
+            if self.threads == 1 { "" } else { "s" },
+            parts.join(", ")
+        )
+    }
+}
+
+/// Split a process's threads (busiest first) into those shown and those folded: the quiet
+/// ones fold, but the busiest thread of every process is always shown (the first screen
+/// names what each process is doing).
+pub fn fold(threads: Vec<&ThreadRow>) -> (Vec<&ThreadRow>, Option<Folded>) {
+    let mut shown = Vec::new();
+    let mut quiet: Vec<&ThreadRow> = Vec::new();
+    for (i, t) in threads.into_iter().enumerate() {
+        if i > 0 && is_quiet(&t.stats) {
+            quiet.push(t);
+        } else {
+            shown.push(t);
+        }
+    }
+    if quiet.is_empty() {
+        return (shown, None);
+    }
+    let mut by_name: std::collections::BTreeMap<&str, usize> = Default::default();
+    for t in &quiet {
+        *by_name.entry(t.name.as_str()).or_default() += 1;
+    }
+    let mut names: Vec<(String, usize)> = by_name
+        .into_iter()
+        .map(|(n, k)| (n.to_string(), k))
+        .collect();
+    names.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    (
+        shown,
+        Some(Folded {
+            threads: quiet.len(),
+            names,
+        }),
+    )
+}
+
 /// What the loop must do after a key.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Command {
@@ -201,6 +310,8 @@ pub struct Ui {
     pub paused: bool,
     /// Hide threads that did (almost) nothing in the window (`i`).
     pub hide_idle: bool,
+    /// List quiet threads one by one instead of folding them per process (`x`).
+    pub expand_quiet: bool,
     /// Last message for the status line (saved flamegraph, errors).
     pub status: String,
 }
@@ -219,17 +330,20 @@ impl Default for Ui {
             help: false,
             paused: false,
             hide_idle: false,
+            expand_quiet: false,
             status: String::new(),
         }
     }
 }
 
 /// One line of the thread table.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub enum Row<'a> {
     Group(&'a Group),
     Process(&'a ProcessRow),
     Thread(&'a ProcessRow, &'a ThreadRow),
+    /// A process's quiet threads, folded (`x` lists them).
+    Folded(&'a ProcessRow, Folded),
 }
 
 impl Ui {
@@ -304,7 +418,26 @@ impl Ui {
             }
             for (p, ts) in procs {
                 out.push(Row::Process(p));
-                out.extend(ts.into_iter().map(|t| Row::Thread(p, t)));
+                // Sorted by CPU for the fold (the busiest thread stays), shown in the
+                // table's order.
+                let (shown, folded) = if self.expand_quiet || self.filter.is_some() {
+                    (ts, None)
+                } else {
+                    let mut by_cpu = ts.clone();
+                    by_cpu.sort_by(|a, b| {
+                        b.stats.cpu.total_cmp(&a.stats.cpu).then(a.tid.cmp(&b.tid))
+                    });
+                    let (keep, folded) = fold(by_cpu);
+                    let keep: Vec<&ThreadRow> = ts
+                        .into_iter()
+                        .filter(|t| keep.iter().any(|k| k.tid == t.tid))
+                        .collect();
+                    (keep, folded)
+                };
+                out.extend(shown.into_iter().map(|t| Row::Thread(p, t)));
+                if let Some(f) = folded {
+                    out.push(Row::Folded(p, f));
+                }
             }
         }
         out
@@ -435,6 +568,15 @@ impl Ui {
             KeyCode::Char('p') | KeyCode::Char(' ') => {
                 self.paused = !self.paused;
                 self.status = if self.paused { "paused" } else { "resumed" }.into();
+            }
+            KeyCode::Char('x') => {
+                self.expand_quiet = !self.expand_quiet;
+                self.status = if self.expand_quiet {
+                    "listing quiet threads one by one"
+                } else {
+                    "folding quiet threads (under 0.5% CPU, GIL wait and GC) per process"
+                }
+                .into();
             }
             KeyCode::Char('i') => {
                 self.hide_idle = !self.hide_idle;
@@ -650,5 +792,47 @@ pub(crate) mod tests {
         assert_eq!(ui.on_key(&s, key(KeyCode::Esc)), Command::Quit);
         let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
         assert_eq!(ui.on_key(&s, ctrl_c), Command::Quit);
+    }
+    #[test]
+    fn quiet_threads_fold_per_process_and_the_busiest_stays() {
+        let t = |tid: i32, name: &str, cpu: f64| ThreadRow {
+            pid: 1,
+            tid,
+            name: name.into(),
+            stats: Stats {
+                cpu,
+                ..Stats::default()
+            },
+            cpu_history: Vec::new(),
+            top_self: Vec::new(),
+            top_total: Vec::new(),
+            blame: Vec::new(),
+            idle: cpu == 0.0,
+        };
+        let rows = [
+            t(1, "MainThread", 0.9),
+            t(2, "gloo_tcp_loop", 0.003),
+            t(3, "gloo_tcp_loop", 0.0),
+            t(4, "pt_gloo_runloop", 0.0),
+            t(5, "ZMQbg/IO/0", 0.02),
+            t(6, "pt_gloo_runloop", 0.0),
+            t(7, "pt_gloo_runloop", 0.0),
+        ];
+        let (shown, folded) = fold(rows.iter().collect());
+        let shown: Vec<i32> = shown.iter().map(|t| t.tid).collect();
+        assert_eq!(shown, [1, 5]);
+        let f = folded.unwrap();
+        assert_eq!(f.threads, 5);
+        assert_eq!(
+            f.label(6),
+            "5 quiet threads: 3 pt_gloo_runloop, 2 gloo_tcp_loop"
+        );
+        assert_eq!(f.label(1), "5 quiet threads: 3 pt_gloo_runloop, 2 more");
+        // A process whose threads are all quiet still shows its busiest.
+        let (shown, folded) = fold(vec![&rows[2], &rows[1]]);
+        assert_eq!(shown.len(), 1);
+        assert_eq!(folded.unwrap().label(6), "1 quiet thread: 1 gloo_tcp_loop");
+        // Nothing quiet: nothing folded.
+        assert!(fold(vec![&rows[0], &rows[4]]).1.is_none());
     }
 }

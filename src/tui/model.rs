@@ -171,6 +171,20 @@ pub struct MetricView {
     pub history: Vec<f64>,
 }
 
+impl MetricView {
+    /// A gauge's mean and largest value over the window (its scrapes in it): on a closed-loop
+    /// load `requests running` flips between 0 and its limit from one scrape to the next, so
+    /// the last value alone says little.
+    pub fn window_mean_max(&self) -> Option<(f64, f64)> {
+        let n = self.history.len();
+        (n > 0).then(|| {
+            let mean = self.history.iter().sum::<f64>() / n as f64;
+            let max = self.history.iter().copied().fold(f64::MIN, f64::max);
+            (mean, max)
+        })
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EngineMetrics {
     pub engine: String,

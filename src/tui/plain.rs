@@ -13,14 +13,23 @@ fn fmt_opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
     v.map(f).unwrap_or_else(|| "-".into())
 }
 
+/// A gauge's last value and, when the window has scrapes, its mean and max over it.
+fn gauge(m: &super::model::MetricView) -> String {
+    let now = fmt_opt(m.now, |v| format!("{v:.0}"));
+    match m.window_mean_max() {
+        Some((mean, max)) => format!("{now} (window mean {mean:.1}, max {max:.0})"),
+        None => now,
+    }
+}
+
 fn engine_line(e: &EngineMetrics) -> String {
     let mut s = format!(
         "engine {}: generation {} tokens/s, KV cache {}, running {}, waiting {}",
         e.engine,
         fmt_opt(e.gen_tokens_per_s.now, |v| format!("{v:.1}")),
         fmt_opt(e.kv_cache.now, pct),
-        fmt_opt(e.running.now, |v| format!("{v:.0}")),
-        fmt_opt(e.waiting.now, |v| format!("{v:.0}")),
+        gauge(&e.running),
+        gauge(&e.waiting),
     );
     if e.ttft.count > 0.0 {
         let [p50, p90, _] = e.ttft.shown(1);
@@ -59,7 +68,8 @@ fn thread_line(t: &ThreadRow) -> String {
 }
 
 /// The lines for one snapshot: a time line, then per process its totals and its threads
-/// (busiest first; threads with nothing in the window are counted, not listed), then engines.
+/// (busiest first; quiet threads folded into one counted line, as in the dashboard), then
+/// engines.
 pub fn lines(snap: &Snapshot) -> Vec<String> {
     let mut out = vec![format!(
         "[t {:.1} s, window {:.1} s]{}",
@@ -77,26 +87,25 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
         for p in &g.processes {
             let s = &p.stats;
             out.push(format!(
-                "{} (pid {}): {}, CPU {}, GIL held {}, GIL wait {}, GC {}",
+                "{} (pid {}): {}, CPU {}, GIL held {}, GIL wait {}, GC {}{}",
                 p.name,
                 p.pid,
                 threads(p.threads.len()),
                 pct(s.cpu),
                 pct(s.gil_held),
                 pct(s.gil_wait),
-                pct(s.gc)
+                pct(s.gc),
+                super::app::process_headline(p, &snap.latency)
+                    .map(|h| format!(" | {h}"))
+                    .unwrap_or_default()
             ));
             let mut ts: Vec<&ThreadRow> = p.threads.iter().collect();
             ts.sort_by(|a, b| b.stats.cpu.total_cmp(&a.stats.cpu).then(a.tid.cmp(&b.tid)));
-            let (active, quiet): (Vec<&ThreadRow>, Vec<&ThreadRow>) = ts
-                .into_iter()
-                .partition(|t| t.stats.samples > 0 || t.stats.gil_wait > 0.0 || t.stats.gc > 0.0);
-            out.extend(active.into_iter().map(thread_line));
-            if !quiet.is_empty() {
-                out.push(format!(
-                    "  {} with no samples in the window",
-                    threads(quiet.len())
-                ));
+            // As the dashboard: quiet threads folded into one line (the busiest one stays).
+            let (shown, folded) = super::app::fold(ts);
+            out.extend(shown.into_iter().map(thread_line));
+            if let Some(f) = folded {
+                out.push(format!("  {}", f.label(6)));
             }
         }
     }

@@ -303,7 +303,19 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
                 Cell::from(g.label.clone()),
             ])
             .style(Style::new().fg(Color::Cyan).bold()),
-            Row::Process(p) => process_row(p),
+            Row::Process(p) => process_row(p, &app.snap.latency),
+            Row::Folded(_, f) => TRow::new(vec![
+                Cell::from(""),
+                Cell::from(format!("  +{} quiet", f.threads)),
+                Cell::from(""),
+                Cell::from(""),
+                Cell::from(""),
+                Cell::from(""),
+                Cell::from(""),
+                Cell::from(""),
+                Cell::from(format!("{} (x lists them)", f.label(4))),
+            ])
+            .style(Style::new().dim()),
             Row::Thread(_, t) => {
                 let mut cells = vec![
                     Cell::from(format!("  {}", t.tid)),
@@ -343,18 +355,18 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
     f.render_stateful_widget(table, area, &mut state);
 }
 
-fn process_row(p: &ProcessRow) -> TRow<'static> {
+fn process_row(p: &ProcessRow, latency: &[crate::tui::model::LatencyRow]) -> TRow<'static> {
     let mut cells = vec![
         Cell::from(p.pid.to_string()),
         Cell::from(format!("▾ {}", p.name)),
     ];
     cells.extend(stat_cells(&p.stats, true));
     cells.push(Cell::from(""));
-    cells.push(Cell::from(format!(
-        "{} threads  {}",
-        p.threads.len(),
-        p.cmdline
-    )));
+    // What it is doing first (the line is cut at the terminal's width), then what it is.
+    cells.push(Cell::from(match super::app::process_headline(p, latency) {
+        Some(h) => format!("{h} · {} threads  {}", p.threads.len(), p.cmdline),
+        None => format!("{} threads  {}", p.threads.len(), p.cmdline),
+    }));
     TRow::new(cells).style(Style::new().bold().fg(Color::Yellow))
 }
 
@@ -569,6 +581,23 @@ fn metric_line(
     ])
 }
 
+/// A gauge's line: its last value, its mean and max over the window, then its sparkline.
+fn gauge_line(label: &str, m: &MetricView, w: usize) -> Line<'static> {
+    let now = m.now.map_or("-".into(), |v| format!("{v:.0}"));
+    let over = m.window_mean_max().map_or(String::new(), |(mean, max)| {
+        format!("mean {mean:.1}, max {max:.0}")
+    });
+    Line::from(vec![
+        Span::raw(format!("{label:<22}")),
+        Span::styled(format!("{now:>10}  "), Style::new().bold()),
+        Span::raw(format!("{over:<22}")),
+        Span::styled(
+            spark(&m.history, None, w.saturating_sub(22)),
+            Style::new().fg(Color::Green),
+        ),
+    ])
+}
+
 fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
     let w = width.saturating_sub(38) as usize;
     let mut lines = vec![
@@ -580,20 +609,8 @@ fn engine_block(e: &EngineMetrics, width: u16) -> Paragraph<'static> {
             w,
         ),
         metric_line("KV cache usage", &e.kv_cache, pct, Some(1.0), w),
-        metric_line(
-            "requests running",
-            &e.running,
-            |v| format!("{v:.0}"),
-            None,
-            w,
-        ),
-        metric_line(
-            "requests waiting",
-            &e.waiting,
-            |v| format!("{v:.0}"),
-            None,
-            w,
-        ),
+        gauge_line("requests running", &e.running, w),
+        gauge_line("requests waiting", &e.waiting, w),
         {
             let ([t50, t90, _], [_, p90, _]) = (e.ttft.shown(0), e.tpot.shown(0));
             Line::from(vec![
@@ -829,6 +846,10 @@ const HELP: &[(&str, &str)] = &[
         "i",
         "hide / show idle threads (under 0.1% CPU, GIL wait and GC)",
     ),
+    (
+        "x",
+        "list / fold each process's quiet threads (under 0.5% CPU, GIL wait and GC)",
+    ),
     ("p / space", "pause / resume the display"),
     ("+ / -", "replay: faster / slower"),
     ("] / [", "replay: jump one window forward / back"),
@@ -990,8 +1011,14 @@ mod tests {
         assert!(engine.contains("engine0: EngineCore 1"), "{engine}");
         let p = row_with(&scr, "▾ EngineCore");
         assert!(p.contains("90.0%"), "process CPU is the threads' sum: {p}");
+        // What the process is doing, on its line: its probe's median call and its busiest
+        // thread's top function.
+        assert!(
+            p.contains("execute_model p50 44.00 ms, 10/s · aux-writer: AuxOutputStore._"),
+            "{p}"
+        );
         // Busiest first, and selected (▶).
-        let aux = row_with(&scr, "aux-writer");
+        let aux = row_with(&scr, "aux-writer ");
         assert!(aux.starts_with('▶'), "{aux}");
         assert!(
             aux.contains("60.0%") && aux.contains("AuxOutputStore._evict_to_fit (aux.py) 100.0%")
