@@ -62,7 +62,7 @@ pub const TARGET_GC: u32 = 4;
 pub const TARGET_GC_UPROBE: u32 = 32;
 
 /// Bits of the `control` map's value (`ES_OFF_*`): parts switched off, each program returning
-/// at its first instruction (`enginescope cost`'s off arms).
+/// at its first instruction (`record --measure-cost`'s off arms).
 pub const OFF_SAMPLE: u32 = 1;
 pub const OFF_SWITCH: u32 = 2;
 pub const OFF_GC: u32 = 4;

@@ -542,7 +542,7 @@ pub struct Probes {
     /// them at the calibrated switch cost ([`crate::bpf::SwitchCost`]).
     pub watched_switches: u64,
     pub watched_switch_ns: u64,
-    /// Every watchpoint removed and none set until [`Self::resume`] (`enginescope cost`'s
+    /// Every watchpoint removed and none set until [`Self::resume`] (`record --measure-cost`'s
     /// off arms).
     suspended: bool,
     /// Calls that began before the window (timed in the warm-up): not written.
@@ -923,7 +923,7 @@ impl Probes {
     }
 
     /// Remove every probe watchpoint and set none until [`Self::resume`]: what watching costs
-    /// is then nothing but the idle registers (`enginescope cost`'s off arms). Calls open are
+    /// is then nothing but the idle registers (`record --measure-cost`'s off arms). Calls open are
     /// dropped as at a rotation; counts scale by the watched time as under a budget.
     pub fn suspend<'a>(
         &mut self,

@@ -65,11 +65,11 @@ pub trait Source {
     }
 
     /// Switch the parts in `mask` off (`crate::bpf::abi::OFF_*`; 0 = everything on) for
-    /// `enginescope cost`: their BPF programs return at once and, for probes, every
+    /// `record --measure-cost`: their BPF programs return at once and, for probes, every
     /// watchpoint is removed until they are on again. Sources that cannot say so.
     fn set_off(&mut self, _mask: u32, _targets: &Targets) -> anyhow::Result<()> {
         anyhow::bail!(
-            "the {} backend cannot switch its parts off (enginescope cost needs the BPF backend)",
+            "the {} backend cannot switch its parts off (record --measure-cost needs the BPF backend)",
             self.name()
         )
     }

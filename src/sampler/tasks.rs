@@ -59,7 +59,7 @@ pub struct TaskReaders {
     readers: HashMap<i32, Reader>,
     /// Counters of readers stopped (errors, reads, ns).
     stopped: [u64; 3],
-    /// Every reader skips its reads while set (`enginescope cost`'s off arms).
+    /// Every reader skips its reads while set (`record --measure-cost`'s off arms).
     paused: Arc<AtomicBool>,
 }
 

@@ -44,7 +44,10 @@ pub struct RecordingCost {
     /// Context switches of threads holding probe watchpoints, and what they cost, s.
     pub watched_switches: u64,
     pub watched_switch_s: f64,
-    /// The GC watchpoint's traps (stripped interpreters), s.
+    /// The GC watchpoint's traps (stripped interpreters, two per collection), and their time
+    /// at the calibrated trap cost, s.
+    #[serde(default)]
+    pub gc_watchpoint_traps: u64,
     pub gc_watchpoint_s: f64,
     /// GC uprobe hits (interpreters with symbols): an int3 each, not calibrated, so counted
     /// but not costed.
@@ -94,7 +97,11 @@ impl RecordingCost {
         let probe_traps = get(c, "bpf_probe_hits");
         let trap_cost_ns = get(c, "probe_trap_cost_ns");
         let watched_switch_s = get(c, "probe_watched_switch_ns") as f64 / 1e9;
-        let gc_watchpoint_s = get(c, "gc_watchpoint_cost_ns") as f64 / 1e9;
+        // `gc_watchpoint_cost_ns` is the calibrated cost of one trap; `bpf_gc_edges` counts the
+        // watchpoint's hits (the uprobe method counts its own).
+        let gc_watchpoint_traps = get(c, "bpf_gc_edges");
+        let gc_watchpoint_s =
+            gc_watchpoint_traps as f64 * get(c, "gc_watchpoint_cost_ns") as f64 / 1e9;
         let bpf_s: f64 = bpf.iter().map(|p| p.run_s).sum();
         let total_s = bpf_s
             + probe_traps as f64 * trap_cost_ns as f64 / 1e9
@@ -109,6 +116,7 @@ impl RecordingCost {
             trap_cost_ns,
             watched_switches: get(c, "probe_watched_switches"),
             watched_switch_s,
+            gc_watchpoint_traps,
             gc_watchpoint_s,
             gc_uprobe_hits: get(c, "bpf_gc_uprobe_hits"),
             total_s,
@@ -229,7 +237,9 @@ impl RecordingCost {
         if self.gc_watchpoint_s > 0.0 {
             let _ = writeln!(
                 s,
-                "| GC watchpoint traps (calibrated cost) | | | {:.1} | {} |",
+                "| GC watchpoint traps (calibrated cost) | {} | {:.2} | {:.1} | {} |",
+                self.gc_watchpoint_traps,
+                self.gc_watchpoint_s * 1e6 / self.gc_watchpoint_traps.max(1) as f64,
                 self.gc_watchpoint_s * 1e3,
                 pct(self.gc_watchpoint_s)
             );
@@ -273,7 +283,8 @@ mod tests {
             ("probe_trap_cost_ns", 10_000),
             ("probe_watched_switches", 1_000),
             ("probe_watched_switch_ns", 2_000_000),
-            ("gc_watchpoint_cost_ns", 1_000_000),
+            ("gc_watchpoint_cost_ns", 10_000),
+            ("bpf_gc_edges", 100),
             ("bpf_gc_uprobe_hits", 7),
         ]);
         let k = RecordingCost::from_counters(&c, 10_000_000_000).unwrap();
