@@ -291,30 +291,18 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
     let table_rows: Vec<TRow> = rows
         .iter()
         .map(|r| match r {
-            Row::Group(g) => TRow::new(vec![
-                Cell::from("engine"),
-                Cell::from(g.engine.clone().unwrap_or_else(|| g.label.clone())),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(g.label.clone()),
-            ])
+            Row::Group(g) => label_row(
+                "engine".into(),
+                g.engine.clone().unwrap_or_else(|| g.label.clone()),
+                g.label.clone(),
+            )
             .style(Style::new().fg(Color::Cyan).bold()),
             Row::Process(p) => process_row(p, &app.snap.latency),
-            Row::Folded(_, f) => TRow::new(vec![
-                Cell::from(""),
-                Cell::from(format!("  +{} quiet", f.threads)),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(""),
-                Cell::from(format!("{} (x lists them)", f.label(4))),
-            ])
+            Row::Folded(_, f) => label_row(
+                String::new(),
+                format!("  +{} quiet", f.threads),
+                format!("{} (x lists them)", f.label(4)),
+            )
             .style(Style::new().dim()),
             Row::Thread(_, t) => {
                 let mut cells = vec![
@@ -353,6 +341,15 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
         .block(Block::new().borders(Borders::TOP));
     let mut state = TableState::default().with_selected(ui.selected_index(&rows));
     f.render_stateful_widget(table, area, &mut state);
+}
+
+/// A table row with text in the id, name and last columns only (an engine's heading, a
+/// process's folded quiet threads).
+fn label_row(id: String, name: String, last: String) -> TRow<'static> {
+    let mut cells = vec![Cell::from(id), Cell::from(name)];
+    cells.extend((0..6).map(|_| Cell::from("")));
+    cells.push(Cell::from(last));
+    TRow::new(cells)
 }
 
 fn process_row(p: &ProcessRow, latency: &[crate::tui::model::LatencyRow]) -> TRow<'static> {
