@@ -145,6 +145,49 @@ fn gil(label: &str) {
 
 /// `method`: how the recording must say the target's GC pauses were timed (`uprobe`, or
 /// `watchpoint-forced` for the fallback forced by ENGINESCOPE_GC_METHOD).
+/// Where a traced total differs from the truth's, pause by pause: each recorded pause matched
+/// to the truth's pause that starts nearest (within 1 ms; collections do not overlap, and a
+/// container's thread ids are its own namespace's), and the distribution of recorded minus
+/// the truth's flag interval (printed, not checked).
+fn pause_excess(
+    pauses: &[&enginescope::record::GcPause],
+    truth: &serde_json::Value,
+    t0: u64,
+) -> String {
+    let list = truth["pause_list"].as_array().cloned().unwrap_or_default();
+    let mut diffs: Vec<i64> = Vec::new();
+    for p in pauses {
+        let start = (t0 + p.start_ns) as i64;
+        let best = list
+            .iter()
+            .filter_map(|q| Some((q[0].as_i64()?, q[6].as_i64()?)))
+            .min_by_key(|(s, _)| (s - start).abs());
+        if let Some((s, d)) = best {
+            if (s - start).abs() < 1_000_000 {
+                diffs.push(p.dur_ns as i64 - d);
+            }
+        }
+    }
+    if diffs.is_empty() {
+        return "  per pause: none matched".into();
+    }
+    diffs.sort_unstable();
+    let q = |f: f64| diffs[((diffs.len() - 1) as f64 * f).round() as usize] as f64 / 1e3;
+    let sum: i64 = diffs.iter().sum();
+    let top: i64 = diffs.iter().rev().take(diffs.len() / 100 + 1).sum();
+    format!(
+        "  per pause, recorded - flag truth (µs), {} matched: p10 {:.1}, p50 {:.1}, p90 {:.1}, p99 {:.1}, max {:.1}; sum {:.2} ms, of it the top 1% {:.2} ms",
+        diffs.len(),
+        q(0.1),
+        q(0.5),
+        q(0.9),
+        q(0.99),
+        q(1.0),
+        sum as f64 / 1e6,
+        top as f64 / 1e6
+    )
+}
+
 fn gc(label: &str, generations_readable: bool, method: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     // Set under the lock, for this test's recorder only.
@@ -190,23 +233,41 @@ fn gc(label: &str, generations_readable: bool, method: &str) {
         .collect();
     let total: u64 = pauses.iter().map(|p| p.dur_ns).sum();
     let max = pauses.iter().map(|p| p.dur_ns).max().unwrap_or(0);
-    let want_total = truth["total_s"].as_f64().unwrap();
-    let want_max = truth["max_ms"].as_f64().unwrap();
+    // The collecting flag's interval (the callbacks' machinery included, measured by the
+    // workload: see gc_churn.py's flag_dur_ns), which is what a tracer of the flag or of the
+    // collector function times.
+    let want_total = truth["flag_total_s"].as_f64().unwrap();
+    let want_max = truth["flag_max_ms"].as_f64().unwrap();
     let want_n = truth["pauses"].as_u64().unwrap();
     let mut report = vec![format!(
-        "{label}: {} pauses (truth {want_n}), total {:.4} s (truth {want_total:.4}, {:+.1}%), max {:.3} ms (truth {want_max:.3}, {:+.1}%)",
+        "{label}: {} pauses (truth {want_n}), total {:.4} s (flag truth {want_total:.4}, {:+.1}%; callbacks' own {:.4}), max {:.3} ms (flag truth {want_max:.3}, {:+.1}%)",
         pauses.len(),
         total as f64 / 1e9,
         (total as f64 / 1e9 / want_total - 1.0) * 100.0,
+        truth["total_s"].as_f64().unwrap_or(0.0),
         max as f64 / 1e6,
         (max as f64 / 1e6 / want_max - 1.0) * 100.0
     )];
+    report.push(pause_excess(&pauses, &truth, t0));
     let mut failures = Vec::new();
     let n_ok = (pauses.len() as f64 - want_n as f64).abs() <= 0.01 * want_n as f64;
     if !n_ok {
         failures.push("pause count");
     }
-    if (total as f64 / 1e9 - want_total).abs() > 0.10 * want_total {
+    // A pause timed between two watchpoint hits holds the rest of one trap and the start of
+    // the next, less the calibrated cost of one: exact to within one trap's cost, whose spread
+    // on a busy VM is about its size (the product's resolution, allowed here per pause).
+    let resolution_s = if method == "watchpoint" {
+        pauses.len() as f64
+            * r.counters
+                .get("gc_watchpoint_cost_ns")
+                .copied()
+                .unwrap_or(0) as f64
+            / 1e9
+    } else {
+        0.0
+    };
+    if (total as f64 / 1e9 - want_total).abs() > 0.10 * want_total + resolution_s {
         failures.push("total GC time");
     }
     if (max as f64 / 1e6 - want_max).abs() > 0.10 * want_max {
@@ -242,12 +303,13 @@ fn gc(label: &str, generations_readable: bool, method: &str) {
         report.push("  generations: not readable on this version (recorded as unknown)".into());
     }
     report.push(format!(
-        "  counters: gc_edges {:?}, gc uprobe hits {:?}, returns unpaired {:?}, nested {:?}, calls without a collection {:?}",
+        "  counters: gc_edges {:?}, gc uprobe hits {:?}, returns unpaired {:?}, nested {:?}, calls without a collection {:?}, trap cost subtracted per pause {:?} ns",
         r.counters.get("bpf_gc_edges"),
         r.counters.get("bpf_gc_uprobe_hits"),
         r.counters.get("bpf_gc_return_unpaired"),
         r.counters.get("bpf_gc_nested_calls"),
         r.counters.get("gc_uprobe_calls_without_collection"),
+        r.counters.get("gc_watchpoint_cost_ns"),
     ));
     eprintln!("{}", report.join("\n"));
     assert!(
