@@ -5,6 +5,7 @@
 //! side; `record` is the file format; `sampler` is the recording loop over a sample source;
 //! `views`, `tui`, `agent`, `dump`, `doctor` sit on top.
 
+pub mod accounting;
 pub mod agent;
 pub mod bpf;
 pub mod cpython;

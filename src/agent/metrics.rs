@@ -17,7 +17,8 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use super::budget::{Budget, BudgetConfig};
-use crate::record::{flags, Recording};
+use crate::accounting::ThreadAcc;
+use crate::record::Recording;
 
 /// Label value of the aggregate series of keys without a series of their own.
 pub const OTHER: &str = "_other";
@@ -240,7 +241,7 @@ impl Metrics {
         );
         reg.register(
             "enginescope_thread_gil_wait_seconds",
-            "Time threads spent blocked waiting for the GIL (exact: futex waits, counted when each wait ends)",
+            "Time threads spent blocked waiting for the GIL (exact: futex waits, counted when each wait ends; a forced switch's handshake, the dropping thread waiting for the taker, is not a wait)",
             c.thread_gil_wait,
         );
         reg.register(
@@ -522,6 +523,26 @@ impl Aggregator {
         }
     }
 
+    /// The labels of a process's series (engine and role), as read from its tables so far.
+    pub fn process_labels_of(&self, pid: i32) -> ProcessLabels {
+        self.process_labels(pid)
+    }
+
+    /// The labels a thread's series get, before any cap folds it into `other`.
+    pub fn thread_labels_of(&self, pid: i32, tid: i32) -> ThreadLabels {
+        let p = self.process_labels(pid);
+        ThreadLabels {
+            engine: p.engine,
+            role: p.role,
+            thread: self
+                .seg
+                .threads
+                .get(&(pid, tid))
+                .cloned()
+                .unwrap_or_else(|| format!("tid{tid}")),
+        }
+    }
+
     fn process_labels(&self, pid: i32) -> ProcessLabels {
         ProcessLabels {
             engine: self.seg.engines.get(&pid).cloned().unwrap_or_default(),
@@ -642,11 +663,15 @@ impl Aggregator {
         self.read_tables(r);
         let samples = std::mem::take(&mut r.samples);
         for s in &samples {
-            let secs = s.weight_ns as f64 / 1e9;
+            let a = ThreadAcc::of_sample(s);
+            let secs = a.cpu_ns as f64 / 1e9;
             let t = self.thread_labels(s.pid, s.tid, secs);
             self.m.thread_cpu.get_or_create(&t).inc_by(secs);
-            if s.flags & flags::GIL != 0 {
-                self.m.thread_gil_held.get_or_create(&t).inc_by(secs);
+            if a.gil_held_ns > 0 {
+                self.m
+                    .thread_gil_held
+                    .get_or_create(&t)
+                    .inc_by(a.gil_held_ns as f64 / 1e9);
             }
             let p = self.process_labels(s.pid);
             self.sample_sets.touch(&p, self.tick);
@@ -693,7 +718,13 @@ impl Aggregator {
             self.m.thread_offcpu.get_or_create(&t).inc_by(secs);
         }
         for g in std::mem::take(&mut r.gil_waits) {
-            let secs = g.dur_ns as f64 / 1e9;
+            // A forced-switch handshake (the dropping thread waiting for the taker) is not a
+            // GIL wait, as in `report` and `top` (crate::accounting).
+            let a = ThreadAcc::of_gil_wait(&g, g.dur_ns, 1);
+            if a.gil_wait_ns == 0 {
+                continue;
+            }
+            let secs = a.gil_wait_ns as f64 / 1e9;
             let t = self.thread_labels(g.pid, g.tid, secs);
             self.m.thread_gil_wait.get_or_create(&t).inc_by(secs);
         }
