@@ -18,8 +18,9 @@ use super::stalls::{api_server_stalls, ApiServerStalls};
 use super::timeline::{self, Correlation, ThroughputDrop, WindowRow};
 use super::windows::{extent_ns, Windows};
 use super::{format_utc, process_name, secs, short_file, Selection};
+use crate::accounting::{Acc, FunctionTable, Sums, ThreadAcc};
 use crate::metrics::MetricIndex;
-use crate::record::{flags, Recording};
+use crate::record::Recording;
 
 /// Schema identifier. Additive changes (new fields) keep `/1`; renaming, removing or changing
 /// the meaning or unit of a field bumps it.
@@ -394,22 +395,6 @@ fn with_calls(mut rows: Vec<FunctionRow>, lat: &[FunctionLatencyRow]) -> Vec<Fun
     rows
 }
 
-#[derive(Default)]
-struct ThreadAcc {
-    samples: u64,
-    cpu: u64,
-    native: u64,
-    gil: u64,
-    gc: u64,
-    off: u64,
-    off_preempted: u64,
-    gil_wait: u64,
-    gil_waits: u64,
-    gil_switch_wait: u64,
-    gc_pause: u64,
-    gc_pauses: u64,
-}
-
 #[derive(Default, Clone, Copy)]
 struct GcAcc {
     pauses: u64,
@@ -441,15 +426,6 @@ fn ms(ns: u64) -> f64 {
     ns as f64 / 1e6
 }
 
-#[derive(Default, Clone, Copy)]
-struct FnAcc {
-    self_ns: u64,
-    self_native_ns: u64,
-    total_ns: u64,
-    self_samples: u64,
-    total_samples: u64,
-}
-
 fn share(part: u64, whole: u64) -> f64 {
     if whole == 0 {
         0.0
@@ -465,48 +441,24 @@ impl Report {
     }
 
     pub fn build_with(rec: &Recording, sel: &Selection, opts: &ReportOptions) -> Report {
-        let mut threads: BTreeMap<(i32, i32), ThreadAcc> =
-            sel.threads().map(|k| (k, ThreadAcc::default())).collect();
-        // (pid, tid, stack, native) -> (samples, ns): one pass over samples, then per stack.
-        let mut by_stack: HashMap<(i32, i32, u32, bool), (u64, u64)> = HashMap::new();
+        // What each event contributes is crate::accounting's (the same as top's and the
+        // agent's); the report sums it over the whole recording.
+        let mut table = FunctionTable::of(rec);
+        let mut sums = Sums::default();
         for s in sel.samples(rec) {
-            let w = u64::from(s.weight_ns);
-            let t = threads.entry((s.pid, s.tid)).or_default();
-            t.samples += 1;
-            t.cpu += w;
-            if s.flags & flags::NATIVE != 0 {
-                t.native += w;
-            }
-            if s.flags & flags::GIL != 0 {
-                t.gil += w;
-            }
-            if s.flags & flags::GC != 0 {
-                t.gc += w;
-            }
-            let e = by_stack
-                .entry((s.pid, s.tid, s.stack, s.flags & flags::NATIVE != 0))
-                .or_default();
-            e.0 += 1;
-            e.1 += w;
+            sums.add_sample(s);
         }
         for o in sel.offcpu(rec) {
-            let t = threads.entry((o.pid, o.tid)).or_default();
-            t.off += o.dur_ns;
-            if o.preempted {
-                t.off_preempted += o.dur_ns;
-            }
+            sums.add_offcpu(o, o.dur_ns);
         }
         // GIL waits of the selected waiters: per thread, and by (waiter, holder, holder frame).
         type BlockKey<'r> = (i32, i32, i32, HolderFrame<'r>);
         let mut blocking: HashMap<BlockKey, (u64, u64)> = HashMap::new();
         for g in sel.gil_waits(rec) {
-            let t = threads.entry((g.pid, g.tid)).or_default();
+            sums.add_gil_wait(g, table.holder(rec, g), g.dur_ns, 1);
             if g.switch_wait {
-                t.gil_switch_wait += g.dur_ns;
                 continue;
             }
-            t.gil_wait += g.dur_ns;
-            t.gil_waits += 1;
             let e = blocking
                 .entry((g.pid, g.tid, g.holder_tid, HolderFrame::of(rec, g)))
                 .or_default();
@@ -521,9 +473,7 @@ impl Report {
             .collect();
         let mut gc_thread: BTreeMap<(i32, i32), GcAcc> = BTreeMap::new();
         for g in sel.gc_pauses(rec) {
-            let t = threads.entry((g.pid, g.tid)).or_default();
-            t.gc_pause += g.dur_ns;
-            t.gc_pauses += 1;
+            sums.add_gc_pause(g, g.dur_ns, 1);
             gc_all.add(g.dur_ns, g.collected);
             gc_gen
                 .entry(generation_key(g))
@@ -535,56 +485,20 @@ impl Report {
                 .add(g.dur_ns, g.collected);
         }
 
-        // Functions are (name, file); lines are merged.
-        let mut fn_keys: HashMap<(&str, &str), usize> = HashMap::new();
-        let mut fn_names: Vec<(&str, &str)> = Vec::new();
-        let frame_fn: Vec<usize> = rec
-            .frames
-            .iter()
-            .map(|f| {
-                let k = (f.function.as_str(), f.file.as_str());
-                *fn_keys.entry(k).or_insert_with(|| {
-                    fn_names.push(k);
-                    fn_names.len() - 1
-                })
-            })
-            .collect();
-        // Per stack: innermost function and the distinct functions on it.
-        let mut stack_fns: HashMap<u32, (Option<usize>, Vec<usize>)> = HashMap::new();
-        let mut fns: HashMap<(i32, i32, usize), FnAcc> = HashMap::new();
-        for (&(pid, tid, stack, native), &(n, ns)) in &by_stack {
-            let (inner, distinct) = stack_fns.entry(stack).or_insert_with(|| {
-                let ids: Vec<usize> = rec
-                    .stacks
-                    .get(stack as usize)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|&f| frame_fn.get(f as usize).copied())
-                    .collect();
-                let mut distinct = ids.clone();
-                distinct.sort_unstable();
-                distinct.dedup();
-                (ids.first().copied(), distinct)
-            });
-            if let Some(i) = *inner {
-                let a = fns.entry((pid, tid, i)).or_default();
-                a.self_ns += ns;
-                a.self_samples += n;
-                if native {
-                    a.self_native_ns += ns;
-                }
-            }
-            for &f in distinct.iter() {
-                let a = fns.entry((pid, tid, f)).or_default();
-                a.total_ns += ns;
-                a.total_samples += n;
-            }
+        // Every selected thread has a row, events or not.
+        let mut threads: BTreeMap<(i32, i32), ThreadAcc> =
+            sel.threads().map(|k| (k, ThreadAcc::default())).collect();
+        for (k, t) in &sums.threads {
+            threads.entry(*k).or_default().add(t);
         }
-        let mut functions: Vec<(u64, FunctionRow)> = fns
-            .into_iter()
-            .map(|((pid, tid, f), a)| {
-                let (function, file) = fn_names[f];
-                let cpu = threads.get(&(pid, tid)).map_or(0, |t| t.cpu);
+        // Functions are (name, file); lines are merged.
+        sums.expand_stacks(rec, &mut table);
+        let mut functions: Vec<(u64, FunctionRow)> = sums
+            .functions
+            .iter()
+            .map(|(&((pid, tid), f), a)| {
+                let (function, file) = table.name(f);
+                let cpu = threads.get(&(pid, tid)).map_or(0, |t| t.cpu_ns);
                 (
                     a.self_ns,
                     FunctionRow {
@@ -658,33 +572,33 @@ impl Report {
             .into_iter()
             .map(|((pid, tid), t)| {
                 totals.samples += t.samples;
-                cpu += t.cpu;
-                native += t.native;
-                off += t.off;
-                gil_held += t.gil;
-                gil_wait += t.gil_wait;
-                gil_switch += t.gil_switch_wait;
-                gc_ns += t.gc_pause;
+                cpu += t.cpu_ns;
+                native += t.native_ns;
+                off += t.off_ns;
+                gil_held += t.gil_held_ns;
+                gil_wait += t.gil_wait_ns;
+                gil_switch += t.switch_wait_ns;
+                gc_ns += t.gc_ns;
                 (
-                    t.cpu,
+                    t.cpu_ns,
                     ThreadRow {
                         pid,
                         tid,
                         name: rec.thread_name(pid, tid).to_string(),
                         os_name: rec.os_thread_name(pid, tid).to_string(),
-                        cpu_s: secs(t.cpu),
+                        cpu_s: secs(t.cpu_ns),
                         samples: t.samples,
-                        python_s: secs(t.cpu - t.native),
-                        native_s: secs(t.native),
-                        offcpu_s: secs(t.off),
-                        offcpu_preempted_s: secs(t.off_preempted),
-                        gil_held_share: share(t.gil, t.cpu),
-                        gc_share: share(t.gc, t.cpu),
-                        gil_held_s: secs(t.gil),
-                        gil_wait_s: secs(t.gil_wait),
+                        python_s: secs(t.cpu_ns - t.native_ns),
+                        native_s: secs(t.native_ns),
+                        offcpu_s: secs(t.off_ns),
+                        offcpu_preempted_s: secs(t.off_preempted_ns),
+                        gil_held_share: share(t.gil_held_ns, t.cpu_ns),
+                        gc_share: share(t.gc_cpu_ns, t.cpu_ns),
+                        gil_held_s: secs(t.gil_held_ns),
+                        gil_wait_s: secs(t.gil_wait_ns),
                         gil_waits: t.gil_waits,
-                        gil_switch_wait_s: secs(t.gil_switch_wait),
-                        gc_s: secs(t.gc_pause),
+                        gil_switch_wait_s: secs(t.switch_wait_ns),
+                        gc_s: secs(t.gc_ns),
                         gc_pauses: t.gc_pauses,
                     },
                 )
@@ -1197,7 +1111,7 @@ fn gil_tables(
     let mut pair_rows: Vec<(u64, GilPairRow)> = pairs
         .into_iter()
         .map(|((pid, tid, holder), (ns, n, fns))| {
-            let waited = threads.get(&(pid, tid)).map_or(0, |t| t.gil_wait);
+            let waited = threads.get(&(pid, tid)).map_or(0, |t| t.gil_wait_ns);
             (
                 ns,
                 GilPairRow {
