@@ -16,255 +16,21 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::record::{
-    flags, FunctionCall, GcPause, GilWait, MetricPoint, OffCpu, Recording, Sample,
+pub use crate::accounting::{
+    Acc, FnAcc, FnId, FunctionTable, Holder, StackKey, Sums, ThreadAcc, ThreadKey, TimeCount,
 };
+use crate::record::{FunctionCall, GcPause, GilWait, MetricPoint, OffCpu, Recording, Sample};
 
-/// (pid, tid).
-pub type ThreadKey = (i32, i32);
-/// Index into [`FunctionTable`]: a function is (qualified name, file), lines merged.
-pub type FnId = u32;
-
-/// What the GIL holder was running when a wait began (see `views::gil::HolderFrame`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Holder {
-    /// No thread held it (`holder_tid` 0).
-    Free,
-    /// The waiter held it itself and was releasing it.
-    Releasing,
-    /// A holder with no Python frame.
-    Unknown,
-    /// The holder's innermost Python function.
-    Function(FnId),
-}
-
-/// Running sums that can be added and taken out again.
-pub trait Acc: Default + Copy {
-    fn add(&mut self, o: &Self);
-    fn sub(&mut self, o: &Self);
-    fn is_zero(&self) -> bool;
-}
-
-/// Per-thread time sums, ns.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct ThreadAcc {
-    /// On-CPU sample weight.
-    pub cpu_ns: u64,
-    /// Of which outside the interpreter core (NATIVE flag).
-    pub native_ns: u64,
-    /// Of which with the GIL held (GIL flag).
-    pub gil_held_ns: u64,
-    pub samples: u64,
-    /// Off-CPU intervals (blocked or preempted).
-    pub off_ns: u64,
-    /// Exact GIL waits (not switch waits).
-    pub gil_wait_ns: u64,
-    /// GIL waits that began in the window.
-    pub gil_waits: u64,
-    /// Forced-switch handshakes (a dropping thread waiting for the taker).
-    pub switch_wait_ns: u64,
-    /// Collections this thread ran.
-    pub gc_ns: u64,
-    pub gc_pauses: u64,
-}
-
-impl Acc for ThreadAcc {
-    fn add(&mut self, o: &Self) {
-        self.cpu_ns += o.cpu_ns;
-        self.native_ns += o.native_ns;
-        self.gil_held_ns += o.gil_held_ns;
-        self.samples += o.samples;
-        self.off_ns += o.off_ns;
-        self.gil_wait_ns += o.gil_wait_ns;
-        self.gil_waits += o.gil_waits;
-        self.switch_wait_ns += o.switch_wait_ns;
-        self.gc_ns += o.gc_ns;
-        self.gc_pauses += o.gc_pauses;
-    }
-    fn sub(&mut self, o: &Self) {
-        self.cpu_ns -= o.cpu_ns;
-        self.native_ns -= o.native_ns;
-        self.gil_held_ns -= o.gil_held_ns;
-        self.samples -= o.samples;
-        self.off_ns -= o.off_ns;
-        self.gil_wait_ns -= o.gil_wait_ns;
-        self.gil_waits -= o.gil_waits;
-        self.switch_wait_ns -= o.switch_wait_ns;
-        self.gc_ns -= o.gc_ns;
-        self.gc_pauses -= o.gc_pauses;
-    }
-    fn is_zero(&self) -> bool {
-        *self == ThreadAcc::default()
-    }
-}
-
-/// A function's on-CPU time in one thread: innermost (self) and anywhere on the stack (total,
-/// once per sample even when recursive).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct FnAcc {
-    pub self_ns: u64,
-    pub total_ns: u64,
-}
-
-impl Acc for FnAcc {
-    fn add(&mut self, o: &Self) {
-        self.self_ns += o.self_ns;
-        self.total_ns += o.total_ns;
-    }
-    fn sub(&mut self, o: &Self) {
-        self.self_ns -= o.self_ns;
-        self.total_ns -= o.total_ns;
-    }
-    fn is_zero(&self) -> bool {
-        self.self_ns == 0 && self.total_ns == 0
-    }
-}
-
-/// Time and count (GIL waits by holder, calls, GC pauses).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct TimeCount {
-    pub ns: u64,
-    pub count: u64,
-}
-
-impl Acc for TimeCount {
-    fn add(&mut self, o: &Self) {
-        self.ns += o.ns;
-        self.count += o.count;
-    }
-    fn sub(&mut self, o: &Self) {
-        self.ns -= o.ns;
-        self.count -= o.count;
-    }
-    fn is_zero(&self) -> bool {
-        self.ns == 0 && self.count == 0
-    }
-}
-
-/// Everything summed per bucket, and over the window.
-#[derive(Debug, Default, Clone)]
-pub struct Sums {
-    pub threads: HashMap<ThreadKey, ThreadAcc>,
-    pub functions: HashMap<(ThreadKey, FnId), FnAcc>,
-    /// (waiter, holder tid, holder function) -> wait.
-    pub blame: HashMap<(ThreadKey, i32, Holder), TimeCount>,
-    /// (pid, generation) -> pause time and count.
-    pub gc: HashMap<(i32, i8), TimeCount>,
-    /// (probe, caller thread) -> calls that ended in the window (`ns` unused).
-    pub calls: HashMap<(u32, ThreadKey), TimeCount>,
-}
-
-fn add_into<K: Copy + Eq + std::hash::Hash, V: Acc>(
-    m: &mut HashMap<K, V>,
-    total: &mut HashMap<K, V>,
-    k: K,
-    v: V,
-) {
-    m.entry(k).or_default().add(&v);
-    total.entry(k).or_default().add(&v);
-}
-
-fn sub_from<K: Copy + Eq + std::hash::Hash, V: Acc>(total: &mut HashMap<K, V>, m: &HashMap<K, V>) {
-    for (k, v) in m {
-        if let Some(t) = total.get_mut(k) {
-            t.sub(v);
-            if t.is_zero() {
-                total.remove(k);
-            }
-        }
-    }
-}
-
-impl Sums {
-    fn sub(&mut self, o: &Sums) {
-        sub_from(&mut self.threads, &o.threads);
-        sub_from(&mut self.functions, &o.functions);
-        sub_from(&mut self.blame, &o.blame);
-        sub_from(&mut self.gc, &o.gc);
-        sub_from(&mut self.calls, &o.calls);
-    }
-}
-
+/// One bucket's sums (crate::accounting: what each event contributes). `functions` stays
+/// empty: a bucket keeps its on-CPU time by stack, one map update per sample, and the window's
+/// per-function totals follow from those; the window's totals keep no stacks.
 #[derive(Debug, Default, Clone)]
 struct Bucket {
     index: u64,
-    /// `functions` stays empty here: a bucket keeps its on-CPU time by (thread, stack), one
-    /// map update per sample, and the window's per-function totals follow from those.
     sums: Sums,
-    stacks: HashMap<(ThreadKey, u32), u64>,
     /// Longest GC pause that began here, per (pid, generation): a maximum cannot be taken
     /// out of a running total, so the window's is taken over its buckets.
     gc_max: HashMap<(i32, i8), u64>,
-}
-
-/// A stack's innermost function and the distinct functions on it.
-type StackFns = (Option<FnId>, Box<[FnId]>);
-
-/// Functions of the recording's frames and stacks, interned once: frames and stacks are only
-/// ever appended, so each is looked at once.
-#[derive(Debug, Default, Clone)]
-pub struct FunctionTable {
-    ids: HashMap<(String, String), FnId>,
-    /// (qualified name, file) per id.
-    pub names: Vec<(String, String)>,
-    frame_fn: Vec<FnId>,
-    /// Per stack: innermost function and the distinct functions on it (computed on first use).
-    stacks: Vec<Option<StackFns>>,
-}
-
-impl FunctionTable {
-    fn sync(&mut self, rec: &Recording) {
-        if rec.frames.len() < self.frame_fn.len() || rec.stacks.len() < self.stacks.len() {
-            // A different recording: start over.
-            *self = FunctionTable::default();
-        }
-        for f in &rec.frames[self.frame_fn.len()..] {
-            let k = (f.function.clone(), f.file.clone());
-            let next = self.names.len() as FnId;
-            let id = *self.ids.entry(k).or_insert_with_key(|k| {
-                self.names.push(k.clone());
-                next
-            });
-            self.frame_fn.push(id);
-        }
-        self.stacks.resize(rec.stacks.len(), None);
-    }
-
-    fn stack(&mut self, rec: &Recording, stack: u32) -> (Option<FnId>, &[FnId]) {
-        let Some(slot) = self.stacks.get_mut(stack as usize) else {
-            return (None, &[]);
-        };
-        let frame_fn = &self.frame_fn;
-        let entry = slot.get_or_insert_with(|| {
-            let ids: Vec<FnId> = rec
-                .stacks
-                .get(stack as usize)
-                .into_iter()
-                .flatten()
-                .filter_map(|&f| frame_fn.get(f as usize).copied())
-                .collect();
-            let mut distinct = ids.clone();
-            distinct.sort_unstable();
-            distinct.dedup();
-            (ids.first().copied(), distinct.into_boxed_slice())
-        });
-        (entry.0, &entry.1)
-    }
-
-    /// Innermost function of a stack.
-    pub fn innermost(&self, rec: &Recording, stack: u32) -> Option<FnId> {
-        rec.stacks
-            .get(stack as usize)?
-            .first()
-            .and_then(|&f| self.frame_fn.get(f as usize).copied())
-    }
-
-    pub fn name(&self, f: FnId) -> (&str, &str) {
-        self.names
-            .get(f as usize)
-            .map(|(a, b)| (a.as_str(), b.as_str()))
-            .unwrap_or(("", ""))
-    }
 }
 
 /// How far the window has read each of the recording's event vectors.
@@ -328,7 +94,7 @@ pub struct Window {
     /// On-CPU time per (thread, stack) that entered (+) or left (-) the window since the
     /// per-function totals were last brought up to date: a stack seen a thousand times in a
     /// tick is expanded into its functions once.
-    stack_delta: HashMap<(ThreadKey, u32), i64>,
+    stack_delta: HashMap<StackKey, (i64, i64)>,
 }
 
 impl Window {
@@ -420,8 +186,10 @@ impl Window {
         while self.buckets.front().is_some_and(|b| b.index < first) {
             if let Some(b) = self.buckets.pop_front() {
                 self.totals.sub(&b.sums);
-                for (k, w) in b.stacks {
-                    *self.stack_delta.entry(k).or_default() -= w as i64;
+                for (k, tc) in b.sums.stacks {
+                    let d = self.stack_delta.entry(k).or_default();
+                    d.0 -= tc.ns as i64;
+                    d.1 -= tc.count as i64;
                 }
             }
         }
@@ -509,57 +277,54 @@ impl Window {
         let Some(pos) = self.bucket_pos(s.t_ns / self.bucket_ns) else {
             return;
         };
-        let w = u64::from(s.weight_ns);
-        let acc = ThreadAcc {
-            cpu_ns: w,
-            native_ns: if s.flags & flags::NATIVE != 0 { w } else { 0 },
-            gil_held_ns: if s.flags & flags::GIL != 0 { w } else { 0 },
-            samples: 1,
-            ..ThreadAcc::default()
-        };
-        let b = &mut self.buckets[pos];
-        add_into(&mut b.sums.threads, &mut self.totals.threads, key, acc);
-        *b.stacks.entry((key, s.stack)).or_default() += w;
-        *self.stack_delta.entry((key, s.stack)).or_default() += w as i64;
+        self.buckets[pos].sums.add_sample(s);
+        self.totals
+            .threads
+            .entry(key)
+            .or_default()
+            .add(&ThreadAcc::of_sample(s));
+        let native = s.flags & crate::record::flags::NATIVE != 0;
+        let d = self.stack_delta.entry((key, s.stack, native)).or_default();
+        d.0 += i64::from(s.weight_ns);
+        d.1 += 1;
     }
 
     /// Bring the per-function totals up to date with the stacks that entered or left the
-    /// window.
+    /// window (time and sample counts each with its own sign: a stack's samples entering and
+    /// leaving in one tick can move them apart).
     fn apply_stack_deltas(&mut self, rec: &Recording) {
-        for ((key, stack), d) in std::mem::take(&mut self.stack_delta) {
-            if d == 0 {
-                continue;
-            }
-            let (inner, distinct) = self.fns.stack(rec, stack);
-            let w = d.unsigned_abs();
-            let mut apply = |f: FnId, acc: FnAcc| {
-                let e = self.totals.functions.entry((key, f)).or_default();
-                if d > 0 {
-                    e.add(&acc);
-                } else {
-                    e.sub(&acc);
-                    if e.is_zero() {
-                        self.totals.functions.remove(&(key, f));
-                    }
+        for ((key, stack, native), (dns, dcount)) in std::mem::take(&mut self.stack_delta) {
+            for (tc, enters) in [
+                (
+                    TimeCount {
+                        ns: dns.unsigned_abs(),
+                        count: 0,
+                    },
+                    dns > 0,
+                ),
+                (
+                    TimeCount {
+                        ns: 0,
+                        count: dcount.unsigned_abs(),
+                    },
+                    dcount > 0,
+                ),
+            ] {
+                if tc.is_zero() {
+                    continue;
                 }
-            };
-            if let Some(f) = inner {
-                apply(
-                    f,
-                    FnAcc {
-                        self_ns: w,
-                        total_ns: 0,
-                    },
-                );
-            }
-            for &f in distinct {
-                apply(
-                    f,
-                    FnAcc {
-                        self_ns: 0,
-                        total_ns: w,
-                    },
-                );
+                let functions = &mut self.totals.functions;
+                self.fns.expand(rec, stack, native, tc, |f, acc| {
+                    let e = functions.entry((key, f)).or_default();
+                    if enters {
+                        e.add(&acc);
+                    } else {
+                        e.sub(&acc);
+                        if e.is_zero() {
+                            functions.remove(&(key, f));
+                        }
+                    }
+                });
             }
         }
     }
@@ -568,52 +333,19 @@ impl Window {
         let key = (o.pid, o.tid);
         self.seen(key, o.start_ns.saturating_add(o.dur_ns));
         for (b, ns) in self.split(o.start_ns, o.dur_ns) {
-            let acc = ThreadAcc {
-                off_ns: ns,
-                ..ThreadAcc::default()
-            };
-            self.add(b, |s| s.threads.entry(key).or_default().add(&acc));
+            self.add(b, |s| s.add_offcpu(o, ns));
         }
     }
 
     fn ingest_gil(&mut self, rec: &Recording, g: &GilWait) {
         let key = (g.pid, g.tid);
         self.seen(key, g.start_ns.saturating_add(g.dur_ns));
-        let holder = if g.holder_tid == 0 {
-            Holder::Free
-        } else if g.holder_tid == g.tid {
-            Holder::Releasing
-        } else {
-            match self.fns.innermost(rec, g.holder_stack) {
-                Some(f) => Holder::Function(f),
-                None => Holder::Unknown,
-            }
-        };
+        let holder = self.fns.holder(rec, g);
         let first = self.start_ns() <= g.start_ns;
         for (i, (b, ns)) in self.split(g.start_ns, g.dur_ns).into_iter().enumerate() {
             // A wait is counted once, in its first bucket, and only when it began in the window.
             let count = u64::from(i == 0 && first);
-            if g.switch_wait {
-                let acc = ThreadAcc {
-                    switch_wait_ns: ns,
-                    ..ThreadAcc::default()
-                };
-                self.add(b, |s| s.threads.entry(key).or_default().add(&acc));
-                continue;
-            }
-            let acc = ThreadAcc {
-                gil_wait_ns: ns,
-                gil_waits: count,
-                ..ThreadAcc::default()
-            };
-            let tc = TimeCount { ns, count };
-            self.add(b, |s| {
-                s.threads.entry(key).or_default().add(&acc);
-                s.blame
-                    .entry((key, g.holder_tid, holder))
-                    .or_default()
-                    .add(&tc);
-            });
+            self.add(b, |s| s.add_gil_wait(g, holder, ns, count));
         }
     }
 
@@ -623,16 +355,7 @@ impl Window {
         let first = self.start_ns() <= g.start_ns;
         for (i, (b, ns)) in self.split(g.start_ns, g.dur_ns).into_iter().enumerate() {
             let count = u64::from(i == 0 && first);
-            let acc = ThreadAcc {
-                gc_ns: ns,
-                gc_pauses: count,
-                ..ThreadAcc::default()
-            };
-            let tc = TimeCount { ns, count };
-            self.add(b, |s| {
-                s.threads.entry(key).or_default().add(&acc);
-                s.gc.entry((g.pid, g.generation)).or_default().add(&tc);
-            });
+            self.add(b, |s| s.add_gc_pause(g, ns, count));
         }
         if first {
             if let Some(b) = self.bucket_mut(g.start_ns / self.bucket_ns) {
@@ -648,12 +371,7 @@ impl Window {
             return;
         }
         let key = (c.probe, (c.pid, c.tid));
-        self.add(end / self.bucket_ns, |s| {
-            s.calls.entry(key).or_default().add(&TimeCount {
-                ns: c.dur_ns,
-                count: 1,
-            })
-        });
+        self.add(end / self.bucket_ns, |s| s.add_call(c));
         let q = self.call_durations.entry(key).or_default();
         q.push_back((end, c.dur_ns));
         if q.len() > MAX_CALLS_KEPT {
@@ -758,5 +476,68 @@ impl Window {
             x.start_ns.saturating_add(x.dur_ns) < cutoff
         });
         drop_prefix(&mut rec.metrics, &mut c.metrics, |m| m.t_ns < cutoff);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{flags, Frame};
+
+    fn frame(function: &str) -> Frame {
+        Frame {
+            function: function.into(),
+            file: "a.py".into(),
+            line: Some(1),
+        }
+    }
+
+    /// The window's running sums, slid over a recording in steps, equal the same accounting
+    /// done afresh over the samples inside the window at every step: per thread and per
+    /// function (time and samples, self, native and total), with stacks entering and leaving.
+    #[test]
+    fn running_sums_equal_a_fresh_sum_of_the_window_at_every_step() {
+        const MS: u64 = 1_000_000;
+        let mut rec = Recording {
+            frames: vec![frame("main"), frame("f"), frame("g"), frame("h")],
+            // main > f; main > f > g; main > g > f > g (recursion); main > h
+            stacks: vec![vec![1, 0], vec![2, 1, 0], vec![2, 1, 2, 0], vec![3, 0]],
+            ..Recording::default()
+        };
+        // A deterministic mix: two threads, every stack, some native, weights that vary.
+        let mut x: u64 = 12345;
+        for i in 0..3000u64 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            rec.samples.push(Sample {
+                t_ns: i * 3 * MS + (x >> 60),
+                pid: 1,
+                tid: 1 + (x >> 33) as i32 % 2,
+                stack: ((x >> 40) % 4) as u32,
+                flags: if (x >> 50).is_multiple_of(3) {
+                    flags::NATIVE
+                } else {
+                    0
+                },
+                weight_ns: 1_000_000 + ((x >> 20) % 1000) as u32,
+            });
+        }
+        let mut w = Window::new(1000 * MS, 4, 0);
+        let mut now = 0;
+        while now < 9500 * MS {
+            now += 170 * MS;
+            w.update(&rec, now);
+            let mut fresh = Sums::default();
+            let mut table = FunctionTable::of(&rec);
+            for s in &rec.samples {
+                if (w.start_ns()..=now).contains(&s.t_ns) {
+                    fresh.add_sample(s);
+                }
+            }
+            fresh.expand_stacks(&rec, &mut table);
+            assert_eq!(w.totals.threads, fresh.threads, "threads at {now}");
+            assert_eq!(w.totals.functions, fresh.functions, "functions at {now}");
+        }
     }
 }
