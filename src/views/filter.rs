@@ -249,6 +249,16 @@ impl Selection {
             .filter(move |g| self.contains(g.pid, g.tid))
     }
 
+    /// Probed calls made by a selected thread, in file order.
+    pub fn calls<'a>(
+        &'a self,
+        rec: &'a Recording,
+    ) -> impl Iterator<Item = &'a crate::record::FunctionCall> + 'a {
+        rec.calls
+            .iter()
+            .filter(move |c| self.contains(c.pid, c.tid))
+    }
+
     /// GC pauses run by a selected thread, in file order.
     pub fn gc_pauses<'a>(&'a self, rec: &'a Recording) -> impl Iterator<Item = &'a GcPause> + 'a {
         rec.gc_pauses

@@ -11,6 +11,7 @@ pub mod cost;
 pub mod diff;
 pub mod engines;
 pub mod filter;
+pub mod findings;
 pub mod flame;
 pub mod fleet;
 pub mod folded;

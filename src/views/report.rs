@@ -115,6 +115,10 @@ pub struct Report {
     pub duration_s: f64,
     /// The file ended inside a record (recorder killed); everything before the cut is counted.
     pub truncated: bool,
+    /// What costs the selected processes their time, highest score first
+    /// ([`super::findings`]); empty when nothing passes its kind's thresholds.
+    #[serde(default)]
+    pub findings: Vec<super::findings::Finding>,
     pub processes: Vec<ProcessRow>,
     pub totals: Totals,
     /// Selected threads, most on-CPU time first.
@@ -632,7 +636,7 @@ impl Report {
 
         let m = &rec.meta;
         let function_latency = function_latency(rec, sel, &windows);
-        Report {
+        let mut report = Report {
             schema: SCHEMA.to_string(),
             tool_version: env!("CARGO_PKG_VERSION").to_string(),
             recording: RecordingInfo {
@@ -651,6 +655,7 @@ impl Report {
             selection: sel.description().to_string(),
             duration_s: secs(rec.duration_ns()),
             truncated: rec.truncated,
+            findings: Vec::new(),
             processes: sel
                 .pids()
                 .into_iter()
@@ -693,7 +698,10 @@ impl Report {
             throughput_drops: tl.throughput_drops,
             api_server_stalls: api_server_stalls(rec, sel, opts.stall_ns),
             flamegraphs: opts.flame_links.clone(),
-        }
+        };
+        // From the tables above, so that a finding's figures are the tables' figures.
+        report.findings = super::findings::findings(rec, sel, &report);
+        report
     }
 
     /// The same content as Markdown: a thread table, then the top functions of each thread.
@@ -774,6 +782,7 @@ impl Report {
             );
         }
 
+        self.findings_markdown(&mut s);
         self.links_markdown(&mut s);
         self.engines_markdown(&mut s);
 

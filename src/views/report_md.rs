@@ -46,6 +46,41 @@ fn href(path: &str) -> String {
 }
 
 impl Report {
+    /// The findings, first in the report: each a numbered verdict with its score and a link
+    /// to the section that proves it.
+    pub(super) fn findings_markdown(&self, s: &mut String) {
+        let _ = writeln!(s, "\n## Findings\n");
+        if self.findings.is_empty() {
+            let _ = writeln!(
+                s,
+                "None passed its thresholds: no thread waited for the GIL {:.0}% of the recording \
+                 or more, no process collected garbage {:.0}% of it or more, no thread spent {:.0}% \
+                 of its CPU or more serializing or spun on a core polling, no probed function grew \
+                 with running requests, and no event-loop stall or fleet situation was seen.",
+                super::findings::GIL_MIN_SHARE * 100.0,
+                super::findings::GC_MIN_SHARE * 100.0,
+                super::findings::SERIAL_MIN_SHARE * 100.0
+            );
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "Ranked by the share of the affected thread's or process's time each explains (all in the JSON, `findings`).\n"
+        );
+        for (i, f) in self.findings.iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "{}. **{}** ({:.1}%): {} ([{}](#{}))",
+                i + 1,
+                f.kind,
+                f.score * 100.0,
+                md(&f.verdict),
+                md(&f.see),
+                super::findings::anchor(&f.see)
+            );
+        }
+    }
+
     pub(super) fn links_markdown(&self, s: &mut String) {
         if self.flamegraphs.is_empty() {
             return;

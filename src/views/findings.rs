@@ -1,0 +1,1033 @@
+//! Findings: what costs the recorded processes their time, ranked, each with the figures that
+//! prove it and where in the report to look (issue 23).
+//!
+//! Every finding is computed from the report's own tables (which come from
+//! [`crate::accounting`]) and the recording's events, so its figures are the tables' figures.
+//! Its `score` is the share of the affected thread's (or process's) wall time that it
+//! explains, 0..1; findings are ranked by it. A finding is made only where its evidence holds:
+//! a share above its kind's threshold *and* enough events behind it (waits, pauses, samples)
+//! that the share is not one sample's or one pause's accident. No finding is better than a
+//! wrong one.
+//!
+//! Kinds:
+//! - `gil_contention`: a thread waits for the GIL [`GIL_MIN_SHARE`] or more of the recording,
+//!   over at least [`GIL_MIN_WAITS`] waits; names the thread that held it most when the waits
+//!   began and what that thread ran, and, for each probed function on the waiting thread, how
+//!   much of its calls' time was GIL wait.
+//! - `gc_pressure`: a process's collections take [`GC_MIN_SHARE`] or more of the recording,
+//!   over at least [`GC_MIN_PAUSES`] pauses; by generation (count, mean and max pause), the
+//!   thread that collected most, and the function the collections interrupted most (the
+//!   innermost Python frame of the samples taken during them).
+//! - `serialization`: pickle/JSON/msgpack encoding or decoding
+//!   ([`super::stalls::is_serialization_frame`]) takes [`SERIAL_MIN_SHARE`] or more of a
+//!   thread's CPU over at least [`SERIAL_MIN_SAMPLES`] samples; named after the Python function
+//!   that calls it (the caller of the outermost serializing frame), with the time per call where
+//!   that function is probed.
+//! - `busy_spin`: a thread on CPU [`SPIN_MIN_CPU_SHARE`] or more of the recording, at least
+//!   [`SPIN_MIN_POLL_SHARE`] of that in a polling loop (a function named like
+//!   `acquire_read`, `sched_yield`, `spin`, `busy_wait`, `poll`): a core burnt waiting.
+//! - `per_request_growth`: a probed function's median latency per window grows with its
+//!   engine's running requests (least squares over at least [`GROWTH_MIN_WINDOWS`] windows,
+//!   correlation at least [`GROWTH_MIN_R`], a rise over the range seen of at least
+//!   [`GROWTH_MIN_RISE`] of its mean): the slope in ms per running request, scored by the
+//!   share of the thread's time the per-request part takes (calls/s × slope × mean running).
+//! - `event_loop_stall`: the API-server stall detector's stalls (`views::stalls`), their total
+//!   over the recording.
+//! - the fleet's situations (`views::fleet`: `kv_memory_wall`, `queue_while_others_idle`,
+//!   `ttft_outlier`), scored by the share of the recording they lasted.
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::report::Report;
+use super::stalls::is_serialization_frame;
+use super::Selection;
+use crate::record::{flags, Recording};
+
+/// A thread waiting for the GIL this share of the recording or more.
+pub const GIL_MIN_SHARE: f64 = 0.05;
+/// ...over at least this many waits.
+pub const GIL_MIN_WAITS: u64 = 10;
+/// A process collecting garbage this share of the recording or more.
+pub const GC_MIN_SHARE: f64 = 0.02;
+/// ...over at least this many pauses.
+pub const GC_MIN_PAUSES: u64 = 3;
+/// Serialization this share of a thread's CPU or more.
+pub const SERIAL_MIN_SHARE: f64 = 0.05;
+/// ...over at least this many samples.
+pub const SERIAL_MIN_SAMPLES: u64 = 10;
+/// A thread on CPU this share of the recording or more...
+pub const SPIN_MIN_CPU_SHARE: f64 = 0.5;
+/// ...this share of it in a polling loop or more...
+pub const SPIN_MIN_POLL_SHARE: f64 = 0.5;
+/// ...over at least this many samples.
+pub const SPIN_MIN_SAMPLES: u64 = 20;
+/// Findings listed first in Markdown and on `top`'s line.
+pub const TOP: usize = 5;
+
+/// A probe's per-window median latency regressed on its engine's running requests: at least
+/// this many windows with both (and [`GROWTH_MIN_CALLS`] calls each)...
+pub const GROWTH_MIN_WINDOWS: usize = 6;
+pub const GROWTH_MIN_CALLS: u64 = 3;
+/// ...a correlation of at least this...
+pub const GROWTH_MIN_R: f64 = 0.7;
+/// ...and growth over the running range of at least this share of the mean latency.
+pub const GROWTH_MIN_RISE: f64 = 0.2;
+
+/// Function names (last part of the qualified name, or a part of it) that poll.
+const POLLING: &[&str] = &[
+    "acquire_read",
+    "acquire_write",
+    "sched_yield",
+    "spin",
+    "busy_wait",
+    "poll",
+];
+
+/// One finding.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Finding {
+    /// `gil_contention`, `gc_pressure`, `serialization`, `busy_spin`, `per_request_growth`,
+    /// `event_loop_stall`, or a fleet situation's kind.
+    pub kind: String,
+    /// Share of the affected thread's or process's wall time it explains, 0..1.
+    pub score: f64,
+    /// The affected process (0 for a fleet situation without one).
+    pub pid: i32,
+    /// The affected thread, where the finding is about one.
+    pub tid: Option<i32>,
+    pub thread: String,
+    /// The function it is about (the holder's, the serializing caller's, the polling one's).
+    pub function: String,
+    /// One line: what is wrong, with its main figures.
+    pub verdict: String,
+    /// The figures used, by name.
+    pub evidence: BTreeMap<String, Value>,
+    /// The report's section that proves it (its Markdown heading).
+    pub see: String,
+}
+
+/// Every finding of a report, highest score first.
+pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let dur_ns = rec.duration_ns().max(1);
+    gil_contention(rec, sel, r, dur_ns, &mut out);
+    gc_pressure(rec, sel, r, dur_ns, &mut out);
+    serialization(rec, sel, r, &mut out);
+    busy_spin(rec, sel, r, &mut out);
+    per_request_growth(rec, r, &mut out);
+    for s in &r.api_server_stalls.servers {
+        let stalled_s = s.stalled_s;
+        if s.stalls == 0 || r.duration_s <= 0.0 {
+            continue;
+        }
+        out.push(Finding {
+            kind: "event_loop_stall".into(),
+            score: (stalled_s / r.duration_s).min(1.0),
+            pid: s.pid,
+            tid: Some(s.pid),
+            thread: rec.thread_name(s.pid, s.pid).to_string(),
+            function: String::new(),
+            verdict: format!(
+                "the API server's event loop (pid {}) stalled {} times for {:.3} s in all ({:.1}% of the recording), the longest {:.1} ms",
+                s.pid,
+                s.stalls,
+                stalled_s,
+                stalled_s / r.duration_s * 100.0,
+                s.longest_ms
+            ),
+            evidence: [
+                ("stalls".to_string(), json!(s.stalls)),
+                ("stalled_s".to_string(), json!(stalled_s)),
+                ("longest_ms".to_string(), json!(s.longest_ms)),
+            ]
+            .into_iter()
+            .collect(),
+            see: "API-server stalls".into(),
+        });
+    }
+    for f in &r.fleet_findings {
+        let lasted = (f.end_s - f.start_s).max(0.0);
+        out.push(Finding {
+            kind: f.kind.clone(),
+            score: if r.duration_s > 0.0 {
+                (lasted / r.duration_s).min(1.0)
+            } else {
+                0.0
+            },
+            pid: 0,
+            tid: None,
+            thread: String::new(),
+            function: String::new(),
+            verdict: format!("{}: {}", f.engine, f.detail),
+            evidence: [
+                ("engine".to_string(), json!(f.engine)),
+                ("start_s".to_string(), json!(f.start_s)),
+                ("end_s".to_string(), json!(f.end_s)),
+            ]
+            .into_iter()
+            .collect(),
+            see: "Fleet findings".into(),
+        });
+    }
+    out.sort_by(|a, b| {
+        b.score
+            .total_cmp(&a.score)
+            .then(a.kind.cmp(&b.kind))
+            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+    });
+    out
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// For each exact probe with calls on (pid, tid): (probe's function, calls, mean call ms, mean
+/// GIL wait inside a call ms). The thread's waits do not overlap one another.
+fn gil_in_calls(
+    rec: &Recording,
+    sel: &Selection,
+    pid: i32,
+    tid: i32,
+) -> Vec<(String, u64, f64, f64)> {
+    let mut waits: Vec<(u64, u64)> = sel
+        .gil_waits(rec)
+        .filter(|g| g.pid == pid && g.tid == tid && !g.switch_wait)
+        .map(|g| (g.start_ns, g.start_ns.saturating_add(g.dur_ns)))
+        .collect();
+    waits.sort_unstable();
+    let mut by_probe: BTreeMap<u32, (u64, u64, u64)> = BTreeMap::new();
+    // Exact probes only: a sampled probe's calls are stitched from samples, lower bounds
+    // whose edges are a sampling period off.
+    let exact = |p: u32| {
+        rec.probes
+            .iter()
+            .rev()
+            .find(|q| q.id == p)
+            .is_some_and(|q| q.method == "exact")
+    };
+    for c in sel
+        .calls(rec)
+        .filter(|c| c.pid == pid && c.tid == tid && exact(c.probe))
+    {
+        let (a, b) = (c.start_ns, c.start_ns.saturating_add(c.dur_ns));
+        // The first wait that ends after the call begins.
+        let mut i = waits.partition_point(|w| w.1 <= a);
+        let mut inside = 0u64;
+        while let Some(&(ws, we)) = waits.get(i) {
+            if ws >= b {
+                break;
+            }
+            inside += we.min(b).saturating_sub(ws.max(a));
+            i += 1;
+        }
+        let e = by_probe.entry(c.probe).or_default();
+        e.0 += 1;
+        e.1 += c.dur_ns;
+        e.2 += inside;
+    }
+    by_probe
+        .into_iter()
+        .filter(|(_, (n, _, _))| *n > 0)
+        .map(|(p, (n, total, inside))| {
+            let name = rec
+                .probes
+                .iter()
+                .find(|q| q.id == p)
+                .map_or_else(|| format!("probe {p}"), |q| q.function.clone());
+            (
+                name,
+                n,
+                total as f64 / n as f64 / 1e6,
+                inside as f64 / n as f64 / 1e6,
+            )
+        })
+        .collect()
+}
+
+fn gil_contention(
+    rec: &Recording,
+    sel: &Selection,
+    r: &Report,
+    dur_ns: u64,
+    out: &mut Vec<Finding>,
+) {
+    let dur_s = dur_ns as f64 / 1e9;
+    for t in &r.threads {
+        let share = t.gil_wait_s / dur_s;
+        if share < GIL_MIN_SHARE || t.gil_waits < GIL_MIN_WAITS {
+            continue;
+        }
+        // The holder that made it wait most (a thread, not the GIL being free or itself).
+        let holder = r
+            .gil_blocking_pairs
+            .iter()
+            .filter(|p| p.waiter_pid == t.pid && p.waiter_tid == t.tid)
+            .filter(|p| p.holder_tid != 0 && p.holder_tid != t.tid)
+            .max_by(|a, b| a.wait_s.total_cmp(&b.wait_s));
+        let mut evidence: BTreeMap<String, Value> = [
+            ("gil_wait_s".to_string(), json!(t.gil_wait_s)),
+            ("waits".to_string(), json!(t.gil_waits)),
+            ("share_of_recording".to_string(), json!(share)),
+        ]
+        .into_iter()
+        .collect();
+        let mut verdict = format!(
+            "{} (tid {}, pid {}) waits for the GIL {} of the recording ({:.3} s, {} waits)",
+            t.name,
+            t.tid,
+            t.pid,
+            pct(share),
+            t.gil_wait_s,
+            t.gil_waits
+        );
+        let mut function = String::new();
+        if let Some(h) = holder {
+            let top = h.holder_top.first();
+            function = top.map(|f| f.function.clone()).unwrap_or_default();
+            verdict.push_str(&format!(
+                ", {} of it behind {} (tid {})",
+                pct(h.share_of_wait),
+                h.holder_name,
+                h.holder_tid
+            ));
+            if let Some(f) = top {
+                verdict.push_str(&format!(" running {} ({:.3} s)", f.function, f.wait_s));
+            }
+            evidence.insert("holder_tid".into(), json!(h.holder_tid));
+            evidence.insert("holder".into(), json!(h.holder_name));
+            evidence.insert("holder_share_of_wait".into(), json!(h.share_of_wait));
+            evidence.insert(
+                "holder_functions".into(),
+                json!(h
+                    .holder_top
+                    .iter()
+                    .map(|f| json!({"function": f.function, "wait_s": f.wait_s}))
+                    .collect::<Vec<_>>()),
+            );
+        }
+        let calls = gil_in_calls(rec, sel, t.pid, t.tid);
+        if let Some((name, n, mean, wait)) = calls
+            .iter()
+            .max_by(|a, b| (a.3 * a.1 as f64).total_cmp(&(b.3 * b.1 as f64)))
+            .filter(|c| c.3 > 0.0)
+        {
+            verdict.push_str(&format!(
+                "; {name}: {mean:.2} ms per call, of which {wait:.2} ms GIL wait ({n} calls)"
+            ));
+        }
+        if !calls.is_empty() {
+            evidence.insert(
+                "probed_calls".into(),
+                json!(calls
+                    .iter()
+                    .map(|(f, n, mean, wait)| json!({"function": f, "calls": n, "mean_ms": mean, "gil_wait_mean_ms": wait}))
+                    .collect::<Vec<_>>()),
+            );
+        }
+        out.push(Finding {
+            kind: "gil_contention".into(),
+            score: share.min(1.0),
+            pid: t.pid,
+            tid: Some(t.tid),
+            thread: t.name.clone(),
+            function,
+            verdict,
+            evidence,
+            see: "Who blocks whom".into(),
+        });
+    }
+}
+
+fn gc_pressure(rec: &Recording, sel: &Selection, r: &Report, dur_ns: u64, out: &mut Vec<Finding>) {
+    // Per process: pauses by generation (count, total, max), by thread.
+    #[derive(Default)]
+    struct Acc {
+        total: u64,
+        n: u64,
+        gens: BTreeMap<i8, (u64, u64, u64)>,
+        threads: HashMap<i32, u64>,
+    }
+    let mut per: BTreeMap<i32, Acc> = BTreeMap::new();
+    for g in sel.gc_pauses(rec) {
+        let a = per.entry(g.pid).or_default();
+        a.total += g.dur_ns;
+        a.n += 1;
+        let e = a.gens.entry(g.generation).or_default();
+        e.0 += 1;
+        e.1 += g.dur_ns;
+        e.2 = e.2.max(g.dur_ns);
+        *a.threads.entry(g.tid).or_default() += g.dur_ns;
+    }
+    for (pid, a) in per {
+        let share = a.total as f64 / dur_ns as f64;
+        if share < GC_MIN_SHARE || a.n < GC_MIN_PAUSES {
+            continue;
+        }
+        // The function the collections interrupted most: the innermost Python frame of the
+        // samples taken during a collection in this process.
+        let mut interrupted: HashMap<&str, u64> = HashMap::new();
+        for s in sel.samples(rec) {
+            if s.pid != pid || s.flags & flags::GC == 0 {
+                continue;
+            }
+            if let Some(f) = rec.stack_frames(s.stack).find(|f| !f.function.is_empty()) {
+                *interrupted.entry(f.function.as_str()).or_default() += u64::from(s.weight_ns);
+            }
+        }
+        let function = interrupted
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))
+            .map(|(f, _)| f.to_string())
+            .unwrap_or_default();
+        let tid = a
+            .threads
+            .iter()
+            .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
+            .map(|(t, _)| *t);
+        let gens: Vec<String> = a
+            .gens
+            .iter()
+            .rev()
+            .map(|(g, (n, total, max))| {
+                let name = if *g < 0 {
+                    "generation unknown".to_string()
+                } else {
+                    format!("gen {g}")
+                };
+                format!(
+                    "{name}: {n} × {:.2} ms (max {:.2})",
+                    *total as f64 / *n as f64 / 1e6,
+                    *max as f64 / 1e6
+                )
+            })
+            .collect();
+        let process = r
+            .processes
+            .iter()
+            .find(|p| p.pid == pid)
+            .map(|p| {
+                if p.role.is_empty() {
+                    p.name.clone()
+                } else {
+                    p.role.clone()
+                }
+            })
+            .unwrap_or_default();
+        let mut verdict = format!(
+            "{process} (pid {pid}) collects garbage {} of the recording ({:.3} s in {} pauses; {})",
+            pct(share),
+            a.total as f64 / 1e9,
+            a.n,
+            gens.join(", ")
+        );
+        if !function.is_empty() {
+            verdict.push_str(&format!("; most often interrupting {function}"));
+        }
+        out.push(Finding {
+            kind: "gc_pressure".into(),
+            score: share.min(1.0),
+            pid,
+            tid,
+            thread: tid.map(|t| rec.thread_name(pid, t).to_string()).unwrap_or_default(),
+            function,
+            verdict,
+            evidence: [
+                ("gc_s".to_string(), json!(a.total as f64 / 1e9)),
+                ("pauses".to_string(), json!(a.n)),
+                ("share_of_recording".to_string(), json!(share)),
+                (
+                    "by_generation".to_string(),
+                    json!(a
+                        .gens
+                        .iter()
+                        .map(|(g, (n, total, max))| (g.to_string(), json!({"pauses": n, "total_s": *total as f64 / 1e9, "max_ms": *max as f64 / 1e6})))
+                        .collect::<BTreeMap<_, _>>()),
+                ),
+            ]
+            .into_iter()
+            .collect(),
+            see: "GC".into(),
+        });
+    }
+}
+
+fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
+    // Per thread: serializing time by the Python function that calls it.
+    // (pid, tid) -> (serializing ns, samples, ns by calling function).
+    type Serializing = (u64, u64, HashMap<String, u64>);
+    let mut per: BTreeMap<(i32, i32), Serializing> = BTreeMap::new();
+    for s in sel.samples(rec) {
+        let frames: Vec<_> = rec.stack_frames(s.stack).collect();
+        // Innermost first: the outermost serializing frame, then its caller.
+        let Some(outer) = frames.iter().rposition(|f| is_serialization_frame(f)) else {
+            continue;
+        };
+        let caller = frames
+            .get(outer + 1)
+            .map_or_else(|| frames[outer].function.clone(), |f| f.function.clone());
+        let e = per.entry((s.pid, s.tid)).or_default();
+        e.0 += u64::from(s.weight_ns);
+        e.1 += 1;
+        *e.2.entry(caller).or_default() += u64::from(s.weight_ns);
+    }
+    for ((pid, tid), (ns, n, callers)) in per {
+        let Some(t) = r.threads.iter().find(|t| t.pid == pid && t.tid == tid) else {
+            continue;
+        };
+        let share = if t.cpu_s > 0.0 {
+            ns as f64 / 1e9 / t.cpu_s
+        } else {
+            0.0
+        };
+        if share < SERIAL_MIN_SHARE || n < SERIAL_MIN_SAMPLES {
+            continue;
+        }
+        let (caller, caller_ns) = callers
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))
+            .map(|(c, v)| (c.clone(), *v))
+            .unwrap_or_default();
+        let per_s = ns as f64 / 1e9 / r.duration_s.max(1e-9);
+        let mut verdict = format!(
+            "{} (tid {tid}, pid {pid}) spends {} of its CPU ({:.3} s, {:.1} ms per s) serializing, most under {caller}",
+            t.name,
+            pct(share),
+            ns as f64 / 1e9,
+            per_s * 1e3,
+        );
+        let mut evidence: BTreeMap<String, Value> = [
+            ("serialization_s".to_string(), json!(ns as f64 / 1e9)),
+            ("samples".to_string(), json!(n)),
+            ("share_of_cpu".to_string(), json!(share)),
+            ("caller".to_string(), json!(caller)),
+            ("caller_s".to_string(), json!(caller_ns as f64 / 1e9)),
+        ]
+        .into_iter()
+        .collect();
+        // Per call where the caller is probed on this thread (exact counts only).
+        if let Some(l) = r.function_latency.iter().find(|l| {
+            l.pid == pid && l.tid == tid && l.function == caller && l.method.starts_with("exact")
+        }) {
+            if l.calls > 0 {
+                let per_call = caller_ns as f64 / 1e6 / l.calls as f64;
+                verdict.push_str(&format!(
+                    " ({per_call:.3} ms per call of {} calls)",
+                    l.calls
+                ));
+                evidence.insert("per_call_ms".into(), json!(per_call));
+                evidence.insert("calls".into(), json!(l.calls));
+            }
+        }
+        out.push(Finding {
+            kind: "serialization".into(),
+            score: (ns as f64 / 1e9 / r.duration_s.max(1e-9)).min(1.0),
+            pid,
+            tid: Some(tid),
+            thread: t.name.clone(),
+            function: caller,
+            verdict,
+            evidence,
+            see: format!("Top functions: {} (tid {tid}, pid {pid})", t.name),
+        });
+    }
+}
+
+fn is_polling(function: &str) -> bool {
+    let last = function.rsplit('.').next().unwrap_or(function);
+    POLLING.iter().any(|p| last.contains(p))
+}
+
+fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
+    if r.duration_s <= 0.0 {
+        return;
+    }
+    // (pid, tid) -> (samples, polling ns by function).
+    type Polling<'r> = (u64, HashMap<&'r str, u64>);
+    let mut per: BTreeMap<(i32, i32), Polling> = BTreeMap::new();
+    for s in sel.samples(rec) {
+        let e = per.entry((s.pid, s.tid)).or_default();
+        e.0 += 1;
+        if let Some(f) = rec.stack_frames(s.stack).find(|f| is_polling(&f.function)) {
+            *e.1.entry(f.function.as_str()).or_default() += u64::from(s.weight_ns);
+        }
+    }
+    for t in &r.threads {
+        let cpu_share = t.cpu_s / r.duration_s;
+        let Some((n, polls)) = per.get(&(t.pid, t.tid)) else {
+            continue;
+        };
+        let poll_ns: u64 = polls.values().sum();
+        let poll_share = if t.cpu_s > 0.0 {
+            poll_ns as f64 / 1e9 / t.cpu_s
+        } else {
+            0.0
+        };
+        if cpu_share < SPIN_MIN_CPU_SHARE
+            || poll_share < SPIN_MIN_POLL_SHARE
+            || *n < SPIN_MIN_SAMPLES
+        {
+            continue;
+        }
+        let function = polls
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(a.0)))
+            .map(|(f, _)| f.to_string())
+            .unwrap_or_default();
+        let burnt = poll_ns as f64 / 1e9 / r.duration_s;
+        out.push(Finding {
+            kind: "busy_spin".into(),
+            score: burnt.min(1.0),
+            pid: t.pid,
+            tid: Some(t.tid),
+            thread: t.name.clone(),
+            function: function.clone(),
+            verdict: format!(
+                "{} (tid {}, pid {}) is on CPU {} of the recording, {} of it polling in {function}: {:.2} of a core spent waiting",
+                t.name,
+                t.tid,
+                t.pid,
+                pct(cpu_share),
+                pct(poll_share),
+                burnt
+            ),
+            evidence: [
+                ("cpu_share".to_string(), json!(cpu_share)),
+                ("polling_share_of_cpu".to_string(), json!(poll_share)),
+                ("cores_polling".to_string(), json!(burnt)),
+            ]
+            .into_iter()
+            .collect(),
+            see: format!("Top functions: {} (tid {}, pid {})", t.name, t.tid, t.pid),
+        });
+    }
+}
+
+/// GitHub's anchor of a Markdown heading: lower case, letters, digits, `-` and `_` kept,
+/// spaces turned into `-`, everything else dropped.
+pub fn anchor(heading: &str) -> String {
+    heading
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Least squares of y on x: (slope, intercept, correlation); None when x or y is constant.
+fn fit(points: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
+    let n = points.len() as f64;
+    if points.len() < 2 {
+        return None;
+    }
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let syy: f64 = points.iter().map(|p| (p.1 - my).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    if sxx <= 0.0 || syy <= 0.0 {
+        return None;
+    }
+    let slope = sxy / sxx;
+    Some((slope, my - slope * mx, sxy / (sxx * syy).sqrt()))
+}
+
+fn per_request_growth(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
+    // Probe key (`pid:spec`) -> the engine holding that pid.
+    let engine_of = |pid: i32| {
+        rec.engines
+            .iter()
+            .rev()
+            .find(|e| e.pids().contains(&pid))
+            .map(|e| e.id.clone())
+    };
+    let mut keys: Vec<&str> = r
+        .windows
+        .iter()
+        .flat_map(|w| w.probes.iter().map(|p| p.probe.as_str()))
+        .collect();
+    keys.sort_unstable();
+    keys.dedup();
+    for key in keys {
+        let Some(pid) = key.split(':').next().and_then(|p| p.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Some(engine) = engine_of(pid) else {
+            continue;
+        };
+        let mut points = Vec::new();
+        let mut calls_per_s = 0.0;
+        for w in &r.windows {
+            let Some(p) = w.probes.iter().find(|p| p.probe == key) else {
+                continue;
+            };
+            let running = w
+                .engines
+                .iter()
+                .find(|e| e.id == engine)
+                .and_then(|e| e.running);
+            if let (Some(p50), Some(run), true) = (p.p50_ms, running, p.calls >= GROWTH_MIN_CALLS) {
+                points.push((run, p50));
+                calls_per_s += p.calls_per_s;
+            }
+        }
+        if points.len() < GROWTH_MIN_WINDOWS {
+            continue;
+        }
+        calls_per_s /= points.len() as f64;
+        let Some((slope, intercept, corr)) = fit(&points) else {
+            continue;
+        };
+        let lo = points.iter().map(|p| p.0).fold(f64::INFINITY, f64::min);
+        let hi = points.iter().map(|p| p.0).fold(f64::NEG_INFINITY, f64::max);
+        let mean_y = points.iter().map(|p| p.1).sum::<f64>() / points.len() as f64;
+        let mean_x = points.iter().map(|p| p.0).sum::<f64>() / points.len() as f64;
+        let rise = slope * (hi - lo);
+        if slope <= 0.0 || corr < GROWTH_MIN_R || mean_y <= 0.0 || rise < GROWTH_MIN_RISE * mean_y {
+            continue;
+        }
+        let spec = key.split_once(':').map_or(key, |(_, s)| s);
+        let function = rec
+            .probes
+            .iter()
+            .find(|p| p.pid == pid && p.spec == spec)
+            .map_or_else(|| spec.to_string(), |p| p.function.clone());
+        let score = (calls_per_s * slope * mean_x / 1e3).clamp(0.0, 1.0);
+        out.push(Finding {
+            kind: "per_request_growth".into(),
+            score,
+            pid,
+            tid: None,
+            thread: String::new(),
+            function: function.clone(),
+            verdict: format!(
+                "{function} (pid {pid}) takes {:.3} ms more per running request of {engine} (r {corr:.2} over {} windows, {lo:.0}-{hi:.0} running): {:.2} ms at {lo:.0}, {:.2} ms at {hi:.0}",
+                slope,
+                points.len(),
+                intercept + slope * lo,
+                intercept + slope * hi
+            ),
+            evidence: [
+                ("slope_ms_per_request".to_string(), json!(slope)),
+                ("intercept_ms".to_string(), json!(intercept)),
+                ("r".to_string(), json!(corr)),
+                ("windows".to_string(), json!(points.len())),
+                ("running_min".to_string(), json!(lo)),
+                ("running_max".to_string(), json!(hi)),
+                ("calls_per_s".to_string(), json!(calls_per_s)),
+            ]
+            .into_iter()
+            .collect(),
+            see: "Per-window timeline".into(),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{
+        EndInfo, Frame, FunctionCall, GcPause, GilWait, ProbeInfo, Sample, ThreadInfo,
+    };
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000_000_000;
+
+    fn frame(function: &str, file: &str) -> Frame {
+        Frame {
+            function: function.into(),
+            file: file.into(),
+            line: Some(1),
+        }
+    }
+
+    /// A 10 s recording of pid 1 with threads 1 (main) and 2 (writer); frames: 0 main,
+    /// 1 Writer.evict, 2 Worker.execute_model, 3 pickle dumps, 4 MessageQueue.enqueue,
+    /// 5 MessageQueue.acquire_read, 6 step; stacks: 0 [evict], 1 [execute_model, main],
+    /// 2 [dumps, enqueue, main], 3 [acquire_read, main], 4 [step, main].
+    fn base() -> Recording {
+        Recording {
+            frames: vec![
+                frame("main", "m.py"),
+                frame("Writer.evict", "w.py"),
+                frame("Worker.execute_model", "w.py"),
+                frame("dumps", "/usr/lib/python3.12/pickle.py"),
+                frame("MessageQueue.enqueue", "shm.py"),
+                frame("MessageQueue.acquire_read", "shm.py"),
+                frame("step", "m.py"),
+            ],
+            stacks: vec![vec![1], vec![2, 0], vec![3, 4, 0], vec![5, 0], vec![6, 0]],
+            threads: vec![
+                ThreadInfo {
+                    pid: 1,
+                    tid: 1,
+                    name: "main".into(),
+                    ..ThreadInfo::default()
+                },
+                ThreadInfo {
+                    pid: 1,
+                    tid: 2,
+                    name: "writer".into(),
+                    ..ThreadInfo::default()
+                },
+            ],
+            end: Some(EndInfo {
+                duration_ns: 10 * S,
+                reason: "duration".into(),
+            }),
+            ..Recording::default()
+        }
+    }
+
+    /// `n` samples of 10 ms on (1, tid) with `stack`, from `from` on.
+    fn samples(rec: &mut Recording, tid: i32, stack: u32, n: u64, from: u64, flags: u8) {
+        for i in 0..n {
+            rec.samples.push(Sample {
+                t_ns: from + i * 10 * MS,
+                pid: 1,
+                tid,
+                stack,
+                flags,
+                weight_ns: 10_000_000,
+            });
+        }
+    }
+
+    fn run(rec: &Recording) -> Vec<Finding> {
+        Report::build(rec, &Selection::all(rec)).findings
+    }
+
+    /// The main thread waits `n` times `wait` ms for the GIL held by the writer in `evict`,
+    /// inside calls of an exactly probed `execute_model` of 20 ms each.
+    fn gil_fight(n: u64, wait: u64) -> Recording {
+        let mut rec = base();
+        rec.probes.push(ProbeInfo {
+            id: 0,
+            spec: "Worker.execute_model".into(),
+            pid: 1,
+            function: "Worker.execute_model".into(),
+            file: "w.py".into(),
+            method: "exact".into(),
+            ..ProbeInfo::default()
+        });
+        for i in 0..n {
+            let start = i * 50 * MS;
+            rec.calls.push(FunctionCall {
+                probe: 0,
+                pid: 1,
+                tid: 1,
+                start_ns: start,
+                dur_ns: 20 * MS,
+            });
+            rec.gil_waits.push(GilWait {
+                pid: 1,
+                tid: 1,
+                start_ns: start + 5 * MS,
+                dur_ns: wait * MS,
+                holder_tid: 2,
+                holder_stack: 0,
+                waiter_stack: 1,
+                switch_wait: false,
+            });
+        }
+        samples(&mut rec, 2, 0, 100, 0, flags::GIL);
+        samples(&mut rec, 1, 1, 100, 0, flags::GIL);
+        rec
+    }
+
+    #[test]
+    fn gil_contention_names_the_holder_its_function_and_the_wait_inside_probed_calls() {
+        // 100 waits of 10 ms: 1 s of 10 s.
+        let f = run(&gil_fight(100, 10));
+        let g = f
+            .iter()
+            .find(|f| f.kind == "gil_contention")
+            .expect("a finding");
+        assert_eq!((g.pid, g.tid), (1, Some(1)));
+        assert!((g.score - 0.1).abs() < 1e-9, "{}", g.score);
+        assert_eq!(g.function, "Writer.evict");
+        assert_eq!(g.evidence["holder_tid"], json!(2));
+        let calls = &g.evidence["probed_calls"][0];
+        assert_eq!(calls["calls"], json!(100));
+        assert!((calls["mean_ms"].as_f64().unwrap() - 20.0).abs() < 1e-9);
+        assert!((calls["gil_wait_mean_ms"].as_f64().unwrap() - 10.0).abs() < 1e-9);
+        assert!(
+            g.verdict
+                .contains("20.00 ms per call, of which 10.00 ms GIL wait"),
+            "{}",
+            g.verdict
+        );
+        // A wait that runs past the call counts only inside it.
+        let f = run(&gil_fight(100, 30));
+        let g = f.iter().find(|f| f.kind == "gil_contention").unwrap();
+        let calls = &g.evidence["probed_calls"][0];
+        assert!((calls["gil_wait_mean_ms"].as_f64().unwrap() - 15.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn gil_contention_below_its_thresholds_is_no_finding() {
+        // 40 ms of waiting: 0.4% of the recording.
+        assert!(run(&gil_fight(4, 10))
+            .iter()
+            .all(|f| f.kind != "gil_contention"));
+        // 6% of the recording, but in 5 waits (below GIL_MIN_WAITS).
+        assert!(run(&gil_fight(5, 120))
+            .iter()
+            .all(|f| f.kind != "gil_contention"));
+        // 6% over 12 waits: a finding.
+        assert!(run(&gil_fight(12, 50))
+            .iter()
+            .any(|f| f.kind == "gil_contention"));
+    }
+
+    fn gc_storm(pauses: u64, each_ms: u64) -> Recording {
+        let mut rec = base();
+        for i in 0..pauses {
+            rec.gc_pauses.push(GcPause {
+                pid: 1,
+                tid: 1,
+                start_ns: i * 20 * MS,
+                dur_ns: each_ms * MS,
+                generation: if i % 10 == 9 { 2 } else { 0 },
+                collected: 10,
+            });
+        }
+        // Samples during collections interrupt `step`; others run `main`'s execute_model.
+        samples(&mut rec, 1, 4, 30, 0, flags::GC);
+        samples(&mut rec, 1, 1, 10, 5 * S, 0);
+        rec
+    }
+
+    #[test]
+    fn gc_pressure_by_generation_with_the_function_interrupted() {
+        // 300 pauses of 2 ms: 0.6 s of 10 s.
+        let f = run(&gc_storm(300, 2));
+        let g = f
+            .iter()
+            .find(|f| f.kind == "gc_pressure")
+            .expect("a finding");
+        assert!((g.score - 0.06).abs() < 1e-9, "{}", g.score);
+        assert_eq!(g.pid, 1);
+        assert_eq!(g.function, "step");
+        assert_eq!(g.evidence["pauses"], json!(300));
+        assert_eq!(g.evidence["by_generation"]["2"]["pauses"], json!(30));
+        assert_eq!(g.evidence["by_generation"]["0"]["pauses"], json!(270));
+        assert!(g.verdict.contains("gen 2: 30 × 2.00 ms"), "{}", g.verdict);
+        // 1% of the recording: none.
+        assert!(run(&gc_storm(50, 2))
+            .iter()
+            .all(|f| f.kind != "gc_pressure"));
+        // 3% in two pauses (below GC_MIN_PAUSES): none.
+        assert!(run(&gc_storm(2, 150))
+            .iter()
+            .all(|f| f.kind != "gc_pressure"));
+    }
+
+    #[test]
+    fn serialization_is_named_after_its_caller_with_the_time_per_probed_call() {
+        let mut rec = base();
+        rec.probes.push(ProbeInfo {
+            id: 0,
+            spec: "MessageQueue.enqueue".into(),
+            pid: 1,
+            function: "MessageQueue.enqueue".into(),
+            file: "shm.py".into(),
+            method: "exact".into(),
+            ..ProbeInfo::default()
+        });
+        for i in 0..50 {
+            rec.calls.push(FunctionCall {
+                probe: 0,
+                pid: 1,
+                tid: 1,
+                start_ns: i * 100 * MS,
+                dur_ns: 5 * MS,
+            });
+        }
+        // 20 samples (0.2 s) pickling under enqueue, 80 elsewhere: 20% of the thread's CPU.
+        samples(&mut rec, 1, 2, 20, 0, 0);
+        samples(&mut rec, 1, 4, 80, 3 * S, 0);
+        let f = run(&rec);
+        let g = f
+            .iter()
+            .find(|f| f.kind == "serialization")
+            .expect("a finding");
+        assert_eq!(g.function, "MessageQueue.enqueue");
+        assert!((g.evidence["share_of_cpu"].as_f64().unwrap() - 0.2).abs() < 1e-9);
+        assert!((g.evidence["per_call_ms"].as_f64().unwrap() - 4.0).abs() < 1e-9);
+        assert!((g.score - 0.02).abs() < 1e-9, "{}", g.score);
+        // 3 samples of 100: below both thresholds.
+        let mut rec = base();
+        samples(&mut rec, 1, 2, 3, 0, 0);
+        samples(&mut rec, 1, 4, 97, 3 * S, 0);
+        assert!(run(&rec).iter().all(|f| f.kind != "serialization"));
+    }
+
+    #[test]
+    fn busy_spin_needs_a_core_mostly_polling() {
+        let mut rec = base();
+        // 8 s on CPU, 7 of it in acquire_read.
+        samples(&mut rec, 1, 3, 700, 0, 0);
+        samples(&mut rec, 1, 4, 100, 7 * S, 0);
+        let f = run(&rec);
+        let g = f.iter().find(|f| f.kind == "busy_spin").expect("a finding");
+        assert_eq!(g.function, "MessageQueue.acquire_read");
+        assert!((g.score - 0.7).abs() < 1e-9, "{}", g.score);
+        // The same thread on CPU 3 s of 10: not a spinning core.
+        let mut rec = base();
+        samples(&mut rec, 1, 3, 300, 0, 0);
+        assert!(run(&rec).iter().all(|f| f.kind != "busy_spin"));
+        // On CPU 8 s, polling 2 of them: no.
+        let mut rec = base();
+        samples(&mut rec, 1, 3, 200, 0, 0);
+        samples(&mut rec, 1, 4, 600, 2 * S, 0);
+        assert!(run(&rec).iter().all(|f| f.kind != "busy_spin"));
+    }
+
+    #[test]
+    fn a_quiet_recording_has_no_finding_and_findings_rank_by_score() {
+        let mut rec = base();
+        samples(&mut rec, 1, 4, 100, 0, 0);
+        samples(&mut rec, 2, 0, 100, 0, 0);
+        assert!(run(&rec).is_empty());
+        // GIL 10% and GC 6%: GIL first.
+        let mut rec = gil_fight(100, 10);
+        for i in 0..300 {
+            rec.gc_pauses.push(GcPause {
+                pid: 1,
+                tid: 2,
+                start_ns: i * 20 * MS,
+                dur_ns: 2 * MS,
+                generation: 0,
+                collected: 1,
+            });
+        }
+        let found = run(&rec);
+        let kinds: Vec<&str> = found.iter().map(|f| f.kind.as_str()).collect();
+        assert_eq!(kinds, ["gil_contention", "gc_pressure"]);
+    }
+
+    #[test]
+    fn fit_recovers_a_line_and_refuses_a_constant() {
+        let pts: Vec<(f64, f64)> = (0..10).map(|i| (i as f64, 2.0 + 0.5 * i as f64)).collect();
+        let (slope, intercept, r) = fit(&pts).unwrap();
+        assert!((slope - 0.5).abs() < 1e-12 && (intercept - 2.0).abs() < 1e-12);
+        assert!((r - 1.0).abs() < 1e-12);
+        assert!(fit(&[(1.0, 2.0), (1.0, 3.0)]).is_none());
+    }
+
+    #[test]
+    fn anchors_follow_githubs_rule() {
+        assert_eq!(anchor("Who blocks whom"), "who-blocks-whom");
+        assert_eq!(
+            anchor("Top functions: VLLM::Worker (tid 7, pid 7)"),
+            "top-functions-vllmworker-tid-7-pid-7"
+        );
+    }
+}
