@@ -306,6 +306,26 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
     }
     write_views(&rec_path, &out)?;
     let rec = crate::record::read_recording(&rec_path)?;
+    let report =
+        crate::views::report::Report::build(&rec, &crate::views::filter::Selection::all(&rec));
+    println!("\n== findings (report.md, from any recording; ranked by the share of time each explains)\n");
+    if report.findings.is_empty() {
+        println!("   none");
+    }
+    for (i, f) in report
+        .findings
+        .iter()
+        .take(crate::views::findings::TOP)
+        .enumerate()
+    {
+        println!(
+            "{}. [{}, {:.1}%] {}",
+            i + 1,
+            f.kind,
+            f.score * 100.0,
+            f.verdict
+        );
+    }
     print!("{}", findings(&rec, &truth)?);
     if opts.fixed {
         let slow = opts.baseline.clone().unwrap_or_else(|| {
@@ -329,6 +349,21 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
                 out.join("diff.md").display(),
                 out.join("diff-flame.svg").display()
             );
+            let before = crate::record::read_recording(&slow)?;
+            for f in crate::views::diff::finding_deltas(&before, &rec) {
+                if f.status == "unchanged" {
+                    continue;
+                }
+                println!(
+                    "   {:<9} {} {}/{}: {:.1}% -> {:.1}%",
+                    f.status,
+                    f.kind,
+                    f.process,
+                    f.thread,
+                    f.score_pct.a.unwrap_or(0.0),
+                    f.score_pct.b.unwrap_or(0.0)
+                );
+            }
         } else {
             println!("\n(run `enginescope demo` first, then `enginescope demo --fixed` again, to get the diff)");
         }

@@ -427,6 +427,41 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
     }
     check_slow(&rec, &slow.join("truth"));
     check_pickling(&rec, &slow);
+    // Issue 23: the general findings (report.json) name the seed's GIL fight first and the
+    // EngineCore's GC with its share of the engine's own wall time.
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(slow.join("report.json")).unwrap()).unwrap();
+    let found = report["findings"]
+        .as_array()
+        .expect("findings[] in report.json");
+    let (core, worker) = (
+        truth(&slow.join("truth"), "engine_core"),
+        truth(&slow.join("truth"), "worker"),
+    );
+    let first = &found[0];
+    assert_eq!(first["kind"], "gil_contention", "{found:#?}");
+    assert_eq!(first["pid"], worker["pid"], "{first:#}");
+    assert_eq!(first["tid"], worker["pid"], "{first:#}");
+    assert!(
+        first["function"]
+            .as_str()
+            .is_some_and(|f| f.ends_with("_evict_to_fit")),
+        "{first:#}"
+    );
+    let gc = found
+        .iter()
+        .find(|f| f["kind"] == "gc_pressure" && f["pid"] == core["pid"])
+        .unwrap_or_else(|| panic!("a GC finding for the EngineCore: {found:#?}"));
+    // The finding's share is of the recording, the truth's of the engine's window inside it;
+    // the engine serves its load at the same pace before, during and after its window, so
+    // the two shares are of the same steady state.
+    let got = gc["score"].as_f64().unwrap();
+    let want = core["gc"]["share_of_wall"].as_f64().unwrap();
+    eprintln!("GC finding {got:.4} of the recording; truth {want:.4} of the engine's window");
+    assert!(
+        (got - want).abs() <= 0.1 * want,
+        "GC finding {got:.4} of the recording, truth {want:.4} of the engine's window"
+    );
     for f in [
         "report.md",
         "report.json",
@@ -494,4 +529,14 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
     // one run; that the figure is right in each run is checked above.
     let enq = fig(&probe("engine_core", "MessageQueue.enqueue")["p50_ms"]);
     assert!(enq.0 < 0.0 && enq.1, "enqueue p50 falls: {enq:?}");
+    // The GIL fight's finding vanished with the fix.
+    let fight = d["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| {
+            f["kind"] == "gil_contention" && f["process"] == "worker" && f["thread"] == "MainThread"
+        })
+        .unwrap_or_else(|| panic!("the worker's GIL finding in the diff: {}", d["findings"]));
+    assert_eq!(fight["status"], "vanished", "{fight:#}");
 }

@@ -161,6 +161,129 @@ pub struct EngineDelta {
     pub tpot_mean_ms: Figure,
 }
 
+/// A finding ([`super::findings`]) in A, B or both, matched by kind, process (role or
+/// executable), thread name and function (not for GIL contention and GC pressure, which are
+/// the waiting thread's and the process's whatever function was running).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct FindingDelta {
+    pub kind: String,
+    pub process: String,
+    pub thread: String,
+    pub function: String,
+    /// `appeared` (in B only), `vanished` (in A only), `changed` (in both, its score moved
+    /// beyond noise) or `unchanged`.
+    pub status: String,
+    /// Its score, % (of the affected thread's or process's time); 0 in a recording or half
+    /// where it did not pass its thresholds.
+    pub score_pct: Figure,
+    /// Its verdict in A and in B (empty where absent).
+    pub verdict_a: String,
+    pub verdict_b: String,
+}
+
+type FindingKey = (String, String, String, String);
+
+/// Each finding of a recording by key: its score over the whole recording and each half (%),
+/// and its verdict over the whole.
+fn finding_scores(rec: &Recording) -> BTreeMap<FindingKey, (Thirds, String)> {
+    let d = rec.duration_ns();
+    let mid = d / 2;
+    let mut out: BTreeMap<FindingKey, (Thirds, String)> = BTreeMap::new();
+    for (i, (from, to)) in [(0, u64::MAX), (0, mid), (mid, d.max(mid + 1))]
+        .into_iter()
+        .enumerate()
+    {
+        let part = if i == 0 {
+            std::borrow::Cow::Borrowed(rec)
+        } else {
+            let mut r = rec.clone();
+            r.trim(from, to);
+            r.end = Some(crate::record::EndInfo {
+                duration_ns: to - from,
+                reason: "half".into(),
+            });
+            std::borrow::Cow::Owned(r)
+        };
+        let report = super::report::Report::build(&part, &super::Selection::all(&part));
+        for f in report.findings {
+            let process = if f.pid == 0 {
+                f.evidence
+                    .get("engine")
+                    .and_then(|e| e.as_str())
+                    .unwrap_or_default()
+                    .to_string()
+            } else {
+                process_name(rec, f.pid).to_string()
+            };
+            // A GIL waiter or a collecting process is the same finding whatever function its
+            // holder or its collections ran most (that is what a fix changes).
+            let function = match f.kind.as_str() {
+                "gil_contention" | "gc_pressure" => String::new(),
+                _ => f.function.clone(),
+            };
+            let key = (f.kind.clone(), process, f.thread.clone(), function);
+            let e = out
+                .entry(key)
+                .or_insert(([None, Some(0.0), Some(0.0)], String::new()));
+            if i == 0 {
+                // Several of one key (two processes of one role) add up.
+                e.0[0] = Some(e.0[0].unwrap_or(0.0) + f.score * 100.0);
+                if e.1.is_empty() {
+                    e.1 = f.verdict;
+                }
+            } else {
+                e.0[i] = Some(e.0[i].unwrap_or(0.0) + f.score * 100.0);
+            }
+        }
+    }
+    // A finding seen in a half only is not one of the recording's.
+    out.retain(|_, v| v.0[0].is_some());
+    out
+}
+
+/// Findings of A and B side by side, the largest score first.
+pub fn finding_deltas(a: &Recording, b: &Recording) -> Vec<FindingDelta> {
+    let (fa, fb) = (finding_scores(a), finding_scores(b));
+    let mut keys: Vec<&FindingKey> = fa.keys().chain(fb.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let absent: Thirds = [Some(0.0); 3];
+    let mut out: Vec<FindingDelta> = keys
+        .into_iter()
+        .map(|k| {
+            let (ta, va) = fa.get(k).cloned().unwrap_or((absent, String::new()));
+            let (tb, vb) = fb.get(k).cloned().unwrap_or((absent, String::new()));
+            let score = Figure::new(ta, tb);
+            let status = match (fa.contains_key(k), fb.contains_key(k)) {
+                (false, true) => "appeared",
+                (true, false) => "vanished",
+                _ if score.beyond_noise => "changed",
+                _ => "unchanged",
+            };
+            FindingDelta {
+                kind: k.0.clone(),
+                process: k.1.clone(),
+                thread: k.2.clone(),
+                function: k.3.clone(),
+                status: status.into(),
+                score_pct: score,
+                verdict_a: va,
+                verdict_b: vb,
+            }
+        })
+        .collect();
+    out.sort_by(|x, y| {
+        let top = |f: &FindingDelta| {
+            f.score_pct
+                .a
+                .unwrap_or(0.0)
+                .max(f.score_pct.b.unwrap_or(0.0))
+        };
+        top(y).total_cmp(&top(x)).then(x.kind.cmp(&y.kind))
+    });
+    out
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Diff {
     pub schema: String,
@@ -177,6 +300,9 @@ pub struct Diff {
     pub functions: Vec<FunctionDelta>,
     /// Probes in either recording.
     pub probes: Vec<ProbeDelta>,
+    /// Findings of either recording: which appeared, vanished or changed beyond noise.
+    #[serde(default)]
+    pub findings: Vec<FindingDelta>,
 }
 
 pub const NOISE_METHOD: &str = "each figure is also computed over each recording's first and \
@@ -561,6 +687,7 @@ impl Diff {
             threads,
             functions,
             probes,
+            findings: finding_deltas(a, b),
         }
     }
 
@@ -587,6 +714,27 @@ impl Diff {
             "\nCells read `A → B (change; noise A/B)`. Noise: {NOISE_METHOD}. Changes beyond \
              noise are **bold**.\n"
         );
+        if !self.findings.is_empty() {
+            let _ = writeln!(s, "## Findings\n");
+            let _ = writeln!(
+                s,
+                "| finding | process | thread | function | score % | status |"
+            );
+            let _ = writeln!(s, "|---|---|---|---|---|---|");
+            for f in &self.findings {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    f.kind,
+                    md(&f.process),
+                    md(&f.thread),
+                    md(&f.function),
+                    cell(&f.score_pct, 1),
+                    f.status
+                );
+            }
+            let _ = writeln!(s);
+        }
         if !self.engines.is_empty() {
             let _ = writeln!(s, "## Engines\n");
             let _ = writeln!(

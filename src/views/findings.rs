@@ -19,8 +19,10 @@
 //!   thread that collected most, and the function the collections interrupted most (the
 //!   innermost Python frame of the samples taken during them).
 //! - `serialization`: pickle/JSON/msgpack encoding or decoding
-//!   ([`super::stalls::is_serialization_frame`]) takes [`SERIAL_MIN_SHARE`] or more of a
-//!   thread's CPU over at least [`SERIAL_MIN_SAMPLES`] samples; named after the Python function
+//!   ([`super::stalls::is_serialization_frame`], or a native frame of `_pickle`, `_json`,
+//!   msgpack, orjson, ujson, cbor2) takes [`SERIAL_MIN_SHARE`] or more of a
+//!   thread's CPU over at least [`SERIAL_MIN_SAMPLES`] samples, and at least [`MIN_SCORE`] of
+//!   the recording; named after the Python function
 //!   that calls it (the caller of the outermost serializing frame), with the time per call where
 //!   that function is probed.
 //! - `busy_spin`: a thread on CPU [`SPIN_MIN_CPU_SHARE`] or more of the recording, at least
@@ -64,6 +66,9 @@ pub const SPIN_MIN_CPU_SHARE: f64 = 0.5;
 pub const SPIN_MIN_POLL_SHARE: f64 = 0.5;
 /// ...over at least this many samples.
 pub const SPIN_MIN_SAMPLES: u64 = 20;
+/// Serialization and per-request growth explain at least this share of the thread's time
+/// (below it, the finding would rank under every real one and read as noise).
+pub const MIN_SCORE: f64 = 0.01;
 /// Findings listed first in Markdown and on `top`'s line.
 pub const TOP: usize = 5;
 
@@ -374,7 +379,16 @@ fn gc_pressure(rec: &Recording, sel: &Selection, r: &Report, dur_ns: u64, out: &
             if s.pid != pid || s.flags & flags::GC == 0 {
                 continue;
             }
-            if let Some(f) = rec.stack_frames(s.stack).find(|f| !f.function.is_empty()) {
+            // Native and kernel frames (the collector's own) are passed over.
+            let python = rec
+                .stacks
+                .get(s.stack as usize)
+                .into_iter()
+                .flatten()
+                .filter(|&&id| rec.frame_kind(id) == 0)
+                .filter_map(|&id| rec.frames.get(id as usize))
+                .find(|f| !f.function.is_empty());
+            if let Some(f) = python {
                 *interrupted.entry(f.function.as_str()).or_default() += u64::from(s.weight_ns);
             }
         }
@@ -455,20 +469,46 @@ fn gc_pressure(rec: &Recording, sel: &Selection, r: &Report, dur_ns: u64, out: &
     }
 }
 
+/// Native modules whose every frame is (de)serialization (the C halves of pickle, json and
+/// the msgpack and JSON packages).
+const SERIALIZING_MODULES: &[&str] = &[
+    "_pickle", "_json", "_msgpack", "msgpack", "orjson", "ujson", "_cbor2",
+];
+
+/// A frame that encodes or decodes: a Python frame as the API-server stall detector has it
+/// ([`is_serialization_frame`]), or a native frame of a serializing module (`[_pickle]
+/// save_list`).
+fn is_serializing(rec: &Recording, id: u32) -> bool {
+    if let Some(n) = rec.frame_native.get(&id) {
+        let module = crate::native::short_module_name(&n.module);
+        return SERIALIZING_MODULES.iter().any(|m| module.starts_with(m));
+    }
+    rec.frames
+        .get(id as usize)
+        .is_some_and(is_serialization_frame)
+}
+
 fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
     // Per thread: serializing time by the Python function that calls it.
     // (pid, tid) -> (serializing ns, samples, ns by calling function).
     type Serializing = (u64, u64, HashMap<String, u64>);
     let mut per: BTreeMap<(i32, i32), Serializing> = BTreeMap::new();
     for s in sel.samples(rec) {
-        let frames: Vec<_> = rec.stack_frames(s.stack).collect();
-        // Innermost first: the outermost serializing frame, then its caller.
-        let Some(outer) = frames.iter().rposition(|f| is_serialization_frame(f)) else {
+        let Some(ids) = rec.stacks.get(s.stack as usize) else {
             continue;
         };
-        let caller = frames
-            .get(outer + 1)
-            .map_or_else(|| frames[outer].function.clone(), |f| f.function.clone());
+        // Innermost first: the outermost serializing frame, then the first Python frame
+        // outside it (its caller).
+        let Some(outer) = ids.iter().rposition(|&id| is_serializing(rec, id)) else {
+            continue;
+        };
+        let name = |id: u32| rec.frames.get(id as usize).map(|f| f.function.clone());
+        let caller = ids[outer + 1..]
+            .iter()
+            .find(|&&id| rec.frame_kind(id) == 0)
+            .and_then(|&id| name(id))
+            .or_else(|| name(ids[outer]))
+            .unwrap_or_default();
         let e = per.entry((s.pid, s.tid)).or_default();
         e.0 += u64::from(s.weight_ns);
         e.1 += 1;
@@ -483,7 +523,8 @@ fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Fin
         } else {
             0.0
         };
-        if share < SERIAL_MIN_SHARE || n < SERIAL_MIN_SAMPLES {
+        let score = ns as f64 / 1e9 / r.duration_s.max(1e-9);
+        if share < SERIAL_MIN_SHARE || n < SERIAL_MIN_SAMPLES || score < MIN_SCORE {
             continue;
         }
         let (caller, caller_ns) = callers
@@ -524,7 +565,7 @@ fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Fin
         }
         out.push(Finding {
             kind: "serialization".into(),
-            score: (ns as f64 / 1e9 / r.duration_s.max(1e-9)).min(1.0),
+            score: score.min(1.0),
             pid,
             tid: Some(tid),
             thread: t.name.clone(),
@@ -699,6 +740,9 @@ fn per_request_growth(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
             .find(|p| p.pid == pid && p.spec == spec)
             .map_or_else(|| spec.to_string(), |p| p.function.clone());
         let score = (calls_per_s * slope * mean_x / 1e3).clamp(0.0, 1.0);
+        if score < MIN_SCORE {
+            continue;
+        }
         out.push(Finding {
             kind: "per_request_growth".into(),
             score,
