@@ -220,8 +220,10 @@ fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
         last.starts_with("6.0 s, window 6.0 s] recording ended: duration reached"),
         "{last}"
     );
+    // The first line holding `needle`; findings lines only when it asks for one.
     let line = |needle: &str| {
         last.lines()
+            .filter(|l| needle.starts_with("finding:") || !l.starts_with("finding:"))
             .find(|l| l.contains(needle))
             .unwrap_or_else(|| panic!("no line with {needle:?} in\n{last}"))
     };
@@ -230,6 +232,11 @@ fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
         line("EngineCore (pid 200)"),
         "EngineCore (pid 200): 3 threads, CPU 90.0%, GIL held 90.0%, GIL wait 50.0%, GC 0.4% \
          | execute_model p50 84.00 ms, 10/s · aux-writer: AuxOutputStore._evict_to_fit 100%"
+    );
+    // The answer first: the launcher's GIL fight, behind the writer in its eviction scan.
+    assert_eq!(
+        line("finding:"),
+        "finding: gil_contention 50.0%: launcher (tid 201, pid 200) waits for the GIL 50.0% of the window (60 waits), 100.0% of it behind aux-writer (tid 202) running AuxOutputStore._evict_to_fit"
     );
     assert_eq!(
         line("launcher"),
@@ -439,14 +446,18 @@ fn replay_dashboard_in_a_real_terminal() {
     t.keys(&["]"]);
     let s = t.wait_for("the end of the replay", |s| s.contains("recording ended"));
     show("threads (replay)", &s);
+    // The first screen line holding `needle`; the findings line only when it asks for it.
     let row = |s: &str, needle: &str| -> String {
         s.lines()
+            .filter(|l| needle.contains("gil_contention") || !l.contains(" gil_contention "))
             .find(|l| l.contains(needle))
             .unwrap_or_else(|| panic!("no {needle:?} on screen:\n{s}"))
             .to_string()
     };
     assert!(row(&s, "t 6.0 / 6.0 s").contains("replay engine.esrec"));
     assert!(row(&s, " launcher ").contains("30.0%"));
+    // The findings line, under the header.
+    assert!(row(&s, " gil_contention ").contains("behind aux-writer"));
     assert!(row(&s, "engine0: API server 100, EngineCore 200").contains("engine"));
     // Detail of the launcher: select it (the busiest, aux-writer, is first), Enter.
     t.keys(&["Down", "Enter"]);

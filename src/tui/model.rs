@@ -223,6 +223,9 @@ pub struct Snapshot {
     /// What the recording has cost its targets so far (from its counters, over the time
     /// since it began: [`crate::views::cost`]).
     pub cost: Option<crate::views::cost::RecordingCost>,
+    /// What costs the targets their time over the window, highest score first
+    /// ([`window_findings`]: the report's GIL, GC and polling kinds, same thresholds).
+    pub findings: Vec<crate::views::findings::Finding>,
 }
 
 impl Snapshot {
@@ -722,7 +725,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         })
         .collect();
 
-    Snapshot {
+    let mut snap = Snapshot {
         now_ns: w.now_ns(),
         window_start_ns: start,
         wall_ns: wall,
@@ -742,7 +745,153 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         // The counters come every few seconds and add up from the start: over the time
         // they cover, not the window.
         cost: crate::views::cost::RecordingCost::from_counters(&rec.counters, w.now_ns()),
+        findings: Vec::new(),
+    };
+    snap.findings = window_findings(&snap);
+    snap
+}
+
+/// The findings of a window, from its rows (the shared accounting's sums), with the report's
+/// thresholds ([`crate::views::findings`]): GIL contention (with the holder the thread waited
+/// on most and what it ran), GC pressure per process (by generation), and busy-spinning
+/// pollers. The report's other kinds need the recording's calls and stacks.
+pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
+    use crate::views::findings::{self as fd, Finding};
+    use serde_json::json;
+    let wall_s = s.wall_ns as f64 / 1e9;
+    let mut out = Vec::new();
+    if wall_s <= 0.0 {
+        return out;
     }
+    for p in s.processes() {
+        for t in &p.threads {
+            let st = &t.stats;
+            if st.gil_wait >= fd::GIL_MIN_SHARE && st.gil_waits >= fd::GIL_MIN_WAITS {
+                let holder = t
+                    .blame
+                    .iter()
+                    .find(|b| b.holder_tid != 0 && b.holder_tid != t.tid);
+                let mut verdict = format!(
+                    "{} (tid {}, pid {}) waits for the GIL {:.1}% of the window ({} waits)",
+                    t.name,
+                    t.tid,
+                    t.pid,
+                    st.gil_wait * 100.0,
+                    st.gil_waits
+                );
+                if let Some(h) = holder {
+                    verdict.push_str(&format!(
+                        ", {:.1}% of it behind {} (tid {}) running {}",
+                        h.share * 100.0,
+                        h.holder,
+                        h.holder_tid,
+                        h.function
+                    ));
+                }
+                out.push(Finding {
+                    kind: "gil_contention".into(),
+                    score: st.gil_wait.min(1.0),
+                    pid: t.pid,
+                    tid: Some(t.tid),
+                    thread: t.name.clone(),
+                    function: holder.map(|h| h.function.clone()).unwrap_or_default(),
+                    verdict,
+                    evidence: [
+                        ("gil_wait_share".to_string(), json!(st.gil_wait)),
+                        ("waits".to_string(), json!(st.gil_waits)),
+                    ]
+                    .into_iter()
+                    .collect(),
+                    see: "Who blocks whom".into(),
+                });
+            }
+            let polling: f64 = t
+                .top_total
+                .iter()
+                .filter(|f| fd::is_polling(&f.function))
+                .map(|f| f.total_share)
+                .fold(0.0, f64::max);
+            if st.cpu >= fd::SPIN_MIN_CPU_SHARE
+                && polling >= fd::SPIN_MIN_POLL_SHARE
+                && st.samples >= fd::SPIN_MIN_SAMPLES
+            {
+                let f = t
+                    .top_total
+                    .iter()
+                    .filter(|f| fd::is_polling(&f.function))
+                    .max_by(|a, b| a.total_share.total_cmp(&b.total_share))
+                    .map(|f| f.function.clone())
+                    .unwrap_or_default();
+                out.push(Finding {
+                    kind: "busy_spin".into(),
+                    score: (st.cpu * polling).min(1.0),
+                    pid: t.pid,
+                    tid: Some(t.tid),
+                    thread: t.name.clone(),
+                    verdict: format!(
+                        "{} (tid {}, pid {}) is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
+                        t.name,
+                        t.tid,
+                        t.pid,
+                        st.cpu * 100.0,
+                        polling * 100.0
+                    ),
+                    function: f,
+                    evidence: Default::default(),
+                    see: format!("Top functions: {} (tid {}, pid {})", t.name, t.tid, t.pid),
+                });
+            }
+        }
+        let gc_ns: u64 = p.gc.iter().map(|g| g.total_ns).sum();
+        let pauses: u64 = p.gc.iter().map(|g| g.pauses).sum();
+        let share = gc_ns as f64 / 1e9 / wall_s;
+        if share >= fd::GC_MIN_SHARE && pauses >= fd::GC_MIN_PAUSES {
+            let gens: Vec<String> =
+                p.gc.iter()
+                    .rev()
+                    .filter(|g| g.pauses > 0)
+                    .map(|g| {
+                        format!(
+                            "gen {}: {} × {:.2} ms (max {:.2})",
+                            g.generation,
+                            g.pauses,
+                            g.total_ns as f64 / g.pauses as f64 / 1e6,
+                            g.max_ns as f64 / 1e6
+                        )
+                    })
+                    .collect();
+            out.push(Finding {
+                kind: "gc_pressure".into(),
+                score: share.min(1.0),
+                pid: p.pid,
+                tid: None,
+                thread: String::new(),
+                function: String::new(),
+                verdict: format!(
+                    "{} (pid {}) collects garbage {:.1}% of the window ({} pauses; {})",
+                    p.name,
+                    p.pid,
+                    share * 100.0,
+                    pauses,
+                    gens.join(", ")
+                ),
+                evidence: [
+                    ("gc_s".to_string(), json!(gc_ns as f64 / 1e9)),
+                    ("pauses".to_string(), json!(pauses)),
+                ]
+                .into_iter()
+                .collect(),
+                see: "GC".into(),
+            });
+        }
+    }
+    out.sort_by(|a, b| {
+        b.score
+            .total_cmp(&a.score)
+            .then(a.kind.cmp(&b.kind))
+            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+    });
+    out
 }
 
 #[cfg(test)]

@@ -80,6 +80,15 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
             .map(|r| format!(" recording ended: {r}"))
             .unwrap_or_default()
     )];
+    // The answer first, as in the report: what costs the targets their time in the window.
+    for f in snap.findings.iter().take(crate::views::findings::TOP) {
+        out.push(format!(
+            "finding: {} {:.1}%: {}",
+            f.kind,
+            f.score * 100.0,
+            f.verdict
+        ));
+    }
     for g in &snap.groups {
         if !g.label.is_empty() {
             out.push(g.label.clone());

@@ -83,7 +83,8 @@ fn function_label(function: &str, file: &str) -> String {
 
 /// Draw one frame.
 pub fn view(f: &mut Frame, app: &App) {
-    let [header, tabs, body, status] = Layout::vertical([
+    let [header, findings, tabs, body, status] = Layout::vertical([
+        Constraint::Length(1),
         Constraint::Length(1),
         Constraint::Length(1),
         Constraint::Min(0),
@@ -91,6 +92,7 @@ pub fn view(f: &mut Frame, app: &App) {
     ])
     .areas(f.area());
     draw_header(f, header, app);
+    draw_findings(f, findings, app);
     draw_tabs(f, tabs, app);
     match app.ui.view {
         View::Threads if app.ui.detail => draw_detail(f, body, app),
@@ -154,6 +156,44 @@ fn draw_header(f: &mut Frame, area: Rect, app: &App) {
         ));
     }
     f.render_widget(Line::from(spans), area);
+}
+
+/// The window's top finding (the report's kinds that its sums carry), and how many more.
+fn draw_findings(f: &mut Frame, area: Rect, app: &App) {
+    let s = &app.snap;
+    // Under a filter, the findings of the threads it lists (a process's, by its name).
+    let shown: Vec<&crate::views::findings::Finding> = s
+        .findings
+        .iter()
+        .filter(|f| {
+            app.ui.filter.as_ref().is_none_or(|n| {
+                n.matches(&f.thread) || s.process(f.pid).is_some_and(|p| n.matches(&p.name))
+            })
+        })
+        .collect();
+    let line = match shown.first() {
+        Some(top) => {
+            let mut spans = vec![
+                Span::styled(
+                    format!(" {} {:.1}% ", top.kind, top.score * 100.0),
+                    Style::new().bold().fg(Color::Black).bg(Color::LightRed),
+                ),
+                Span::raw(format!(" {}", top.verdict)),
+            ];
+            if shown.len() > 1 {
+                spans.push(Span::styled(
+                    format!("  (+{} more: enginescope report)", shown.len() - 1),
+                    Style::new().dim(),
+                ));
+            }
+            Line::from(spans)
+        }
+        None => Line::from(Span::styled(
+            " no finding over the window (GIL waits, GC, polling under their thresholds)",
+            Style::new().dim(),
+        )),
+    };
+    f.render_widget(line, area);
 }
 
 fn draw_tabs(f: &mut Frame, area: Rect, app: &App) {
@@ -912,8 +952,12 @@ mod tests {
             .collect()
     }
 
+    /// The first row holding `text`, the findings line (row 1) aside.
     fn row_with<'a>(scr: &'a [String], text: &str) -> &'a str {
         scr.iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 1)
+            .map(|(_, l)| l)
             .find(|l| l.contains(text))
             .unwrap_or_else(|| panic!("no row with {text:?}:\n{}", scr.join("\n")))
     }
@@ -1001,7 +1045,13 @@ mod tests {
             scr[0]
         );
         assert!(scr[0].contains("frame 1.5 ms"));
-        assert!(scr[1].contains("Threads │ Metrics │ Latency") && scr[1].contains("sort: CPU ▼"));
+        assert!(scr[2].contains("Threads │ Metrics │ Latency") && scr[2].contains("sort: CPU ▼"));
+        // The top finding under the header, the others counted.
+        assert!(
+            scr[1].contains("gil_contention 50.0%") && scr[1].contains("launcher (tid 2"),
+            "{}",
+            scr[1]
+        );
         let head = row_with(&scr, "PID/TID");
         assert!(head.contains("CPU▼") && head.contains("GILWAIT") && head.contains("TOP FUNCTION"));
         let engine = row_with(&scr, "engine0");
@@ -1026,10 +1076,8 @@ mod tests {
             l.split_whitespace().take(6).collect::<Vec<_>>(),
             ["2", "launcher", "30.0%", "30.0%", "50.0%", "0.0%"]
         );
-        assert!(
-            scr.iter().position(|r| r.contains("aux-writer"))
-                < scr.iter().position(|r| r.contains("launcher"))
-        );
+        let below_findings = |t: &str| scr.iter().skip(2).position(|r| r.contains(t));
+        assert!(below_findings("aux-writer") < below_findings("launcher"));
         assert!(scr[19].contains("q quit"));
     }
 
@@ -1039,7 +1087,7 @@ mod tests {
         a.ui.selected = Some((1, 2));
         a.ui.detail = true;
         let scr = screen(&a, 150, 30);
-        assert!(scr[1].contains("› launcher (tid 2)"));
+        assert!(scr[2].contains("› launcher (tid 2)"));
         row_with(&scr, "launcher (tid 2)  in EngineCore (pid 1)");
         let stats = row_with(&scr, "GIL wait 50.0% (10 waits)");
         assert!(
@@ -1135,7 +1183,7 @@ mod tests {
         a.ui.input = None;
         a.ui.filter = Some(NameFilter::new("^aux"));
         let scr = screen(&a, 150, 12);
-        assert!(scr[1].contains("filter: ^aux"));
+        assert!(scr[2].contains("filter: ^aux"));
         assert!(scr.iter().all(|r| !r.contains("launcher")));
     }
 

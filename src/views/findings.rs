@@ -577,7 +577,8 @@ fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Fin
     }
 }
 
-fn is_polling(function: &str) -> bool {
+/// A function that polls (its name, last part, contains one of the polling words).
+pub fn is_polling(function: &str) -> bool {
     let last = function.rsplit('.').next().unwrap_or(function);
     POLLING.iter().any(|p| last.contains(p))
 }
