@@ -141,6 +141,34 @@ fn gil(label: &str) {
         fn_share >= 0.80,
         "{label}: the holder ran {holder_fn} for only {fn_share:.3} of the wait"
     );
+    // Issue 23: over the window, the report's first finding is this fight, with the waits
+    // checked above, the writer and its function named.
+    let f = window_findings(&r, a, b);
+    let top = f.first().unwrap_or_else(|| panic!("{label}: no finding"));
+    eprintln!("{label}: first finding: {}", top.verdict);
+    assert_eq!(top.kind, "gil_contention", "{label}: {f:#?}");
+    assert_eq!(top.tid, Some(launcher), "{label}: {top:#?}");
+    assert_eq!(top.function, holder_fn, "{label}: {top:#?}");
+    assert_eq!(top.evidence["holder_tid"], writer, "{label}: {top:#?}");
+    let wait_s = top.evidence["gil_wait_s"].as_f64().unwrap();
+    assert!(
+        (wait_s - acquire as f64 / 1e9).abs() < 1e-6,
+        "{label}: the finding's {wait_s} s against the waits' {} s",
+        acquire as f64 / 1e9
+    );
+}
+
+/// The report's findings over the workload's window `[a, b)` (monotonic ns).
+fn window_findings(r: &Recording, a: u64, b: u64) -> Vec<enginescope::views::findings::Finding> {
+    let mut w = r.clone();
+    let t0 = w.meta.start_mono_ns;
+    w.trim(a - t0, b - t0);
+    w.end = Some(enginescope::record::EndInfo {
+        duration_ns: b - a,
+        reason: "the workload's window".into(),
+    });
+    let sel = enginescope::views::filter::Selection::all(&w);
+    enginescope::views::report::Report::build(&w, &sel).findings
 }
 
 /// `method`: how the recording must say the target's GC pauses were timed (`uprobe`, or
@@ -311,6 +339,21 @@ fn gc(label: &str, generations_readable: bool, method: &str) {
         r.counters.get("gc_uprobe_calls_without_collection"),
         r.counters.get("gc_watchpoint_cost_ns"),
     ));
+    // Issue 23: the report over the window finds the collector's pressure, with the pauses'
+    // total (pauses clipped to the window: the last one may run past its end).
+    let f = window_findings(&r, a, b);
+    let gcf = f
+        .iter()
+        .find(|f| f.kind == "gc_pressure")
+        .unwrap_or_else(|| panic!("{label}: no GC finding: {f:#?}"));
+    let gc_s = gcf.evidence["gc_s"].as_f64().unwrap();
+    report.push(format!(
+        "  GC finding: {gc_s:.4} s ({:.1}% of the window)",
+        gcf.score * 100.0
+    ));
+    if (gc_s - want_total).abs() > 0.10 * want_total + resolution_s {
+        failures.push("GC finding's total");
+    }
     eprintln!("{}", report.join("\n"));
     assert!(
         failures.is_empty(),
