@@ -1315,3 +1315,88 @@ vllm:time_to_first_token_seconds_sum{engine=\"0\",model_name=\"m\"} 3.0
         "{row}"
     );
 }
+
+/// vLLM V1's request time decomposition (queue, prefill, decode, inference): per engine, the
+/// mean from `_sum`/`_count` and quantiles from the buckets, and the Markdown table that puts
+/// queue + prefill beside TTFT.
+#[test]
+fn request_time_decomposition() {
+    let hist = |name: &str, buckets: &[(&str, f64)], count: f64, sum: f64| {
+        let mut s = format!("# TYPE vllm:{name} histogram\n");
+        for (le, v) in buckets {
+            s.push_str(&format!(
+                "vllm:{name}_bucket{{engine=\"0\",le=\"{le}\",model_name=\"m\"}} {v}\n"
+            ));
+        }
+        s.push_str(&format!(
+            "vllm:{name}_count{{engine=\"0\",model_name=\"m\"}} {count}\n"
+        ));
+        s.push_str(&format!(
+            "vllm:{name}_sum{{engine=\"0\",model_name=\"m\"}} {sum}\n"
+        ));
+        s
+    };
+    // 40 requests: queue mean 50 ms (half <= 10 ms, all <= 100 ms); prefill mean 20 ms;
+    // decode mean 400 ms; inference mean 420 ms; TTFT mean 75 ms.
+    let page = [
+        hist(
+            "request_queue_time_seconds",
+            &[("0.01", 20.0), ("0.1", 40.0), ("+Inf", 40.0)],
+            40.0,
+            2.0,
+        ),
+        hist(
+            "request_prefill_time_seconds",
+            &[("0.01", 0.0), ("0.05", 40.0), ("+Inf", 40.0)],
+            40.0,
+            0.8,
+        ),
+        hist(
+            "request_decode_time_seconds",
+            &[("0.3", 10.0), ("0.5", 40.0), ("+Inf", 40.0)],
+            40.0,
+            16.0,
+        ),
+        hist(
+            "request_inference_time_seconds",
+            &[("0.3", 10.0), ("0.5", 40.0), ("+Inf", 40.0)],
+            40.0,
+            16.8,
+        ),
+        hist(
+            "time_to_first_token_seconds",
+            &[("0.1", 40.0), ("+Inf", 40.0)],
+            40.0,
+            3.0,
+        ),
+    ]
+    .concat();
+    let (_dir, rec) = two_scrapes("", &page);
+    let v = report_json(&rec, &opts(10));
+    let e = &v["engines"][0];
+    assert_close(&e["queue_ms"]["mean"], 50.0);
+    assert_close(&e["queue_ms"]["count"], 40.0);
+    // Rank 20 of 40: the top of the first bucket (inside it: only "at most 10 ms").
+    assert_close(&e["queue_ms"]["p50"], 10.0);
+    assert_close(&e["queue_ms"]["p90"], 10.0 + 90.0 * 16.0 / 20.0);
+    assert_close(&e["prefill_ms"]["mean"], 20.0);
+    assert_close(&e["prefill_ms"]["p50"], 10.0 + 40.0 * 20.0 / 40.0);
+    assert_close(&e["decode_ms"]["mean"], 400.0);
+    assert_close(&e["inference_ms"]["mean"], 420.0);
+    let md = String::from_utf8(
+        views::report_with(&rec, &Selection::all(&rec), ReportFormat::Md, &opts(10)).unwrap(),
+    )
+    .unwrap();
+    assert!(md.contains("Where finished requests' time went"), "{md}");
+    let row = md
+        .lines()
+        .find(|l| l.starts_with("| engine0 | 40 |"))
+        .unwrap_or_else(|| panic!("no decomposition row:\n{md}"));
+    // queue mean, p50 (inside the first bucket), p90; prefill; decode; inference; TTFT mean
+    // 75 beside queue + prefill 70; no E2E histogram.
+    assert!(
+        row.starts_with("| engine0 | 40 | 50.0 | ≤10.0 | 82.0 | 20.0 | 30.0 | 46.0 | 400.0 |"),
+        "{row}"
+    );
+    assert!(row.ends_with("| 420.0 | 75.0 | 70.0 | - |"), "{row}");
+}

@@ -85,6 +85,13 @@ pub const PREFIX_HITS: Family = Family::new(
     &["vllm:gpu_prefix_cache_hits_total"],
     Sum,
 );
+/// Where a request's time goes (V1): waiting in the queue, prefill, decode, and prefill plus
+/// decode (inference); histograms per finished request. TTFT is about queue + prefill, E2E
+/// about queue + inference (plus the API server's own time).
+pub const QUEUE_TIME: Family = Family::new("vllm:request_queue_time_seconds", &[], Sum);
+pub const PREFILL_TIME: Family = Family::new("vllm:request_prefill_time_seconds", &[], Sum);
+pub const DECODE_TIME: Family = Family::new("vllm:request_decode_time_seconds", &[], Sum);
+pub const INFERENCE_TIME: Family = Family::new("vllm:request_inference_time_seconds", &[], Sum);
 /// V0's hit-rate gauge, read only where the counters are absent.
 pub const PREFIX_HIT_RATE_V0: Family = Family::new("vllm:gpu_prefix_cache_hit_rate", &[], Mean);
 
@@ -105,7 +112,7 @@ pub const RELIED_ON: [(Family, &str); 11] = [
 ];
 
 /// Every family a view reads.
-pub const ALL: [Family; 13] = [
+pub const ALL: [Family; 17] = [
     GENERATION_TOKENS,
     PROMPT_TOKENS,
     KV_CACHE_USAGE,
@@ -119,6 +126,10 @@ pub const ALL: [Family; 13] = [
     PREFIX_QUERIES,
     PREFIX_HITS,
     PREFIX_HIT_RATE_V0,
+    QUEUE_TIME,
+    PREFILL_TIME,
+    DECODE_TIME,
+    INFERENCE_TIME,
 ];
 
 /// Whether a view reads the sample `name` (a histogram's `_bucket`, `_sum`, `_count` by its

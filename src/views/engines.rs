@@ -65,6 +65,17 @@ pub struct EngineRow {
     /// vLLM's `request_time_per_output_token_seconds`, V1 0.10+), ms.
     #[serde(default)]
     pub tpot_ms: LatencyQuantiles,
+    /// Where finished requests' time went (vLLM V1's request time histograms), ms: waiting
+    /// in the queue, prefill, decode, and inference (prefill + decode). Empty (null
+    /// quantiles, count 0) where the engine does not export them.
+    #[serde(default)]
+    pub queue_ms: LatencyQuantiles,
+    #[serde(default)]
+    pub prefill_ms: LatencyQuantiles,
+    #[serde(default)]
+    pub decode_ms: LatencyQuantiles,
+    #[serde(default)]
+    pub inference_ms: LatencyQuantiles,
     /// Prefix-cache hits over queries (tokens) during the recording; null without queries.
     pub prefix_cache_hit_rate: Option<f64>,
     /// Failed scrapes.
@@ -256,6 +267,10 @@ pub fn engine_rows(
                 itl_ms: latency(&names::ITL),
                 e2e_ms: latency(&names::E2E),
                 tpot_ms: latency(&names::TPOT),
+                queue_ms: latency(&names::QUEUE_TIME),
+                prefill_ms: latency(&names::PREFILL_TIME),
+                decode_ms: latency(&names::DECODE_TIME),
+                inference_ms: latency(&names::INFERENCE_TIME),
                 prefix_cache_hit_rate: ix.prefix_cache_hit_rate(id, 0, end_ns.max(1)),
                 scrape_errors: errors.len() as u64,
                 last_scrape_error: errors.last().map(|e| e.error.clone()).unwrap_or_default(),

@@ -201,6 +201,53 @@ impl Report {
                 e.ttft_ms.count.round()
             );
         }
+        // Where the requests' time went, where the engine says (vLLM V1's request time
+        // histograms): the means add up (queue + prefill is about TTFT; queue + inference
+        // about E2E, the API server's own time apart).
+        let decomposed: Vec<_> = self
+            .engines
+            .iter()
+            .filter(|e| e.queue_ms.count > 0.0 || e.inference_ms.count > 0.0)
+            .collect();
+        if !decomposed.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nWhere finished requests' time went, ms (vLLM's request time histograms: \
+                 mean, then p50 and p90 from the buckets; TTFT is about queue + prefill, E2E \
+                 about queue + inference):\n"
+            );
+            let _ = writeln!(
+                s,
+                "| engine | requests | queue mean | p50 | p90 | prefill mean | p50 | p90 | decode mean | p50 | p90 | inference mean | TTFT mean | queue + prefill | E2E mean |"
+            );
+            let _ = writeln!(
+                s,
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            );
+            for e in decomposed {
+                let two = |l: &LatencyQuantiles| {
+                    let v = l.shown(1);
+                    format!("{} | {}", v[0], v[1])
+                };
+                let sum = e.queue_ms.mean.zip(e.prefill_ms.mean).map(|(a, b)| a + b);
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    md(&e.id),
+                    e.queue_ms.count.max(e.inference_ms.count).round(),
+                    opt(e.queue_ms.mean, 1),
+                    two(&e.queue_ms),
+                    opt(e.prefill_ms.mean, 1),
+                    two(&e.prefill_ms),
+                    opt(e.decode_ms.mean, 1),
+                    two(&e.decode_ms),
+                    opt(e.inference_ms.mean, 1),
+                    opt(e.ttft_ms.mean, 1),
+                    opt(sum, 1),
+                    opt(e.e2e_ms.mean, 1)
+                );
+            }
+        }
         if let Some(im) = &self.engine_imbalance {
             let mut parts = Vec::new();
             for (what, sp, prec) in [
