@@ -535,13 +535,6 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
     // debug traps every exactly probed call takes (its start and its end), which
     // enginescope's figure leaves out by design; the engine's figure is also shown less them.
     let trap_ns = rec.counters.get("probe_trap_cost_ns").copied().unwrap_or(0);
-    if trap_ns > 0 {
-        writeln!(
-            s,
-            "   (the engine times each call around it, from its caller: that holds the probe's own two debug traps, {:.0} µs each here, calibrated; the figure after \"less traps\" takes them out)",
-            trap_ns as f64 / 1e3
-        )?;
-    }
     // One line per function and process, whatever its method over time; only exact
     // figures stand beside the engine's own.
     let mut seen = std::collections::BTreeSet::new();
@@ -605,6 +598,13 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             } else {
                 format!("{:.3} ms", t / 1e6)
             })
+        )?;
+    }
+    if trap_ns > 0 {
+        writeln!(
+            s,
+            "   (the engine times each call around it, from its caller: that holds the probe's own two debug traps, {:.0} µs each here, calibrated; the figure after \"less traps\" takes them out)",
+            trap_ns as f64 / 1e3
         )?;
     }
     // 3. GC in the EngineCore.

@@ -236,7 +236,7 @@ fn replay_prints_plain_text_when_stdout_is_not_a_terminal() {
     // The answer first: the launcher's GIL fight, behind the writer in its eviction scan.
     assert_eq!(
         line("finding:"),
-        "finding: gil_contention 50.0%: launcher (tid 201, pid 200) waits for the GIL 50.0% of the window (60 waits), 100.0% of it behind aux-writer (tid 202) running AuxOutputStore._evict_to_fit"
+        "finding: gil_contention 50.0%: launcher (tid 201) of EngineCore (pid 200) waits for the GIL 50.0% of the window (60 waits), 100.0% of it behind aux-writer (tid 202) running AuxOutputStore._evict_to_fit"
     );
     assert_eq!(
         line("launcher"),

@@ -772,9 +772,10 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                     .iter()
                     .find(|b| b.holder_tid != 0 && b.holder_tid != t.tid);
                 let mut verdict = format!(
-                    "{} (tid {}, pid {}) waits for the GIL {:.1}% of the window ({} waits)",
+                    "{} (tid {}) of {} (pid {}) waits for the GIL {:.1}% of the window ({} waits)",
                     t.name,
                     t.tid,
+                    p.name,
                     t.pid,
                     st.gil_wait * 100.0,
                     st.gil_waits
@@ -829,9 +830,10 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                     tid: Some(t.tid),
                     thread: t.name.clone(),
                     verdict: format!(
-                        "{} (tid {}, pid {}) is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
+                        "{} (tid {}) of {} (pid {}) is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
                         t.name,
                         t.tid,
+                        p.name,
                         t.pid,
                         st.cpu * 100.0,
                         polling * 100.0

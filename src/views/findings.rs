@@ -186,6 +186,15 @@ pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
     out
 }
 
+/// `MainThread (tid 7) of engine_core (pid 7)`: a thread as a finding names it, with its
+/// process's role (or executable) so that two engines' main threads read apart.
+fn who(rec: &Recording, name: &str, pid: i32, tid: i32) -> String {
+    format!(
+        "{name} (tid {tid}) of {} (pid {pid})",
+        super::process_name(rec, pid)
+    )
+}
+
 fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
@@ -281,10 +290,8 @@ fn gil_contention(
         .into_iter()
         .collect();
         let mut verdict = format!(
-            "{} (tid {}, pid {}) waits for the GIL {} of the recording ({:.3} s, {} waits)",
-            t.name,
-            t.tid,
-            t.pid,
+            "{} waits for the GIL {} of the recording ({:.3} s, {} waits)",
+            who(rec, &t.name, t.pid, t.tid),
             pct(share),
             t.gil_wait_s,
             t.gil_waits
@@ -534,8 +541,8 @@ fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Fin
             .unwrap_or_default();
         let per_s = ns as f64 / 1e9 / r.duration_s.max(1e-9);
         let mut verdict = format!(
-            "{} (tid {tid}, pid {pid}) spends {} of its CPU ({:.3} s, {:.1} ms per s) serializing, most under {caller}",
-            t.name,
+            "{} spends {} of its CPU ({:.3} s, {:.1} ms per s) serializing, most under {caller}",
+            who(rec, &t.name, pid, tid),
             pct(share),
             ns as f64 / 1e9,
             per_s * 1e3,
@@ -628,10 +635,8 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
             thread: t.name.clone(),
             function: function.clone(),
             verdict: format!(
-                "{} (tid {}, pid {}) is on CPU {} of the recording, {} of it polling in {function}: {:.2} of a core spent waiting",
-                t.name,
-                t.tid,
-                t.pid,
+                "{} is on CPU {} of the recording, {} of it polling in {function}: {:.2} of a core spent waiting",
+                who(rec, &t.name, t.pid, t.tid),
                 pct(cpu_share),
                 pct(poll_share),
                 burnt
