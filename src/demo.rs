@@ -157,11 +157,26 @@ fn start_engine(
     if fixed {
         cmd.arg("--fixed");
     }
-    // SAFETY: setsid() in the child before exec: async-signal-safe; puts the engine in its
-    // own process group so Ctrl-C in the demo's terminal reaches only us, and we stop it.
+    // The engine must not outlive the demo however the demo ends: `Engine`'s drop stops it
+    // on every way out that runs destructors, and the kernel sends it SIGTERM when this
+    // thread dies (killed, or a panic that aborts). Found when a demo killed by `timeout`
+    // left its engine blocked on the go FIFO, its worker polling a core, for 20 minutes.
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: setsid(), prctl() and getppid() in the child before exec are async-signal-safe.
+    // setsid puts the engine in its own process group so Ctrl-C in the demo's terminal reaches
+    // only us, and we stop it; PR_SET_PDEATHSIG asks for SIGTERM when the parent goes; the
+    // getppid check covers a parent that died before the prctl.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             libc::setsid();
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other(
+                    "the demo exited before its engine started",
+                ));
+            }
             Ok(())
         });
     }

@@ -887,12 +887,7 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
             });
         }
     }
-    out.sort_by(|a, b| {
-        b.score
-            .total_cmp(&a.score)
-            .then(a.kind.cmp(&b.kind))
-            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
-    });
+    fd::rank(&mut out);
     out
 }
 

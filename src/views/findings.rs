@@ -177,13 +177,18 @@ pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
             see: "Fleet findings".into(),
         });
     }
-    out.sort_by(|a, b| {
+    rank(&mut out);
+    out
+}
+
+/// Highest score first; ties by kind, then process and thread (a stable order to print).
+pub fn rank(findings: &mut [Finding]) {
+    findings.sort_by(|a, b| {
         b.score
             .total_cmp(&a.score)
             .then(a.kind.cmp(&b.kind))
             .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
     });
-    out
 }
 
 /// `MainThread (tid 7) of engine_core (pid 7)`: a thread as a finding names it, with its
