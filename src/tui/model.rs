@@ -772,11 +772,8 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                     .iter()
                     .find(|b| b.holder_tid != 0 && b.holder_tid != t.tid);
                 let mut verdict = format!(
-                    "{} (tid {}) of {} (pid {}) waits for the GIL {:.1}% of the window ({} waits)",
-                    t.name,
-                    t.tid,
-                    p.name,
-                    t.pid,
+                    "{} waits for the GIL {:.1}% of the window ({} waits)",
+                    fd::thread_label(&t.name, t.tid, &p.name, t.pid),
                     st.gil_wait * 100.0,
                     st.gil_waits
                 );
@@ -806,23 +803,18 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                     see: "Who blocks whom".into(),
                 });
             }
-            let polling: f64 = t
+            // The polling function with the largest share of the thread's CPU.
+            let poller = t
                 .top_total
                 .iter()
                 .filter(|f| fd::is_polling(&f.function))
-                .map(|f| f.total_share)
-                .fold(0.0, f64::max);
-            if st.cpu >= fd::SPIN_MIN_CPU_SHARE
-                && polling >= fd::SPIN_MIN_POLL_SHARE
-                && st.samples >= fd::SPIN_MIN_SAMPLES
-            {
-                let f = t
-                    .top_total
-                    .iter()
-                    .filter(|f| fd::is_polling(&f.function))
-                    .max_by(|a, b| a.total_share.total_cmp(&b.total_share))
-                    .map(|f| f.function.clone())
-                    .unwrap_or_default();
+                .max_by(|a, b| a.total_share.total_cmp(&b.total_share));
+            if let Some(poller) = poller.filter(|f| {
+                st.cpu >= fd::SPIN_MIN_CPU_SHARE
+                    && f.total_share >= fd::SPIN_MIN_POLL_SHARE
+                    && st.samples >= fd::SPIN_MIN_SAMPLES
+            }) {
+                let (f, polling) = (poller.function.clone(), poller.total_share);
                 out.push(Finding {
                     kind: "busy_spin".into(),
                     score: (st.cpu * polling).min(1.0),
@@ -830,11 +822,8 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                     tid: Some(t.tid),
                     thread: t.name.clone(),
                     verdict: format!(
-                        "{} (tid {}) of {} (pid {}) is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
-                        t.name,
-                        t.tid,
-                        p.name,
-                        t.pid,
+                        "{} is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
+                        fd::thread_label(&t.name, t.tid, &p.name, t.pid),
                         st.cpu * 100.0,
                         polling * 100.0
                     ),
@@ -852,15 +841,7 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                 p.gc.iter()
                     .rev()
                     .filter(|g| g.pauses > 0)
-                    .map(|g| {
-                        format!(
-                            "gen {}: {} × {:.2} ms (max {:.2})",
-                            g.generation,
-                            g.pauses,
-                            g.total_ns as f64 / g.pauses as f64 / 1e6,
-                            g.max_ns as f64 / 1e6
-                        )
-                    })
+                    .map(|g| fd::generation_pauses(g.generation, g.pauses, g.total_ns, g.max_ns))
                     .collect();
             out.push(Finding {
                 kind: "gc_pressure".into(),

@@ -194,9 +194,25 @@ pub fn rank(findings: &mut [Finding]) {
 /// `MainThread (tid 7) of engine_core (pid 7)`: a thread as a finding names it, with its
 /// process's role (or executable) so that two engines' main threads read apart.
 fn who(rec: &Recording, name: &str, pid: i32, tid: i32) -> String {
+    thread_label(name, tid, super::process_name(rec, pid), pid)
+}
+
+/// The words a finding names a thread with (the report's and `top`'s alike).
+pub fn thread_label(name: &str, tid: i32, process: &str, pid: i32) -> String {
+    format!("{name} (tid {tid}) of {process} (pid {pid})")
+}
+
+/// One generation's pauses as a GC finding lists them: `gen 2: 19 × 46.25 ms (max 72.04)`.
+pub fn generation_pauses(generation: i8, pauses: u64, total_ns: u64, max_ns: u64) -> String {
+    let name = if generation < 0 {
+        "generation unknown".to_string()
+    } else {
+        format!("gen {generation}")
+    };
     format!(
-        "{name} (tid {tid}) of {} (pid {pid})",
-        super::process_name(rec, pid)
+        "{name}: {pauses} × {:.2} ms (max {:.2})",
+        total_ns as f64 / pauses.max(1) as f64 / 1e6,
+        max_ns as f64 / 1e6
     )
 }
 
@@ -418,18 +434,7 @@ fn gc_pressure(rec: &Recording, sel: &Selection, r: &Report, dur_ns: u64, out: &
             .gens
             .iter()
             .rev()
-            .map(|(g, (n, total, max))| {
-                let name = if *g < 0 {
-                    "generation unknown".to_string()
-                } else {
-                    format!("gen {g}")
-                };
-                format!(
-                    "{name}: {n} × {:.2} ms (max {:.2})",
-                    *total as f64 / *n as f64 / 1e6,
-                    *max as f64 / 1e6
-                )
-            })
+            .map(|(&g, &(n, total, max))| generation_pauses(g, n, total, max))
             .collect();
         let process = r
             .processes
