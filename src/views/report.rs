@@ -12,13 +12,13 @@ use std::fmt::Write;
 use serde::{Deserialize, Serialize};
 
 use super::engines::{self, EngineImbalance, EngineRow};
-use super::gil::{generation_key, thread_name_or_tid, HolderFrame};
+use super::gil::{generation_key, thread_name_or_tid, GIL_FREE, RELEASING, UNKNOWN_FUNCTION};
 use super::latency::{function_latency, FunctionLatencyRow};
 use super::stalls::{api_server_stalls, ApiServerStalls};
 use super::timeline::{self, Correlation, ThroughputDrop, WindowRow};
 use super::windows::{extent_ns, Windows};
 use super::{format_utc, process_name, secs, short_file, Selection};
-use crate::accounting::{Acc, FunctionTable, Sums, ThreadAcc};
+use crate::accounting::{Acc, FunctionTable, Holder, Sums, ThreadAcc, ThreadKey, TimeCount};
 use crate::metrics::MetricIndex;
 use crate::record::Recording;
 
@@ -455,19 +455,10 @@ impl Report {
         for o in sel.offcpu(rec) {
             sums.add_offcpu(o, o.dur_ns);
         }
-        // GIL waits of the selected waiters: per thread, and by (waiter, holder, holder frame).
-        type BlockKey<'r> = (i32, i32, i32, HolderFrame<'r>);
-        let mut blocking: HashMap<BlockKey, (u64, u64)> = HashMap::new();
+        // GIL waits of the selected waiters: per thread, and by (waiter, holder, holder's
+        // function) in `sums.blame`.
         for g in sel.gil_waits(rec) {
             sums.add_gil_wait(g, table.holder(rec, g), g.dur_ns, 1);
-            if g.switch_wait {
-                continue;
-            }
-            let e = blocking
-                .entry((g.pid, g.tid, g.holder_tid, HolderFrame::of(rec, g)))
-                .or_default();
-            e.0 += g.dur_ns;
-            e.1 += 1;
         }
         let duration_ns = rec.duration_ns();
         let mut gc_all = GcAcc::default();
@@ -533,7 +524,7 @@ impl Report {
                 .then(a.file.cmp(&b.file))
         });
 
-        let (gil_blocking, gil_blocking_pairs) = gil_tables(rec, &blocking, &threads);
+        let (gil_blocking, gil_blocking_pairs) = gil_tables(rec, &sums.blame, &table, &threads);
         let mut by_thread: Vec<(u64, GcThreadRow)> = gc_thread
             .into_iter()
             .map(|((pid, tid), a)| {
@@ -1062,19 +1053,24 @@ impl Report {
 /// frame) -> (ns, waits).
 fn gil_tables(
     rec: &Recording,
-    blocking: &HashMap<(i32, i32, i32, HolderFrame), (u64, u64)>,
+    blame: &HashMap<(ThreadKey, i32, Holder), TimeCount>,
+    table: &FunctionTable,
     threads: &BTreeMap<(i32, i32), ThreadAcc>,
 ) -> (Vec<GilBlockingRow>, Vec<GilPairRow>) {
-    // Functions are (name, file), lines merged: several frames can make one row.
+    // Functions are (name, file), lines merged (the function table's ids).
     // (waiter pid, waiter tid, holder tid, function, file) -> (ns, waits)
     type FnKey<'r> = (i32, i32, i32, &'r str, &'r str);
     let mut by_fn: BTreeMap<FnKey, (u64, u64)> = BTreeMap::new();
-    for (&(pid, tid, holder, hf), &(ns, n)) in blocking {
-        let e = by_fn
-            .entry((pid, tid, holder, hf.function(), hf.file()))
-            .or_default();
-        e.0 += ns;
-        e.1 += n;
+    for (&((pid, tid), holder, h), tc) in blame {
+        let (function, file) = match h {
+            Holder::Free => (GIL_FREE, ""),
+            Holder::Releasing => (RELEASING, ""),
+            Holder::Unknown => (UNKNOWN_FUNCTION, ""),
+            Holder::Function(f) => table.name(f),
+        };
+        let e = by_fn.entry((pid, tid, holder, function, file)).or_default();
+        e.0 += tc.ns;
+        e.1 += tc.count;
     }
     let mut names: HashMap<(i32, i32), String> = HashMap::new();
     let mut name = |pid: i32, tid: i32| {
