@@ -40,8 +40,11 @@ Truth JSON (producer at PATH, consumer at PATH.consumer.json):
    "calls": {"MessageQueue.enqueue": [[tid, start_ns, dur_ns], ...], ...},
    "outer_calls": {same names: the same calls timed by their callers around the call},
    "gc_pauses": [[start_ns, dur_ns, generation], ...],   (producer, --gc-truth only)
-   "gc_outer": [[start_ns, dur_ns], ...]}   (--gc-truth: an explicit gc.collect(0) after each
+   "gc_outer": [[start_ns, dur_ns], ...],   (--gc-truth: an explicit gc.collect(0) after each
                                             automatic collection, timed by its caller)
+   "steal_ns": N or null}   (producer: the hypervisor's steal over the window, all CPUs
+                             together, from /proc/stat: a vCPU stolen mid-call stretches the
+                             call's wall time with no switch-out anyone in the guest can see)
 """
 
 import argparse
@@ -245,7 +248,18 @@ def gc_callback(phase, info):
             GC_EXPLICIT["due"] = 5
 
 
-def write_truth(path, role, window):
+def steal_ns():
+    """The machine's steal so far (the `steal` column of /proc/stat, all CPUs together), ns;
+    None where unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) * 1000000000 // os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_truth(path, role, window, steal=None):
     out = {
         "pid": os.getpid(),
         "role": role,
@@ -256,6 +270,7 @@ def write_truth(path, role, window):
         "outer_calls": OUTER,
         "gc_pauses": GC_PAUSES,
         "gc_outer": GC_OUTER,
+        "steal_ns": steal,
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -368,6 +383,7 @@ def main():
             with open(args.go_fifo) as f:
                 f.readline()
         window["start_mono_ns"] = now()
+        window["steal0"] = steal_ns()
         go.set()
 
     RECORDING = True
@@ -405,10 +421,13 @@ def main():
         else:
             next_t = now()
     end = now()
+    steal1 = steal_ns()
     mq.enqueue("STOP")
     os.write(window_w, f"{window['start_mono_ns']} {end}".encode())
     os.waitpid(pid, 0)
-    write_truth(args.truth, "producer", {"start_mono_ns": window["start_mono_ns"], "end_mono_ns": end})
+    steal0 = window.get("steal0")
+    write_truth(args.truth, "producer", {"start_mono_ns": window["start_mono_ns"], "end_mono_ns": end},
+                None if steal0 is None or steal1 is None else steal1 - steal0)
     shm.close()
     shm.unlink()
     print("DONE", flush=True)

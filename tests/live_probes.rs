@@ -518,8 +518,10 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>) {
 /// clock; what it spends outside its callbacks' span (the callback machinery: 15–30 µs a pause
 /// on this machine's ~0.15 ms young collections, more on a slower or loaded one) is bounded
 /// loosely: at most the span again plus 0.1 ms, plus what the process was switched out there
-/// (a preemption at a loaded 2-CPU machine's edges took up to 4 ms). A fixed 30 µs a pause
-/// failed in CI on an AMD host (6 pauses, +457 µs over the callbacks' spans).
+/// (a preemption at a loaded 2-CPU machine's edges took up to 4 ms), plus the machine's steal
+/// in the window (a stolen vCPU stops the clock of no guest thread: one automatic pause read
+/// 3.5 ms outside its span with nothing switched out, in CI on an Intel host). A fixed 30 µs
+/// a pause failed in CI on an AMD host (6 pauses, +457 µs over the callbacks' spans).
 fn check_gc(label: &str, r: &Recording, truth: &serde_json::Value, pid: i32) {
     // `pid` as the host sees it (the truth's is the container's own in a PID namespace).
     let w0 = truth["window"]["start_mono_ns"].as_u64().unwrap() + 200_000_000;
@@ -565,6 +567,10 @@ fn check_gc(label: &str, r: &Recording, truth: &serde_json::Value, pid: i32) {
         .find(|g| g.pid == pid)
         .map(|g| g.method.clone());
     let overlap = |a: (u64, u64), b: (u64, u64)| a.1.min(b.1).saturating_sub(a.0.max(b.0));
+    // Time the hypervisor ran something else on this machine's vCPUs during the window (all
+    // CPUs together): a vCPU stolen mid-collection stretches the pause with no switch-out the
+    // guest can see, by at most all of it.
+    let steal = truth["steal_ns"].as_u64().unwrap_or(0);
     let (mut explicit, mut automatic) = (0, 0);
     let mut bad: Vec<String> = Vec::new();
     let mut outside_span_ns: Vec<u64> = Vec::new();
@@ -585,9 +591,10 @@ fn check_gc(label: &str, r: &Recording, truth: &serde_json::Value, pid: i32) {
             automatic += 1;
             outside_span_ns.push(outside);
             let preempted = switched_out(tid, (g.0, inner.0)) + switched_out(tid, (inner.1, g.1));
-            if outside > (inner.1 - inner.0) + 100_000 + preempted {
+            if outside > (inner.1 - inner.0) + 100_000 + preempted + steal {
                 bad.push(format!(
-                    "automatic {g:?}: {outside} ns outside its callbacks' span {inner:?}"
+                    "automatic {g:?}: {outside} ns outside its callbacks' span {inner:?} \
+                     ({preempted} ns of it switched out; machine steal in the window {steal} ns)"
                 ));
             }
         }

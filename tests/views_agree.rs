@@ -169,6 +169,7 @@ struct Figures {
     cpu_s: f64,
     gil_held_s: f64,
     gil_wait_s: f64,
+    switch_wait_s: f64,
     gc_s: f64,
 }
 
@@ -193,6 +194,7 @@ fn report_top_and_agent_agree_per_thread() {
                         cpu_s: t.cpu_s,
                         gil_held_s: t.gil_held_s,
                         gil_wait_s: t.gil_wait_s,
+                        switch_wait_s: t.gil_switch_wait_s,
                         gc_s: t.gc_s,
                     },
                 )
@@ -220,6 +222,7 @@ fn report_top_and_agent_agree_per_thread() {
         let cpu = page_values(&page, "enginescope_thread_cpu_seconds_total");
         let held = page_values(&page, "enginescope_thread_gil_held_seconds_total");
         let wait = page_values(&page, "enginescope_thread_gil_wait_seconds_total");
+        let switch = page_values(&page, "enginescope_thread_gil_switch_wait_seconds_total");
         let gc_sum = page_values(&page, "enginescope_gc_pause_seconds_sum");
 
         let mut gc_per_process: BTreeMap<i32, f64> = BTreeMap::new();
@@ -229,12 +232,14 @@ fn report_top_and_agent_agree_per_thread() {
                 cpu_s: t.stats.cpu * wall,
                 gil_held_s: t.stats.gil_held * wall,
                 gil_wait_s: t.stats.gil_wait * wall,
+                switch_wait_s: t.stats.switch_wait * wall,
                 gc_s: t.stats.gc * wall,
             });
             for (what, r, tp) in [
                 ("CPU", f.cpu_s, top.cpu_s),
                 ("GIL held", f.gil_held_s, top.gil_held_s),
                 ("GIL wait", f.gil_wait_s, top.gil_wait_s),
+                ("GIL switch wait", f.switch_wait_s, top.switch_wait_s),
                 ("GC", f.gc_s, top.gc_s),
             ] {
                 assert!(
@@ -251,6 +256,7 @@ fn report_top_and_agent_agree_per_thread() {
                 ("CPU", f.cpu_s, &cpu),
                 ("GIL held", f.gil_held_s, &held),
                 ("GIL wait", f.gil_wait_s, &wait),
+                ("GIL switch wait", f.switch_wait_s, &switch),
             ] {
                 let a = series.get(&key).copied().unwrap_or(0.0);
                 assert!(

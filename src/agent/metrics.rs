@@ -35,6 +35,11 @@ pub const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("enginescope_thread_cpu_seconds", "counter", THREAD),
     ("enginescope_thread_gil_held_seconds", "counter", THREAD),
     ("enginescope_thread_gil_wait_seconds", "counter", THREAD),
+    (
+        "enginescope_thread_gil_switch_wait_seconds",
+        "counter",
+        THREAD,
+    ),
     ("enginescope_thread_offcpu_seconds", "counter", THREAD),
     (
         "enginescope_function_cpu_seconds",
@@ -170,6 +175,7 @@ pub struct Metrics {
     pub thread_cpu: Family<ThreadLabels, Seconds>,
     pub thread_gil_held: Family<ThreadLabels, Seconds>,
     pub thread_gil_wait: Family<ThreadLabels, Seconds>,
+    pub thread_gil_switch_wait: Family<ThreadLabels, Seconds>,
     pub thread_offcpu: Family<ThreadLabels, Seconds>,
     pub function_cpu: Family<FunctionLabels, Seconds>,
     pub samples: Family<ProcessLabels, Counter>,
@@ -202,6 +208,7 @@ impl Metrics {
             thread_cpu: Family::default(),
             thread_gil_held: Family::default(),
             thread_gil_wait: Family::default(),
+            thread_gil_switch_wait: Family::default(),
             thread_offcpu: Family::default(),
             function_cpu: Family::default(),
             samples: Family::default(),
@@ -243,6 +250,11 @@ impl Metrics {
             "enginescope_thread_gil_wait_seconds",
             "Time threads spent blocked waiting for the GIL (exact: futex waits, counted when each wait ends; a forced switch's handshake, the dropping thread waiting for the taker, is not a wait)",
             c.thread_gil_wait,
+        );
+        reg.register(
+            "enginescope_thread_gil_switch_wait_seconds",
+            "Time threads spent in forced-switch handshakes: asked to drop the GIL, the dropping thread waits until the taker has it (exact: futex waits on the switch condition, counted when each ends); report's and top's switch-wait column",
+            c.thread_gil_switch_wait,
         );
         reg.register(
             "enginescope_thread_offcpu_seconds",
@@ -719,14 +731,16 @@ impl Aggregator {
         }
         for g in std::mem::take(&mut r.gil_waits) {
             // A forced-switch handshake (the dropping thread waiting for the taker) is not a
-            // GIL wait, as in `report` and `top` (crate::accounting).
+            // GIL wait but a series of its own, as in `report` and `top` (crate::accounting).
             let a = ThreadAcc::of_gil_wait(&g, g.dur_ns, 1);
-            if a.gil_wait_ns == 0 {
-                continue;
-            }
-            let secs = a.gil_wait_ns as f64 / 1e9;
+            let (family, ns) = if g.switch_wait {
+                (self.m.thread_gil_switch_wait.clone(), a.switch_wait_ns)
+            } else {
+                (self.m.thread_gil_wait.clone(), a.gil_wait_ns)
+            };
+            let secs = ns as f64 / 1e9;
             let t = self.thread_labels(g.pid, g.tid, secs);
-            self.m.thread_gil_wait.get_or_create(&t).inc_by(secs);
+            family.get_or_create(&t).inc_by(secs);
         }
         for g in std::mem::take(&mut r.gc_pauses) {
             let p = self.process_labels(g.pid);
@@ -856,6 +870,7 @@ impl Aggregator {
             self.m.thread_cpu.remove(&l);
             self.m.thread_gil_held.remove(&l);
             self.m.thread_gil_wait.remove(&l);
+            self.m.thread_gil_switch_wait.remove(&l);
             self.m.thread_offcpu.remove(&l);
         }
         for l in self.functions.tick() {
@@ -869,6 +884,7 @@ impl Aggregator {
             self.m.thread_cpu.remove(&l);
             self.m.thread_gil_held.remove(&l);
             self.m.thread_gil_wait.remove(&l);
+            self.m.thread_gil_switch_wait.remove(&l);
             self.m.thread_offcpu.remove(&l);
         }
         for l in self.other_functions.expire(self.tick, idle) {
@@ -974,6 +990,16 @@ mod tests {
             waiter_stack: 0,
             switch_wait: false,
         });
+        r.gil_waits.push(GilWait {
+            pid: 10,
+            tid: 11,
+            start_ns: 0,
+            dur_ns: 20_000_000,
+            holder_tid: 0,
+            holder_stack: 0,
+            waiter_stack: 0,
+            switch_wait: true,
+        });
         for (g, d) in [(0i8, 200_000u64), (0, 300_000), (2, 30_000_000)] {
             r.gc_pauses.push(GcPause {
                 pid: 10,
@@ -1020,6 +1046,13 @@ mod tests {
         assert!((v(&format!("enginescope_thread_gil_held_seconds_total{th}")) - 0.4).abs() < 1e-9);
         assert!((v(&format!("enginescope_thread_offcpu_seconds_total{th}")) - 2.5).abs() < 1e-9);
         assert!((v(&format!("enginescope_thread_gil_wait_seconds_total{th}")) - 0.3).abs() < 1e-9);
+        assert!(
+            (v(&format!(
+                "enginescope_thread_gil_switch_wait_seconds_total{th}"
+            )) - 0.02)
+                .abs()
+                < 1e-9
+        );
         // A process outside any engine and a thread never named.
         assert!(
             (v(r#"enginescope_thread_cpu_seconds_total{engine="",role="pid20",thread="tid21"}"#)
