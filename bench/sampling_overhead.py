@@ -73,8 +73,9 @@ GNU_TIME = "/usr/bin/time"
 # --- configs ---------------------------------------------------------------------------------
 
 class Config:
-    def __init__(self, name, tool, rate, argv_fn):
+    def __init__(self, name, tool, rate, argv_fn, env=None):
         self.name = name
+        self.env = env or {}  # extra environment for the profiler
         self.tool = tool  # "none", "idle process (control)", "enginescope", "py-spy", ...
         self.rate = rate
         self.argv_fn = argv_fn  # (pid, duration, out) -> argv, or None for the baseline
@@ -97,6 +98,15 @@ def build_configs(args):
             Config("enginescope @%d" % rate, "enginescope", rate,
                    lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
                                                 "--rate", str(r), "-o", out]),
+            # Its parts, to see where a cost lands: sampling alone (what Austin and py-spy do),
+            # and the defaults with the kernel's BPF run-time statistics left off.
+            Config("enginescope sampling only @%d" % rate, "enginescope sampling only", rate,
+                   lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
+                                                "--rate", str(r), "-o", out, "--no-offcpu", "--no-gil", "--no-gc"]),
+            Config("enginescope no BPF stats @%d" % rate, "enginescope no BPF stats", rate,
+                   lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
+                                                "--rate", str(r), "-o", out],
+                   env={"ENGINESCOPE_BPF_STATS": "0"}),
             Config("enginescope --native @%d" % rate, "enginescope --native", rate,
                    lambda pid, d, out, r=rate: [args.enginescope, "record", "--pid", str(pid), "--duration", str(d),
                                                 "--rate", str(r), "-o", out, "--native"]),
@@ -328,6 +338,8 @@ def run_once(args, config, workdir, index):
             if config.tool.startswith("enginescope"):
                 # The kernel times enginescope's BPF programs (run in the target's context).
                 env = dict(os.environ, ENGINESCOPE_BPF_STATS="1")
+            if config.env:
+                env = dict(env or os.environ, **config.env)
             prof = spawn_measured(argv, log_path, rss_path, env)
             # A profiler that hangs is killed once the target's window is over, plus 10 s.
             killer = threading.Timer(window + 10, prof.kill)
@@ -639,7 +651,8 @@ def main():
     ap.add_argument("--enginescope", default=os.path.join(ROOT, "target/release/enginescope"))
     ap.add_argument("--peers", default="/opt/es-peers", help="venv with py-spy==0.4.3 and austin-dist<4")
     ap.add_argument("--only", help="comma-separated tools to run (none is always run): "
-                                   "enginescope,enginescope --native,py-spy,py-spy --native,"
+                                   "enginescope,enginescope sampling only,enginescope no BPF stats,"
+                                   "enginescope --native,py-spy,py-spy --native,"
                                    "py-spy --native (default rate),py-spy --nonblocking,austin")
     ap.add_argument("--seed", type=int, default=0, help="seed of the per-round shuffle")
     ap.add_argument("--baselines", type=int, default=2, help="baseline runs per round")

@@ -381,20 +381,16 @@ impl BpfSampler {
         drop(w);
     }
 
-    /// What one hit of a write watchpoint with `on_gc_write` attached costs the writing thread
-    /// here, ns: measured on a variable of our own (not a target, so the program returns at
-    /// once). A GC pause measured between two hits includes about one such cost (the exit of
-    /// the first trap and the entry of the second), which `record` subtracts.
-    pub fn watchpoint_cost_ns(&mut self) -> anyhow::Result<u64> {
-        Ok(self.watchpoint_costs_ns()?.hot)
-    }
-
-    /// What one watchpoint hit costs the writing thread here, ns, two ways ([`TrapCost`]):
-    /// alone (`hot`), and what it costs code that works on data of its own between hits
-    /// (`in_use`): a trap's path through the kernel (and, in a VM, the hypervisor) evicts
-    /// cache lines that code must then fetch again, which a loop of bare writes never pays.
-    /// On a real vLLM on an Intel VM, the throughput each trap cost was about twice `hot`.
-    pub fn watchpoint_costs_ns(&mut self) -> anyhow::Result<TrapCost> {
+    /// What one watchpoint hit costs the writing thread here, ns, two ways ([`TrapCost`]),
+    /// measured on a variable of our own (not a target, so the program returns at once):
+    /// alone (`hot`: a GC pause measured between two hits includes about one, which `record`
+    /// subtracts), and, with `in_use`, what it costs code that works on data of its own
+    /// between hits (a trap's path through the kernel, and in a VM the hypervisor, evicts
+    /// cache lines that code must then fetch again, which a loop of bare writes never pays; on
+    /// a real vLLM on an Intel VM the throughput each trap cost was about twice `hot`).
+    /// Without `in_use`, `in_use` is `hot`: its runs pass over a working set between writes
+    /// and cost the calling thread ~50-100 ms of CPU, which only the probe budget needs.
+    pub fn watchpoint_costs_ns(&mut self, in_use: bool) -> anyhow::Result<TrapCost> {
         static mut PROBE: u32 = 0;
         // Batches of writes timed on this thread's CPU clock (time the thread spends
         // preempted on a busy machine is not trap cost), the cheapest batch kept: a mean over
@@ -439,14 +435,14 @@ impl BpfSampler {
             std::hint::black_box(sum);
             best
         };
-        let (base, base_ws) = (write_n(false), write_n(true));
+        let (base, base_ws) = (write_n(false), if in_use { write_n(true) } else { 0 });
         // This thread (the one that writes below), not the process's main thread: `record`
         // may run on a thread of its own (top, demo, agent).
         // SAFETY: gettid has no preconditions.
         let me = unsafe { libc::gettid() };
         let w = Breakpoint::write(prog, me, addr as u64, 4)
             .map_err(|e| anyhow!("setting a calibration watchpoint: {e}"))?;
-        let (watched, watched_ws) = (write_n(false), write_n(true));
+        let (watched, watched_ws) = (write_n(false), if in_use { write_n(true) } else { 0 });
         drop(w);
         let hot = watched.saturating_sub(base) / N as u64;
         let in_use = (watched_ws.saturating_sub(base_ws) / N as u64).max(hot);

@@ -55,6 +55,9 @@ pub struct BpfSource {
     gc_uprobes: std::collections::HashMap<(u64, u64), SharedGcUprobes>,
     /// GC methods chosen, to write at the next collect.
     gc_methods_pending: Vec<GcMethodInfo>,
+    /// The calibrated watchpoint trap cost, measured once something will trap (a probe, or a
+    /// target's GC timed by a watchpoint), with its working-set figure when probes need it.
+    trap_cost: Option<crate::bpf::TrapCost>,
     /// Processes whose GC uprobes could not be attached (counter `gc_uprobe_attach_failures`).
     gc_uprobe_failures: u64,
     /// GC uprobe links still being closed by the helper when the recording ended (counter
@@ -112,6 +115,7 @@ impl BpfSource {
             weights: RuntimeWeights::new(1_000_000_000 / rate_hz.max(1) as u64),
             gc_uprobes: std::collections::HashMap::new(),
             gc_methods_pending: Vec::new(),
+            trap_cost: None,
             gc_uprobe_failures: 0,
             gc_uprobe_closes_pending: 0,
         })
@@ -274,9 +278,42 @@ impl BpfSource {
 
     /// Write the GC methods chosen since the last call and tell the pipeline which processes'
     /// pauses come from uprobes.
+    /// Time a watchpoint hit here, once (`in_use`: with its working-set figure too), and
+    /// give it to the pipeline (GC pauses) and the probes.
+    fn calibrate_traps(&mut self, pipe: &mut Pipeline, in_use: bool) {
+        if self.trap_cost.is_some() {
+            return;
+        }
+        let _s = crate::sys::steps::step("trap_calibration");
+        match self.b.watchpoint_costs_ns(in_use) {
+            Ok(c) => {
+                pipe.gc_trap_ns = c.hot;
+                self.probes.trap_ns = c.hot;
+                self.probes.budget_trap_ns = c.in_use;
+                self.trap_cost = Some(c);
+            }
+            Err(e) => {
+                // Not again for every target that needs it.
+                self.trap_cost = Some(crate::bpf::TrapCost { hot: 0, in_use: 0 });
+                if !self.tracing.quiet {
+                    eprintln!("enginescope: could not time a watchpoint hit: {e:#}")
+                }
+            }
+        }
+    }
+
     fn flush_gc_methods(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
         if self.gc_methods_pending.is_empty() {
             return Ok(());
+        }
+        // A GC watchpoint's pauses hold about one trap, which the pipeline subtracts: time
+        // one now if nothing has (targets whose GC is timed by uprobes never trap).
+        if self
+            .gc_methods_pending
+            .iter()
+            .any(|g| g.method == "watchpoint")
+        {
+            self.calibrate_traps(pipe, false);
         }
         let now = pipe.rel(monotonic_ns());
         for mut g in std::mem::take(&mut self.gc_methods_pending) {
@@ -664,21 +701,11 @@ impl Source for BpfSource {
                 failed.push((t.pid, e));
             }
         }
-        self.flush_gc_methods(pipe)?;
-        if self.tracing.gc || !self.probes.is_empty() {
-            let _s = crate::sys::steps::step("trap_calibration");
-            match self.b.watchpoint_costs_ns() {
-                Ok(c) => {
-                    pipe.gc_trap_ns = c.hot;
-                    self.probes.trap_ns = c.hot;
-                    self.probes.budget_trap_ns = c.in_use;
-                }
-                Err(e) if !self.tracing.quiet => {
-                    eprintln!("enginescope: could not time a watchpoint hit: {e:#}")
-                }
-                Err(_) => {}
-            }
+        if !self.probes.is_empty() {
+            // The working-set figure only where a budget sizes the probes' phases from it.
+            self.calibrate_traps(pipe, self.probes.budget() > 0.0);
         }
+        self.flush_gc_methods(pipe)?;
         if !self.probes.is_empty() && self.probes.budget() > 0.0 {
             // What holding watchpoints costs a thread per context switch: part of what the
             // budget sizes (a busy-wait loop yields thousands of times a second).
