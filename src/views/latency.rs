@@ -261,6 +261,168 @@ pub fn window_coverages(
         .collect()
 }
 
+/// 95% intervals of a row estimated from part of the window (an exact probe watched in
+/// phases, or taking turns for its thread's debug registers).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Uncertainty {
+    /// Calls in the span.
+    pub calls: [f64; 2],
+    /// p50 and p90, ms.
+    pub p50_ms: [f64; 2],
+    pub p90_ms: [f64; 2],
+    /// How the intervals were found: `phases` (a bootstrap over the watched phases, which
+    /// holds the load's swings between them) or `calls` (too few phases: Poisson counts and
+    /// the binomial ranks of the percentiles, as if the calls seen were drawn independently).
+    pub method: String,
+    /// Watched phases the calls came from.
+    pub phases: u32,
+}
+
+/// Fewest watched phases a bootstrap over phases is run on.
+const MIN_PHASES: usize = 8;
+/// Bootstrap replicates (the interval's ends are its 2.5th and 97.5th percentiles).
+const REPLICATES: usize = 400;
+
+/// SplitMix64: a fixed-seed generator, so that one recording always gives one report.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Weighted nearest-rank percentile of `calls` sorted by duration, each call's weight times
+/// its phase's multiplicity `mult`.
+fn weighted_pct(calls: &[(u64, f64, usize)], mult: &[f64], q: f64) -> Option<f64> {
+    let total: f64 = calls.iter().map(|&(_, w, k)| w * mult[k]).sum();
+    if total <= 0.0 {
+        return None;
+    }
+    let want = q * total - 1e-9;
+    let mut acc = 0.0;
+    for &(d, w, k) in calls {
+        acc += w * mult[k];
+        if acc >= want {
+            return Some(ms(d));
+        }
+    }
+    calls.last().map(|c| ms(c.0))
+}
+
+/// The value at quantile `q` of `v` (sorted in place).
+fn quantile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len().saturating_sub(1)) as f64 * q).round() as usize;
+    v.get(i).copied().unwrap_or(f64::NAN)
+}
+
+/// 95% intervals of an estimated row: `calls` are (start, duration, weight) of the calls
+/// timed on one (probe, thread), `cov` its coverage. With enough watched phases, a bootstrap
+/// that draws phases (not calls) with replacement: calls inside one phase share its load, so
+/// phases are the independent units, and a count scaled from them varies as their rates do.
+/// The spread is narrowed by the finite-population factor sqrt(1 - share) (a probe watched
+/// all the time has no sampling error). Deterministic (a fixed seed).
+pub fn uncertainty(calls: &[(u64, u64, f64)], cov: &Coverage) -> Option<Uncertainty> {
+    if calls.is_empty() {
+        return None;
+    }
+    let share = cov.share().clamp(0.0, 1.0);
+    let fpc = (1.0 - share).max(0.0).sqrt();
+    let est: f64 = calls.iter().map(|c| c.2).sum();
+    // Each call's phase: the watched interval holding its start.
+    let phase_of = |start: u64| {
+        cov.intervals
+            .iter()
+            .position(|&(a, b)| start >= a && start < b)
+    };
+    let mut sorted: Vec<(u64, f64, usize)> = calls
+        .iter()
+        .map(|&(s, d, w)| (d, w, phase_of(s).unwrap_or(0)))
+        .collect();
+    sorted.sort_unstable_by_key(|c| c.0);
+    let k = cov.intervals.len().max(1);
+    let ones = vec![1.0; k];
+    let p50 = weighted_pct(&sorted, &ones, 0.5)?;
+    let p90 = weighted_pct(&sorted, &ones, 0.9)?;
+    // The point estimate plus the replicates' spread around their own centre, narrowed.
+    let around = |point: f64, reps: &mut [f64]| -> [f64; 2] {
+        let (lo, mid, hi) = (
+            quantile(reps, 0.025),
+            quantile(reps, 0.5),
+            quantile(reps, 0.975),
+        );
+        [
+            (point - (mid - lo) * fpc).max(0.0),
+            point + (hi - mid) * fpc,
+        ]
+    };
+    if cov.intervals.len() >= MIN_PHASES {
+        let len: Vec<f64> = cov.intervals.iter().map(|&(a, b)| (b - a) as f64).collect();
+        let watched: f64 = len.iter().sum();
+        let mut rng = SplitMix(0x5EED ^ calls.len() as u64 ^ (cov.span_ns << 1));
+        let (mut rc, mut r50, mut r90) = (Vec::new(), Vec::new(), Vec::new());
+        let mut mult = vec![0.0; k];
+        for _ in 0..REPLICATES {
+            mult.iter_mut().for_each(|m| *m = 0.0);
+            for _ in 0..k {
+                mult[rng.below(k)] += 1.0;
+            }
+            let w_b: f64 = len.iter().zip(&mult).map(|(l, m)| l * m).sum();
+            if w_b <= 0.0 {
+                continue;
+            }
+            let n_b: f64 = sorted.iter().map(|&(_, w, i)| w * mult[i]).sum();
+            rc.push(n_b * watched / w_b);
+            if let (Some(a), Some(b)) = (
+                weighted_pct(&sorted, &mult, 0.5),
+                weighted_pct(&sorted, &mult, 0.9),
+            ) {
+                r50.push(a);
+                r90.push(b);
+            }
+        }
+        if rc.len() >= REPLICATES / 2 && !r50.is_empty() {
+            return Some(Uncertainty {
+                calls: around(est, &mut rc),
+                p50_ms: around(p50, &mut r50),
+                p90_ms: around(p90, &mut r90),
+                method: "phases".into(),
+                phases: cov.intervals.len() as u32,
+            });
+        }
+    }
+    // Few phases: the calls as independent draws. The count is Poisson in the calls seen,
+    // scaled by the share; a percentile's interval is between the order statistics at the
+    // binomial ranks n q -/+ 1.96 sqrt(n q (1 - q)).
+    let n = calls.len() as f64;
+    let dn = 1.96 * n.sqrt() * fpc * est / n;
+    let ranks = |q: f64| {
+        let sd = 1.96 * (n * q * (1.0 - q)).sqrt() * fpc;
+        let at = |r: f64| {
+            let i = (r.round().clamp(1.0, n) as usize).saturating_sub(1);
+            ms(sorted[i.min(sorted.len() - 1)].0)
+        };
+        [at(n * q - sd), at(n * q + sd)]
+    };
+    let (a50, a90) = (ranks(0.5), ranks(0.9));
+    Some(Uncertainty {
+        calls: [(est - dn).max(0.0), est + dn],
+        p50_ms: [a50[0].min(p50), a50[1].max(p50)],
+        p90_ms: [a90[0].min(p90), a90[1].max(p90)],
+        method: "calls".into(),
+        phases: cov.intervals.len() as u32,
+    })
+}
+
 /// Calls of one window.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct LatencyPoint {
@@ -307,6 +469,9 @@ pub struct FunctionLatencyRow {
     pub coverage: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calls_observed: Option<u64>,
+    /// With `coverage`: 95% intervals of `calls` and of the p50 and p90 ([`Uncertainty`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uncertainty: Option<Uncertainty>,
     /// A probe attached after the window's start (a process or thread that came later, a
     /// probe found late): when its figures begin, s since the recording's start, and the
     /// share of the window from then on (`method` reads `exact, from 2.5 s (75% of the
@@ -371,12 +536,21 @@ pub fn function_latency(
     let mut by_key: BTreeMap<RowKey, Vec<WeightedCall>> = BTreeMap::new();
     let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
     let mut row_cov: BTreeMap<(u32, i32, i32), f64> = BTreeMap::new();
+    // Per row, its exact probe's coverage and the (start, duration, weight) of the calls it
+    // timed: what the row's intervals are estimated from.
+    let mut row_timed: BTreeMap<RowKey, (&Coverage, Vec<WeightedCall>)> = BTreeMap::new();
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
         let key = (row_of(c.probe), c.pid, c.tid);
         let weight = match cov.get(&(c.probe, c.tid)) {
             Some(k) => {
                 row_cov.entry(key).or_insert_with(|| k.share());
-                k.weight(c.dur_ns)
+                let w = k.weight(c.dur_ns);
+                row_timed
+                    .entry(key)
+                    .or_insert_with(|| (k, Vec::new()))
+                    .1
+                    .push((c.start_ns, c.dur_ns, w));
+                w
             }
             None => 1.0,
         };
@@ -483,6 +657,10 @@ pub fn function_latency(
                     .collect(),
                 coverage,
                 calls_observed: coverage.map(|_| calls.len() as u64),
+                uncertainty: row_timed
+                    .get(&(probe, pid, tid))
+                    .filter(|_| coverage.is_some())
+                    .and_then(|(k, timed)| uncertainty(timed, k)),
                 from_s: late.map(|_| secs(attached)),
                 window_share: late,
             })
@@ -617,6 +795,21 @@ mod tests {
         assert_eq!(r.method, "exact, 90% of the window");
         assert_eq!((r.calls, r.calls_observed), (100, Some(90)));
         assert!((r.coverage.unwrap() - 0.9).abs() < 1e-9);
+        // Two phases: intervals from the calls as independent draws, around the estimate,
+        // narrowed for a window watched 90% of the time.
+        let u = r
+            .uncertainty
+            .as_ref()
+            .expect("an estimate carries its interval");
+        assert_eq!((u.method.as_str(), u.phases), ("calls", 2));
+        assert!(u.calls[0] < 100.0 && 100.0 < u.calls[1], "{u:?}");
+        assert!(u.calls[1] - u.calls[0] < 20.0, "{u:?}");
+        // Every call lasts 1 µs: the percentiles' intervals are that value.
+        assert_eq!((u.p50_ms, u.p90_ms), ([0.001, 0.001], [0.001, 0.001]));
+        // The Markdown row says so.
+        let md = crate::views::report::Report::build(&rec, &Selection::all(&rec)).to_markdown();
+        assert!(md.contains("| ~ 100 ±"), "{md}");
+        assert!(md.contains("0.001 ±0.000"), "{md}");
     }
 
     #[test]
@@ -674,5 +867,114 @@ mod tests {
             late_method("exact", 5 * s / 2, 0.75, Some(0.8)),
             "exact, from 2.5 s (75% of the window), watched 80% of it"
         );
+    }
+
+    /// A synthetic engine: calls back to back whose durations follow a load that swings
+    /// between phases of the engine's own (slow and fast stretches), watched in on-phases of
+    /// 250 ms for `share` of 30 s. Returns (every call's (start, dur), the coverage).
+    fn swinging_engine(seed: u64, share: f64) -> (Vec<(u64, u64)>, Coverage) {
+        let mut rng = SplitMix(seed);
+        let span = 30_000_000_000u64;
+        let mut calls = Vec::new();
+        let mut t = 0u64;
+        while t < span {
+            // The load changes every ~700 ms (not in step with the watch phases).
+            let stretch = t / 700_000_000;
+            let slow = SplitMix(seed ^ stretch.wrapping_mul(0x9E37))
+                .next()
+                .is_multiple_of(3);
+            let base = if slow { 4_000_000 } else { 2_000_000 };
+            let d = base + rng.next() % 1_000_000;
+            calls.push((t, d));
+            t += d + 200_000;
+        }
+        let on = 250_000_000u64;
+        let cycle = (on as f64 / share) as u64;
+        let offset = rng.next() % cycle;
+        let intervals: Vec<(u64, u64)> = (0..)
+            .map(|i| offset + i * cycle)
+            .take_while(|&a| a < span)
+            .map(|a| (a, (a + on).min(span)))
+            .collect();
+        (
+            calls,
+            Coverage {
+                span_ns: span,
+                intervals,
+            },
+        )
+    }
+
+    #[test]
+    fn estimated_rows_carry_intervals_that_cover_the_truth() {
+        // Over many simulated recordings, the 95% intervals of the count, the p50 and the
+        // p90 cover what every call says in at least 85% of them (a method that ignored the
+        // load's swings between phases, or the weights, would cover far less), and narrow as
+        // more of the window is watched.
+        let mut last_width = 1.0;
+        for share in [0.1, 0.3, 0.7] {
+            let (mut hit_n, mut hit_50, mut hit_90, mut runs) = (0, 0, 0, 0);
+            let mut width = Vec::new();
+            for seed in 1..=40u64 {
+                let (all, cov) = swinging_engine(seed * 7919, share);
+                let timed: Vec<(u64, u64, f64)> = all
+                    .iter()
+                    .filter(|&&(st, d)| cov.intervals.iter().any(|&(a, b)| st >= a && st + d <= b))
+                    .map(|&(st, d)| (st, d, cov.weight(d)))
+                    .collect();
+                let u = uncertainty(&timed, &cov).expect("an interval");
+                assert_eq!(u.method, "phases");
+                let mut durs: Vec<u64> = all.iter().map(|c| c.1).collect();
+                let truth = LatencyMs::of(&mut durs).unwrap();
+                let n = all.len() as f64;
+                let inside = |v: f64, ci: [f64; 2]| ci[0] <= v && v <= ci[1];
+                runs += 1;
+                hit_n += inside(n, u.calls) as u32;
+                hit_50 += inside(truth.p50, u.p50_ms) as u32;
+                hit_90 += inside(truth.p90, u.p90_ms) as u32;
+                width.push((u.calls[1] - u.calls[0]) / n);
+            }
+            width.sort_by(|a, b| a.total_cmp(b));
+            let median_width = width[width.len() / 2];
+            eprintln!(
+                "share {share}: covered calls {hit_n}, p50 {hit_50}, p90 {hit_90} of {runs}; median width {:.1}% of the calls",
+                median_width * 100.0
+            );
+            // Narrower as more of the window is watched.
+            assert!(
+                median_width < last_width,
+                "share {share}: width {median_width} not below {last_width}"
+            );
+            last_width = median_width;
+            for (what, hit) in [("calls", hit_n), ("p50", hit_50), ("p90", hit_90)] {
+                assert!(
+                    hit as f64 >= 0.85 * runs as f64,
+                    "share {share}: {what} covered in {hit} of {runs}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn few_phases_fall_back_to_independent_calls() {
+        let cov = Coverage {
+            span_ns: 10_000_000_000,
+            intervals: vec![(0, 1_000_000_000), (5_000_000_000, 6_000_000_000)],
+        };
+        let timed: Vec<(u64, u64, f64)> = (0..200u64)
+            .map(|i| {
+                let st = if i < 100 {
+                    i * 9_000_000
+                } else {
+                    5_000_000_000 + (i - 100) * 9_000_000
+                };
+                (st, 1_000_000 + i * 1_000, cov.weight(1_000_000))
+            })
+            .collect();
+        let u = uncertainty(&timed, &cov).unwrap();
+        assert_eq!((u.method.as_str(), u.phases), ("calls", 2));
+        let est: f64 = timed.iter().map(|c| c.2).sum();
+        assert!(u.calls[0] < est && est < u.calls[1], "{u:?} around {est}");
+        assert!(u.p50_ms[0] <= u.p50_ms[1]);
     }
 }

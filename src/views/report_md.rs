@@ -520,9 +520,23 @@ impl Report {
         let _ = writeln!(s, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|");
         for f in &self.function_latency {
             let l = &f.latency_ms;
+            // An estimate says how sure it is: ± the larger side of its 95% interval.
+            let pm = |v: f64, ci: Option<[f64; 2]>, prec: usize| match ci {
+                Some([lo, hi]) => format!("{v:.prec$} ±{:.prec$}", (v - lo).max(hi - v).max(0.0)),
+                None => format!("{v:.prec$}"),
+            };
+            let u = f.uncertainty.as_ref();
+            let calls = match u {
+                Some(u) => format!(
+                    "{} ±{:.0}",
+                    f.calls,
+                    (f.calls as f64 - u.calls[0]).max(u.calls[1] - f.calls as f64)
+                ),
+                None => f.calls.to_string(),
+            };
             let _ = writeln!(
                 s,
-                "| {} ({}) | {} (tid {}, pid {}) | {}{} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
+                "| {} ({}) | {} (tid {}, pid {}) | {}{} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
                 md(&f.function),
                 md(short_file(&f.file)),
                 md(if f.thread.is_empty() { "thread" } else { &f.thread }),
@@ -537,10 +551,10 @@ impl Report {
                 } else {
                     "≥ "
                 },
-                f.calls,
+                calls,
                 f.calls_per_s,
-                l.p50,
-                l.p90,
+                pm(l.p50, u.map(|u| u.p50_ms), 3),
+                pm(l.p90, u.map(|u| u.p90_ms), 3),
                 l.p99,
                 l.max,
                 l.mean,
@@ -551,11 +565,15 @@ impl Report {
         if let Some(f) = self.function_latency.iter().find(|f| f.estimated()) {
             let _ = writeln!(
                 s,
-                "\nRows `exact, N% of the window` are probes that took turns with others for \
-                 their thread's debug registers: every call was timed while the probe was \
+                "\nRows `exact, N% of the window` are probes watched for part of the window \
+                 (the probe budget's on-phases, or turns with other probes for their thread's \
+                 debug registers): every call was timed while the probe was \
                  watched ({} of {} here for {}), and counts marked ~ are estimates scaled to \
                  the whole window (longer calls, which straddle a switch more often, weigh \
-                 more); percentiles are weighted the same way.",
+                 more); percentiles are weighted the same way. ± is the 95% interval's larger \
+                 side (a bootstrap over the watched phases; with fewer than 8 phases, over the \
+                 calls as independent draws): sampling error only, not the probe's own cost \
+                 inside a call.",
                 f.calls_observed.unwrap_or(0),
                 f.calls,
                 md(&f.function)

@@ -86,6 +86,12 @@ pub fn probe_truth(
             _ => {}
         }
     }
+    let mut breakdown = String::from(
+        "| probe | process | watched | truth calls wholly inside the watched time → timed | truth calls/s watched / not | truth p50 watched / not | timed p50 |\n|---|---|---:|---|---|---|---|\n",
+    );
+    let mut phase_pos = String::from(
+        "| probe | process | 0-50 ms | 50-100 | 100-150 | 150-200 | 200-250 | later |\n|---|---|---|---|---|---|---|---|\n",
+    );
     for (row, (pid, role, function)) in rows.iter().enumerate() {
         let (pid, role, function) = (*pid, *role, function.as_str());
         // The six defaults fit the threads' registers: none may take turns.
@@ -151,6 +157,64 @@ pub fn probe_truth(
                 share * 100.0
             )];
         }
+        if !rotated.is_empty() {
+            // Where an estimate's error comes from: the truth's calls that lie wholly inside
+            // the probe's watched time (what a perfect watcher under this schedule would have
+            // timed) against the calls timed there, and the truth's rate and p50 inside that
+            // time against outside it (the watch, or the schedule, picking other calls).
+            let end = rec.end.as_ref().map_or(t1 - t_start, |e| e.duration_ns);
+            let iv = enginescope::views::latency::watch_intervals(rec, end);
+            let watched: Vec<(u64, u64)> = iv
+                .iter()
+                .filter(|((p, _), _)| ids.contains(p))
+                .flat_map(|(_, v)| v.iter())
+                .map(|&(a, b)| ((t_start + a).max(w0), (t_start + b).min(t1)))
+                .filter(|(a, b)| b > a)
+                .collect();
+            let on_ns: u64 = watched.iter().map(|(a, b)| b - a).sum();
+            let off_ns = (t1 - w0).saturating_sub(on_ns);
+            let whole = |c: &(u64, u64)| watched.iter().any(|&(a, b)| c.0 >= a && c.0 + c.1 <= b);
+            let starts_in = |c: &(u64, u64)| watched.iter().any(|&(a, b)| c.0 >= a && c.0 < b);
+            let mut t_in: Vec<u64> = truth
+                .iter()
+                .filter(|c| inside(c.0) && whole(c))
+                .map(|c| c.1)
+                .collect();
+            let n_start_in = truth.iter().filter(|c| inside(c.0) && starts_in(c)).count();
+            let mut t_out: Vec<u64> = truth
+                .iter()
+                .filter(|c| inside(c.0) && !starts_in(c))
+                .map(|c| c.1)
+                .collect();
+            let mut m_in: Vec<u64> = m.clone();
+            // The truth's p50 by where in its on-phase a call starts (50 ms bins): a watch
+            // that disturbs the engine when it begins shows at the phases' starts.
+            let mut bins: Vec<Vec<u64>> = vec![Vec::new(); 6];
+            for c in truth.iter().filter(|c| inside(c.0)) {
+                if let Some(&(a, _)) = watched.iter().find(|&&(a, b)| c.0 >= a && c.0 < b) {
+                    bins[(((c.0 - a) / 50_000_000) as usize).min(5)].push(c.1);
+                }
+            }
+            let by_pos: Vec<String> = bins
+                .iter_mut()
+                .map(|b| format!("{} @ {:.3}", b.len(), pctl(b, 0.5) / 1e6))
+                .collect();
+            phase_pos.push_str(&format!(
+                "| {function} | {role} | {} |\n",
+                by_pos.join(" | ")
+            ));
+            breakdown.push_str(&format!(
+                "| {function} | {role} | {:.1}% | {} ({} start there) → {timed} | {:.0} / {:.0} | {:.3} / {:.3} ms | {:.3} ms |\n",
+                on_ns as f64 / (t1 - w0) as f64 * 100.0,
+                t_in.len(),
+                n_start_in,
+                n_start_in as f64 / (on_ns.max(1) as f64 / 1e9),
+                t_out.len() as f64 / (off_ns.max(1) as f64 / 1e9),
+                pctl(&mut t_in, 0.5) / 1e6,
+                pctl(&mut t_out, 0.5) / 1e6,
+                pctl(&mut m_in, 0.5) / 1e6,
+            ));
+        }
         let (t50, t90) = (pctl(&mut t, 0.5), pctl(&mut t, 0.9));
         table.push_str(&format!(
             "| {function} | {role} | {} → {:.0} | {:.3} → {:.3} ms | {:.3} → {:.3} ms | {} |\n",
@@ -187,6 +251,14 @@ pub fn probe_truth(
                 "{role} {function}: p50 {m50} vs {t50}, p90 {m90} vs {t90}"
             ));
         }
+    }
+    if breakdown.lines().count() > 2 {
+        table.push_str("\nProbes watched part of the window, against the truth inside and outside their watched time:\n\n");
+        table.push_str(&breakdown);
+        table.push_str(
+            "\nThe truth's calls (count @ p50 ms) by where in an on-phase they start:\n\n",
+        );
+        table.push_str(&phase_pos);
     }
     (table, failures)
 }
