@@ -535,6 +535,8 @@ pub struct Probes {
     /// Watchpoints set or removed, and the recording loop's time doing it.
     pub switches: u64,
     pub switch_ns: u64,
+    /// The longest of them.
+    pub switch_max_ns: u64,
     /// Watchpoint writes outside any watched interval (before its start was stamped, or
     /// drained after its watch was removed): not timed.
     pub late_hits: u64,
@@ -588,6 +590,7 @@ impl Probes {
             switch_cost: crate::bpf::SwitchCost::default(),
             switches: 0,
             switch_ns: 0,
+            switch_max_ns: 0,
             late_hits: 0,
             watched_switches: 0,
             watched_switch_ns: 0,
@@ -817,8 +820,7 @@ impl Probes {
         let seed = read_refcnt(proc, p.refcnt);
         let t = std::time::Instant::now();
         let ls = attach_all(b, tid, &p);
-        self.switch_ns += t.elapsed().as_nanos() as u64;
-        self.switches += 1;
+        self.note_switch(t);
         let ls = ls?;
         // The watched interval begins once the watch is surely set.
         let set_ns = crate::sys::monotonic_ns().max(now_abs);
@@ -860,14 +862,43 @@ impl Probes {
         for l in ls {
             b.unwatch_refcount(l);
         }
-        self.switch_ns += t.elapsed().as_nanos() as u64;
-        self.switches += 1;
+        self.note_switch(t);
         self.edges.push(ProbeWatch {
             t_ns: now_abs,
             probe: i as u32,
             tid,
             on: false,
         });
+    }
+
+    /// One watchpoint set or removed, begun at `t`: counted, with the loop's time doing it.
+    fn note_switch(&mut self, t: std::time::Instant) {
+        let ns = t.elapsed().as_nanos() as u64;
+        self.switch_ns += ns;
+        self.switch_max_ns = self.switch_max_ns.max(ns);
+        self.switches += 1;
+    }
+
+    /// Thread `tid`'s probes span its whole life, watched or not: where the recording ends
+    /// or the thread exits while a probe that wants it is unwatched (an off-phase of the
+    /// budget, or its turn at the registers not come), an `off` edge with no watch open marks
+    /// that its span runs to here (`report` scales its calls to the span; without it the span
+    /// ended at the last watch and a count covered part of the window that it claimed whole).
+    fn mark_span_end(&mut self, tid: i32, now_abs: u64) {
+        let Some(r) = self.regs.get(&tid) else {
+            return;
+        };
+        for &i in &r.want {
+            if self.active[i].links.contains_key(&tid) || self.active[i].retired {
+                continue;
+            }
+            self.edges.push(ProbeWatch {
+                t_ns: now_abs,
+                probe: i as u32,
+                tid,
+                on: false,
+            });
+        }
     }
 
     /// Thread `tid`'s watchpoints change by `delta`: the switches it made holding the ones
@@ -1302,6 +1333,7 @@ impl Probes {
             b.unwatch_gc_thread(l);
         }
         let now = crate::sys::monotonic_ns();
+        self.mark_span_end(tid, now);
         for i in 0..self.active.len() {
             if self.active[i].links.contains_key(&tid) {
                 self.watch_off(b, tid, i, now, false);
@@ -1560,6 +1592,10 @@ impl Probes {
                 b.unwatch_gc_thread(l);
             }
             let now = crate::sys::monotonic_ns();
+            let tids: Vec<i32> = self.regs.keys().copied().collect();
+            for tid in tids {
+                self.mark_span_end(tid, now);
+            }
             for i in 0..self.active.len() {
                 let tids: Vec<i32> = self.active[i].links.keys().copied().collect();
                 for tid in tids {
@@ -1607,6 +1643,7 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     );
     out.insert("probe_watch_switches".into(), v(|p| p.switches));
     out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
+    out.insert("probe_watch_switch_max_ns".into(), v(|p| p.switch_max_ns));
     out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
     out.insert("probe_watched_switches".into(), v(|p| p.watched_switches));
     out.insert("probe_watched_switch_ns".into(), v(|p| p.watched_switch_ns));

@@ -205,12 +205,18 @@ impl Coverage {
 fn spans(rec: &Recording, end_ns: u64) -> impl Iterator<Item = ((u32, i32), Coverage)> {
     let iv = watch_intervals(rec, end_ns);
     // A thread's span ends at its last watch edge (all of its watches end together when it
-    // exits or the recording ends), or at the end when one is still on.
+    // exits or the recording ends, and a probe unwatched then gets an `off` edge with no
+    // watch open, which marks the span's end), or at the end when one is still on.
     let mut thread_end: BTreeMap<i32, u64> = BTreeMap::new();
     for ((_, tid), v) in &iv {
         let e = v.iter().map(|&(_, b)| b).max().unwrap_or(0);
         let t = thread_end.entry(*tid).or_insert(0);
         *t = (*t).max(e);
+    }
+    for w in &rec.probe_watches {
+        if let Some(t) = thread_end.get_mut(&w.tid) {
+            *t = (*t).max(w.t_ns);
+        }
     }
     iv.into_iter().filter_map(move |((probe, tid), intervals)| {
         let first = intervals.iter().map(|&(a, _)| a).min()?;
@@ -271,15 +277,34 @@ pub struct Uncertainty {
     pub p50_ms: [f64; 2],
     pub p90_ms: [f64; 2],
     /// How the intervals were found: `phases` (a bootstrap over the watched phases, which
-    /// holds the load's swings between them) or `calls` (too few phases: Poisson counts and
-    /// the binomial ranks of the percentiles, as if the calls seen were drawn independently).
+    /// holds the load's swings between them) or `calls` (one or two phases: Poisson counts
+    /// and the binomial ranks of the percentiles, as if the calls seen were drawn
+    /// independently, which understates the error under a swinging load).
     pub method: String,
     /// Watched phases the calls came from.
     pub phases: u32,
 }
 
 /// Fewest watched phases a bootstrap over phases is run on.
-const MIN_PHASES: usize = 8;
+const MIN_PHASES: usize = 3;
+
+/// How much wider than a bootstrap's 95% spread an interval from `k` phases is drawn: the
+/// Student t quantile over the normal one with k - 1 degrees of freedom, times sqrt(k/(k-1))
+/// (a percentile bootstrap over few clusters is too narrow by about both).
+fn small_sample_factor(k: usize) -> f64 {
+    const T975: [f64; 10] = [
+        12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    ];
+    let df = k.saturating_sub(1).max(1);
+    let t = match df {
+        1..=10 => T975[df - 1],
+        11..=15 => 2.16,
+        16..=20 => 2.10,
+        21..=30 => 2.06,
+        _ => 1.96,
+    };
+    t / 1.96 * (k as f64 / df as f64).sqrt()
+}
 /// Bootstrap replicates (the interval's ends are its 2.5th and 97.5th percentiles).
 const REPLICATES: usize = 400;
 
@@ -328,15 +353,19 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
 /// 95% intervals of an estimated row: `calls` are (start, duration, weight) of the calls
 /// timed on one (probe, thread), `cov` its coverage. With enough watched phases, a bootstrap
 /// that draws phases (not calls) with replacement: calls inside one phase share its load, so
-/// phases are the independent units, and a count scaled from them varies as their rates do.
+/// phases are the independent units, and a count scaled from them varies as their rates do
+/// (an engine whose rate swings 3x between seconds, watched in five 250 ms phases, has a count
+/// error of tens of percent that the calls' own Poisson error, a few percent, does not show).
 /// The spread is narrowed by the finite-population factor sqrt(1 - share) (a probe watched
-/// all the time has no sampling error). Deterministic (a fixed seed).
+/// all the time has no sampling error) and widened for few phases ([`small_sample_factor`]).
+/// Deterministic (a fixed seed).
 pub fn uncertainty(calls: &[(u64, u64, f64)], cov: &Coverage) -> Option<Uncertainty> {
     if calls.is_empty() {
         return None;
     }
     let share = cov.share().clamp(0.0, 1.0);
     let fpc = (1.0 - share).max(0.0).sqrt();
+    let widen = fpc * small_sample_factor(cov.intervals.len());
     let est: f64 = calls.iter().map(|c| c.2).sum();
     // Each call's phase: the watched interval holding its start.
     let phase_of = |start: u64| {
@@ -361,8 +390,8 @@ pub fn uncertainty(calls: &[(u64, u64, f64)], cov: &Coverage) -> Option<Uncertai
             quantile(reps, 0.975),
         );
         [
-            (point - (mid - lo) * fpc).max(0.0),
-            point + (hi - mid) * fpc,
+            (point - (mid - lo) * widen).max(0.0),
+            point + (hi - mid) * widen,
         ]
     };
     if cov.intervals.len() >= MIN_PHASES {
@@ -391,8 +420,23 @@ pub fn uncertainty(calls: &[(u64, u64, f64)], cov: &Coverage) -> Option<Uncertai
             }
         }
         if rc.len() >= REPLICATES / 2 && !r50.is_empty() {
+            // The count: a total over K phases (clusters), each phase's weighted calls
+            // against its share of the estimate by length; Var = K/(K-1) * sum of squared
+            // residuals, and a Student t interval.
+            let kf = k as f64;
+            let mut per_phase = vec![0.0; k];
+            for &(_, w, i) in &sorted {
+                per_phase[i] += w;
+            }
+            let ss: f64 = per_phase
+                .iter()
+                .zip(&len)
+                .map(|(z, l)| (z - est * l / watched).powi(2))
+                .sum();
+            let t = small_sample_factor(k) * 1.96 / (kf / (kf - 1.0)).sqrt();
+            let half = t * (kf / (kf - 1.0) * ss).sqrt() * fpc;
             return Some(Uncertainty {
-                calls: around(est, &mut rc),
+                calls: [(est - half).max(0.0), est + half],
                 p50_ms: around(p50, &mut r50),
                 p90_ms: around(p90, &mut r90),
                 method: "phases".into(),
@@ -813,6 +857,69 @@ mod tests {
     }
 
     #[test]
+    fn a_span_runs_to_its_end_mark_through_an_off_phase() {
+        use crate::record::{FunctionCall, ProbeWatch};
+        let mut rec = Recording::default();
+        rec.probes.push(ProbeInfo {
+            id: 0,
+            pid: 1,
+            function: "f".into(),
+            method: "exact".into(),
+            ..Default::default()
+        });
+        let s = 1_000_000_000u64;
+        // Watched [0, 1 s) and [4 s, 5 s), in an off-phase when the recording ended at 10 s:
+        // the recorder marks the span's end with an off edge no watch is open for.
+        for (t, on) in [
+            (0, true),
+            (s, false),
+            (4 * s, true),
+            (5 * s, false),
+            (10 * s, false),
+        ] {
+            rec.probe_watches.push(ProbeWatch {
+                t_ns: t,
+                probe: 0,
+                tid: 10,
+                on,
+            });
+        }
+        for i in 0..20u64 {
+            let start = if i < 10 {
+                i * s / 10
+            } else {
+                4 * s + (i - 10) * s / 10
+            };
+            rec.calls.push(FunctionCall {
+                probe: 0,
+                pid: 1,
+                tid: 10,
+                start_ns: start,
+                dur_ns: 1000,
+            });
+        }
+        rec.threads.push(crate::record::ThreadInfo {
+            pid: 1,
+            tid: 10,
+            name: "t".into(),
+            ..Default::default()
+        });
+        let w = Windows::new(10 * s, 10 * s);
+        let rows = function_latency(&rec, &Selection::all(&rec), &w);
+        let r = &rows[0];
+        // 20% of a 10 s span: 100 calls, not 20% of the 5 s up to the last watch (50).
+        assert_eq!(r.method, "exact, 20% of the window");
+        assert_eq!(r.calls, 100);
+        // Without the mark (an older recording), the span ends at the last watch.
+        rec.probe_watches.pop();
+        let rows = function_latency(&rec, &Selection::all(&rec), &w);
+        assert_eq!(
+            (rows[0].calls, rows[0].method.as_str()),
+            (50, "exact, 40% of the window")
+        );
+    }
+
+    #[test]
     fn late_probe_rows_say_from_when_and_are_not_scaled() {
         use crate::record::{FunctionCall, ProbeWatch};
         let s = 1_000_000_000u64;
@@ -911,8 +1018,9 @@ mod tests {
         // p90 cover what every call says in at least 85% of them (a method that ignored the
         // load's swings between phases, or the weights, would cover far less), and narrow as
         // more of the window is watched.
-        let mut last_width = 1.0;
-        for share in [0.1, 0.3, 0.7] {
+        let mut last_width = f64::INFINITY;
+        // 0.05: six phases of 250 ms in 30 s, the default budget's share on a busy engine.
+        for share in [0.05, 0.1, 0.3, 0.7] {
             let (mut hit_n, mut hit_50, mut hit_90, mut runs) = (0, 0, 0, 0);
             let mut width = Vec::new();
             for seed in 1..=40u64 {
@@ -946,9 +1054,13 @@ mod tests {
                 "share {share}: width {median_width} not below {last_width}"
             );
             last_width = median_width;
+            // Six phases (5%) of a load that is either slow or fast per 700 ms: a skewed
+            // sample too small for any interval to hold 95%; measured 80-83% there, 92-100%
+            // from twelve phases on.
+            let floor = if share < 0.1 { 0.75 } else { 0.85 };
             for (what, hit) in [("calls", hit_n), ("p50", hit_50), ("p90", hit_90)] {
                 assert!(
-                    hit as f64 >= 0.85 * runs as f64,
+                    hit as f64 >= floor * runs as f64,
                     "share {share}: {what} covered in {hit} of {runs}"
                 );
             }

@@ -571,7 +571,7 @@ impl Report {
                  watched ({} of {} here for {}), and counts marked ~ are estimates scaled to \
                  the whole window (longer calls, which straddle a switch more often, weigh \
                  more); percentiles are weighted the same way. ± is the 95% interval's larger \
-                 side (a bootstrap over the watched phases; with fewer than 8 phases, over the \
+                 side (a bootstrap over the watched phases, widened for few of them; with one or two, over the \
                  calls as independent draws): sampling error only, not the probe's own cost \
                  inside a call.",
                 f.calls_observed.unwrap_or(0),
