@@ -89,6 +89,9 @@ pub fn probe_truth(
     let mut breakdown = String::from(
         "| probe | process | watched | truth calls wholly inside the watched time → timed | truth calls/s watched / not | truth p50 watched / not | timed p50 |\n|---|---|---:|---|---|---|---|\n",
     );
+    let mut intervals = String::from(
+        "| probe | process | phases | calls 95% | p50 ms 95% | p90 ms 95% |\n|---|---|---:|---|---|---|\n",
+    );
     let mut phase_pos = String::from(
         "| probe | process | 0-50 ms | 50-100 | 100-150 | 150-200 | 200-250 | later |\n|---|---|---|---|---|---|---|---|\n",
     );
@@ -149,6 +152,18 @@ pub fn probe_truth(
                 l.as_ref().map_or(f64::NAN, |l| l.p90 * 1e6),
             )
         };
+        // The report's 95% intervals for this window (one thread per probe here).
+        let interval = ids.iter().find_map(|id| {
+            let (key, cv) = cov.iter().find(|((p, _), _)| p == id)?;
+            let timed: Vec<(u64, u64, f64)> = rec
+                .calls
+                .iter()
+                .filter(|c| c.probe == *id && c.tid == key.1)
+                .filter(|c| inside(t_start + c.start_ns))
+                .map(|c| (c.start_ns, c.dur_ns, cv.weight(c.dur_ns)))
+                .collect();
+            enginescope::views::latency::uncertainty(&timed, cv)
+        });
         let mut methods: Vec<String> = probes.iter().map(|p| p.method.clone()).collect();
         if !rotated.is_empty() {
             let share = rotated.iter().sum::<f64>() / rotated.len() as f64;
@@ -216,6 +231,30 @@ pub fn probe_truth(
             ));
         }
         let (t50, t90) = (pctl(&mut t, 0.5), pctl(&mut t, 0.9));
+        if let Some(u) = &interval {
+            // The truth's p50 is compared with the interval widened by the two traps its
+            // caller-side timer holds.
+            let within = |v: f64, ci: [f64; 2], pad: f64| ci[0] - pad <= v && v <= ci[1] + pad;
+            let n = t.len() as f64;
+            let held = [
+                within(n, u.calls, 0.0),
+                within(t50 / 1e6, u.p50_ms, traps_ns / 1e6),
+                within(t90 / 1e6, u.p90_ms, traps_ns / 1e6),
+            ];
+            intervals.push_str(&format!(
+                "| {function} | {role} | {} | [{:.0}, {:.0}] {} | [{:.3}, {:.3}] {} | [{:.3}, {:.3}] {} |\n",
+                u.phases,
+                u.calls[0],
+                u.calls[1],
+                if held[0] { "holds" } else { "MISSES" },
+                u.p50_ms[0],
+                u.p50_ms[1],
+                if held[1] { "holds" } else { "MISSES" },
+                u.p90_ms[0],
+                u.p90_ms[1],
+                if held[2] { "holds" } else { "MISSES" },
+            ));
+        }
         table.push_str(&format!(
             "| {function} | {role} | {} → {:.0} | {:.3} → {:.3} ms | {:.3} → {:.3} ms | {} |\n",
             t.len(),
@@ -253,6 +292,8 @@ pub fn probe_truth(
         }
     }
     if breakdown.lines().count() > 2 {
+        table.push_str("\nThe report's 95% intervals over this window, against the truth:\n\n");
+        table.push_str(&intervals);
         table.push_str("\nProbes watched part of the window, against the truth inside and outside their watched time:\n\n");
         table.push_str(&breakdown);
         table.push_str(
