@@ -96,6 +96,40 @@ pub fn normal_this_thread() {
     unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
 }
 
+/// While held, the calling thread runs at normal priority if it ran real-time (restored when
+/// dropped). For kernel work whose length depends on the target: installing or removing a
+/// perf event on a thread that is running goes through an IPI to its CPU, retried (with
+/// `cond_resched` between tries) until it lands while the thread is there; on a thread that
+/// yields thousands of times a second a try can fail for a long time, and a real-time caller
+/// spins through the `cond_resched`s without ever giving the CPU to the engine it watches.
+pub struct NormalWhile {
+    was_realtime: bool,
+}
+
+/// See [`NormalWhile`].
+pub fn normal_while() -> NormalWhile {
+    // SAFETY: sched_getscheduler on the calling thread has no preconditions.
+    let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
+    let was_realtime = policy == libc::SCHED_FIFO;
+    if was_realtime {
+        normal_this_thread();
+    }
+    NormalWhile { was_realtime }
+}
+
+impl Drop for NormalWhile {
+    fn drop(&mut self) {
+        if self.was_realtime {
+            let param = libc::sched_param { sched_priority: 1 };
+            // SAFETY: sched_setscheduler on the calling thread with a valid sched_param; it
+            // ran SCHED_FIFO a moment ago, so it may again.
+            unsafe {
+                libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param)
+            };
+        }
+    }
+}
+
 /// Seconds since the Unix epoch (0.0 if the clock is before it).
 pub fn unix_now_s() -> f64 {
     std::time::SystemTime::now()

@@ -301,6 +301,22 @@ const BUDGET_FIRST_WINDOW_NS: u64 = 500_000_000;
 /// (a count scaled from a few long runs follows the load's swings: on a real vLLM, runs of
 /// 2 s every 33 s put estimated counts 9% off), and long beside the calls probed here.
 pub const BUDGET_ON_NS: u64 = 250_000_000;
+
+/// A watchpoint set or removed in more than this is counted slow (`probe_watch_switches_slow`):
+/// tens of µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
+const SLOW_SWITCH_NS: u64 = 10_000_000;
+
+/// [`BUDGET_ON_NS`], or `ENGINESCOPE_PROBE_PHASE_MS` (measurements).
+fn budget_on_ns() -> u64 {
+    static ON: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("ENGINESCOPE_PROBE_PHASE_MS")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .map_or(BUDGET_ON_NS, |ms| ms * 1_000_000)
+    })
+}
 /// The least share of the time the probes are watched under `--probe-budget` (a probe
 /// watched less would time too few calls to say anything).
 pub const BUDGET_MIN_PHASE: f64 = 0.05;
@@ -535,8 +551,9 @@ pub struct Probes {
     /// Watchpoints set or removed, and the recording loop's time doing it.
     pub switches: u64,
     pub switch_ns: u64,
-    /// The longest of them.
+    /// The longest of them, and how many took over [`SLOW_SWITCH_NS`].
     pub switch_max_ns: u64,
+    pub switches_slow: u64,
     /// Watchpoint writes outside any watched interval (before its start was stamped, or
     /// drained after its watch was removed): not timed.
     pub late_hits: u64,
@@ -591,6 +608,7 @@ impl Probes {
             switches: 0,
             switch_ns: 0,
             switch_max_ns: 0,
+            switches_slow: 0,
             late_hits: 0,
             watched_switches: 0,
             watched_switch_ns: 0,
@@ -819,7 +837,10 @@ impl Probes {
         // from it (a push, or the pop of a call already running, which is dropped).
         let seed = read_refcnt(proc, p.refcnt);
         let t = std::time::Instant::now();
-        let ls = attach_all(b, tid, &p);
+        let ls = {
+            let _normal = crate::sys::normal_while();
+            attach_all(b, tid, &p)
+        };
         self.note_switch(t);
         let ls = ls?;
         // The watched interval begins once the watch is surely set.
@@ -859,8 +880,11 @@ impl Probes {
             c.rotated = rotation;
         }
         let t = std::time::Instant::now();
-        for l in ls {
-            b.unwatch_refcount(l);
+        {
+            let _normal = crate::sys::normal_while();
+            for l in ls {
+                b.unwatch_refcount(l);
+            }
         }
         self.note_switch(t);
         self.edges.push(ProbeWatch {
@@ -876,6 +900,9 @@ impl Probes {
         let ns = t.elapsed().as_nanos() as u64;
         self.switch_ns += ns;
         self.switch_max_ns = self.switch_max_ns.max(ns);
+        if ns > SLOW_SWITCH_NS {
+            self.switches_slow += 1;
+        }
         self.switches += 1;
     }
 
@@ -1059,7 +1086,7 @@ impl Probes {
                 continue;
             };
             match r.off_until {
-                None if now_abs.saturating_sub(r.on_since) >= BUDGET_ON_NS => {
+                None if now_abs.saturating_sub(r.on_since) >= budget_on_ns() => {
                     r.off_until = Some(off_phase_end(r.on_since, now_abs, r.phase));
                     self.assign(b, proc_of, tid, &[], now_abs);
                 }
@@ -1112,7 +1139,8 @@ impl Probes {
             let (t0, _) = r.budget_mark;
             // At least one whole cycle of phases and turns, so that each probe was watched
             // about its share of the window.
-            let cycle = (BUDGET_ON_NS + off_phase_ns(BUDGET_ON_NS, r.phase))
+            let on = budget_on_ns();
+            let cycle = (on + off_phase_ns(on, r.phase))
                 * if r.rotates() { r.want.len() as u64 } else { 1 };
             let dt = end.saturating_sub(t0);
             let least = if r.measured {
@@ -1644,6 +1672,7 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probe_watch_switches".into(), v(|p| p.switches));
     out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
     out.insert("probe_watch_switch_max_ns".into(), v(|p| p.switch_max_ns));
+    out.insert("probe_watch_switches_slow".into(), v(|p| p.switches_slow));
     out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
     out.insert("probe_watched_switches".into(), v(|p| p.watched_switches));
     out.insert("probe_watched_switch_ns".into(), v(|p| p.watched_switch_ns));
