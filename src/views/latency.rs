@@ -791,8 +791,9 @@ mod tests {
         assert!(window_coverages(&rec, 0, 99_000 * ms).is_empty());
     }
 
-    #[test]
-    fn rotated_probe_rows_are_scaled_estimates() {
+    /// A recording of one exact probe (id 0, pid 1) on thread 10 with `watches` (t, on) and
+    /// calls of 1 µs starting at `starts`.
+    fn watched_probe(watches: &[(u64, bool)], starts: &[u64]) -> Recording {
         use crate::record::{FunctionCall, ProbeWatch};
         let mut rec = Recording::default();
         rec.probes.push(ProbeInfo {
@@ -802,27 +803,20 @@ mod tests {
             method: "exact".into(),
             ..Default::default()
         });
-        let s = 1_000_000_000u64;
-        // Thread 10 watched in [0, 4 s) and [5 s, 10 s): 90% of the span.
-        for (t, on) in [(0, true), (4 * s, false), (5 * s, true), (10 * s, false)] {
+        for &(t_ns, on) in watches {
             rec.probe_watches.push(ProbeWatch {
-                t_ns: t,
+                t_ns,
                 probe: 0,
                 tid: 10,
                 on,
             });
         }
-        for i in 0..90 {
-            let start = if i < 40 {
-                i * s / 10
-            } else {
-                5 * s + (i - 40) * s / 10
-            };
+        for &start_ns in starts {
             rec.calls.push(FunctionCall {
                 probe: 0,
                 pid: 1,
                 tid: 10,
-                start_ns: start,
+                start_ns,
                 dur_ns: 1000,
             });
         }
@@ -832,6 +826,26 @@ mod tests {
             name: "t".into(),
             ..Default::default()
         });
+        rec
+    }
+
+    #[test]
+    fn rotated_probe_rows_are_scaled_estimates() {
+        let s = 1_000_000_000u64;
+        // Thread 10 watched in [0, 4 s) and [5 s, 10 s): 90% of the span.
+        let starts: Vec<u64> = (0..90u64)
+            .map(|i| {
+                if i < 40 {
+                    i * s / 10
+                } else {
+                    5 * s + (i - 40) * s / 10
+                }
+            })
+            .collect();
+        let rec = watched_probe(
+            &[(0, true), (4 * s, false), (5 * s, true), (10 * s, false)],
+            &starts,
+        );
         let w = Windows::new(10 * s, 10 * s);
         let rows = function_latency(&rec, &Selection::all(&rec), &w);
         assert_eq!(rows.len(), 1);
@@ -858,52 +872,28 @@ mod tests {
 
     #[test]
     fn a_span_runs_to_its_end_mark_through_an_off_phase() {
-        use crate::record::{FunctionCall, ProbeWatch};
-        let mut rec = Recording::default();
-        rec.probes.push(ProbeInfo {
-            id: 0,
-            pid: 1,
-            function: "f".into(),
-            method: "exact".into(),
-            ..Default::default()
-        });
         let s = 1_000_000_000u64;
         // Watched [0, 1 s) and [4 s, 5 s), in an off-phase when the recording ended at 10 s:
         // the recorder marks the span's end with an off edge no watch is open for.
-        for (t, on) in [
-            (0, true),
-            (s, false),
-            (4 * s, true),
-            (5 * s, false),
-            (10 * s, false),
-        ] {
-            rec.probe_watches.push(ProbeWatch {
-                t_ns: t,
-                probe: 0,
-                tid: 10,
-                on,
-            });
-        }
-        for i in 0..20u64 {
-            let start = if i < 10 {
-                i * s / 10
-            } else {
-                4 * s + (i - 10) * s / 10
-            };
-            rec.calls.push(FunctionCall {
-                probe: 0,
-                pid: 1,
-                tid: 10,
-                start_ns: start,
-                dur_ns: 1000,
-            });
-        }
-        rec.threads.push(crate::record::ThreadInfo {
-            pid: 1,
-            tid: 10,
-            name: "t".into(),
-            ..Default::default()
-        });
+        let starts: Vec<u64> = (0..20u64)
+            .map(|i| {
+                if i < 10 {
+                    i * s / 10
+                } else {
+                    4 * s + (i - 10) * s / 10
+                }
+            })
+            .collect();
+        let mut rec = watched_probe(
+            &[
+                (0, true),
+                (s, false),
+                (4 * s, true),
+                (5 * s, false),
+                (10 * s, false),
+            ],
+            &starts,
+        );
         let w = Windows::new(10 * s, 10 * s);
         let rows = function_latency(&rec, &Selection::all(&rec), &w);
         let r = &rows[0];
