@@ -69,8 +69,15 @@ pub struct Figure {
     /// `|first half - second half|` within A, and within B.
     pub noise_a: Option<f64>,
     pub noise_b: Option<f64>,
-    /// `|delta|` is larger than both `noise_a` and `noise_b`.
+    /// `|delta|` is larger than both `noise_a` and `noise_b` (and, for a probe estimated
+    /// from part of a recording, the two 95% intervals do not overlap).
     pub beyond_noise: bool,
+    /// A probe's figure estimated from part of its recording (watched in phases): its 95%
+    /// interval in A and in B (`report`'s `function_latency[].uncertainty`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ci_a: Option<[f64; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ci_b: Option<[f64; 2]>,
 }
 
 /// A figure over a whole recording and its two halves.
@@ -91,11 +98,27 @@ impl Figure {
                 (Some(d), Some(na), Some(nb)) => d.abs() > na && d.abs() > nb,
                 _ => false,
             },
+            ci_a: None,
+            ci_b: None,
         }
     }
 
     fn abs_delta(&self) -> f64 {
         self.delta.map_or(0.0, f64::abs)
+    }
+
+    /// With the 95% intervals of an estimated figure (either side may have none: its point
+    /// then stands for itself): a change is not real when the two overlap.
+    fn with_intervals(mut self, ci_a: Option<[f64; 2]>, ci_b: Option<[f64; 2]>) -> Figure {
+        let span = |ci: Option<[f64; 2]>, v: Option<f64>| ci.or(v.map(|v| [v, v]));
+        if let (Some(a), Some(b)) = (span(ci_a, self.a), span(ci_b, self.b)) {
+            if (ci_a.is_some() || ci_b.is_some()) && a[0] <= b[1] && b[0] <= a[1] {
+                self.beyond_noise = false;
+            }
+        }
+        self.ci_a = ci_a;
+        self.ci_b = ci_b;
+        self
     }
 }
 
@@ -394,6 +417,9 @@ struct Profile {
     fns: HashMap<(String, String), FnTally>,
     /// (process, probe) -> its calls
     probes: BTreeMap<(String, String), Vec<TimedCall>>,
+    /// (process, probe) -> the 95% intervals of its estimate, where it was watched in part on
+    /// one thread (views::latency::uncertainty).
+    intervals: BTreeMap<(String, String), super::latency::Uncertainty>,
     engines: BTreeMap<String, [Thirds; 5]>,
 }
 
@@ -464,6 +490,8 @@ impl Profile {
         // time: each timed call stands for `weight` calls (views/latency.rs).
         let cov = super::latency::coverages(rec, extent_ns(rec));
         let mut probes: BTreeMap<(String, String), Vec<TimedCall>> = BTreeMap::new();
+        type Partial = BTreeMap<(u32, i32), Vec<(u64, u64, f64)>>;
+        let mut partial: BTreeMap<(String, String), Partial> = BTreeMap::new();
         let by_id: BTreeMap<u32, &crate::record::ProbeInfo> =
             rec.probes.iter().map(|p| (p.id, p)).collect();
         for p in by_id.values() {
@@ -480,11 +508,27 @@ impl Profile {
             let w = cov
                 .get(&(c.probe, c.tid))
                 .map_or(1.0, |cv| cv.weight(c.dur_ns));
+            if w != 1.0 {
+                let e = partial.entry(k.clone()).or_default();
+                e.entry((c.probe, c.tid))
+                    .or_default()
+                    .push((c.start_ns, c.dur_ns, w));
+            }
             probes
                 .entry(k)
                 .or_default()
                 .push((c.start_ns.saturating_add(c.dur_ns), c.dur_ns, w));
         }
+        // An estimate from one (probe, thread) carries the report's intervals; a probe on
+        // several threads sums estimates whose intervals are not combined here.
+        let intervals = partial
+            .into_iter()
+            .filter(|(_, by)| by.len() == 1)
+            .filter_map(|(k, by)| {
+                let (key, timed) = by.into_iter().next()?;
+                Some((k, super::latency::uncertainty(&timed, cov.get(&key)?)?))
+            })
+            .collect();
 
         let ix = MetricIndex::new(rec);
         let mut engines = BTreeMap::new();
@@ -523,6 +567,7 @@ impl Profile {
             cpu,
             fns,
             probes,
+            intervals,
             engines,
         }
     }
@@ -648,11 +693,14 @@ impl Diff {
             .map(|k| {
                 let fa = pa.probes.get(k).map_or([none; 3], |c| pa.probe_figures(c));
                 let fb = pb.probes.get(k).map_or([none; 3], |c| pb.probe_figures(c));
+                let (ua, ub) = (pa.intervals.get(k), pb.intervals.get(k));
                 ProbeDelta {
                     process: k.0.clone(),
                     probe: k.1.clone(),
-                    p50_ms: Figure::new(fa[0], fb[0]),
-                    p90_ms: Figure::new(fa[1], fb[1]),
+                    p50_ms: Figure::new(fa[0], fb[0])
+                        .with_intervals(ua.map(|u| u.p50_ms), ub.map(|u| u.p50_ms)),
+                    p90_ms: Figure::new(fa[1], fb[1])
+                        .with_intervals(ua.map(|u| u.p90_ms), ub.map(|u| u.p90_ms)),
                     calls_per_s: Figure::new(fa[2], fb[2]),
                 }
             })
@@ -829,6 +877,8 @@ fn scaled(f: &Figure, k: f64) -> Figure {
         noise_a: m(f.noise_a),
         noise_b: m(f.noise_b),
         beyond_noise: f.beyond_noise,
+        ci_a: f.ci_a.map(|c| c.map(|x| x * k)),
+        ci_b: f.ci_b.map(|c| c.map(|x| x * k)),
     }
 }
 
@@ -845,10 +895,15 @@ fn cell(f: &Figure, prec: usize) -> String {
         Some(d) => format!("{d:+.prec$}"),
         None => "-".into(),
     };
+    // An estimate says how sure it is: ± the larger side of its 95% interval.
+    let pm = |v: Option<f64>, ci: Option<[f64; 2]>| match (v, ci) {
+        (Some(x), Some([lo, hi])) => format!("{x:.prec$} ±{:.prec$}", (x - lo).max(hi - x)),
+        (v, _) => n(v),
+    };
     let text = format!(
         "{} → {} ({change}; noise {}/{})",
-        n(f.a),
-        n(f.b),
+        pm(f.a, f.ci_a),
+        pm(f.b, f.ci_b),
         n(f.noise_a),
         n(f.noise_b)
     );
@@ -978,6 +1033,35 @@ pub fn run(args: &DiffArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlapping_intervals_of_an_estimate_are_no_change() {
+        let f = || {
+            Figure::new(
+                [Some(10.0), Some(9.0), Some(11.0)],
+                [Some(20.0), Some(19.0), Some(21.0)],
+            )
+        };
+        assert!(f().beyond_noise);
+        // A probe estimated from phases on both sides: the intervals overlap, so however far
+        // apart the points and the halves, it is not called a change.
+        let g = f().with_intervals(Some([6.0, 16.0]), Some([15.0, 30.0]));
+        assert!(!g.beyond_noise);
+        assert!(
+            cell(&g, 1).contains("10.0 ±6.0 → 20.0 ±10.0"),
+            "{}",
+            cell(&g, 1)
+        );
+        // Apart: the change stands.
+        let g = f().with_intervals(Some([8.0, 12.0]), Some([18.0, 22.0]));
+        assert!(g.beyond_noise);
+        // One side watched throughout (no interval): its point against the other's interval.
+        assert!(!f().with_intervals(None, Some([9.0, 25.0])).beyond_noise);
+        assert!(f().with_intervals(None, Some([12.0, 25.0])).beyond_noise);
+        // No interval at all: the figure serializes as before.
+        let j = serde_json::to_string(&f()).unwrap();
+        assert!(!j.contains("ci_a"), "{j}");
+    }
 
     #[test]
     fn noise_gates_the_change() {
