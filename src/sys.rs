@@ -106,11 +106,16 @@ pub struct NormalWhile {
     was_realtime: bool,
 }
 
-/// See [`NormalWhile`].
-pub fn normal_while() -> NormalWhile {
+/// Whether the calling thread runs `SCHED_FIFO` (see [`realtime_this_thread`]).
+pub fn is_realtime_this_thread() -> bool {
     // SAFETY: sched_getscheduler on the calling thread has no preconditions.
     let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
-    let was_realtime = policy == libc::SCHED_FIFO;
+    policy == libc::SCHED_FIFO
+}
+
+/// See [`NormalWhile`].
+pub fn normal_while() -> NormalWhile {
+    let was_realtime = is_realtime_this_thread();
     if was_realtime {
         normal_this_thread();
     }
@@ -120,12 +125,8 @@ pub fn normal_while() -> NormalWhile {
 impl Drop for NormalWhile {
     fn drop(&mut self) {
         if self.was_realtime {
-            let param = libc::sched_param { sched_priority: 1 };
-            // SAFETY: sched_setscheduler on the calling thread with a valid sched_param; it
-            // ran SCHED_FIFO a moment ago, so it may again.
-            unsafe {
-                libc::sched_setscheduler(0, libc::SCHED_FIFO | libc::SCHED_RESET_ON_FORK, &param)
-            };
+            // It ran SCHED_FIFO a moment ago, so it may again.
+            let _ = realtime_this_thread();
         }
     }
 }

@@ -470,9 +470,7 @@ impl BpfSampler {
         if cpu < 0 {
             bail!("sched_getcpu failed: {}", std::io::Error::last_os_error());
         }
-        // SAFETY: sched_getscheduler on the calling thread.
-        let realtime =
-            unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK == libc::SCHED_FIFO;
+        let realtime = crate::sys::is_realtime_this_thread();
         let stop = Arc::new(AtomicBool::new(false));
         // The helper takes this thread's policy, then pins itself, and says so; only then is
         // this thread pinned too (a real-time thread pinned first would keep a helper of

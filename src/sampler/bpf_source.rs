@@ -276,8 +276,6 @@ impl BpfSource {
         });
     }
 
-    /// Write the GC methods chosen since the last call and tell the pipeline which processes'
-    /// pauses come from uprobes.
     /// Time a watchpoint hit here, once (`in_use`: with its working-set figure too), and
     /// give it to the pipeline (GC pauses) and the probes.
     fn calibrate_traps(&mut self, pipe: &mut Pipeline, in_use: bool) {
@@ -302,6 +300,8 @@ impl BpfSource {
         }
     }
 
+    /// Write the GC methods chosen since the last call and tell the pipeline which processes'
+    /// pauses come from uprobes.
     fn flush_gc_methods(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
         if self.gc_methods_pending.is_empty() {
             return Ok(());

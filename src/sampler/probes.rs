@@ -142,11 +142,17 @@ const MAX_OPEN_CALLS: usize = 64;
 pub const ROTATE_NS: u64 = 500_000_000;
 
 fn rotate_ns() -> u64 {
-    std::env::var("ENGINESCOPE_PROBE_ROTATE_MS")
+    ns_from_env_ms("ENGINESCOPE_PROBE_ROTATE_MS", ROTATE_NS)
+}
+
+/// A length in ms from the environment variable `var` (measurements), as ns; `default` when
+/// it is unset, not a number or 0.
+fn ns_from_env_ms(var: &str, default: u64) -> u64 {
+    std::env::var(var)
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .filter(|&ms| ms > 0)
-        .map_or(ROTATE_NS, |ms| ms * 1_000_000)
+        .map_or(default, |ms| ms * 1_000_000)
 }
 
 /// The exact probes that want a debug register on one thread, and which of them have one.
@@ -309,13 +315,7 @@ const SLOW_SWITCH_NS: u64 = 10_000_000;
 /// [`BUDGET_ON_NS`], or `ENGINESCOPE_PROBE_PHASE_MS` (measurements).
 fn budget_on_ns() -> u64 {
     static ON: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("ENGINESCOPE_PROBE_PHASE_MS")
-            .ok()
-            .and_then(|v| v.parse::<u64>().ok())
-            .filter(|&ms| ms > 0)
-            .map_or(BUDGET_ON_NS, |ms| ms * 1_000_000)
-    })
+    *ON.get_or_init(|| ns_from_env_ms("ENGINESCOPE_PROBE_PHASE_MS", BUDGET_ON_NS))
 }
 /// The least share of the time the probes are watched under `--probe-budget` (a probe
 /// watched less would time too few calls to say anything).
