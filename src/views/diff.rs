@@ -490,8 +490,9 @@ impl Profile {
         // time: each timed call stands for `weight` calls (views/latency.rs).
         let cov = super::latency::coverages(rec, extent_ns(rec));
         let mut probes: BTreeMap<(String, String), Vec<TimedCall>> = BTreeMap::new();
-        type Partial = BTreeMap<(u32, i32), Vec<(u64, u64, f64)>>;
-        let mut partial: BTreeMap<(String, String), Partial> = BTreeMap::new();
+        // The (probe, thread) pairs of each key, for its estimate's intervals.
+        let mut pairs: BTreeMap<(String, String), std::collections::BTreeSet<(u32, i32)>> =
+            BTreeMap::new();
         let by_id: BTreeMap<u32, &crate::record::ProbeInfo> =
             rec.probes.iter().map(|p| (p.id, p)).collect();
         for p in by_id.values() {
@@ -508,12 +509,7 @@ impl Profile {
             let w = cov
                 .get(&(c.probe, c.tid))
                 .map_or(1.0, |cv| cv.weight(c.dur_ns));
-            if w != 1.0 {
-                let e = partial.entry(k.clone()).or_default();
-                e.entry((c.probe, c.tid))
-                    .or_default()
-                    .push((c.start_ns, c.dur_ns, w));
-            }
+            pairs.entry(k.clone()).or_default().insert((c.probe, c.tid));
             probes
                 .entry(k)
                 .or_default()
@@ -521,13 +517,10 @@ impl Profile {
         }
         // An estimate from one (probe, thread) carries the report's intervals; a probe on
         // several threads sums estimates whose intervals are not combined here.
-        let intervals = partial
+        let estimates = super::latency::estimate_intervals(rec, &cov);
+        let intervals = pairs
             .into_iter()
-            .filter(|(_, by)| by.len() == 1)
-            .filter_map(|(k, by)| {
-                let (key, timed) = by.into_iter().next()?;
-                Some((k, super::latency::uncertainty(&timed, cov.get(&key)?)?))
-            })
+            .filter_map(|(k, ks)| Some((k, super::latency::single_estimate(&estimates, ks)?)))
             .collect();
 
         let ix = MetricIndex::new(rec);

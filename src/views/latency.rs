@@ -359,7 +359,7 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
 /// The spread is narrowed by the finite-population factor sqrt(1 - share) (a probe watched
 /// all the time has no sampling error) and widened for few phases ([`small_sample_factor`]).
 /// Deterministic (a fixed seed).
-pub fn uncertainty(calls: &[(u64, u64, f64)], cov: &Coverage) -> Option<Uncertainty> {
+pub fn uncertainty(calls: &[StartedCall], cov: &Coverage) -> Option<Uncertainty> {
     if calls.is_empty() {
         return None;
     }
@@ -465,6 +465,43 @@ pub fn uncertainty(calls: &[(u64, u64, f64)], cov: &Coverage) -> Option<Uncertai
         method: "calls".into(),
         phases: cov.intervals.len() as u32,
     })
+}
+
+/// A timed call's (start, duration, weight), ns: what [`uncertainty`] takes.
+type StartedCall = (u64, u64, f64);
+
+/// The 95% intervals of every (probe, thread) watched for part of its span (`cov`, from
+/// [`coverages`] or [`window_coverages`]), from the calls it timed.
+pub fn estimate_intervals(
+    rec: &Recording,
+    cov: &BTreeMap<(u32, i32), Coverage>,
+) -> BTreeMap<(u32, i32), Uncertainty> {
+    let mut timed: BTreeMap<(u32, i32), Vec<StartedCall>> = BTreeMap::new();
+    for c in &rec.calls {
+        if let Some(k) = cov.get(&(c.probe, c.tid)) {
+            timed.entry((c.probe, c.tid)).or_default().push((
+                c.start_ns,
+                c.dur_ns,
+                k.weight(c.dur_ns),
+            ));
+        }
+    }
+    timed
+        .into_iter()
+        .filter_map(|(key, calls)| Some((key, uncertainty(&calls, cov.get(&key)?)?)))
+        .collect()
+}
+
+/// The intervals of a figure that sums the calls of `keys` (probe, thread): those of the one
+/// estimated among them, or none where several are (their intervals are not combined) or
+/// none is.
+pub fn single_estimate(
+    intervals: &BTreeMap<(u32, i32), Uncertainty>,
+    keys: impl IntoIterator<Item = (u32, i32)>,
+) -> Option<Uncertainty> {
+    let mut found = keys.into_iter().filter_map(|k| intervals.get(&k));
+    let one = found.next()?;
+    found.next().is_none().then(|| one.clone())
 }
 
 /// Calls of one window.
@@ -580,21 +617,13 @@ pub fn function_latency(
     let mut by_key: BTreeMap<RowKey, Vec<WeightedCall>> = BTreeMap::new();
     let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
     let mut row_cov: BTreeMap<(u32, i32, i32), f64> = BTreeMap::new();
-    // Per row, its exact probe's coverage and the (start, duration, weight) of the calls it
-    // timed: what the row's intervals are estimated from.
-    let mut row_timed: BTreeMap<RowKey, (&Coverage, Vec<WeightedCall>)> = BTreeMap::new();
+    let intervals = estimate_intervals(rec, &cov);
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
         let key = (row_of(c.probe), c.pid, c.tid);
         let weight = match cov.get(&(c.probe, c.tid)) {
             Some(k) => {
                 row_cov.entry(key).or_insert_with(|| k.share());
-                let w = k.weight(c.dur_ns);
-                row_timed
-                    .entry(key)
-                    .or_insert_with(|| (k, Vec::new()))
-                    .1
-                    .push((c.start_ns, c.dur_ns, w));
-                w
+                k.weight(c.dur_ns)
             }
             None => 1.0,
         };
@@ -701,10 +730,7 @@ pub fn function_latency(
                     .collect(),
                 coverage,
                 calls_observed: coverage.map(|_| calls.len() as u64),
-                uncertainty: row_timed
-                    .get(&(probe, pid, tid))
-                    .filter(|_| coverage.is_some())
-                    .and_then(|(k, timed)| uncertainty(timed, k)),
+                uncertainty: single_estimate(&intervals, used.iter().map(|u| (u.id, tid))),
                 from_s: late.map(|_| secs(attached)),
                 window_share: late,
             })

@@ -177,14 +177,12 @@ pub fn probe_truth(
             // the probe's watched time (what a perfect watcher under this schedule would have
             // timed) against the calls timed there, and the truth's rate and p50 inside that
             // time against outside it (the watch, or the schedule, picking other calls).
-            let end = rec.end.as_ref().map_or(t1 - t_start, |e| e.duration_ns);
-            let iv = enginescope::views::latency::watch_intervals(rec, end);
-            let watched: Vec<(u64, u64)> = iv
+            // The window's coverages hold the watched intervals already clipped to it.
+            let watched: Vec<(u64, u64)> = cov
                 .iter()
                 .filter(|((p, _), _)| ids.contains(p))
-                .flat_map(|(_, v)| v.iter())
-                .map(|&(a, b)| ((t_start + a).max(w0), (t_start + b).min(t1)))
-                .filter(|(a, b)| b > a)
+                .flat_map(|(_, c)| c.intervals.iter())
+                .map(|&(a, b)| (t_start + a, t_start + b))
                 .collect();
             let on_ns: u64 = watched.iter().map(|(a, b)| b - a).sum();
             let off_ns = (t1 - w0).saturating_sub(on_ns);
