@@ -396,6 +396,15 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>) {
             let end = r.end.as_ref().map_or(u64::MAX / 2, |e| e.duration_ns);
             let iv = enginescope::views::latency::watch_intervals(&r, end);
             let v = iv.get(&(probe, tid)).cloned().unwrap_or_default();
+            eprintln!(
+                "{label} {function}: watched intervals (ms from the window's start): {:?}",
+                v.iter()
+                    .map(|&(a, b)| (
+                        (t0 + a) as i64 / 1_000_000 - e0 as i64 / 1_000_000,
+                        (t0 + b) as i64 / 1_000_000 - e0 as i64 / 1_000_000
+                    ))
+                    .collect::<Vec<_>>()
+            );
             let mut seen: Vec<u64> = tc
                 .iter()
                 .filter(inside)
@@ -436,8 +445,14 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>) {
             // Within 5%, or within twice the half-width of the 95% interval the report prints
             // for this count (relative, as the test's window is a little shorter than the
             // report's): an estimate from a few rotation periods of a swinging load can be off
-            // by more than 5% and say so, and that is what a user reads.
-            let cov = enginescope::views::latency::coverages(&r, end);
+            // by more than 5% and say so, and that is what a user reads. The interval over the
+            // test's window (the recording's first phase also holds the workload's wait for
+            // its go, a phase with no call that widens the whole recording's interval).
+            let cov = enginescope::views::latency::window_coverages(
+                &r,
+                e0.saturating_sub(t0),
+                e1.saturating_sub(t0),
+            );
             let u = enginescope::views::latency::estimate_intervals(&r, &cov).remove(&(probe, tid));
             let rel = u.as_ref().map_or(0.0, |u| {
                 (u.calls[1] - u.calls[0]) / (u.calls[1] + u.calls[0]).max(1.0)
@@ -452,7 +467,7 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>) {
                 tol * 100.0
             );
             assert!(
-                rel <= 0.25,
+                rel <= 0.5,
                 "{label} {function}: the report's calls interval is +-{:.0}%: too few phases to say anything",
                 rel * 100.0
             );

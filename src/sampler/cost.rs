@@ -144,8 +144,9 @@ pub struct Slice {
     pub on: bool,
 }
 
-/// xorshift64*: the order of each pair's arms, reproducible from the seed.
-fn next_random(state: &mut u64) -> u64 {
+/// xorshift64*: the order of each pair's arms, reproducible from the seed (and the probe
+/// budget's on-phase lengths).
+pub(crate) fn next_random(state: &mut u64) -> u64 {
     let mut x = (*state).max(1);
     x ^= x >> 12;
     x ^= x << 25;

@@ -42,6 +42,7 @@ use crate::cpython::opcodes;
 use crate::cpython::{Frame, PythonProcess};
 use crate::record::model::{FunctionCall, ProbeInfo, ProbeWatch};
 
+use super::cost::next_random;
 use super::sink::Sink;
 use super::Pipeline;
 
@@ -176,6 +177,11 @@ struct ThreadRegs {
     off_until: Option<u64>,
     /// When the current on-phase began (absolute ns).
     on_since: u64,
+    /// How long the current on-phase lasts (drawn at its start, [`on_phase_len`]).
+    on_len: u64,
+    /// How late the current on-phase began after its off-phase ended (another thread's
+    /// on-phase held it back, [`phase_steps`]): taken off the next off-phase.
+    late: u64,
     /// Start of the thread's current budget window (absolute ns) and its trap count then.
     budget_mark: (u64, u64),
     /// Whether a budget window has been measured on the thread yet.
@@ -333,6 +339,81 @@ fn off_phase_ns(on_ns: u64, phase: f64) -> u64 {
 /// keeps the probes within their share over every on/off cycle.
 fn off_phase_end(on_since: u64, now: u64, phase: f64) -> u64 {
     now.saturating_add(off_phase_ns(now.saturating_sub(on_since), phase))
+}
+
+/// A thread's on-phase lasts between half and one and a half times `on_ns`, drawn from
+/// `draw` (uniform 64 bits): phases of one length would fall in step with an engine loop of
+/// a commensurate period and watch the same part of it every time.
+fn on_phase_len(on_ns: u64, draw: u64) -> u64 {
+    let u = (draw >> 11) as f64 / (1u64 << 53) as f64;
+    (on_ns as f64 * (0.5 + u)).round() as u64
+}
+
+/// A thread's place in the `--probe-budget` schedule, as [`phase_steps`] reads it.
+#[derive(Debug, Clone, Copy)]
+struct PhaseState {
+    tid: i32,
+    phase: f64,
+    off_until: Option<u64>,
+    on_since: u64,
+    on_len: u64,
+    late: u64,
+}
+
+/// What the schedule does to one thread now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum PhaseStep {
+    /// End its on-phase; the off-phase lasts until then.
+    End { off_until: u64 },
+    /// Begin an on-phase, `late` ns after its off-phase ended.
+    Start { late: u64 },
+}
+
+/// The `--probe-budget` schedule at `now` (pure: the kernel side is [`Probes::phases`]).
+/// An on-phase that has lasted its length ends, followed by an off-phase sized from how long
+/// it really lasted (a late loop keeps the share) less how late it began. Budgeted threads
+/// take turns: no more of them are on at once than the sum of their shares rounded up (one,
+/// on an engine whose threads are watched a few percent each), the longest-waiting first. An
+/// engine's step runs through several watched threads in turn (the EngineCore waits for its
+/// worker), and every watched call's two debug traps lengthen it: with each thread on in its
+/// own time, a watched call carries the traps of its own thread's probes only, not those of
+/// every thread the step crosses. A thread watched all the time takes no turn.
+fn phase_steps(ts: &[PhaseState], now: u64) -> Vec<(i32, PhaseStep)> {
+    let budgeted = |t: &&PhaseState| t.phase < 1.0;
+    let mut out = Vec::new();
+    let mut on = 0usize;
+    for t in ts.iter().filter(budgeted) {
+        match t.off_until {
+            None if now.saturating_sub(t.on_since) >= t.on_len => {
+                let end = off_phase_end(t.on_since, now, t.phase);
+                let off_until = end.saturating_sub(t.late).max(now);
+                out.push((t.tid, PhaseStep::End { off_until }));
+            }
+            None => on += 1,
+            Some(_) => {}
+        }
+    }
+    let total: f64 = ts.iter().filter(budgeted).map(|t| t.phase).sum();
+    let limit = ((total - 1e-9).ceil() as usize).max(1);
+    let mut due: Vec<(u64, i32, bool)> = ts
+        .iter()
+        .filter_map(|t| {
+            let at = t.off_until.filter(|&at| now >= at)?;
+            Some((at, t.tid, t.phase < 1.0))
+        })
+        .collect();
+    due.sort_unstable();
+    for (at, tid, takes_turn) in due {
+        if takes_turn {
+            if on >= limit {
+                continue;
+            }
+            on += 1;
+        }
+        let late = if takes_turn { now - at } else { 0 };
+        out.push((tid, PhaseStep::Start { late }));
+    }
+    out
 }
 
 /// Whether setting a watchpoint failed for want of a free debug register.
@@ -511,6 +592,11 @@ pub struct Probes {
     /// Traps taken inside timed calls (counter `probe_nested_traps`: with
     /// `probe_trap_cost_ns`, how much of the probed calls' time the probes themselves added).
     pub nested_traps: u64,
+    /// On-phases that began late because other threads' on-phases held their turn
+    /// (counter `probe_phase_late_starts`).
+    pub late_starts: u64,
+    /// Draws the on-phases' lengths ([`on_phase_len`]).
+    rng: u64,
     period_ns: u64,
     quiet: bool,
     pub calls: u64,
@@ -584,6 +670,11 @@ impl Probes {
             budget_trap_ns: 0,
             traps: HashMap::new(),
             nested_traps: 0,
+            late_starts: 0,
+            rng: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0x9E37_79B9_7F4A_7C15, |d| d.as_nanos() as u64)
+                | 1,
             period_ns: period_ns.max(1),
             quiet,
             calls: 0,
@@ -775,6 +866,8 @@ impl Probes {
             phase: 1.0,
             off_until: None,
             on_since: now_abs,
+            on_len: budget_on_ns(),
+            late: 0,
             budget_mark: (now_abs, traps),
             measured: false,
             sched: Schedstat::of_thread(tid),
@@ -1016,6 +1109,7 @@ impl Probes {
             };
             r.off_until = None;
             r.on_since = now_abs;
+            r.late = 0;
             let chosen = r.advance(now_abs);
             self.assign(b, &proc_of, tid, &chosen, now_abs);
         }
@@ -1081,22 +1175,40 @@ impl Probes {
         proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
-        for tid in self.threads_where(|r| r.phase < 1.0 || r.off_until.is_some()) {
+        let states: Vec<PhaseState> = self
+            .threads_where(|r| !r.want.is_empty() && (r.phase < 1.0 || r.off_until.is_some()))
+            .into_iter()
+            .filter_map(|tid| {
+                let r = self.regs.get(&tid)?;
+                Some(PhaseState {
+                    tid,
+                    phase: r.phase,
+                    off_until: r.off_until,
+                    on_since: r.on_since,
+                    on_len: r.on_len,
+                    late: r.late,
+                })
+            })
+            .collect();
+        for (tid, step) in phase_steps(&states, now_abs) {
+            let draw = next_random(&mut self.rng);
             let Some(r) = self.regs.get_mut(&tid) else {
                 continue;
             };
-            match r.off_until {
-                None if now_abs.saturating_sub(r.on_since) >= budget_on_ns() => {
-                    r.off_until = Some(off_phase_end(r.on_since, now_abs, r.phase));
+            match step {
+                PhaseStep::End { off_until } => {
+                    r.off_until = Some(off_until);
                     self.assign(b, proc_of, tid, &[], now_abs);
                 }
-                Some(t) if now_abs >= t => {
+                PhaseStep::Start { late } => {
                     r.off_until = None;
                     r.on_since = now_abs;
+                    r.on_len = on_phase_len(budget_on_ns(), draw);
+                    r.late = late;
+                    self.late_starts += u64::from(late > 0);
                     let chosen = r.advance(now_abs);
                     self.assign(b, proc_of, tid, &chosen, now_abs);
                 }
-                _ => {}
             }
         }
     }
@@ -1185,6 +1297,13 @@ impl Probes {
                 step.clamp(BUDGET_MIN_PHASE, 1.0)
             };
             if (phase - r.phase).abs() > 1e-9 {
+                if r.phase >= 1.0 && phase < 1.0 && r.off_until.is_none() {
+                    // Out of watching all the time: that time was not an on-phase to size an
+                    // off-phase from (a second watched whole, then a share of 5%, would be
+                    // followed by 19 s unwatched). The on-phase ends now, as one of the
+                    // planned length.
+                    r.on_since = now_abs.saturating_sub(r.on_len);
+                }
                 r.phase = phase;
                 if phase >= 1.0 && r.off_until.is_some() {
                     // Back to all the time: the off-phase ends now.
@@ -1652,6 +1771,7 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probe_trap_cost_ns".into(), v(|p| p.trap_ns));
     out.insert("probe_trap_cost_in_use_ns".into(), v(|p| p.budget_trap_ns));
     out.insert("probe_nested_traps".into(), v(|p| p.nested_traps));
+    out.insert("probe_phase_late_starts".into(), v(|p| p.late_starts));
     out.insert("probe_calls".into(), v(|p| p.calls));
     out.insert("probe_calls_unfinished".into(), v(|p| p.unfinished));
     out.insert("probe_unmatched_returns".into(), v(|p| p.unmatched_returns));
@@ -1909,6 +2029,8 @@ mod tests {
             phase,
             off_until: None,
             on_since: 0,
+            on_len: BUDGET_ON_NS,
+            late: 0,
             budget_mark: (0, 0),
             measured: false,
             sched: None,
@@ -1938,6 +2060,106 @@ mod tests {
         let mut r = regs(3, 4, 0.5);
         assert_eq!(r.advance(0), vec![0, 1, 2]);
         assert_eq!(r.advance(1), vec![0, 1, 2]);
+    }
+
+    /// Runs [`phase_steps`] every `tick` ns for `until` ns over threads of the given
+    /// shares, all starting on together: each thread's watched share, and the most on at
+    /// once after the first 2 s.
+    fn simulate_phases(phases: &[f64], until: u64, tick: u64) -> (Vec<f64>, usize) {
+        let mut ts: Vec<PhaseState> = phases
+            .iter()
+            .enumerate()
+            .map(|(i, &phase)| PhaseState {
+                tid: i as i32,
+                phase,
+                off_until: None,
+                on_since: 0,
+                on_len: BUDGET_ON_NS,
+                late: 0,
+            })
+            .collect();
+        let mut on_ns = vec![0u64; phases.len()];
+        let (mut rng, mut most, mut now) = (7u64, 0, 0);
+        while now < until {
+            for (tid, step) in phase_steps(&ts, now) {
+                let t = &mut ts[tid as usize];
+                match step {
+                    PhaseStep::End { off_until } => {
+                        on_ns[tid as usize] += now - t.on_since;
+                        t.off_until = Some(off_until);
+                    }
+                    PhaseStep::Start { late } => {
+                        t.off_until = None;
+                        t.on_since = now;
+                        t.on_len = on_phase_len(BUDGET_ON_NS, next_random(&mut rng));
+                        t.late = late;
+                    }
+                }
+            }
+            let on = ts
+                .iter()
+                .filter(|t| t.phase < 1.0 && t.off_until.is_none())
+                .count();
+            if now >= 2_000_000_000 {
+                most = most.max(on);
+            }
+            now += tick;
+        }
+        for (i, t) in ts.iter().enumerate() {
+            if t.off_until.is_none() {
+                on_ns[i] += now - t.on_since;
+            }
+        }
+        let shares = on_ns.iter().map(|&n| n as f64 / now as f64).collect();
+        (shares, most)
+    }
+
+    /// Budgeted threads take turns: one on at a time while their shares add up to at most
+    /// one (a step crossing them pays one thread's traps), as many as the shares' sum rounded
+    /// up otherwise; each keeps its share, the turns' waits taken off its next off-phase; on
+    /// a loop that looks every 10 ms and on one that is 300 ms late.
+    #[test]
+    fn budgeted_threads_take_turns_and_keep_their_shares() {
+        for tick in [10_000_000, 300_000_000] {
+            for (phases, most) in [
+                (&[0.25, 0.1, 0.05][..], 1),
+                (&[0.3, 0.3, 0.3][..], 1),
+                (&[0.5, 0.5, 0.5][..], 2),
+            ] {
+                let (shares, on) = simulate_phases(phases, 600_000_000_000, tick);
+                assert!(on <= most, "{phases:?} tick {tick}: {on} on at once");
+                for (s, p) in shares.iter().zip(phases) {
+                    assert!(
+                        (s - p).abs() <= 0.1 * p,
+                        "{phases:?} tick {tick}: share {s:.3} for {p}"
+                    );
+                }
+            }
+        }
+        // A thread back to all the time starts at once, whoever else is on.
+        let t = |tid, phase, off_until| PhaseState {
+            tid,
+            phase,
+            off_until,
+            on_since: 0,
+            on_len: BUDGET_ON_NS,
+            late: 0,
+        };
+        let steps = phase_steps(
+            &[t(1, 0.2, None), t(2, 0.2, Some(5)), t(3, 1.0, Some(5))],
+            10,
+        );
+        assert_eq!(steps, vec![(3, PhaseStep::Start { late: 0 })]);
+        // The on-phases' lengths: between half and one and a half times the planned one.
+        let mut rng = 3u64;
+        let lens: Vec<u64> = (0..1000)
+            .map(|_| on_phase_len(BUDGET_ON_NS, next_random(&mut rng)))
+            .collect();
+        assert!(lens
+            .iter()
+            .all(|&l| (BUDGET_ON_NS / 2..=BUDGET_ON_NS * 3 / 2).contains(&l)));
+        let mean = lens.iter().sum::<u64>() as f64 / lens.len() as f64;
+        assert!((mean / BUDGET_ON_NS as f64 - 1.0).abs() < 0.05, "{mean}");
     }
 
     /// A recording loop that gets to an on-phase's end late (here 1 s instead of 250 ms)

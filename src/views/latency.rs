@@ -360,14 +360,11 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
 /// all the time has no sampling error) and widened for few phases ([`small_sample_factor`]).
 /// Deterministic (a fixed seed).
 pub fn uncertainty(calls: &[StartedCall], cov: &Coverage) -> Option<Uncertainty> {
-    if calls.is_empty() {
-        return None;
-    }
     let share = cov.share().clamp(0.0, 1.0);
     let fpc = (1.0 - share).max(0.0).sqrt();
     let widen = fpc * small_sample_factor(cov.intervals.len());
-    let est: f64 = calls.iter().map(|c| c.2).sum();
-    // Each call's phase: the watched interval holding its start.
+    // Each call's phase: the watched interval holding its start. A call outside every one
+    // (before or after a window's coverage) is not part of the estimate.
     let phase_of = |start: u64| {
         cov.intervals
             .iter()
@@ -375,8 +372,12 @@ pub fn uncertainty(calls: &[StartedCall], cov: &Coverage) -> Option<Uncertainty>
     };
     let mut sorted: Vec<(u64, f64, usize)> = calls
         .iter()
-        .map(|&(s, d, w)| (d, w, phase_of(s).unwrap_or(0)))
+        .filter_map(|&(s, d, w)| Some((d, w, phase_of(s)?)))
         .collect();
+    if sorted.is_empty() {
+        return None;
+    }
+    let est: f64 = sorted.iter().map(|c| c.1).sum();
     sorted.sort_unstable_by_key(|c| c.0);
     let k = cov.intervals.len().max(1);
     let ones = vec![1.0; k];
@@ -397,7 +398,7 @@ pub fn uncertainty(calls: &[StartedCall], cov: &Coverage) -> Option<Uncertainty>
     if cov.intervals.len() >= MIN_PHASES {
         let len: Vec<f64> = cov.intervals.iter().map(|&(a, b)| (b - a) as f64).collect();
         let watched: f64 = len.iter().sum();
-        let mut rng = SplitMix(0x5EED ^ calls.len() as u64 ^ (cov.span_ns << 1));
+        let mut rng = SplitMix(0x5EED ^ sorted.len() as u64 ^ (cov.span_ns << 1));
         let (mut rc, mut r50, mut r90) = (Vec::new(), Vec::new(), Vec::new());
         let mut mult = vec![0.0; k];
         for _ in 0..REPLICATES {
@@ -447,7 +448,7 @@ pub fn uncertainty(calls: &[StartedCall], cov: &Coverage) -> Option<Uncertainty>
     // Few phases: the calls as independent draws. The count is Poisson in the calls seen,
     // scaled by the share; a percentile's interval is between the order statistics at the
     // binomial ranks n q -/+ 1.96 sqrt(n q (1 - q)).
-    let n = calls.len() as f64;
+    let n = sorted.len() as f64;
     let dn = 1.96 * n.sqrt() * fpc * est / n;
     let ranks = |q: f64| {
         let sd = 1.96 * (n * q * (1.0 - q)).sqrt() * fpc;
