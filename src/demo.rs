@@ -592,11 +592,15 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             )?;
             continue;
         }
-        let truth = [&worker_t, &core_t]
+        let own = [&worker_t, &core_t]
             .into_iter()
             .flatten()
             .find(|t| t["pid"].as_i64() == Some(p.pid as i64))
-            .and_then(|t| t["functions"][&p.function]["wall_ns"]["p50"].as_f64());
+            .map(|t| &t["functions"][&p.function]);
+        let truth = own.and_then(|f| f["wall_ns"]["p50"].as_f64());
+        // Where the engine also times the call inside it (first statement to last), that is
+        // where the probe times it: the figure to compare.
+        let body = own.and_then(|f| f["body_wall_ns"]["p50"].as_f64());
         writeln!(
             s,
             "   {:<30} {:<12} {:>5} calls  p50 {:>7.3} ms (exact)   engine's own: {}",
@@ -604,21 +608,28 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             role,
             d.len(),
             d[d.len() / 2] as f64 / 1e6,
-            truth.map_or("-".to_string(), |t| if trap_ns > 0 {
-                format!(
-                    "{:.3} ms ({:.3} less traps)",
-                    t / 1e6,
-                    (t - 2.0 * trap_ns as f64) / 1e6
-                )
-            } else {
-                format!("{:.3} ms", t / 1e6)
-            })
+            match (body, truth) {
+                (Some(b), Some(t)) => format!(
+                    "{:.3} ms inside the call ({:.3} ms around it, from its caller)",
+                    b / 1e6,
+                    t / 1e6
+                ),
+                _ => truth.map_or("-".to_string(), |t| if trap_ns > 0 {
+                    format!(
+                        "{:.3} ms ({:.3} less traps)",
+                        t / 1e6,
+                        (t - 2.0 * trap_ns as f64) / 1e6
+                    )
+                } else {
+                    format!("{:.3} ms", t / 1e6)
+                }),
+            }
         )?;
     }
     if trap_ns > 0 {
         writeln!(
             s,
-            "   (the engine times each call around it, from its caller: that holds the probe's own two debug traps, {:.0} µs each here, calibrated; the figure after \"less traps\" takes them out)",
+            "   (the engine times each call around it, from its caller: that holds the probe's own two debug traps, {:.0} µs each here, calibrated, and whatever the caller waited for around the call (the GIL, on a thread that shares it); \"less traps\" takes the traps out, and where the engine also times the call inside it, that figure is the one to compare)",
             trap_ns as f64 / 1e3
         )?;
     }

@@ -361,6 +361,8 @@ class MultiprocExecutor:
                                       "scheduler output to the workers", cap)
         self.dequeue_log = gt.CallLog("MessageQueue.dequeue", MessageQueue.dequeue,
                                       "sampled tokens from worker 0", cap)
+        self.sched_mq.body_log = self.enqueue_log
+        self.resp_mq.body_log = self.dequeue_log
 
     def _alive(self):
         return self.alive() and all(p.is_alive() for p in self.procs)

@@ -34,6 +34,10 @@ class CallLog:
         self.cpus = array("q")
         self.calls_total = 0
         self.thread = None  # native id of the caller (set on the first call)
+        # The same calls timed inside the callee (first statement to last), where a probe
+        # times them; only for functions that report it (shm_broadcast.MessageQueue).
+        self.body_starts = array("q")
+        self.body_walls = array("q")
 
     def add(self, t0, t1, c0, c1):
         self.calls_total += 1
@@ -44,8 +48,14 @@ class CallLog:
             self.walls.append(t1 - t0)
             self.cpus.append(c1 - c0)
 
+    def add_body(self, t0, t1):
+        if len(self.body_starts) < self.cap:
+            self.body_starts.append(t0)
+            self.body_walls.append(t1 - t0)
+
     def doc(self, start, end, list_cap):
         idx = [i for i, t in enumerate(self.starts) if start <= t < end]
+        body = sorted(w for t, w in zip(self.body_starts, self.body_walls) if start <= t < end)
         walls = sorted(self.walls[i] for i in idx)
         cpus = sorted(self.cpus[i] for i in idx)
         rows = [[self.starts[i], self.walls[i], self.cpus[i]] for i in idx[:list_cap]]
@@ -60,6 +70,8 @@ class CallLog:
             "calls_kept": len(self.starts),
             "calls": len(idx),
             "wall_ns": summary(walls),
+            # Timed inside the call, where a probe times it (absent where not measured).
+            **({"body_wall_ns": summary(body), "body_calls": len(body)} if body else {}),
             "cpu_ns": summary(cpus),
             "columns": ["start_ns", "wall_ns", "cpu_ns"],
             "list": rows,

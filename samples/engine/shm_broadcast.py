@@ -24,6 +24,7 @@ scheduled request of a step, or one sampled token).
 Control messages (window start, shutdown) are one pickled chunk and are not timed."""
 import pickle
 import struct
+import time
 from contextlib import contextmanager
 from array import array
 from multiprocessing import shared_memory
@@ -78,6 +79,10 @@ class MessageQueue:
         self.meta_stride = 1 + self.n_readers
         self.index = 0
         self.unposted = 0
+        # Ground truth timed inside the call (groundtruth.CallLog.add_body), where a probe
+        # times it: the caller's clock also holds what it waits for around the call (the GIL,
+        # on a thread that shares it with a writer).
+        self.body_log = None
         if role == "reader":
             self.data_sem = handle.data_sems[rank]
             self.space_sem = handle.space_sems[rank]
@@ -177,6 +182,8 @@ class MessageQueue:
 
     def enqueue(self, records):
         """Send one message: a list of records (lists of ints)."""
+        log = self.body_log
+        t0 = time.perf_counter_ns() if log is not None else 0
         if self.packed:
             blob = array("i")
             for rec in records:
@@ -188,10 +195,14 @@ class MessageQueue:
             for rec in records:
                 self._write_chunk(KIND_PICKLED_RECORD, 0, pickle.dumps(rec))
         self.flush()
+        if log is not None:
+            log.add_body(t0, time.perf_counter_ns())
 
     def dequeue(self):
         """Receive one message: its list of records, or a Control."""
         # One way out (see worker.AuxOutputStore._evict_to_fit).
+        log = self.body_log
+        t0 = time.perf_counter_ns() if log is not None else 0
         result = None
         with self.acquire_read() as buf:
             kind, count, n = HEADER.unpack_from(buf, 0)
@@ -226,6 +237,8 @@ class MessageQueue:
                         finally:
                             payload.release()
             result = records
+        if log is not None:
+            log.add_body(t0, time.perf_counter_ns())
         return result
 
     def enqueue_control(self, obj):

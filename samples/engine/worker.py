@@ -326,6 +326,9 @@ def run_worker(cfg, rank, sched_handle, resp_handle, ready_conn, parent_pid):
     packed = "queue" in fix
     sched_mq = MessageQueue(sched_handle, "reader", rank, packed, alive)
     resp_mq = MessageQueue(resp_handle, "writer", 0, packed, alive) if resp_handle else None
+    sched_mq.body_log = logs["MessageQueue.dequeue"]
+    if resp_mq is not None:
+        resp_mq.body_log = logs["MessageQueue.enqueue"]
 
     store, store_calib = size_store(cfg["evict_ms"], "evict" in fix,
                                     logs["AuxOutputStore._evict_to_fit"])
