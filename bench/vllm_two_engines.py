@@ -148,7 +148,11 @@ def main():
                 srv = servers[i]
                 row = next((e for e in rep.get("engines", [])
                             if e.get("api_server_pid") == srv), None)
-                truth = rate_between(series[i], a, b)
+                # The counter over the span the recorded rate covers (its first and last
+                # scrape, `covers_s`), else over the whole window.
+                cov = row and row["gen_tok_s"].get("covers_s")
+                truth = (rate_between(series[i], a + int(cov[0] * 1e9), a + int(cov[1] * 1e9))
+                         if cov else rate_between(series[i], a, b))
                 inside = per_second(series[i], a, b)
                 before = per_second(series[i], a - rec_len, a)
                 after = per_second(series[i], b, b + rec_len)
@@ -171,6 +175,8 @@ def main():
             results.append(round_res)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
+        with open(os.path.join(out, "series.json"), "w") as f:
+            json.dump({str(p): s for p, s in zip(ports, series)}, f)
         # Per mode and engine: seconds below half the median, inside and beside the
         # recordings; the recorded figure against the counter; events lost.
         for mode in modes:

@@ -18,6 +18,10 @@ pub struct RateStats {
     /// Lowest and highest rate of the report's windows (`window_s`).
     pub min: Option<f64>,
     pub max: Option<f64>,
+    /// The span `mean` covers: the first and last good scrape, s since the recording's
+    /// start (a rate covers the time between scrapes, not the whole window).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub covers_s: Option<[f64; 2]>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -256,6 +260,10 @@ pub fn engine_rows(
                     mean: ix.rate(id, &names::GENERATION_TOKENS, 0, end_ns.max(1)),
                     min: per_window.iter().copied().reduce(f64::min),
                     max: per_window.iter().copied().reduce(f64::max),
+                    covers_s: match (times.first(), times.last()) {
+                        (Some(&a), Some(&b)) if b > a => Some([a as f64 / 1e9, b as f64 / 1e9]),
+                        _ => None,
+                    },
                 },
                 prompt_tok_s: MeanRate {
                     mean: ix.rate(id, &names::PROMPT_TOKENS, 0, end_ns.max(1)),
