@@ -52,6 +52,11 @@ pub struct BpfSampler {
     closer: Option<closer::UprobeCloser>,
     /// Links closed on a thread of ours because the helper could not take them.
     closed_here: u64,
+    /// Closes removed watchpoints off the loop; started on the first removal.
+    remover: Option<Remover>,
+    /// Watchpoint settings that waited for the same watchpoint's removal, and how long.
+    pub unwatch_waits: u64,
+    pub unwatch_wait_ns: u64,
 }
 
 impl Drop for BpfSampler {
@@ -164,6 +169,9 @@ impl BpfSampler {
             detaching: Vec::new(),
             closer: None,
             closed_here: 0,
+            remover: None,
+            unwatch_waits: 0,
+            unwatch_wait_ns: 0,
         })
     }
 
@@ -199,14 +207,37 @@ impl BpfSampler {
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
     pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
+        if let Some(r) = &self.remover {
+            let t = std::time::Instant::now();
+            let waited = r.pending.lock().is_ok_and(|m| m.contains_key(&tid));
+            if waited {
+                if !r.settle(tid, std::time::Duration::from_secs(5)) {
+                    bail!("watchpoint at {addr:#x} on thread {tid}: the thread's previous ones are still being removed after 5 s");
+                }
+                self.unwatch_waits += 1;
+                self.unwatch_wait_ns += t.elapsed().as_nanos() as u64;
+            }
+        }
         let prog = self.probe_program()?;
         Breakpoint::write(prog, tid, addr, 8)
             .map_err(|e| anyhow!("watchpoint at {addr:#x} on thread {tid}: {e}"))
     }
 
-    /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount).
+    /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount): handed to the
+    /// helper thread that closes it ([`Remover`]), or closed here if it cannot be started.
     pub fn unwatch_refcount(&mut self, w: Breakpoint) {
-        drop(w);
+        if self.remover.is_none() {
+            self.remover = Remover::spawn().ok();
+        }
+        match &self.remover {
+            Some(r) => {
+                if let Err(w) = r.remove(w) {
+                    self.remover = None;
+                    drop(w);
+                }
+            }
+            None => drop(w),
+        }
     }
 
     /// Set a write watchpoint on `addr` (4 bytes, a target's `gcstate->collecting`) for thread
@@ -634,6 +665,10 @@ impl BpfSampler {
             out.push(("bpf_prog_runs".into(), runs));
         }
         out.push(("gc_uprobe_links_closed_here".into(), self.closed_here));
+        if self.remover.is_some() {
+            out.push(("probe_unwatch_waits".into(), self.unwatch_waits));
+            out.push(("probe_unwatch_wait_ns".into(), self.unwatch_wait_ns));
+        }
         out
     }
 
@@ -751,6 +786,82 @@ impl SwitchCost {
 pub struct Breakpoint {
     /// Held, not read: closing it (on drop) removes the watchpoint.
     _fd: std::os::fd::OwnedFd,
+    /// The thread it watches ([`Remover`]'s key).
+    tid: i32,
+}
+
+/// Removes watchpoints off the recording loop. Closing a thread's breakpoint event goes
+/// through an IPI to the CPU the thread runs on, retried until it lands while the thread is
+/// there: tens of µs on a quiet thread, over a second on a vLLM thread that spins on
+/// `sched_yield` (measured: 1.67 s, docs/probes.md), and the loop waiting there held every
+/// other thread's on- and off-phases. A helper thread at normal priority closes them; the
+/// loop stamps the watch's end before it hands it over (hits after that are not timed), and
+/// waits only where it sets a watchpoint on a thread before that thread's old ones are gone
+/// (two events on one address would report each write twice, and a rotation needs the
+/// register the old one holds).
+struct Remover {
+    tx: std::sync::mpsc::Sender<Breakpoint>,
+    /// tid → watchpoints handed over and not closed yet.
+    pending: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i32, usize>>>,
+}
+
+impl Remover {
+    fn spawn() -> std::io::Result<Remover> {
+        let (tx, rx) = std::sync::mpsc::channel::<Breakpoint>();
+        let pending = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
+            i32,
+            usize,
+        >::new()));
+        let p = pending.clone();
+        std::thread::Builder::new()
+            .name("es-unwatch".into())
+            .spawn(move || {
+                crate::sys::normal_this_thread();
+                for w in rx {
+                    let key = w.tid;
+                    drop(w);
+                    if let Ok(mut m) = p.lock() {
+                        if let Some(n) = m.get_mut(&key) {
+                            *n = n.saturating_sub(1);
+                            if *n == 0 {
+                                m.remove(&key);
+                            }
+                        }
+                    }
+                }
+            })?;
+        Ok(Remover { tx, pending })
+    }
+
+    /// Hand `w` over; `Err(w)` when the helper is gone.
+    fn remove(&self, w: Breakpoint) -> Result<(), Breakpoint> {
+        let key = w.tid;
+        if let Ok(mut m) = self.pending.lock() {
+            *m.entry(key).or_insert(0) += 1;
+        }
+        self.tx.send(w).map_err(|e| {
+            if let Ok(mut m) = self.pending.lock() {
+                m.remove(&key);
+            }
+            e.0
+        })
+    }
+
+    /// Wait (at most `limit`) until no watchpoint of `tid` is waiting to be closed; whether
+    /// none is.
+    fn settle(&self, tid: i32, limit: std::time::Duration) -> bool {
+        let t = std::time::Instant::now();
+        loop {
+            let busy = self.pending.lock().is_ok_and(|m| m.contains_key(&tid));
+            if !busy {
+                return true;
+            }
+            if t.elapsed() >= limit {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
 }
 
 /// `struct perf_event_attr` up to `bp_len` (`PERF_ATTR_SIZE_VER1`, 72 bytes), then zeros to
@@ -840,7 +951,7 @@ impl Breakpoint {
                 return Err(std::io::Error::new(e.kind(), format!("{what} failed: {e}")));
             }
         }
-        Ok(Breakpoint { _fd: fd })
+        Ok(Breakpoint { _fd: fd, tid })
     }
 }
 
