@@ -357,10 +357,10 @@ fn engines_rates_gauges_and_histogram_quantiles() {
     assert_eq!(e["engine_core_pids"], serde_json::json!([20]));
     assert_eq!(e["metrics_url"], "http://127.0.0.1:8000/metrics");
     assert_eq!(e["scrapes"], 21);
-    // 1000 + 500 tokens over 20 s; the 10 s windows give 100 and 50.
+    // 1000 + 500 tokens over 20 s; the 10 s windows give 100 and 50; the scrapes cover 0-20 s.
     assert_eq!(
         e["gen_tok_s"],
-        serde_json::json!({"mean": 75.0, "min": 50.0, "max": 100.0})
+        serde_json::json!({"mean": 75.0, "min": 50.0, "max": 100.0, "covers_s": [0.0, 20.0]})
     );
     // The restart at 6 s is not a drop of 50 tokens: 10/s throughout.
     assert_close(&e["prompt_tok_s"]["mean"], 10.0);
