@@ -52,11 +52,8 @@ pub struct BpfSampler {
     closer: Option<closer::UprobeCloser>,
     /// Links closed on a thread of ours because the helper could not take them.
     closed_here: u64,
-    /// Closes removed watchpoints off the loop; started on the first removal.
-    remover: Option<Remover>,
-    /// Watchpoint settings that waited for the same watchpoint's removal, and how long.
-    pub unwatch_waits: u64,
-    pub unwatch_wait_ns: u64,
+    /// Sets and removes probe watchpoints off the loop; started on first use.
+    switcher: Option<Switcher>,
 }
 
 impl Drop for BpfSampler {
@@ -169,9 +166,7 @@ impl BpfSampler {
             detaching: Vec::new(),
             closer: None,
             closed_here: 0,
-            remover: None,
-            unwatch_waits: 0,
-            unwatch_wait_ns: 0,
+            switcher: None,
         })
     }
 
@@ -207,33 +202,55 @@ impl BpfSampler {
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
     pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
-        if let Some(r) = &self.remover {
-            let t = std::time::Instant::now();
-            let waited = r.pending.lock().is_ok_and(|m| m.contains_key(&tid));
-            if waited {
-                if !r.settle(tid, std::time::Duration::from_secs(5)) {
-                    bail!("watchpoint at {addr:#x} on thread {tid}: the thread's previous ones are still being removed after 5 s");
-                }
-                self.unwatch_waits += 1;
-                self.unwatch_wait_ns += t.elapsed().as_nanos() as u64;
-            }
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        let prog_fd = self
+            .probe_program()?
+            .fd()
+            .map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?
+            .as_fd()
+            .as_raw_fd();
+        if self.switcher.is_none() {
+            self.switcher = Switcher::spawn().ok();
         }
-        let prog = self.probe_program()?;
-        Breakpoint::write(prog, tid, addr, 8)
-            .map_err(|e| anyhow!("watchpoint at {addr:#x} on thread {tid}: {e}"))
+        let set = match &self.switcher {
+            Some(sw) => {
+                let (reply, rx) = std::sync::mpsc::sync_channel(1);
+                let job = SwitchJob::Open {
+                    prog_fd,
+                    tid,
+                    addr,
+                    len: 8,
+                    reply,
+                };
+                if sw.tx.send(job).is_ok() {
+                    match rx.recv_timeout(SET_LIMIT) {
+                        Ok(r) => r,
+                        Err(_) => Err(std::io::Error::other(format!(
+                            "not set within {} s (the kernel retries while the thread moves between CPUs)",
+                            SET_LIMIT.as_secs()
+                        ))),
+                    }
+                } else {
+                    self.switcher = None;
+                    Breakpoint::write_fd(prog_fd, tid, addr, 8)
+                }
+            }
+            None => Breakpoint::write_fd(prog_fd, tid, addr, 8),
+        };
+        set.map_err(|e| anyhow!("watchpoint at {addr:#x} on thread {tid}: {e}"))
     }
 
     /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount): handed to the
-    /// helper thread that closes it ([`Remover`]), or closed here if it cannot be started.
+    /// helper thread that closes it ([`Switcher`]), or closed here if it cannot be started.
     pub fn unwatch_refcount(&mut self, w: Breakpoint) {
-        if self.remover.is_none() {
-            self.remover = Remover::spawn().ok();
+        if self.switcher.is_none() {
+            self.switcher = Switcher::spawn().ok();
         }
-        match &self.remover {
-            Some(r) => {
-                if let Err(w) = r.remove(w) {
-                    self.remover = None;
-                    drop(w);
+        match &self.switcher {
+            Some(sw) => {
+                if let Err(e) = sw.tx.send(SwitchJob::Close(w)) {
+                    self.switcher = None;
+                    drop(e.0);
                 }
             }
             None => drop(w),
@@ -665,10 +682,6 @@ impl BpfSampler {
             out.push(("bpf_prog_runs".into(), runs));
         }
         out.push(("gc_uprobe_links_closed_here".into(), self.closed_here));
-        if self.remover.is_some() {
-            out.push(("probe_unwatch_waits".into(), self.unwatch_waits));
-            out.push(("probe_unwatch_wait_ns".into(), self.unwatch_wait_ns));
-        }
         out
     }
 
@@ -786,81 +799,61 @@ impl SwitchCost {
 pub struct Breakpoint {
     /// Held, not read: closing it (on drop) removes the watchpoint.
     _fd: std::os::fd::OwnedFd,
-    /// The thread it watches ([`Remover`]'s key).
-    tid: i32,
 }
 
-/// Removes watchpoints off the recording loop. Closing a thread's breakpoint event goes
-/// through an IPI to the CPU the thread runs on, retried until it lands while the thread is
-/// there: tens of µs on a quiet thread, over a second on a vLLM thread that spins on
-/// `sched_yield` (measured: 1.67 s, docs/probes.md), and the loop waiting there held every
-/// other thread's on- and off-phases. A helper thread at normal priority closes them; the
-/// loop stamps the watch's end before it hands it over (hits after that are not timed), and
-/// waits only where it sets a watchpoint on a thread before that thread's old ones are gone
-/// (two events on one address would report each write twice, and a rotation needs the
-/// register the old one holds).
-struct Remover {
-    tx: std::sync::mpsc::Sender<Breakpoint>,
-    /// tid → watchpoints handed over and not closed yet.
-    pending: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i32, usize>>>,
+/// Sets and removes probe watchpoints on a helper thread of normal priority, in the order
+/// they are asked for. Opening or closing a thread's breakpoint event goes through an IPI to
+/// the CPU the thread runs on, retried until it lands while the thread is there: tens of µs
+/// on a quiet thread, over a second on a vLLM thread that spins on `sched_yield` when the
+/// caller is the real-time recording loop (measured: 1.67 s, docs/probes.md; 10-60 ms from a
+/// thread of normal priority). The loop stamps a watch's end before it hands the breakpoint
+/// over (hits after that are not timed) and does not wait for the close; it waits for a
+/// setting (the watch's start and the seed read must follow the kernel's install), which runs
+/// after the removals asked for before it (a rotation needs the register an old one holds,
+/// and two events on one address would report each write twice).
+struct Switcher {
+    tx: std::sync::mpsc::Sender<SwitchJob>,
 }
 
-impl Remover {
-    fn spawn() -> std::io::Result<Remover> {
-        let (tx, rx) = std::sync::mpsc::channel::<Breakpoint>();
-        let pending = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
-            i32,
-            usize,
-        >::new()));
-        let p = pending.clone();
+enum SwitchJob {
+    Close(Breakpoint),
+    Open {
+        prog_fd: std::os::fd::RawFd,
+        tid: i32,
+        addr: u64,
+        len: u64,
+        reply: std::sync::mpsc::SyncSender<std::io::Result<Breakpoint>>,
+    },
+}
+
+/// The longest the loop waits for a watchpoint to be set before it gives up on it (the
+/// helper closes it when it comes).
+const SET_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Switcher {
+    fn spawn() -> std::io::Result<Switcher> {
+        let (tx, rx) = std::sync::mpsc::channel::<SwitchJob>();
         std::thread::Builder::new()
-            .name("es-unwatch".into())
+            .name("es-watch".into())
             .spawn(move || {
                 crate::sys::normal_this_thread();
-                for w in rx {
-                    let key = w.tid;
-                    drop(w);
-                    if let Ok(mut m) = p.lock() {
-                        if let Some(n) = m.get_mut(&key) {
-                            *n = n.saturating_sub(1);
-                            if *n == 0 {
-                                m.remove(&key);
-                            }
+                for job in rx {
+                    match job {
+                        SwitchJob::Close(w) => drop(w),
+                        SwitchJob::Open {
+                            prog_fd,
+                            tid,
+                            addr,
+                            len,
+                            reply,
+                        } => {
+                            // A reply nobody waits for any more drops the watchpoint: closed.
+                            let _ = reply.send(Breakpoint::write_fd(prog_fd, tid, addr, len));
                         }
                     }
                 }
             })?;
-        Ok(Remover { tx, pending })
-    }
-
-    /// Hand `w` over; `Err(w)` when the helper is gone.
-    fn remove(&self, w: Breakpoint) -> Result<(), Breakpoint> {
-        let key = w.tid;
-        if let Ok(mut m) = self.pending.lock() {
-            *m.entry(key).or_insert(0) += 1;
-        }
-        self.tx.send(w).map_err(|e| {
-            if let Ok(mut m) = self.pending.lock() {
-                m.remove(&key);
-            }
-            e.0
-        })
-    }
-
-    /// Wait (at most `limit`) until no watchpoint of `tid` is waiting to be closed; whether
-    /// none is.
-    fn settle(&self, tid: i32, limit: std::time::Duration) -> bool {
-        let t = std::time::Instant::now();
-        loop {
-            let busy = self.pending.lock().is_ok_and(|m| m.contains_key(&tid));
-            if !busy {
-                return true;
-            }
-            if t.elapsed() >= limit {
-                return false;
-            }
-            std::thread::sleep(std::time::Duration::from_micros(200));
-        }
+        Ok(Switcher { tx })
     }
 }
 
@@ -895,12 +888,23 @@ const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
 impl Breakpoint {
     /// Watch writes of `len` bytes (1, 2, 4, 8) at `addr` in thread `tid`, running `prog`.
     fn write(prog: &PerfEvent, tid: i32, addr: u64, len: u64) -> std::io::Result<Breakpoint> {
-        use std::os::fd::{AsFd as _, AsRawFd, FromRawFd, OwnedFd};
+        use std::os::fd::{AsFd as _, AsRawFd as _};
         let prog_fd = prog
             .fd()
             .map_err(|e| std::io::Error::other(format!("program not loaded: {e}")))?
             .as_fd()
             .as_raw_fd();
+        Self::write_fd(prog_fd, tid, addr, len)
+    }
+
+    /// As [`write`](Self::write), with the program's descriptor (valid while it is loaded).
+    fn write_fd(
+        prog_fd: std::os::fd::RawFd,
+        tid: i32,
+        addr: u64,
+        len: u64,
+    ) -> std::io::Result<Breakpoint> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         let attr = PerfEventAttr {
             type_: PERF_TYPE_BREAKPOINT,
             size: std::mem::size_of::<PerfEventAttr>() as u32,
@@ -951,7 +955,7 @@ impl Breakpoint {
                 return Err(std::io::Error::new(e.kind(), format!("{what} failed: {e}")));
             }
         }
-        Ok(Breakpoint { _fd: fd, tid })
+        Ok(Breakpoint { _fd: fd })
     }
 }
 

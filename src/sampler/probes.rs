@@ -930,10 +930,9 @@ impl Probes {
         // from it (a push, or the pop of a call already running, which is dropped).
         let seed = read_refcnt(proc, p.refcnt);
         let t = std::time::Instant::now();
-        let ls = {
-            let _normal = crate::sys::normal_while();
-            attach_all(b, tid, &p)
-        };
+        // Set on the helper thread of normal priority (`bpf::Switcher`); the loop sleeps
+        // until it is.
+        let ls = attach_all(b, tid, &p);
         self.note_switch(t);
         let ls = ls?;
         // The watched interval begins once the watch is surely set.
@@ -973,11 +972,9 @@ impl Probes {
             c.rotated = rotation;
         }
         let t = std::time::Instant::now();
-        {
-            let _normal = crate::sys::normal_while();
-            for l in ls {
-                b.unwatch_refcount(l);
-            }
+        // Closed on the helper thread; the loop does not wait.
+        for l in ls {
+            b.unwatch_refcount(l);
         }
         self.note_switch(t);
         self.edges.push(ProbeWatch {
