@@ -96,39 +96,11 @@ pub fn normal_this_thread() {
     unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
 }
 
-/// While held, the calling thread runs at normal priority if it ran real-time (restored when
-/// dropped). For kernel work whose length depends on the target: installing or removing a
-/// perf event on a thread that is running goes through an IPI to its CPU, retried (with
-/// `cond_resched` between tries) until it lands while the thread is there; on a thread that
-/// yields thousands of times a second a try can fail for a long time, and a real-time caller
-/// spins through the `cond_resched`s without ever giving the CPU to the engine it watches.
-pub struct NormalWhile {
-    was_realtime: bool,
-}
-
 /// Whether the calling thread runs `SCHED_FIFO` (see [`realtime_this_thread`]).
 pub fn is_realtime_this_thread() -> bool {
     // SAFETY: sched_getscheduler on the calling thread has no preconditions.
     let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
     policy == libc::SCHED_FIFO
-}
-
-/// See [`NormalWhile`].
-pub fn normal_while() -> NormalWhile {
-    let was_realtime = is_realtime_this_thread();
-    if was_realtime {
-        normal_this_thread();
-    }
-    NormalWhile { was_realtime }
-}
-
-impl Drop for NormalWhile {
-    fn drop(&mut self) {
-        if self.was_realtime {
-            // It ran SCHED_FIFO a moment ago, so it may again.
-            let _ = realtime_this_thread();
-        }
-    }
 }
 
 /// Seconds since the Unix epoch (0.0 if the clock is before it).
