@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod probe_truth;
+pub mod tmux;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
