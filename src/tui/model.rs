@@ -1182,13 +1182,15 @@ mod tests {
         }
         let s = snap_at(&b.0, 10 * S);
         let l = &s.latency[0];
-        // The window starts at 0.25 s (its first bucket) and the probe's span ends at the
-        // thread's last watch edge (9 s): watched 4.75 of 8.75 s, 47 calls timed (those
-        // ending from 0.25 s on), standing for 10 calls/s over the span.
-        assert_eq!(l.method, "exact, 54% of the window");
-        let share: f64 = 4.75 / 8.75;
+        // The window starts at 0.25 s (its first bucket); the recording is still being
+        // written, so the thread's span runs through its off-phase to the window's end (10 s,
+        // not its last watch edge at 9 s): watched 4.75 of 9.75 s, 47 calls timed (those
+        // ending from 0.25 s on), standing for 10 calls/s over the window.
+        assert_eq!(l.method, "exact, 49% of the window");
+        let share: f64 = 4.75 / 9.75;
         assert_eq!(l.calls, (47.0 / share).round() as u64);
-        assert_eq!(l.calls, 87);
+        assert_eq!(l.calls, 96);
+        assert!((l.calls_per_s - 10.0).abs() < 0.2, "{}", l.calls_per_s);
         assert_eq!(l.p50_ns, MS);
     }
 

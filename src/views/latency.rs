@@ -204,18 +204,39 @@ impl Coverage {
 /// they cover.
 fn spans(rec: &Recording, end_ns: u64) -> impl Iterator<Item = ((u32, i32), Coverage)> {
     let iv = watch_intervals(rec, end_ns);
-    // A thread's span ends at its last watch edge (all of its watches end together when it
-    // exits or the recording ends, and a probe unwatched then gets an `off` edge with no
-    // watch open, which marks the span's end), or at the end when one is still on.
+    // A thread's span ends where it exited or the recording ended: all of its watches end
+    // together then, and a probe unwatched then gets an `off` edge with no watch open, which
+    // marks the span's end. A thread without that mark in a recording still being written
+    // (top's live view) is alive: its span runs to `end_ns`, in an off-phase too (it had
+    // ended at the last edge, so that during an off-phase the calls of the first phases stood
+    // for a span that stopped there, over a rate taken over the whole window: 10/s for 190).
+    // A finished recording without marks (written before them) ends each thread's span at its
+    // last watch edge, or at the end when one is still on.
     let mut thread_end: BTreeMap<i32, u64> = BTreeMap::new();
     for ((_, tid), v) in &iv {
         let e = v.iter().map(|&(_, b)| b).max().unwrap_or(0);
         let t = thread_end.entry(*tid).or_insert(0);
         *t = (*t).max(e);
     }
+    let mut marked: BTreeMap<i32, u64> = BTreeMap::new();
+    let mut open: std::collections::BTreeSet<(u32, i32)> = Default::default();
     for w in &rec.probe_watches {
         if let Some(t) = thread_end.get_mut(&w.tid) {
             *t = (*t).max(w.t_ns);
+        }
+        if w.on {
+            open.insert((w.probe, w.tid));
+        } else if !open.remove(&(w.probe, w.tid)) {
+            let m = marked.entry(w.tid).or_insert(w.t_ns);
+            *m = (*m).max(w.t_ns);
+        }
+    }
+    if rec.end.is_none() {
+        for (tid, t) in thread_end.iter_mut() {
+            *t = match marked.get(tid) {
+                Some(&m) => m.max(*t),
+                None => end_ns.max(*t),
+            };
         }
     }
     iv.into_iter().filter_map(move |((probe, tid), intervals)| {
@@ -818,6 +839,34 @@ mod tests {
         assert!(window_coverages(&rec, 0, 99_000 * ms).is_empty());
     }
 
+    /// A thread in an off-phase of a recording still being written is alive: its span runs
+    /// to the window's end, not to its last edge; a span-end mark (an `off` edge with no
+    /// watch open) ends it; a finished recording without marks ends it at its last edge.
+    #[test]
+    fn a_live_thread_s_span_runs_through_its_off_phase() {
+        use crate::record::{EndInfo, ProbeWatch};
+        let s = 1_000_000_000u64;
+        let edge = |t_ns, on| ProbeWatch {
+            t_ns,
+            probe: 0,
+            tid: 10,
+            on,
+        };
+        let mut rec = Recording::default();
+        rec.probe_watches = vec![edge(0, true), edge(s, false)];
+        // Live, 10 s in, off since 1 s: watched 10% of [0, 10).
+        let w = window_coverages(&rec, 0, 10 * s);
+        assert_eq!(w[&(0, 10)].span_ns, 10 * s);
+        assert!((w[&(0, 10)].share() - 0.1).abs() < 1e-9);
+        // The thread exited at 5 s (its span's end marked).
+        rec.probe_watches.push(edge(5 * s, false));
+        assert_eq!(window_coverages(&rec, 0, 10 * s)[&(0, 10)].span_ns, 5 * s);
+        // A finished recording written before the marks: the span ends at the last edge.
+        rec.probe_watches.pop();
+        rec.end = Some(EndInfo::default());
+        assert!(window_coverages(&rec, 0, 10 * s).is_empty());
+    }
+
     /// A recording of one exact probe (id 0, pid 1) on thread 10 with `watches` (t, on) and
     /// calls of 1 µs starting at `starts`.
     fn watched_probe(watches: &[(u64, bool)], starts: &[u64]) -> Recording {
@@ -927,8 +976,10 @@ mod tests {
         // 20% of a 10 s span: 100 calls, not 20% of the 5 s up to the last watch (50).
         assert_eq!(r.method, "exact, 20% of the window");
         assert_eq!(r.calls, 100);
-        // Without the mark (an older recording), the span ends at the last watch.
+        // Without the mark (a finished recording older than the marks), the span ends at the
+        // last watch.
         rec.probe_watches.pop();
+        rec.end = Some(crate::record::EndInfo::default());
         let rows = function_latency(&rec, &Selection::all(&rec), &w);
         assert_eq!(
             (rows[0].calls, rows[0].method.as_str()),
