@@ -852,8 +852,10 @@ mod tests {
             tid: 10,
             on,
         };
-        let mut rec = Recording::default();
-        rec.probe_watches = vec![edge(0, true), edge(s, false)];
+        let mut rec = Recording {
+            probe_watches: vec![edge(0, true), edge(s, false)],
+            ..Default::default()
+        };
         // Live, 10 s in, off since 1 s: watched 10% of [0, 10).
         let w = window_coverages(&rec, 0, 10 * s);
         assert_eq!(w[&(0, 10)].span_ns, 10 * s);
