@@ -60,6 +60,15 @@ pub const VLLM_DEFAULT_PROBES: &[&str] = &[
     "AuxOutputStore.put",
 ];
 
+/// Of the default probes, the ones that say what a vLLM process is doing, for `top`'s line per
+/// process: an engine core's step and a worker's model run (what the MessageQueue calls inside
+/// them add up to).
+pub const VLLM_HEADLINE_PROBES: &[&str] = &[
+    "EngineCore.step",
+    "EngineCore.step_with_batch_queue",
+    "Worker.execute_model",
+];
+
 /// A function to probe, as asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeSpec {

@@ -179,27 +179,47 @@ pub fn is_quiet(s: &Stats) -> bool {
     s.cpu < 0.005 && s.gil_wait < 0.005 && s.gc < 0.005
 }
 
-/// What a process is doing, for its line: its busiest probed function's median call (the
-/// probe whose calls take the most of the window: `execute_model p50 2.40 ms, 180/s`), then
-/// its busiest thread's top function. None when it has neither.
+/// What a process is doing, for its line: its event loop's stalls where it runs one (an API
+/// server), its headline probe's median call (a vLLM step or model run where probed, else
+/// the probe whose calls take the most of the window: `execute_model p50 2.40 ms, 180/s`),
+/// then its busiest thread's top
+/// function. None when it has none of them. `compact` (a narrow terminal): the loop's and
+/// the probe's figures shortened, and the top function only where neither is known (the
+/// busiest thread's row under it shows it anyway).
 pub fn process_headline(
     p: &ProcessRow,
     latency: &[crate::tui::model::LatencyRow],
+    wall_ns: u64,
+    compact: bool,
 ) -> Option<String> {
-    let probe = latency
+    // A step or a model run (vLLM's) before the calls inside it, else the busiest.
+    let mine: Vec<&crate::tui::model::LatencyRow> = latency
         .iter()
         .filter(|l| l.pid == p.pid && l.calls > 0)
-        .max_by(|a, b| {
-            (a.calls_per_s * a.p50_ns as f64).total_cmp(&(b.calls_per_s * b.p50_ns as f64))
-        })
-        .map(|l| {
-            let name = l.function.rsplit('.').next().unwrap_or(&l.function);
-            format!(
-                "{name} p50 {:.2} ms, {:.0}/s",
-                l.p50_ns as f64 / 1e6,
-                l.calls_per_s
-            )
-        });
+        .collect();
+    let headline = |l: &&crate::tui::model::LatencyRow| {
+        crate::sampler::probes::VLLM_HEADLINE_PROBES
+            .iter()
+            .any(|h| l.function == *h || l.function.ends_with(&format!(".{h}")))
+    };
+    let preferred: Vec<&crate::tui::model::LatencyRow> =
+        mine.iter().copied().filter(headline).collect();
+    let probe = if preferred.is_empty() {
+        mine
+    } else {
+        preferred
+    }
+    .into_iter()
+    .max_by(|a, b| (a.calls_per_s * a.p50_ns as f64).total_cmp(&(b.calls_per_s * b.p50_ns as f64)))
+    .map(|l| {
+        let name = l.function.rsplit('.').next().unwrap_or(&l.function);
+        let p50 = l.p50_ns as f64 / 1e6;
+        if compact {
+            format!("{name} p50 {p50:.2}ms")
+        } else {
+            format!("{name} p50 {p50:.2} ms, {:.0}/s", l.calls_per_s)
+        }
+    });
     let top = p
         .threads
         .iter()
@@ -210,10 +230,33 @@ pub fn process_headline(
                 .first()
                 .map(|f| format!("{}: {} {:.0}%", t.name, f.function, f.self_share * 100.0))
         });
-    match (probe, top) {
-        (None, None) => None,
-        (a, b) => Some(a.into_iter().chain(b).collect::<Vec<_>>().join(" · ")),
+    let event_loop = p
+        .event_loop
+        .as_ref()
+        .map(|l| loop_headline(l, wall_ns, compact));
+    let top = top.filter(|_| !compact || (event_loop.is_none() && probe.is_none()));
+    let parts: Vec<String> = event_loop.into_iter().chain(probe).chain(top).collect();
+    (!parts.is_empty()).then(|| parts.join(" · "))
+}
+
+/// An event loop's stalls over a window of `wall_ns`: `loop stalled 4.2% (3 over 100 ms,
+/// longest 240 ms)`, or `loop: no stall over 100 ms`; `compact`: `loop stalled 4.2%`,
+/// `loop: no stall`.
+pub fn loop_headline(l: &crate::tui::model::LoopStalls, wall_ns: u64, compact: bool) -> String {
+    let ms = |ns: u64| ns as f64 / 1e6;
+    let share = l.stalled_ns as f64 * 100.0 / wall_ns.max(1) as f64;
+    match (l.stalls, compact) {
+        (0, true) => return "loop: no stall".into(),
+        (0, false) => return format!("loop: no stall over {:.0} ms", ms(l.threshold_ns)),
+        (_, true) => return format!("loop stalled {share:.1}%"),
+        _ => {}
     }
+    format!(
+        "loop stalled {share:.1}% ({} over {:.0} ms, longest {:.0} ms)",
+        l.stalls,
+        ms(l.threshold_ns),
+        ms(l.longest_ns)
+    )
 }
 
 /// The quiet threads of one process, folded into one line.
@@ -634,6 +677,39 @@ pub(crate) mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// A vLLM process's line names its step or model run before the busier MessageQueue
+    /// calls inside it; without one, the busiest probe.
+    #[test]
+    fn process_headline_prefers_the_step() {
+        use crate::tui::model::{LatencyRow, ProcessRow};
+        let p = ProcessRow {
+            pid: 7,
+            name: "engine_core".into(),
+            ..Default::default()
+        };
+        let row = |function: &str, per_s: f64, p50_ms: u64| LatencyRow {
+            function: function.into(),
+            pid: 7,
+            calls: 100,
+            calls_per_s: per_s,
+            p50_ns: p50_ms * 1_000_000,
+            ..Default::default()
+        };
+        let mut l = vec![
+            row("MessageQueue.dequeue", 400.0, 2),
+            row("mod.EngineCore.step", 190.0, 2),
+        ];
+        assert_eq!(
+            process_headline(&p, &l, 1_000_000_000, false).as_deref(),
+            Some("step p50 2.00 ms, 190/s")
+        );
+        l.pop();
+        assert_eq!(
+            process_headline(&p, &l, 1_000_000_000, true).as_deref(),
+            Some("dequeue p50 2.00ms")
+        );
     }
 
     #[test]

@@ -122,7 +122,7 @@ pub struct ThreadRow {
     pub idle: bool,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ProcessRow {
     pub pid: i32,
     /// Role where known, else the executable.
@@ -133,6 +133,20 @@ pub struct ProcessRow {
     pub threads: Vec<ThreadRow>,
     /// By generation.
     pub gc: Vec<GcRow>,
+    /// Its asyncio event loop's stalls in the window (an API server, or a process seen
+    /// running a loop), as `report`'s `api_server_stalls` finds them.
+    pub event_loop: Option<LoopStalls>,
+}
+
+/// An event loop's stalls over the window: runs of callbacks longer than the threshold.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LoopStalls {
+    pub tid: i32,
+    pub stalls: u64,
+    /// Summed, ns (a stall cut by the window's start counts from there).
+    pub stalled_ns: u64,
+    pub longest_ns: u64,
+    pub threshold_ns: u64,
 }
 
 /// An engine's processes (or, with `engine` None, the processes of no engine).
@@ -145,7 +159,7 @@ pub struct Group {
 }
 
 /// One probed function in one thread.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct LatencyRow {
     pub probe: u32,
     pub spec: String,
@@ -360,6 +374,10 @@ fn metric_view(
 }
 
 /// Compute what the dashboard shows from the window (already updated to the recording).
+/// A run of an event loop's callbacks longer than this is a stall (`report --stall-ms`'s
+/// default).
+pub const LOOP_STALL_NS: u64 = 100_000_000;
+
 pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     let wall = w.wall_ns();
     let start = w.start_ns();
@@ -500,6 +518,22 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             share: share(tc.ns, wall),
         });
     }
+    // The API servers' event-loop stalls in the window, as `report` finds them (its default
+    // threshold), over their threads seen in the window.
+    let loops = {
+        let threads: Vec<(i32, i32)> = thread_rows
+            .iter()
+            .filter(|(&pid, _)| crate::views::stalls::is_api_server(rec, pid))
+            .flat_map(|(&pid, ts)| ts.iter().map(move |t| (pid, t.tid)))
+            .collect();
+        if threads.is_empty() {
+            Default::default()
+        } else {
+            let sel = crate::views::Selection::of_threads(threads, "API servers")
+                .during(w.start_ns(), w.now_ns());
+            crate::views::stalls::api_server_stalls(rec, &sel, LOOP_STALL_NS)
+        }
+    };
     let mut processes: BTreeMap<i32, ProcessRow> = BTreeMap::new();
     for pid in pids {
         let info = rec.processes.iter().rev().find(|p| p.pid == pid);
@@ -521,6 +555,23 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         }
         let mut gc = gc_rows.remove(&pid).unwrap_or_default();
         gc.sort_by_key(|g| g.generation);
+        // The process's busiest loop (most stalled, then most CPU).
+        let event_loop = loops
+            .servers
+            .iter()
+            .filter(|r| r.pid == pid)
+            .max_by(|a, b| {
+                a.stalled_s
+                    .total_cmp(&b.stalled_s)
+                    .then(a.main_thread_cpu_s.total_cmp(&b.main_thread_cpu_s))
+            })
+            .map(|r| LoopStalls {
+                tid: r.main_tid,
+                stalls: r.stalls,
+                stalled_ns: (r.stalled_s * 1e9).round() as u64,
+                longest_ns: (r.longest_ms * 1e6).round() as u64,
+                threshold_ns: LOOP_STALL_NS,
+            });
         processes.insert(
             pid,
             ProcessRow {
@@ -530,6 +581,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 stats,
                 threads,
                 gc,
+                event_loop,
             },
         );
     }
@@ -890,6 +942,40 @@ mod tests {
         let mut w = window();
         w.update(rec, now);
         snapshot(&w, rec, &Topology::default())
+    }
+
+    /// An API server's loop stalls in the window: what `report` finds over the same span,
+    /// and the process's headline says it (a 300 ms callback in a 9.75 s window: 3.1%).
+    #[test]
+    fn api_server_loop_stalls_in_the_window() {
+        let mut b =
+            Rec::new()
+                .process(100, "vllm serve", "api_server")
+                .thread(100, 100, "MainThread");
+        let idle = b.stack(&["select", "run"], "/usr/lib/python3.12/selectors.py");
+        let work = b.stack(&["render", "handler"], "/srv/api.py");
+        // Idle 10 ms samples, then 30 x 10 ms in a callback from 5 s, then idle again; the
+        // loop's idle waits are what a traced recording has between callbacks.
+        b.samples((100, 100), 250 * MS, 475, 10 * MS, idle, 0);
+        b.samples((100, 100), 5 * S, 30, 10 * MS, work, GIL);
+        b.samples((100, 100), 5300 * MS, 470, 10 * MS, idle, 0);
+        b.0.samples.sort_by_key(|s| s.t_ns);
+        let s = snap_at(&b.0, 10 * S);
+        let p = &s.groups[0].processes[0];
+        let l = p.event_loop.as_ref().expect("the API server's loop");
+        assert_eq!((l.tid, l.stalls), (100, 1));
+        let sel = crate::views::Selection::all(&b.0).during(250 * MS, 10 * S);
+        let r = crate::views::stalls::api_server_stalls(&b.0, &sel, LOOP_STALL_NS);
+        assert_eq!(r.stalls.len(), 1);
+        assert_eq!(l.stalled_ns, (r.servers[0].stalled_s * 1e9).round() as u64);
+        assert_eq!(l.longest_ns, 300 * MS);
+        let h = crate::tui::app::process_headline(p, &s.latency, s.wall_ns, false).unwrap();
+        assert!(
+            h.starts_with("loop stalled 3.1% (1 over 100 ms, longest 300 ms)"),
+            "{h}"
+        );
+        let h = crate::tui::app::process_headline(p, &s.latency, s.wall_ns, true).unwrap();
+        assert_eq!(h, "loop stalled 3.1%");
     }
 
     #[test]

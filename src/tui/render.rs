@@ -265,20 +265,29 @@ fn draw_status(f: &mut Frame, area: Rect, app: &App) {
     f.render_widget(line, area);
 }
 
-fn stat_cells(s: &Stats, process: bool) -> Vec<Cell<'static>> {
+/// A thread's or process's figures; `narrow` leaves out off-CPU (see [`NARROW_BELOW`]).
+fn stat_cells(s: &Stats, process: bool, narrow: bool) -> Vec<Cell<'static>> {
     let off = if process {
         String::new()
     } else {
         pct(s.offcpu)
     };
-    vec![
+    let mut cells = vec![
         Cell::from(pct(s.cpu)),
         Cell::from(pct(s.gil_held)),
         Cell::from(pct(s.gil_wait)),
         Cell::from(pct(s.gc)),
-        Cell::from(off),
-    ]
+    ];
+    if !narrow {
+        cells.push(Cell::from(off));
+    }
+    cells
 }
+
+/// Below this many columns the Threads view leaves out its off-CPU and CPU-history columns
+/// and narrows the name, so that what each process is doing (its headline, each thread's
+/// top function) still shows at 80 columns.
+pub const NARROW_BELOW: u16 = 120;
 
 /// Header of a sortable column, with the sort arrow on the one sorted by.
 fn sort_header(ui: &Ui, key: SortKey, label: &str) -> String {
@@ -315,18 +324,29 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
         f.render_widget(Paragraph::new(msg).block(Block::bordered()), area);
         return;
     }
-    let header = TRow::new(vec![
+    let narrow = area.width < NARROW_BELOW;
+    let mut head = vec![
         Cell::from("PID/TID"),
         Cell::from(sort_header(ui, SortKey::Name, "NAME")),
         Cell::from(sort_header(ui, SortKey::Cpu, "CPU")),
         Cell::from(sort_header(ui, SortKey::GilHeld, "GIL")),
-        Cell::from(sort_header(ui, SortKey::GilWait, "GILWAIT")),
+        Cell::from(sort_header(
+            ui,
+            SortKey::GilWait,
+            if narrow { "WAIT" } else { "GILWAIT" },
+        )),
         Cell::from(sort_header(ui, SortKey::Gc, "GC")),
-        Cell::from(sort_header(ui, SortKey::OffCpu, "OFFCPU")),
-        Cell::from("CPU HISTORY"),
-        Cell::from("TOP FUNCTION (self)"),
-    ])
-    .style(Style::new().bold().underlined());
+    ];
+    if !narrow {
+        head.push(Cell::from(sort_header(ui, SortKey::OffCpu, "OFFCPU")));
+        head.push(Cell::from("CPU HISTORY"));
+    }
+    head.push(Cell::from(if narrow {
+        "DOING (top function)"
+    } else {
+        "TOP FUNCTION (self)"
+    }));
+    let header = TRow::new(head).style(Style::new().bold().underlined());
     let spark_w = 12;
     let table_rows: Vec<TRow> = rows
         .iter()
@@ -335,13 +355,15 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
                 "engine".into(),
                 g.engine.clone().unwrap_or_else(|| g.label.clone()),
                 g.label.clone(),
+                narrow,
             )
             .style(Style::new().fg(Color::Cyan).bold()),
-            Row::Process(p) => process_row(p, &app.snap.latency),
+            Row::Process(p) => process_row(p, &app.snap, narrow),
             Row::Folded(_, f) => label_row(
                 String::new(),
                 format!("  +{} quiet", f.threads),
                 format!("{} (x lists them)", f.label(4)),
+                narrow,
             )
             .style(Style::new().dim()),
             Row::Thread(_, t) => {
@@ -349,9 +371,11 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
                     Cell::from(format!("  {}", t.tid)),
                     Cell::from(format!("  {}", t.name)),
                 ];
-                cells.extend(stat_cells(&t.stats, false));
-                let h: Vec<f64> = t.cpu_history.iter().map(|&v| v as f64).collect();
-                cells.push(Cell::from(spark(&h, Some(1000.0), spark_w)).fg(Color::Green));
+                cells.extend(stat_cells(&t.stats, false, narrow));
+                if !narrow {
+                    let h: Vec<f64> = t.cpu_history.iter().map(|&v| v as f64).collect();
+                    cells.push(Cell::from(spark(&h, Some(1000.0), spark_w)).fg(Color::Green));
+                }
                 cells.push(Cell::from(thread_top(t)));
                 let row = TRow::new(cells);
                 if t.idle {
@@ -362,17 +386,29 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
             }
         })
         .collect();
-    let widths = [
-        Constraint::Length(9),
-        Constraint::Length(22),
-        Constraint::Length(7),
-        Constraint::Length(7),
-        Constraint::Length(8),
-        Constraint::Length(6),
-        Constraint::Length(7),
-        Constraint::Length(spark_w as u16),
-        Constraint::Fill(1),
-    ];
+    let widths: Vec<Constraint> = if narrow {
+        vec![
+            Constraint::Length(9),
+            Constraint::Length(14),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(6),
+            Constraint::Length(5),
+            Constraint::Fill(1),
+        ]
+    } else {
+        vec![
+            Constraint::Length(9),
+            Constraint::Length(22),
+            Constraint::Length(7),
+            Constraint::Length(7),
+            Constraint::Length(8),
+            Constraint::Length(6),
+            Constraint::Length(7),
+            Constraint::Length(spark_w as u16),
+            Constraint::Fill(1),
+        ]
+    };
     let table = Table::new(table_rows, widths)
         .header(header)
         .row_highlight_style(Style::new().reversed())
@@ -385,25 +421,29 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
 
 /// A table row with text in the id, name and last columns only (an engine's heading, a
 /// process's folded quiet threads).
-fn label_row(id: String, name: String, last: String) -> TRow<'static> {
+fn label_row(id: String, name: String, last: String, narrow: bool) -> TRow<'static> {
     let mut cells = vec![Cell::from(id), Cell::from(name)];
-    cells.extend((0..6).map(|_| Cell::from("")));
+    cells.extend((0..if narrow { 4 } else { 6 }).map(|_| Cell::from("")));
     cells.push(Cell::from(last));
     TRow::new(cells)
 }
 
-fn process_row(p: &ProcessRow, latency: &[crate::tui::model::LatencyRow]) -> TRow<'static> {
+fn process_row(p: &ProcessRow, snap: &Snapshot, narrow: bool) -> TRow<'static> {
     let mut cells = vec![
         Cell::from(p.pid.to_string()),
         Cell::from(format!("▾ {}", p.name)),
     ];
-    cells.extend(stat_cells(&p.stats, true));
-    cells.push(Cell::from(""));
+    cells.extend(stat_cells(&p.stats, true, narrow));
+    if !narrow {
+        cells.push(Cell::from(""));
+    }
     // What it is doing first (the line is cut at the terminal's width), then what it is.
-    cells.push(Cell::from(match super::app::process_headline(p, latency) {
-        Some(h) => format!("{h} · {} threads  {}", p.threads.len(), p.cmdline),
-        None => format!("{} threads  {}", p.threads.len(), p.cmdline),
-    }));
+    cells.push(Cell::from(
+        match super::app::process_headline(p, &snap.latency, snap.wall_ns, narrow) {
+            Some(h) => format!("{h} · {} threads  {}", p.threads.len(), p.cmdline),
+            None => format!("{} threads  {}", p.threads.len(), p.cmdline),
+        },
+    ));
     TRow::new(cells).style(Style::new().bold().fg(Color::Yellow))
 }
 
@@ -1079,6 +1119,21 @@ mod tests {
         let below_findings = |t: &str| scr.iter().skip(2).position(|r| r.contains(t));
         assert!(below_findings("aux-writer") < below_findings("launcher"));
         assert!(scr[19].contains("q quit"));
+        // At 80 columns: no off-CPU or history column, and the process's line still says what
+        // it is doing (its probe's median call), each thread its top function.
+        let scr = screen(&a, 80, 24);
+        let head = row_with(&scr, "PID/TID");
+        assert!(head.contains("WAIT") && head.contains("DOING") && !head.contains("OFFCPU"));
+        let p = row_with(&scr, "▾ EngineCore");
+        assert!(
+            p.contains("90.0%") && p.contains("execute_model p50 44.00ms"),
+            "{p}"
+        );
+        let aux = row_with(&scr, "aux-writer ");
+        assert!(
+            aux.contains("60.0%") && aux.contains("AuxOutputStore._evi"),
+            "{aux}"
+        );
     }
 
     #[test]

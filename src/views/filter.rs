@@ -157,6 +157,7 @@ impl Filter {
             all_threads: all.len(),
             description: self.describe(),
             filtered: !self.is_all(),
+            during: None,
         }
     }
 }
@@ -168,6 +169,8 @@ pub struct Selection {
     all_threads: usize,
     description: String,
     filtered: bool,
+    /// Only events in `[from, to)` ns since start ([`Selection::during`]).
+    during: Option<(u64, u64)>,
 }
 
 impl Selection {
@@ -176,8 +179,37 @@ impl Selection {
         Filter::all().select(rec)
     }
 
+    /// Exactly these threads (a live view's, known without a scan of the recording).
+    pub fn of_threads(threads: impl IntoIterator<Item = (i32, i32)>, description: &str) -> Self {
+        let threads: BTreeSet<(i32, i32)> = threads.into_iter().collect();
+        Selection {
+            all_threads: threads.len(),
+            threads,
+            description: description.to_string(),
+            filtered: true,
+            during: None,
+        }
+    }
+
     pub fn contains(&self, pid: i32, tid: i32) -> bool {
         self.threads.contains(&(pid, tid))
+    }
+
+    /// The same threads, their samples taken in `[from_ns, to_ns)` only and their off-CPU
+    /// intervals and GIL waits where they overlap it (a live view's sliding window, without
+    /// a trimmed copy of the recording).
+    pub fn during(mut self, from_ns: u64, to_ns: u64) -> Self {
+        self.during = Some((from_ns, to_ns));
+        self
+    }
+
+    fn at(&self, t_ns: u64) -> bool {
+        self.during.is_none_or(|(a, b)| t_ns >= a && t_ns < b)
+    }
+
+    fn overlaps(&self, start_ns: u64, dur_ns: u64) -> bool {
+        self.during
+            .is_none_or(|(a, b)| start_ns < b && start_ns.saturating_add(dur_ns) > a)
     }
 
     /// Selected `(pid, tid)` pairs, sorted.
@@ -232,21 +264,21 @@ impl Selection {
     pub fn samples<'a>(&'a self, rec: &'a Recording) -> impl Iterator<Item = &'a Sample> + 'a {
         rec.samples
             .iter()
-            .filter(move |s| self.contains(s.pid, s.tid))
+            .filter(move |s| self.contains(s.pid, s.tid) && self.at(s.t_ns))
     }
 
     /// Off-CPU intervals of the selected threads, in file order.
     pub fn offcpu<'a>(&'a self, rec: &'a Recording) -> impl Iterator<Item = &'a OffCpu> + 'a {
         rec.offcpu
             .iter()
-            .filter(move |o| self.contains(o.pid, o.tid))
+            .filter(move |o| self.contains(o.pid, o.tid) && self.overlaps(o.start_ns, o.dur_ns))
     }
 
     /// GIL waits whose *waiting* thread is selected (the holder need not be), in file order.
     pub fn gil_waits<'a>(&'a self, rec: &'a Recording) -> impl Iterator<Item = &'a GilWait> + 'a {
         rec.gil_waits
             .iter()
-            .filter(move |g| self.contains(g.pid, g.tid))
+            .filter(move |g| self.contains(g.pid, g.tid) && self.overlaps(g.start_ns, g.dur_ns))
     }
 
     /// Probed calls made by a selected thread, in file order.
