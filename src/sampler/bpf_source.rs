@@ -349,12 +349,23 @@ impl BpfSource {
         Ok(())
     }
 
-    /// Resolve and record every event waiting in the ring buffer. Never reads a symbol
-    /// table: events whose native frames wait for one go to the backlog, applied in order
-    /// once their modules' symbols are read.
-    fn drain(&mut self, targets: &mut Targets, pipe: &mut Pipeline) -> anyhow::Result<()> {
-        // Everything that happened before now is in the ring buffer, and drained below.
-        self.probes.drained_to(monotonic_ns());
+    /// Resolve and record the events waiting in the ring buffer: all of them, or for at most
+    /// `slice` (the recording loop's turn, [`DRAIN_SLICE`]: it comes back for the rest after
+    /// its other work, and sees a stop between: a
+    /// recorder starved of CPU, an unoptimized build behind a busy engine, spent 15 s in one
+    /// drain after `q` while the kernel kept adding events). Never reads a symbol table:
+    /// events whose native frames wait for one go to the backlog, applied in order once
+    /// their modules' symbols are read.
+    fn drain(
+        &mut self,
+        targets: &mut Targets,
+        pipe: &mut Pipeline,
+        slice: Option<std::time::Duration>,
+    ) -> anyhow::Result<()> {
+        // Everything that happened before now is in the ring buffer: drained, once it empties.
+        let now = monotonic_ns();
+        let slice_end = slice.map(|d| std::time::Instant::now() + d);
+        let mut emptied = false;
         let mut err = None;
         let mut event_max_ns = self.event_max_ns;
         let mut unparsed = 0u64;
@@ -363,7 +374,7 @@ impl BpfSource {
         let native = &mut self.native;
         let backlog = &mut self.backlog;
         let weights = &mut self.weights;
-        self.b.drain(usize::MAX, |bytes| {
+        let mut handle = |bytes: &[u8]| {
             if err.is_some() {
                 return;
             }
@@ -407,7 +418,19 @@ impl BpfSource {
                 // Over its bound, the backlog gives its oldest back.
                 apply_now = backlog.next(Prepared::ready, false);
             }
-        });
+        };
+        loop {
+            if self.b.drain(DRAIN_CHUNK, &mut handle) < DRAIN_CHUNK {
+                emptied = true;
+                break;
+            }
+            if slice_end.is_some_and(|e| std::time::Instant::now() >= e) {
+                break;
+            }
+        }
+        if emptied {
+            self.probes.drained_to(now);
+        }
         self.event_max_ns = event_max_ns;
         self.unparsed += unparsed;
         if self.backlog.len() > BACKLOG_HURRY {
@@ -448,6 +471,11 @@ impl BpfSource {
         Ok(())
     }
 }
+
+/// The longest one drain of the ring buffer runs before the loop takes its turn again.
+const DRAIN_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
+/// Events drained between two looks at the clock.
+const DRAIN_CHUNK: usize = 256;
 
 /// Keeps the longest time from its start to its drop (one event's handling).
 struct Timed<'a>(std::time::Instant, &'a mut u64);
@@ -766,7 +794,7 @@ impl Source for BpfSource {
         for &pid in exited {
             self.b.remove_target(pid as u32);
         }
-        self.drain(targets, pipe)?;
+        self.drain(targets, pipe, None)?;
         let mut unused = Vec::new();
         for t in targets.iter().filter(|t| exited.contains(&t.pid)) {
             for &tid in t.threads.keys() {
@@ -796,7 +824,7 @@ impl Source for BpfSource {
             n.native.apply_builtins();
         }
         self.flush_gc_methods(pipe)?;
-        self.drain(targets, pipe)?;
+        self.drain(targets, pipe, Some(DRAIN_SLICE))?;
         self.consider_new_code(targets, pipe)?;
         if self.tracing.probe_max_rate > 0 {
             self.probes.enforce_rate(
@@ -864,7 +892,7 @@ impl Source for BpfSource {
         }
         let drained = {
             let _s = crate::sys::steps::step("finish_drain");
-            self.drain(targets, pipe)
+            self.drain(targets, pipe, None)
         };
         // What still waits for symbols: read them now (the target is no longer sampled).
         let t = std::time::Instant::now();
