@@ -265,6 +265,9 @@ pub struct Folded {
     pub threads: usize,
     /// (name, threads of that name), most first, then by name.
     pub names: Vec<(String, usize)>,
+    /// Of `threads`, those above the quiet share, folded for room on a short screen (the
+    /// busiest of their process stay).
+    pub busy: usize,
 }
 
 impl Folded {
@@ -280,8 +283,16 @@ impl Folded {
             let rest: usize = self.names[max..].iter().map(|(_, k)| k).sum();
             parts.push(format!("{rest} more"));
         }
+        let what = match self.busy {
+            0 => "quiet thread",
+            _ => "more thread",
+        };
+        let busy = match self.busy {
+            0 => String::new(),
+            b => format!(" ({b} busy)"),
+        };
         format!(
-            "{} quiet thread{}: {}",
+            "{} {what}{}{busy}: {}",
             self.threads,
             if self.threads == 1 { "" } else { "s" },
             parts.join(", ")
@@ -293,10 +304,19 @@ impl Folded {
 /// ones fold, but the busiest thread of every process is always shown (the first screen
 /// names what each process is doing).
 pub fn fold(threads: Vec<&ThreadRow>) -> (Vec<&ThreadRow>, Option<Folded>) {
+    fold_to(threads, usize::MAX)
+}
+
+/// [`fold`], showing at most `most` threads (at least one): the busy ones past it fold too.
+pub fn fold_to(threads: Vec<&ThreadRow>, most: usize) -> (Vec<&ThreadRow>, Option<Folded>) {
     let mut shown = Vec::new();
     let mut quiet: Vec<&ThreadRow> = Vec::new();
+    let mut busy = 0;
     for (i, t) in threads.into_iter().enumerate() {
         if i > 0 && is_quiet(&t.stats) {
+            quiet.push(t);
+        } else if i > 0 && shown.len() >= most {
+            busy += 1;
             quiet.push(t);
         } else {
             shown.push(t);
@@ -319,6 +339,7 @@ pub fn fold(threads: Vec<&ThreadRow>) -> (Vec<&ThreadRow>, Option<Folded>) {
         Some(Folded {
             threads: quiet.len(),
             names,
+            busy,
         }),
     )
 }
@@ -355,6 +376,10 @@ pub struct Ui {
     pub hide_idle: bool,
     /// List quiet threads one by one instead of folding them per process (`x`).
     pub expand_quiet: bool,
+    /// Rows the Threads table showed at its last draw (0: not drawn yet): when every thread
+    /// shown would not fit, each process shows fewer of its busiest, so that the first screen
+    /// has every process ([`Ui::rows`]; keys move through what is shown).
+    pub table_rows: std::cell::Cell<usize>,
     /// Last message for the status line (saved flamegraph, errors).
     pub status: String,
 }
@@ -374,6 +399,7 @@ impl Default for Ui {
             paused: false,
             hide_idle: false,
             expand_quiet: false,
+            table_rows: std::cell::Cell::new(0),
             status: String::new(),
         }
     }
@@ -429,6 +455,31 @@ impl Ui {
     /// The thread table's lines: groups (engines) in order, their processes and threads
     /// sorted by the sort column, only threads the filter keeps (and their processes).
     pub fn rows<'a>(&self, snap: &'a Snapshot) -> Vec<Row<'a>> {
+        let rows = self.rows_capped(snap, usize::MAX);
+        let room = self.table_rows.get();
+        if room == 0 || rows.len() <= room || self.expand_quiet || self.filter.is_some() {
+            return rows;
+        }
+        // The most threads any process shows; fewer until every row fits (one each at least).
+        let most = rows
+            .iter()
+            .fold((0usize, 0usize), |(best, run), r| match r {
+                Row::Thread(..) => (best.max(run + 1), run + 1),
+                _ => (best, 0),
+            })
+            .0;
+        let mut fewer = rows;
+        for k in (1..most).rev() {
+            fewer = self.rows_capped(snap, k);
+            if fewer.len() <= room {
+                break;
+            }
+        }
+        fewer
+    }
+
+    /// The rows, each process showing at most `most` threads (besides a filter or `x`).
+    fn rows_capped<'a>(&self, snap: &'a Snapshot, most: usize) -> Vec<Row<'a>> {
         let mut out = Vec::new();
         for g in &snap.groups {
             let mut procs: Vec<(&ProcessRow, Vec<&ThreadRow>)> = g
@@ -470,7 +521,7 @@ impl Ui {
                     by_cpu.sort_by(|a, b| {
                         b.stats.cpu.total_cmp(&a.stats.cpu).then(a.tid.cmp(&b.tid))
                     });
-                    let (keep, folded) = fold(by_cpu);
+                    let (keep, folded) = fold_to(by_cpu, most);
                     let keep: Vec<&ThreadRow> = ts
                         .into_iter()
                         .filter(|t| keep.iter().any(|k| k.tid == t.tid))

@@ -314,6 +314,9 @@ fn thread_top(t: &ThreadRow) -> String {
 
 fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
     let ui = &app.ui;
+    // The table's border and header take two rows.
+    ui.table_rows
+        .set(usize::from(area.height.saturating_sub(2)));
     let rows = ui.rows(&app.snap);
     if rows.is_empty() {
         let msg = if ui.filter.is_some() {
@@ -361,7 +364,11 @@ fn draw_threads(f: &mut Frame, area: Rect, app: &App) {
             Row::Process(p) => process_row(p, &app.snap, narrow),
             Row::Folded(_, f) => label_row(
                 String::new(),
-                format!("  +{} quiet", f.threads),
+                format!(
+                    "  +{} {}",
+                    f.threads,
+                    if f.busy > 0 { "more" } else { "quiet" }
+                ),
                 format!("{} (x lists them)", f.label(4)),
                 narrow,
             )
@@ -1134,6 +1141,53 @@ mod tests {
             aux.contains("60.0%") && aux.contains("AuxOutputStore._evi"),
             "{aux}"
         );
+    }
+
+    /// Three processes with eight busy threads each: at 80x24 every process is on the first
+    /// screen, each with its busiest threads and the others folded into a counted row; at
+    /// 200x50 every thread shows.
+    #[test]
+    fn every_process_fits_a_small_screen() {
+        let mut b = Rec::new();
+        for pid in [10, 20, 30] {
+            b = b.process(pid, "python3 app.py", &format!("role{pid}"));
+            for k in 1..=8 {
+                b = b.thread(pid, pid + k, &format!("t{pid}-{k}"));
+            }
+        }
+        let st = b.stack(&["work", "main"], "/srv/app.py");
+        for pid in [10, 20, 30] {
+            for k in 1..=8 {
+                // 5-12% of the window each: none quiet.
+                b.samples((pid, pid + k), 0, 40 + 10 * k as u64, MS, st, 0);
+            }
+        }
+        b.0.samples.sort_by_key(|s| s.t_ns);
+        let mut w = Window::new(10 * S, 40, 10 * S);
+        w.update(&b.0, S);
+        let a = App {
+            snap: snapshot(&w, &b.0, &Topology::default()),
+            ..app()
+        };
+        // The first draw learns the table's height; the second fits to it.
+        let _ = screen(&a, 80, 24);
+        let scr = screen(&a, 80, 24);
+        for pid in [10, 20, 30] {
+            let p = row_with(&scr, &format!("▾ role{pid}"));
+            assert!(p.starts_with(&format!(" {pid}")), "{p}");
+            // The busiest thread of each shows.
+            row_with(&scr, &format!("t{pid}-8"));
+        }
+        let folded = row_with(&scr, "more");
+        assert!(folded.contains("busy"), "{folded}");
+        let a = App {
+            ui: Ui::default(),
+            ..a
+        };
+        let _ = screen(&a, 200, 50);
+        let scr = screen(&a, 200, 50);
+        assert!(!scr.iter().any(|r| r.contains("more")), "{scr:#?}");
+        row_with(&scr, "t30-1");
     }
 
     #[test]
