@@ -17,6 +17,13 @@
 //!   (the server's own counters and load.py's scrapes say so); `report` must name the engine
 //!   in a `kv_memory_wall` finding over the load, with the preemptions the server counted.
 //!   The other servers here (a KV cache of 4,096 blocks) must have no such finding.
+//! * `top`: `enginescope top --vllm` on a server under a closed-loop load (c=16), in a real
+//!   terminal (tmux) at 80x24 and then 200x50: the first screen must show the API server, the
+//!   EngineCore and the worker, each with its busiest thread and a line saying what it is
+//!   doing (the API server's event loop, the EngineCore's step, the worker's execute_model,
+//!   from the default probes), the quiet threads folded into a counted row, and no row of a
+//!   thread with nothing in the window, and its header what watching has cost so far; `q`
+//!   must leave with status 0, its BPF programs released and the terminal restored.
 //! * `offline`: a script calling `LLM(...)` (a READY line, then it waits on stdin) must be
 //!   found as an `offline_llm` engine with its engine core and worker and no metrics URL.
 //!
@@ -29,6 +36,7 @@
 
 mod common;
 
+use common::tmux::*;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -1462,4 +1470,95 @@ fn two_api_servers_share_one_engine() {
         .and_then(|v| v.iter().find(|x| x["id"] == e.id.as_str()))
         .unwrap_or_else(|| panic!("{} in the report: {}", e.id, report["engines"]));
     assert_eq!(row["api_server_pids"], serde_json::json!(apis), "{row}");
+}
+
+/// The screen's row that contains `text` (the header and findings lines aside).
+fn screen_row<'a>(screen: &'a str, text: &str) -> Option<&'a str> {
+    screen.lines().skip(3).find(|l| l.contains(text))
+}
+
+/// What `top`'s first screen must show on a loaded engine: each process's row with what it
+/// is doing, its busiest thread under it, quiet threads folded, no idle thread's row.
+fn first_screen_complete(s: &str) -> bool {
+    let doing = |role: &str, what: &str| {
+        screen_row(s, &format!("▾ {role}")).is_some_and(|r| r.contains(what))
+    };
+    doing("api_server", "loop")
+        && doing("engine_core", "step p50")
+        && doing("worker", "execute_model p50")
+        && screen_row(s, "MainThread").is_some()
+        && screen_row(s, "quiet").is_some()
+        && !s.contains("nothing in the window")
+}
+
+#[test]
+fn top_first_screen_on_a_loaded_server() {
+    if !vllm_available() {
+        return;
+    }
+    let Some(t) = Tmux::start(80, 24) else {
+        return;
+    };
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let srv = start_server_with(&[], |_| ()).0;
+    first_completion(srv.port);
+    // A closed-loop load for longer than the test needs; stopped when the test ends.
+    let load = Command::new(venv().join("bin/python"))
+        .arg(harness().join("load.py"))
+        .args(["--port", &srv.port.to_string(), "-c", "16"])
+        .args(["--max-tokens", "128", "--duration", "600", "--grace", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start load.py");
+    let _load = ChildGuard(Some(load));
+    let dir = tempfile::tempdir().expect("tempdir");
+    t.keys(&[
+        &format!(
+            "cd {} && {} top --vllm --engine-pid {}; echo TOP-EXIT=$?",
+            dir.path().display(),
+            env!("CARGO_BIN_EXE_enginescope"),
+            srv.pid
+        ),
+        "Enter",
+    ]);
+    // The probes attach as the sampler meets their functions and watch in phases: wait for
+    // a window with every headline (bounded by wait_for's deadline).
+    let small = t.wait_for("every process's line at 80x24", first_screen_complete);
+    show("top --vllm at 80x24", &small);
+    let pid = top_pid(t.shell_pid()).expect("the top process");
+    let held = programs_held_by(pid);
+    assert!(held.len() >= 2, "top holds its BPF programs: {held:?}");
+    // Every row fits the terminal: the roles are on the first screen, not below it.
+    assert_eq!(small.lines().count(), 24, "{small}");
+    t.run(&["resize-window", "-t", "main", "-x", "200", "-y", "50"]);
+    // The header also says what watching has cost the engine so far (from the counters the
+    // recorder writes every few seconds).
+    let big = t.wait_for("every process's line and the cost at 200x50", |s| {
+        s.lines()
+            .next()
+            .is_some_and(|l| l.chars().count() > 100 && l.contains("cost "))
+            && first_screen_complete(s)
+    });
+    show("top --vllm at 200x50", &big);
+    // The wide layout: off-CPU and history columns, the process's full headline.
+    assert!(
+        big.contains("OFFCPU") && big.contains("CPU HISTORY"),
+        "{big}"
+    );
+    let worker = screen_row(&big, "▾ worker").unwrap_or_default();
+    assert!(
+        worker.contains("/s"),
+        "the worker's calls per second: {worker}"
+    );
+    t.keys(&["q"]);
+    // Not Tmux::wait_exit: a pane resized while in the alternate screen keeps a frame of it
+    // in the normal screen above the command (tmux's reflow), so the screen's text cannot
+    // tell; the pane's own flag can.
+    let after = t.wait_for("the shell after top", |s| Tmux::has_line(s, "TOP-EXIT="));
+    assert!(Tmux::has_line(&after, "TOP-EXIT=0"), "top failed:\n{after}");
+    let alt = t.run(&["display-message", "-p", "-t", "main", "#{alternate_on}"]);
+    assert_eq!(alt.trim(), "0", "the alternate screen was left");
+    assert_programs_released(&held);
+    t.assert_terminal_restored(dir.path());
 }

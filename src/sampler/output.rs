@@ -14,9 +14,9 @@ use crate::record::rotate::{next_segment_path, prune, RotationPolicy};
 use crate::record::{EndInfo, Meta, RecordingWriter};
 use crate::sys::monotonic_ns;
 
-/// How often a rotating recording writes its counters (for a live reader's lost-sample and
-/// error counts; unchanged counters are not written again).
-const LIVE_COUNTERS_EVERY: Duration = Duration::from_secs(5);
+/// How often a recording writes its counters while it records (for a live reader's cost,
+/// lost-sample and error counts; unchanged counters are not written again).
+pub(crate) const LIVE_COUNTERS_EVERY: Duration = Duration::from_secs(5);
 
 /// Fail early, before attaching to anything, when `path` cannot be created: its directory is
 /// missing or not writable.

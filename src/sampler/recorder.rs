@@ -53,6 +53,9 @@ pub struct Recorder<'a> {
     window_start: Option<Instant>,
     /// `--measure-cost`: the measurement under way.
     pub cost: Option<super::cost::CostRun>,
+    /// A single file's counters as last written while recording, and when (a rotating
+    /// recording's [`Rotator`] keeps its own).
+    live_counters: (BTreeMap<String, u64>, Instant),
 }
 
 impl<'a> Recorder<'a> {
@@ -77,6 +80,7 @@ impl<'a> Recorder<'a> {
             tasks: super::tasks::TaskReaders::default(),
             window_start: None,
             cost: None,
+            live_counters: (BTreeMap::new(), Instant::now()),
         }
     }
 
@@ -435,6 +439,21 @@ impl<'a> Recorder<'a> {
     fn rotate_if_due(&mut self) -> anyhow::Result<()> {
         let task_counters = self.tasks.counters();
         let Some(r) = self.rotator.as_mut() else {
+            // One file: its counters too are written while it is recorded (what changed,
+            // every few seconds), for a reader that follows it: top's cost in its header,
+            // lost events.
+            if self.live_counters.1.elapsed() >= super::output::LIVE_COUNTERS_EVERY {
+                let c = self.counters();
+                let changed: BTreeMap<String, u64> = c
+                    .iter()
+                    .filter(|(k, v)| self.live_counters.0.get(*k) != Some(v))
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect();
+                if !changed.is_empty() {
+                    self.pipe.writer.counters(&changed)?;
+                }
+                self.live_counters = (c, Instant::now());
+            }
             return Ok(());
         };
         let (source, targets, engines) = (&self.source, &self.targets, &self.engines);

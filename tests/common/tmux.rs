@@ -179,3 +179,56 @@ pub fn window_secs(screen: &str) -> Option<f64> {
 pub fn show(what: &str, screen: &str) {
     eprintln!("----- {what} -----\n{}", screen.trim_end());
 }
+
+// ---- what top leaves behind ----
+
+/// BPF program ids held by `pid` (its fds' fdinfo `prog_id:` lines).
+pub fn programs_held_by(pid: i32) -> Vec<u64> {
+    let mut ids: Vec<u64> = std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| {
+                    let info = std::fs::read_to_string(e.path()).ok()?;
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("prog_id:"))
+                        .and_then(|id| id.trim().parse().ok())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ids.sort();
+    ids.dedup();
+    ids
+}
+
+pub fn loaded_programs() -> Vec<u64> {
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "--json"])
+        .output()
+        .expect("bpftool (apt-get install bpftool)");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v.as_array()
+        .map(|a| a.iter().filter_map(|p| p["id"].as_u64()).collect())
+        .unwrap_or_default()
+}
+
+/// Programs are freed an RCU grace period after their last fd closes: bounded wait.
+pub fn assert_programs_released(held: &[u64]) {
+    let t0 = Instant::now();
+    loop {
+        let loaded = loaded_programs();
+        let left: Vec<u64> = held
+            .iter()
+            .copied()
+            .filter(|id| loaded.contains(id))
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "BPF programs left behind by top: {left:?}"
+        );
+        std::thread::yield_now();
+    }
+}
