@@ -188,36 +188,54 @@ pub fn is_quiet(s: &Stats) -> bool {
 /// busiest thread's row under it shows it anyway).
 pub fn process_headline(
     p: &ProcessRow,
-    latency: &[crate::tui::model::LatencyRow],
-    wall_ns: u64,
+    snap: &crate::tui::model::Snapshot,
     compact: bool,
 ) -> Option<String> {
-    // A step or a model run (vLLM's) before the calls inside it, else the busiest.
-    let mine: Vec<&crate::tui::model::LatencyRow> = latency
+    use crate::tui::model::LatencyRow;
+    // This window's rows, else the latest of an earlier window (with its age).
+    let mut mine: Vec<(&LatencyRow, u64)> = snap
+        .latency
         .iter()
         .filter(|l| l.pid == p.pid && l.calls > 0)
+        .map(|l| (l, 0))
         .collect();
-    let headline = |l: &&crate::tui::model::LatencyRow| {
+    if mine.is_empty() {
+        mine = snap
+            .recalled
+            .iter()
+            .filter(|r| r.row.pid == p.pid)
+            .map(|r| (&r.row, r.age_ns.max(1)))
+            .collect();
+    }
+    // A step or a model run (vLLM's) before the calls inside it, else the busiest.
+    let headline = |l: &LatencyRow| {
         crate::sampler::probes::VLLM_HEADLINE_PROBES
             .iter()
             .any(|h| l.function == *h || l.function.ends_with(&format!(".{h}")))
     };
-    let preferred: Vec<&crate::tui::model::LatencyRow> =
-        mine.iter().copied().filter(headline).collect();
+    let preferred: Vec<(&LatencyRow, u64)> =
+        mine.iter().copied().filter(|(l, _)| headline(l)).collect();
     let probe = if preferred.is_empty() {
         mine
     } else {
         preferred
     }
     .into_iter()
-    .max_by(|a, b| (a.calls_per_s * a.p50_ns as f64).total_cmp(&(b.calls_per_s * b.p50_ns as f64)))
-    .map(|l| {
+    .max_by(|(a, _), (b, _)| {
+        (a.calls_per_s * a.p50_ns as f64).total_cmp(&(b.calls_per_s * b.p50_ns as f64))
+    })
+    .map(|(l, age)| {
         let name = l.function.rsplit('.').next().unwrap_or(&l.function);
         let p50 = l.p50_ns as f64 / 1e6;
+        let ago = match (age, compact) {
+            (0, _) => String::new(),
+            (a, true) => format!(" {:.0}s ago", a as f64 / 1e9),
+            (a, false) => format!(" ({:.0} s ago: unwatched since)", a as f64 / 1e9),
+        };
         if compact {
-            format!("{name} p50 {p50:.2}ms")
+            format!("{name} p50 {p50:.2}ms{ago}")
         } else {
-            format!("{name} p50 {p50:.2} ms, {:.0}/s", l.calls_per_s)
+            format!("{name} p50 {p50:.2} ms, {:.0}/s{ago}", l.calls_per_s)
         }
     });
     let top = p
@@ -233,7 +251,7 @@ pub fn process_headline(
     let event_loop = p
         .event_loop
         .as_ref()
-        .map(|l| loop_headline(l, wall_ns, compact));
+        .map(|l| loop_headline(l, snap.wall_ns, compact));
     let top = top.filter(|_| !compact || (event_loop.is_none() && probe.is_none()));
     let parts: Vec<String> = event_loop.into_iter().chain(probe).chain(top).collect();
     (!parts.is_empty()).then(|| parts.join(" · "))
@@ -731,10 +749,11 @@ pub(crate) mod tests {
     }
 
     /// A vLLM process's line names its step or model run before the busier MessageQueue
-    /// calls inside it; without one, the busiest probe.
+    /// calls inside it; without one, the busiest probe; in a window without any, the latest
+    /// of an earlier window, with its age.
     #[test]
-    fn process_headline_prefers_the_step() {
-        use crate::tui::model::{LatencyRow, ProcessRow};
+    fn process_headline_prefers_the_step_and_recalls() {
+        use crate::tui::model::{LatencyRow, ProcessRow, Recall, Snapshot};
         let p = ProcessRow {
             pid: 7,
             name: "engine_core".into(),
@@ -748,18 +767,41 @@ pub(crate) mod tests {
             p50_ns: p50_ms * 1_000_000,
             ..Default::default()
         };
-        let mut l = vec![
-            row("MessageQueue.dequeue", 400.0, 2),
-            row("mod.EngineCore.step", 190.0, 2),
-        ];
+        let s = 1_000_000_000u64;
+        let mut snap = Snapshot {
+            now_ns: 10 * s,
+            wall_ns: 10 * s,
+            latency: vec![
+                row("MessageQueue.dequeue", 400.0, 2),
+                row("mod.EngineCore.step", 190.0, 2),
+            ],
+            ..Default::default()
+        };
+        let mut recall = Recall::default();
+        recall.apply(&mut snap);
         assert_eq!(
-            process_headline(&p, &l, 1_000_000_000, false).as_deref(),
+            process_headline(&p, &snap, false).as_deref(),
             Some("step p50 2.00 ms, 190/s")
         );
-        l.pop();
+        snap.latency.pop();
         assert_eq!(
-            process_headline(&p, &l, 1_000_000_000, true).as_deref(),
+            process_headline(&p, &snap, true).as_deref(),
             Some("dequeue p50 2.00ms")
+        );
+        // 12 s later, a window with no call of the process: the step as it was, and when.
+        let mut later = Snapshot {
+            now_ns: 22 * s,
+            wall_ns: 10 * s,
+            ..Default::default()
+        };
+        recall.apply(&mut later);
+        assert_eq!(
+            process_headline(&p, &later, false).as_deref(),
+            Some("step p50 2.00 ms, 190/s (12 s ago: unwatched since)")
+        );
+        assert_eq!(
+            process_headline(&p, &later, true).as_deref(),
+            Some("step p50 2.00ms 12s ago")
         );
     }
 

@@ -378,8 +378,10 @@ fn plain_loop(
     w: &mut window::Window,
 ) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
+    let mut recall = model::Recall::default();
     let mut print = |w: &window::Window, rec: &Recording| -> bool {
-        let snap = model::snapshot(w, rec, topo);
+        let mut snap = model::snapshot(w, rec, topo);
+        recall.apply(&mut snap);
         let mut text = plain::lines(&snap).join("\n");
         text.push('\n');
         // A closed pipe (`| head`) ends the run quietly.
@@ -528,6 +530,7 @@ fn tui_loop(
         ..render::App::default()
     };
     let (flame_tx, flame_rx) = mpsc::channel::<FlameResult>();
+    let mut recall = model::Recall::default();
     let mut next_tick = Instant::now();
     let mut last_trim = Instant::now();
     let mut dirty = true;
@@ -543,6 +546,7 @@ fn tui_loop(
             update(feed, w, app.ui.paused, &mut last_trim)?;
             if !app.ui.paused {
                 app.snap = model::snapshot(w, feed.rec(), topo);
+                recall.apply(&mut app.snap);
             }
             let frame_ms = app.header.frame_ms;
             app.header = feed.header(label);

@@ -240,6 +240,49 @@ pub struct Snapshot {
     /// What costs the targets their time over the window, highest score first
     /// ([`window_findings`]: the report's GIL, GC and polling kinds, same thresholds).
     pub findings: Vec<crate::views::findings::Finding>,
+    /// Probe rows of earlier windows for the processes with none in this one ([`Recall`]).
+    pub recalled: Vec<Recalled>,
+}
+
+/// A probe's row from an earlier window and how long ago that window ended.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Recalled {
+    pub row: LatencyRow,
+    pub age_ns: u64,
+}
+
+/// Each process's latest probe rows, for its line when a window has none: threads that take
+/// turns under the probe budget can go unwatched for a whole window (on a TP=2 engine the
+/// EngineCore and its two workers' main threads share one budget), and the line would lose
+/// its step or model-run figure every other window.
+#[derive(Debug, Default)]
+pub struct Recall {
+    last: BTreeMap<(i32, String), (LatencyRow, u64)>,
+}
+
+impl Recall {
+    /// Remember `snap`'s rows, and give it those remembered for processes it has none of.
+    pub fn apply(&mut self, snap: &mut Snapshot) {
+        // A replay sought back: what was remembered lies ahead.
+        if self.last.values().any(|&(_, t)| t > snap.now_ns) {
+            self.last.clear();
+        }
+        let mut have = BTreeSet::new();
+        for l in snap.latency.iter().filter(|l| l.calls > 0) {
+            have.insert(l.pid);
+            self.last
+                .insert((l.pid, l.function.clone()), (l.clone(), snap.now_ns));
+        }
+        snap.recalled = self
+            .last
+            .iter()
+            .filter(|((pid, _), _)| !have.contains(pid))
+            .map(|(_, (row, t))| Recalled {
+                row: row.clone(),
+                age_ns: snap.now_ns.saturating_sub(*t),
+            })
+            .collect();
+    }
 }
 
 impl Snapshot {
@@ -798,6 +841,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         // they cover, not the window.
         cost: crate::views::cost::RecordingCost::from_counters(&rec.counters, w.now_ns()),
         findings: Vec::new(),
+        recalled: Vec::new(),
     };
     snap.findings = window_findings(&snap);
     snap
@@ -969,12 +1013,12 @@ mod tests {
         assert_eq!(r.stalls.len(), 1);
         assert_eq!(l.stalled_ns, (r.servers[0].stalled_s * 1e9).round() as u64);
         assert_eq!(l.longest_ns, 300 * MS);
-        let h = crate::tui::app::process_headline(p, &s.latency, s.wall_ns, false).unwrap();
+        let h = crate::tui::app::process_headline(p, &s, false).unwrap();
         assert!(
             h.starts_with("loop stalled 3.1% (1 over 100 ms, longest 300 ms)"),
             "{h}"
         );
-        let h = crate::tui::app::process_headline(p, &s.latency, s.wall_ns, true).unwrap();
+        let h = crate::tui::app::process_headline(p, &s, true).unwrap();
         assert_eq!(h, "loop stalled 3.1%");
     }
 

@@ -104,7 +104,7 @@ pub fn lines(snap: &Snapshot) -> Vec<String> {
                 pct(s.gil_held),
                 pct(s.gil_wait),
                 pct(s.gc),
-                super::app::process_headline(p, &snap.latency, snap.wall_ns, false)
+                super::app::process_headline(p, snap, false)
                     .map(|h| format!(" | {h}"))
                     .unwrap_or_default()
             ));

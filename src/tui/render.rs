@@ -446,7 +446,7 @@ fn process_row(p: &ProcessRow, snap: &Snapshot, narrow: bool) -> TRow<'static> {
     }
     // What it is doing first (the line is cut at the terminal's width), then what it is.
     cells.push(Cell::from(
-        match super::app::process_headline(p, &snap.latency, snap.wall_ns, narrow) {
+        match super::app::process_headline(p, snap, narrow) {
             Some(h) => format!("{h} · {} threads  {}", p.threads.len(), p.cmdline),
             None => format!("{} threads  {}", p.threads.len(), p.cmdline),
         },
