@@ -33,6 +33,12 @@
 //!   correlation at least [`GROWTH_MIN_R`], a rise over the range seen of at least
 //!   [`GROWTH_MIN_RISE`] of its mean): the slope in ms per running request, scored by the
 //!   share of the thread's time the per-request part takes (calls/s × slope × mean running).
+//! - `step_anatomy`: where an engine's steps go, from exact probes on both sides of its
+//!   MessageQueue ([`super::anatomy`]): the EngineCore's `step` split into dispatch
+//!   (`enqueue`), waiting for the workers (`dequeue`) and scheduling and output, each worker's
+//!   `execute_model` into running, GIL wait, GC and off CPU, over at least
+//!   [`super::anatomy::MIN_STEPS`] steps watched whole; the critical path named; scored by the
+//!   share of a step the critical path spends not running (at least [`MIN_SCORE`]).
 //! - `event_loop_stall`: the API-server stall detector's stalls (`views::stalls`), their total
 //!   over the recording.
 //! - the fleet's situations (`views::fleet`: `kv_memory_wall`, `queue_while_others_idle`,
@@ -95,7 +101,7 @@ const POLLING: &[&str] = &[
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Finding {
     /// `gil_contention`, `gc_pressure`, `serialization`, `busy_spin`, `per_request_growth`,
-    /// `event_loop_stall`, or a fleet situation's kind.
+    /// `step_anatomy`, `event_loop_stall`, or a fleet situation's kind.
     pub kind: String,
     /// Share of the affected thread's or process's wall time it explains, 0..1.
     pub score: f64,
@@ -123,6 +129,7 @@ pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
     serialization(rec, sel, r, &mut out);
     busy_spin(rec, sel, r, &mut out);
     per_request_growth(rec, r, &mut out);
+    step_anatomy(rec, sel, r, &mut out);
     for s in &r.api_server_stalls.servers {
         let stalled_s = s.stalled_s;
         if s.stalls == 0 || r.duration_s <= 0.0 {
@@ -663,6 +670,90 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
     }
 }
 
+/// One side of a step as a finding lists it: `EngineCore.step on MainThread (tid 7) of
+/// engine_core (pid 7): 5.00 ms a call (30 timed whole): dispatch (enqueue) 0.50 ms (10%), ...`.
+fn side_line(rec: &Recording, s: &super::anatomy::Side) -> String {
+    let parts: Vec<String> = s
+        .parts
+        .iter()
+        .map(|(p, ms)| format!("{p} {ms:.2} ms ({})", pct(ms / s.mean_ms.max(1e-9))))
+        .collect();
+    format!(
+        "{} on {}: {:.2} ms a call ({} timed whole): {}",
+        s.function,
+        who(rec, rec.thread_name(s.pid, s.tid), s.pid, s.tid),
+        s.mean_ms,
+        s.calls,
+        parts.join(", ")
+    )
+}
+
+/// Where each step of an engine goes, and which side is its critical path (`step_anatomy`,
+/// [`super::anatomy`]). Scored by the share of each step the critical path spends not
+/// running: the EngineCore's wait for the workers times the workers' time in
+/// `execute_model` not running (GIL wait, GC, off CPU), at its worst worker; an EngineCore that
+/// does not mostly wait is its own critical path, and the anatomy is listed at
+/// [`MIN_SCORE`] (what each step is made of, not a problem by itself).
+fn step_anatomy(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
+    use super::anatomy::{RUNNING, WAIT_WORKERS};
+    if r.duration_s <= 0.0 {
+        return;
+    }
+    for a in super::anatomy::step_anatomies(rec, sel) {
+        let e = &a.engine_core;
+        let wait = e.share(WAIT_WORKERS);
+        let worst = a
+            .workers
+            .iter()
+            .max_by(|x, y| y.share(RUNNING).total_cmp(&x.share(RUNNING)));
+        let (critical, score) = match worst {
+            Some(w) if wait >= 0.5 => (
+                format!(
+                    "the workers (the EngineCore waits for them {} of a step; {}'s {} runs {} of its time)",
+                    pct(wait),
+                    who(rec, rec.thread_name(w.pid, w.tid), w.pid, w.tid),
+                    w.function,
+                    pct(w.share(RUNNING))
+                ),
+                (wait * (1.0 - w.share(RUNNING))).max(MIN_SCORE),
+            ),
+            None if wait >= 0.5 => (
+                format!(
+                    "the workers (the EngineCore waits for them {} of a step; their execute_model was not timed)",
+                    pct(wait)
+                ),
+                MIN_SCORE,
+            ),
+            _ => (
+                format!(
+                    "the EngineCore (it waits for the workers {} of a step)",
+                    pct(wait)
+                ),
+                MIN_SCORE,
+            ),
+        };
+        let mut lines = vec![side_line(rec, e)];
+        lines.extend(a.workers.iter().map(|w| side_line(rec, w)));
+        out.push(Finding {
+            kind: "step_anatomy".into(),
+            score: score.min(1.0),
+            pid: e.pid,
+            tid: Some(e.tid),
+            thread: rec.thread_name(e.pid, e.tid).to_string(),
+            function: e.function.clone(),
+            verdict: format!("{}; critical path: {critical}", lines.join("; ")),
+            evidence: [
+                ("engine_core".to_string(), json!(e)),
+                ("workers".to_string(), json!(a.workers)),
+                ("waiting_for_workers_share".to_string(), json!(wait)),
+            ]
+            .into_iter()
+            .collect(),
+            see: "Function latency".into(),
+        });
+    }
+}
+
 /// GitHub's anchor of a Markdown heading: lower case, letters, digits, `-` and `_` kept,
 /// spaces turned into `-`, everything else dropped.
 pub fn anchor(heading: &str) -> String {
@@ -861,6 +952,43 @@ mod tests {
 
     fn run(rec: &Recording) -> Vec<Finding> {
         Report::build(rec, &Selection::all(rec)).findings
+    }
+
+    /// An engine whose EngineCore waits for its worker 60% of each step, the worker running a
+    /// third of its execute_model waiting for the GIL: the workers are the critical path,
+    /// scored 0.6 x 1/3 of a step; a step that mostly schedules names the EngineCore.
+    #[test]
+    fn step_anatomy_names_the_critical_path() {
+        let rec = crate::views::anatomy::tests::engine(30);
+        let f = run(&rec);
+        let a = f
+            .iter()
+            .find(|f| f.kind == "step_anatomy")
+            .unwrap_or_else(|| panic!("{f:#?}"));
+        assert!((a.score - 0.2).abs() < 1e-9, "{}", a.score);
+        assert_eq!(
+            (a.pid, a.tid, a.function.as_str()),
+            (1, Some(1), "EngineCore.step")
+        );
+        assert!(
+            a.verdict
+                .contains("waiting for the workers (dequeue) 3.00 ms (60.0%)")
+                && a.verdict.contains("GIL wait 1.00 ms (33.3%)")
+                && a.verdict.contains("critical path: the workers"),
+            "{}",
+            a.verdict
+        );
+        // Without the worker's calls: the EngineCore's side, at the least score.
+        let mut rec = rec;
+        rec.calls.retain(|c| c.pid == 1);
+        let f = run(&rec);
+        let a = f.iter().find(|f| f.kind == "step_anatomy").unwrap();
+        assert_eq!(a.score, MIN_SCORE);
+        assert!(
+            a.verdict.contains("execute_model was not timed"),
+            "{}",
+            a.verdict
+        );
     }
 
     /// The main thread waits `n` times `wait` ms for the GIL held by the writer in `evict`,

@@ -6,6 +6,7 @@
 //! Shared here: how a frame, a process and a thread are labelled, and which synthetic frames
 //! stand for sample flags, so that every format shows the same names.
 
+pub mod anatomy;
 pub mod chrome;
 pub mod cost;
 pub mod diff;
