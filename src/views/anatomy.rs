@@ -74,6 +74,9 @@ pub const GIL_WAIT: &str = "GIL wait";
 pub const GC: &str = "GC";
 pub const OFF_CPU: &str = "off CPU";
 
+/// One thread's probed calls: (probe, start, end), sorted by start.
+type Calls = Vec<(u32, u64, u64)>;
+
 /// Sum of the overlaps of sorted, disjoint `intervals` with `[a, b)`.
 fn overlap(intervals: &[(u64, u64)], a: u64, b: u64) -> u64 {
     let mut i = intervals.partition_point(|&(_, e)| e <= a);
@@ -122,7 +125,7 @@ pub fn step_anatomies(rec: &Recording, sel: &Selection) -> Vec<StepAnatomy> {
         return Vec::new();
     }
     // Calls by thread: (probe, start, end), sorted by start.
-    let mut calls: BTreeMap<(i32, i32), Vec<(u32, u64, u64)>> = BTreeMap::new();
+    let mut calls: BTreeMap<(i32, i32), Calls> = BTreeMap::new();
     for c in sel.calls(rec) {
         calls.entry((c.pid, c.tid)).or_default().push((
             c.probe,
