@@ -25,56 +25,16 @@ const WINDOW_S: &str = "4";
 /// Record `injected.py --problem PROBLEM` on `label`'s interpreter; returns the report JSON over
 /// the workload's window and the truth. None where the interpreter is missing.
 fn run(label: &str, problem: &str) -> Option<(serde_json::Value, serde_json::Value)> {
-    let i = interp(label);
-    if !available(&i) {
-        return None;
-    }
-    let w = start(
-        &i,
+    let (r, truth, path) = record_workload_at(
+        &interp(label),
         "injected.py",
-        &[
-            "--problem",
-            problem,
-            "--truth",
-            "{dir}/truth.json",
-            "--duration",
-            WINDOW_S,
-            "--go-fifo",
-            "{dir}/go",
-        ],
-    );
-    let out = w.dir.join("run.esrec");
-    let out_s = out.to_string_lossy().into_owned();
-    let pid = w.pid.to_string();
-    let rec = Recorder::start(&[
-        "--rate",
+        &["--problem", problem],
+        WINDOW_S,
+        "bpf",
         "999",
-        "--duration",
-        "60",
-        "--pid",
-        &pid,
-        "-o",
-        &out_s,
-    ]);
-    w.go();
-    let (ok, _, err) = rec.wait();
-    assert!(ok, "{label} {problem}: record failed: {err}");
-    let truth = read_json(&w.dir.join("truth.json"));
-    let r = enginescope::record::read_recording(&out).expect("read the recording");
-    let base = r.meta.start_mono_ns;
-    let w0 = truth["window"]["start_mono_ns"].as_u64().unwrap();
-    let w1 = truth["window"]["end_mono_ns"].as_u64().unwrap();
-    assert!(
-        w0 > base,
-        "{label}: the recording started before the window"
-    );
-    let from = format!("{:.9}", (w0 - base) as f64 / 1e9);
-    let to = format!("{:.9}", (w1 - base) as f64 / 1e9);
-    let o = enginescope(&[
-        "report", &out_s, "--format", "json", "--from", &from, "--to", &to,
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&o.stdout).expect("report JSON");
+    )?;
+    let report = window_report(&path, &r, &truth);
+    let _ = std::fs::remove_file(&path);
     for f in report["findings"].as_array().into_iter().flatten() {
         eprintln!(
             "{label} {problem}: {:.3} {} {}",

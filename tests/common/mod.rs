@@ -395,21 +395,36 @@ pub fn record_workload(
     backend: &str,
     rate: &str,
 ) -> Option<(enginescope::record::Recording, serde_json::Value)> {
+    record_workload_at(i, script, &[], seconds, backend, rate).map(|(r, t, kept)| {
+        let _ = std::fs::remove_file(kept);
+        (r, t)
+    })
+}
+
+/// [`record_workload`] with `extra` arguments for the script; also gives the path of a copy of
+/// the recording in the temporary directory (the workload's own directory goes with it),
+/// which the caller removes.
+pub fn record_workload_at(
+    i: &Interp,
+    script: &str,
+    extra: &[&str],
+    seconds: &str,
+    backend: &str,
+    rate: &str,
+) -> Option<(enginescope::record::Recording, serde_json::Value, PathBuf)> {
     if !available(i) {
         return None;
     }
-    let w = start(
-        i,
-        script,
-        &[
-            "--truth",
-            "{dir}/truth.json",
-            "--duration",
-            seconds,
-            "--go-fifo",
-            "{dir}/go",
-        ],
-    );
+    let mut args = vec![
+        "--truth",
+        "{dir}/truth.json",
+        "--duration",
+        seconds,
+        "--go-fifo",
+        "{dir}/go",
+    ];
+    args.extend_from_slice(extra);
+    let w = start(i, script, &args);
     let out = w.dir.join("run.esrec");
     let out_s = out.to_string_lossy().into_owned();
     let pid = w.pid.to_string();
@@ -431,5 +446,34 @@ pub fn record_workload(
     let truth = read_json(&w.dir.join("truth.json"));
     let r = enginescope::record::read_recording(&out).unwrap();
     assert_eq!(r.meta.backend, backend);
-    Some((r, truth))
+    // The directory goes with the workload: keep the file beside it.
+    let kept = std::env::temp_dir().join(format!(
+        "es-{}-{}-{}.esrec",
+        i.label,
+        script.trim_end_matches(".py"),
+        w.pid
+    ));
+    std::fs::copy(&out, &kept).expect("keep the recording");
+    Some((r, truth, kept))
+}
+
+/// `report --format json` of `path` over the truth's window (`truth.window.start_mono_ns` to
+/// `end_mono_ns`, monotonic ns), which must begin after the recording.
+pub fn window_report(
+    path: &Path,
+    r: &enginescope::record::Recording,
+    truth: &serde_json::Value,
+) -> serde_json::Value {
+    let base = r.meta.start_mono_ns;
+    let w0 = truth["window"]["start_mono_ns"].as_u64().unwrap();
+    let w1 = truth["window"]["end_mono_ns"].as_u64().unwrap();
+    assert!(w0 > base, "the recording started before the window");
+    let from = format!("{:.9}", (w0 - base) as f64 / 1e9);
+    let to = format!("{:.9}", (w1 - base) as f64 / 1e9);
+    let path = path.to_string_lossy();
+    let o = enginescope(&[
+        "report", &path, "--format", "json", "--from", &from, "--to", &to,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).expect("report JSON")
 }
