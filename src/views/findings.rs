@@ -747,10 +747,7 @@ fn step_anatomy(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Find
                 ("engine_core".to_string(), json!(e)),
                 ("workers".to_string(), json!(a.workers)),
                 ("waiting_for_workers_share".to_string(), json!(wait)),
-                (
-                    "critical_not_running_share".to_string(),
-                    json!(not_running),
-                ),
+                ("critical_not_running_share".to_string(), json!(not_running)),
             ]
             .into_iter()
             .collect(),
