@@ -198,21 +198,22 @@ impl BpfSampler {
         Ok(prog)
     }
 
+    /// The helper thread that sets and removes probe watchpoints, started the first time one
+    /// is asked for (None where it cannot be started: the caller then does it itself).
+    fn switcher(&mut self) -> Option<&Switcher> {
+        if self.switcher.is_none() {
+            self.switcher = Switcher::spawn().ok();
+        }
+        self.switcher.as_ref()
+    }
+
     /// Set a write watchpoint on the 8 bytes at `addr` (a probed code object's `ob_refcnt` in
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
     pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
-        use std::os::fd::{AsFd as _, AsRawFd as _};
-        let prog_fd = self
-            .probe_program()?
-            .fd()
-            .map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?
-            .as_fd()
-            .as_raw_fd();
-        if self.switcher.is_none() {
-            self.switcher = Switcher::spawn().ok();
-        }
-        let set = match &self.switcher {
+        let prog_fd =
+            raw_fd(self.probe_program()?).map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?;
+        let set = match self.switcher() {
             Some(sw) => {
                 let (reply, rx) = std::sync::mpsc::sync_channel(1);
                 let job = SwitchJob::Open {
@@ -243,10 +244,7 @@ impl BpfSampler {
     /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount): handed to the
     /// helper thread that closes it ([`Switcher`]), or closed here if it cannot be started.
     pub fn unwatch_refcount(&mut self, w: Breakpoint) {
-        if self.switcher.is_none() {
-            self.switcher = Switcher::spawn().ok();
-        }
-        match &self.switcher {
+        match self.switcher() {
             Some(sw) => {
                 if let Err(e) = sw.tx.send(SwitchJob::Close(w)) {
                     self.switcher = None;
@@ -877,6 +875,12 @@ struct PerfEventAttr {
 
 const PERF_TYPE_BREAKPOINT: u32 = 5;
 const HW_BREAKPOINT_W: u32 = 2;
+/// A loaded perf-event program's descriptor (valid while it stays loaded).
+fn raw_fd(prog: &PerfEvent) -> Result<std::os::fd::RawFd, aya::programs::ProgramError> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    Ok(prog.fd()?.as_fd().as_raw_fd())
+}
+
 const PERF_SAMPLE_RAW: u64 = 1 << 10;
 /// `perf_event_attr.precise_ip` (bits 15-16) = 2, as aya sets for breakpoints.
 const PRECISE_IP_2: u64 = 2 << 15;
@@ -888,12 +892,8 @@ const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
 impl Breakpoint {
     /// Watch writes of `len` bytes (1, 2, 4, 8) at `addr` in thread `tid`, running `prog`.
     fn write(prog: &PerfEvent, tid: i32, addr: u64, len: u64) -> std::io::Result<Breakpoint> {
-        use std::os::fd::{AsFd as _, AsRawFd as _};
-        let prog_fd = prog
-            .fd()
-            .map_err(|e| std::io::Error::other(format!("program not loaded: {e}")))?
-            .as_fd()
-            .as_raw_fd();
+        let prog_fd =
+            raw_fd(prog).map_err(|e| std::io::Error::other(format!("program not loaded: {e}")))?;
         Self::write_fd(prog_fd, tid, addr, len)
     }
 

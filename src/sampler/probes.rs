@@ -323,8 +323,8 @@ const BUDGET_FIRST_WINDOW_NS: u64 = 500_000_000;
 /// 2 s every 33 s put estimated counts 9% off), and long beside the calls probed here.
 pub const BUDGET_ON_NS: u64 = 250_000_000;
 
-/// A watchpoint set or removed in more than this is counted slow (`probe_watch_switches_slow`):
-/// tens of µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
+/// A watchpoint set in more than this is counted slow (`probe_watch_switches_slow`): tens of
+/// µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
 const SLOW_SWITCH_NS: u64 = 10_000_000;
 
 /// [`BUDGET_ON_NS`], or `ENGINESCOPE_PROBE_PHASE_MS` (measurements).
@@ -643,12 +643,15 @@ pub struct Probes {
     budget: f64,
     /// Threads whose on-phases `--probe-budget` re-sized.
     pub budget_resizes: u64,
-    /// Watchpoints set or removed, and the recording loop's time doing it.
+    /// Watchpoints set, and the recording loop's wait for them.
     pub switches: u64,
     pub switch_ns: u64,
     /// The longest of them, and how many took over [`SLOW_SWITCH_NS`].
     pub switch_max_ns: u64,
     pub switches_slow: u64,
+    /// Watchpoints removed, and the loop's time handing them to the helper thread.
+    pub removals: u64,
+    pub removal_ns: u64,
     /// Watchpoint writes outside any watched interval (before its start was stamped, or
     /// drained after its watch was removed): not timed.
     pub late_hits: u64,
@@ -709,6 +712,8 @@ impl Probes {
             switch_ns: 0,
             switch_max_ns: 0,
             switches_slow: 0,
+            removals: 0,
+            removal_ns: 0,
             late_hits: 0,
             watched_switches: 0,
             watched_switch_ns: 0,
@@ -985,7 +990,7 @@ impl Probes {
         for l in ls {
             b.unwatch_refcount(l);
         }
-        self.note_switch(t);
+        self.note_removal(t);
         self.edges.push(ProbeWatch {
             t_ns: now_abs,
             probe: i as u32,
@@ -994,7 +999,8 @@ impl Probes {
         });
     }
 
-    /// One watchpoint set or removed, begun at `t`: counted, with the loop's time doing it.
+    /// One watchpoint set, begun at `t`: counted, with the loop's wait for it (the helper
+    /// thread sets it while the loop waits).
     fn note_switch(&mut self, t: std::time::Instant) {
         let ns = t.elapsed().as_nanos() as u64;
         self.switch_ns += ns;
@@ -1003,6 +1009,14 @@ impl Probes {
             self.switches_slow += 1;
         }
         self.switches += 1;
+    }
+
+    /// One watchpoint removed, begun at `t`: counted apart from the settings, with the
+    /// loop's time handing it to the helper thread, which removes it without the loop
+    /// waiting (µs; the removal itself can take up to seconds on a thread that spins).
+    fn note_removal(&mut self, t: std::time::Instant) {
+        self.removals += 1;
+        self.removal_ns += t.elapsed().as_nanos() as u64;
     }
 
     /// Thread `tid`'s probes span its whole life, watched or not: where the recording ends
@@ -1799,6 +1813,8 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
     out.insert("probe_watch_switch_max_ns".into(), v(|p| p.switch_max_ns));
     out.insert("probe_watch_switches_slow".into(), v(|p| p.switches_slow));
+    out.insert("probe_watch_removals".into(), v(|p| p.removals));
+    out.insert("probe_watch_removal_ns".into(), v(|p| p.removal_ns));
     out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
     out.insert("probe_watched_switches".into(), v(|p| p.watched_switches));
     out.insert("probe_watched_switch_ns".into(), v(|p| p.watched_switch_ns));
