@@ -69,6 +69,20 @@ pub const VLLM_HEADLINE_PROBES: &[&str] = &[
     "Worker.execute_model",
 ];
 
+/// Whether a qualified name is `name` or ends with it as a dotted suffix
+/// (`mod.<locals>.MessageQueue.enqueue` names `MessageQueue.enqueue`).
+pub fn names(qualname: &str, name: &str) -> bool {
+    qualname == name
+        || qualname
+            .strip_suffix(name)
+            .is_some_and(|head| head.ends_with('.'))
+}
+
+/// Whether a probed function is one of [`VLLM_HEADLINE_PROBES`].
+pub fn is_headline(function: &str) -> bool {
+    VLLM_HEADLINE_PROBES.iter().any(|h| names(function, h))
+}
+
 /// A function to probe, as asked for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeSpec {
@@ -106,10 +120,7 @@ impl ProbeSpec {
     /// spec's last component is compared.
     pub fn matches(&self, qualname: &str, filename: &str, has_qualname: bool) -> bool {
         let name_ok = if has_qualname {
-            qualname == self.name
-                || qualname
-                    .strip_suffix(self.name.as_str())
-                    .is_some_and(|head| head.ends_with('.'))
+            names(qualname, &self.name)
         } else {
             self.name.rsplit('.').next() == Some(qualname)
         };

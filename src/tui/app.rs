@@ -208,13 +208,11 @@ pub fn process_headline(
             .collect();
     }
     // A step or a model run (vLLM's) before the calls inside it, else the busiest.
-    let headline = |l: &LatencyRow| {
-        crate::sampler::probes::VLLM_HEADLINE_PROBES
-            .iter()
-            .any(|h| l.function == *h || l.function.ends_with(&format!(".{h}")))
-    };
-    let preferred: Vec<(&LatencyRow, u64)> =
-        mine.iter().copied().filter(|(l, _)| headline(l)).collect();
+    let preferred: Vec<(&LatencyRow, u64)> = mine
+        .iter()
+        .copied()
+        .filter(|(l, _)| crate::sampler::probes::is_headline(&l.function))
+        .collect();
     let probe = if preferred.is_empty() {
         mine
     } else {

@@ -23,15 +23,6 @@ use crate::record::Recording;
 /// Fewest EngineCore steps (counted as above) an anatomy is given for.
 pub const MIN_STEPS: u64 = 20;
 
-/// A function a probe's function name stands for: the name itself or a dotted suffix of it
-/// (`mod.EngineCore.step` is `EngineCore.step`).
-fn is(function: &str, name: &str) -> bool {
-    function == name
-        || function
-            .strip_suffix(name)
-            .is_some_and(|head| head.ends_with('.'))
-}
-
 /// One side's figures: mean ms per call of each part.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Side {
@@ -113,7 +104,12 @@ pub fn step_anatomies(rec: &Recording, sel: &Selection) -> Vec<StepAnatomy> {
     let probes_of = |names: &[&str]| -> BTreeSet<u32> {
         rec.probes
             .iter()
-            .filter(|p| p.method == "exact" && names.iter().any(|n| is(&p.function, n)))
+            .filter(|p| {
+                p.method == "exact"
+                    && names
+                        .iter()
+                        .any(|n| crate::sampler::probes::names(&p.function, n))
+            })
             .map(|p| p.id)
             .collect()
     };

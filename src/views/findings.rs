@@ -865,10 +865,7 @@ fn per_request_growth(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
             .map_or_else(|| spec.to_string(), |p| p.function.clone());
         // A step or a model run grows with its batch by design (the model's work is per
         // token), and with whatever grows inside it: the calls inside it are the finding.
-        if crate::sampler::probes::VLLM_HEADLINE_PROBES
-            .iter()
-            .any(|h| function == *h || function.ends_with(&format!(".{h}")))
-        {
+        if crate::sampler::probes::is_headline(&function) {
             continue;
         }
         let score = (calls_per_s * slope * mean_x / 1e3).clamp(0.0, 1.0);
