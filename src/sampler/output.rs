@@ -16,7 +16,53 @@ use crate::sys::monotonic_ns;
 
 /// How often a recording writes its counters while it records (for a live reader's cost,
 /// lost-sample and error counts; unchanged counters are not written again).
-pub(crate) const LIVE_COUNTERS_EVERY: Duration = Duration::from_secs(5);
+const LIVE_COUNTERS_EVERY: Duration = Duration::from_secs(5);
+
+/// Counters written while a recording records: those that changed since the last write,
+/// every [`LIVE_COUNTERS_EVERY`] (readers keep the last value of each counter).
+#[derive(Debug)]
+pub(crate) struct LiveCounters {
+    written: BTreeMap<String, u64>,
+    at: Instant,
+}
+
+impl LiveCounters {
+    pub(crate) fn new() -> Self {
+        LiveCounters {
+            written: BTreeMap::new(),
+            at: Instant::now(),
+        }
+    }
+
+    /// Whether it is time to write them again.
+    pub(crate) fn due(&self) -> bool {
+        self.at.elapsed() >= LIVE_COUNTERS_EVERY
+    }
+
+    /// Write those of `c` that changed since the last write.
+    pub(crate) fn write(
+        &mut self,
+        writer: &mut RecordingWriter,
+        c: BTreeMap<String, u64>,
+    ) -> anyhow::Result<()> {
+        if c != self.written {
+            let changed: BTreeMap<String, u64> = c
+                .iter()
+                .filter(|(k, v)| self.written.get(*k) != Some(v))
+                .map(|(k, v)| (k.clone(), *v))
+                .collect();
+            writer.counters(&changed)?;
+            self.written = c;
+        }
+        self.at = Instant::now();
+        Ok(())
+    }
+
+    /// A new segment has none written yet.
+    fn forget(&mut self) {
+        self.written.clear();
+    }
+}
 
 /// Fail early, before attaching to anything, when `path` cannot be created: its directory is
 /// missing or not writable.
@@ -63,8 +109,7 @@ pub fn open(
         meta: meta.clone(),
         seq,
         started: Instant::now(),
-        last_counters: Instant::now(),
-        written_counters: BTreeMap::new(),
+        live: LiveCounters::new(),
         rotations: 0,
         segments_removed: 0,
     };
@@ -81,8 +126,7 @@ pub struct Rotator {
     meta: Meta,
     seq: u64,
     started: Instant,
-    last_counters: Instant,
-    written_counters: BTreeMap<String, u64>,
+    live: LiveCounters,
     pub rotations: u64,
     pub segments_removed: u64,
 }
@@ -104,19 +148,9 @@ impl Rotator {
             let c = counters(pipe, self);
             return self.rotate(pipe, &c);
         }
-        if self.last_counters.elapsed() >= LIVE_COUNTERS_EVERY {
+        if self.live.due() {
             let c = counters(pipe, self);
-            if c != self.written_counters {
-                // Only what changed: readers keep the last value of each counter.
-                let changed: BTreeMap<String, u64> = c
-                    .iter()
-                    .filter(|(k, v)| self.written_counters.get(*k) != Some(v))
-                    .map(|(k, v)| (k.clone(), *v))
-                    .collect();
-                pipe.writer.counters(&changed)?;
-                self.written_counters = c;
-            }
-            self.last_counters = Instant::now();
+            self.live.write(&mut pipe.writer, c)?;
         }
         Ok(())
     }
@@ -160,7 +194,7 @@ impl Rotator {
         pipe.writer.flush()?;
         self.path = path;
         self.started = Instant::now();
-        self.written_counters.clear();
+        self.live.forget();
         self.rotations += 1;
         self.prune()
     }
@@ -223,8 +257,7 @@ mod tests {
             meta: meta.clone(),
             seq,
             started: Instant::now(),
-            last_counters: Instant::now(),
-            written_counters: BTreeMap::new(),
+            live: LiveCounters::new(),
             rotations: 0,
             segments_removed: 0,
         };

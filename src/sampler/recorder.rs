@@ -55,7 +55,7 @@ pub struct Recorder<'a> {
     pub cost: Option<super::cost::CostRun>,
     /// A single file's counters as last written while recording, and when (a rotating
     /// recording's [`Rotator`] keeps its own).
-    live_counters: (BTreeMap<String, u64>, Instant),
+    live_counters: super::output::LiveCounters,
 }
 
 impl<'a> Recorder<'a> {
@@ -80,7 +80,7 @@ impl<'a> Recorder<'a> {
             tasks: super::tasks::TaskReaders::default(),
             window_start: None,
             cost: None,
-            live_counters: (BTreeMap::new(), Instant::now()),
+            live_counters: super::output::LiveCounters::new(),
         }
     }
 
@@ -442,17 +442,9 @@ impl<'a> Recorder<'a> {
             // One file: its counters too are written while it is recorded (what changed,
             // every few seconds), for a reader that follows it: top's cost in its header,
             // lost events.
-            if self.live_counters.1.elapsed() >= super::output::LIVE_COUNTERS_EVERY {
+            if self.live_counters.due() {
                 let c = self.counters();
-                let changed: BTreeMap<String, u64> = c
-                    .iter()
-                    .filter(|(k, v)| self.live_counters.0.get(*k) != Some(v))
-                    .map(|(k, v)| (k.clone(), *v))
-                    .collect();
-                if !changed.is_empty() {
-                    self.pipe.writer.counters(&changed)?;
-                }
-                self.live_counters = (c, Instant::now());
+                self.live_counters.write(&mut self.pipe.writer, c)?;
             }
             return Ok(());
         };
