@@ -351,9 +351,9 @@ impl BpfSource {
 
     /// Resolve and record the events waiting in the ring buffer: all of them, or for at most
     /// `slice` (the recording loop's turn, [`DRAIN_SLICE`]: it comes back for the rest after
-    /// its other work, and sees a stop between: a
-    /// recorder starved of CPU, an unoptimized build behind a busy engine, spent 15 s in one
-    /// drain after `q` while the kernel kept adding events). Never reads a symbol table:
+    /// its other work, and sees a stop between: a recorder starved of CPU, an unoptimized
+    /// build behind a busy engine, spent 15 s in one drain after `q` while the kernel kept
+    /// adding events). Never reads a symbol table:
     /// events whose native frames wait for one go to the backlog, applied in order once
     /// their modules' symbols are read.
     fn drain(
@@ -365,7 +365,6 @@ impl BpfSource {
         // Everything that happened before now is in the ring buffer: drained, once it empties.
         let now = monotonic_ns();
         let slice_end = slice.map(|d| std::time::Instant::now() + d);
-        let mut emptied = false;
         let mut err = None;
         let mut event_max_ns = self.event_max_ns;
         let mut unparsed = 0u64;
@@ -419,15 +418,14 @@ impl BpfSource {
                 apply_now = backlog.next(Prepared::ready, false);
             }
         };
-        loop {
+        let emptied = loop {
             if self.b.drain(DRAIN_CHUNK, &mut handle) < DRAIN_CHUNK {
-                emptied = true;
-                break;
+                break true;
             }
             if slice_end.is_some_and(|e| std::time::Instant::now() >= e) {
-                break;
+                break false;
             }
-        }
+        };
         if emptied {
             self.probes.drained_to(now);
         }
