@@ -54,6 +54,9 @@ pub struct BpfSampler {
     closed_here: u64,
     /// Sets and removes probe watchpoints off the loop; started on first use.
     switcher: Option<Switcher>,
+    /// Keeps the kernel's context-switch hooks for per-thread perf events on while we set
+    /// and remove watchpoints ([`SchedHooksHeld`]); opened before the first one.
+    sched_hooks: Option<SchedHooksHeld>,
 }
 
 impl Drop for BpfSampler {
@@ -167,6 +170,7 @@ impl BpfSampler {
             closer: None,
             closed_here: 0,
             switcher: None,
+            sched_hooks: None,
         })
     }
 
@@ -198,6 +202,19 @@ impl BpfSampler {
         Ok(prog)
     }
 
+    /// Open [`SchedHooksHeld`] once, before the first watchpoint (where the kernel refuses it,
+    /// watchpoints still work, as slowly to set as before).
+    fn hold_sched_hooks(&mut self) {
+        if self.sched_hooks.is_none() {
+            self.sched_hooks = SchedHooksHeld::open().ok();
+        }
+    }
+
+    /// Whether [`SchedHooksHeld`] is open (`probe_sched_hooks_held` in the counters).
+    pub fn sched_hooks_held(&self) -> bool {
+        self.sched_hooks.is_some()
+    }
+
     /// The helper thread that sets and removes probe watchpoints, started the first time one
     /// is asked for (None where it cannot be started: the caller then does it itself).
     fn switcher(&mut self) -> Option<&Switcher> {
@@ -211,6 +228,7 @@ impl BpfSampler {
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
     pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
+        self.hold_sched_hooks();
         let prog_fd =
             raw_fd(self.probe_program()?).map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?;
         let set = match self.switcher() {
@@ -260,6 +278,7 @@ impl BpfSampler {
     /// register in each watched thread, however many processes are watched (a CPU-wide one
     /// takes one on every CPU per process, which leaves none for probes with 3+ targets).
     pub fn watch_gc_thread(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
+        self.hold_sched_hooks();
         let prog = self.gc_write_program()?;
         Breakpoint::write(prog, tid, addr, 4)
             .map_err(|e| anyhow!("GC watchpoint at {addr:#x} on thread {tid}: {e}"))
@@ -437,6 +456,7 @@ impl BpfSampler {
     /// Without `in_use`, `in_use` is `hot`: its runs pass over a working set between writes
     /// and cost the calling thread ~50-100 ms of CPU, which only the probe budget needs.
     pub fn watchpoint_costs_ns(&mut self, in_use: bool) -> anyhow::Result<TrapCost> {
+        self.hold_sched_hooks();
         static mut PROBE: u32 = 0;
         // Batches of writes timed on this thread's CPU clock (time the thread spends
         // preempted on a busy machine is not trap cost), the cheapest batch kept: a mean over
@@ -505,6 +525,7 @@ impl BpfSampler {
     /// yielding to each other in batches; the cheapest batch of each kind is kept (time
     /// another task took on that CPU is not switch cost). The threads' affinity is restored.
     pub fn watched_switch_cost_ns(&mut self) -> anyhow::Result<SwitchCost> {
+        self.hold_sched_hooks();
         use std::sync::atomic::{AtomicBool, Ordering};
         use std::sync::Arc;
         static mut SLOTS: [u64; 4] = [0; 4];
@@ -799,16 +820,90 @@ pub struct Breakpoint {
     _fd: std::os::fd::OwnedFd,
 }
 
-/// Sets and removes probe watchpoints on a helper thread of normal priority, in the order
-/// they are asked for. Opening or closing a thread's breakpoint event goes through an IPI to
-/// the CPU the thread runs on, retried until it lands while the thread is there: tens of µs
-/// on a quiet thread, over a second on a vLLM thread that spins on `sched_yield` when the
-/// caller is the real-time recording loop (measured: 1.67 s, docs/probes.md; 10-60 ms from a
-/// thread of normal priority). The loop stamps a watch's end before it hands the breakpoint
-/// over (hits after that are not timed) and does not wait for the close; it waits for a
-/// setting (the watch's start and the seed read must follow the kernel's install), which runs
-/// after the removals asked for before it (a rotation needs the register an old one holds,
-/// and two events on one address would report each write twice).
+/// A disabled software event (`PERF_COUNT_SW_DUMMY`) on this process, held while watchpoints
+/// come and go. The kernel turns its context-switch hooks for per-thread perf events on when
+/// the first such event is created and off a second after the last one is freed; turning
+/// them on again waits for an RCU grace period inside `perf_event_open`. Under the probe
+/// budget every watchpoint of an off-phase is removed, so each on-phase's first setting paid
+/// that wait: 6 ms on a quiet machine, 0.55-0.82 s beside a loaded vllm serve (its worker's
+/// settings: p99 550 ms, max 819 ms over 200; holding this event: max 136 µs, measured with
+/// raw syscalls and the setter's kernel stack, `synchronize_rcu` under `perf_event_alloc`,
+/// docs/probes.md). It counts nothing and is never enabled; closing it (on drop, or our exit)
+/// lets the kernel turn the hooks off again.
+struct SchedHooksHeld {
+    _fd: std::os::fd::OwnedFd,
+}
+
+const PERF_TYPE_SOFTWARE: u32 = 1;
+const PERF_COUNT_SW_DUMMY: u64 = 9;
+/// `perf_event_attr.disabled` (bit 0 of the flags).
+const ATTR_DISABLED: u64 = 1;
+
+impl SchedHooksHeld {
+    fn open() -> std::io::Result<SchedHooksHeld> {
+        let attr = PerfEventAttr {
+            type_: PERF_TYPE_SOFTWARE,
+            size: std::mem::size_of::<PerfEventAttr>() as u32,
+            config: PERF_COUNT_SW_DUMMY,
+            sample_period: 0,
+            sample_type: 0,
+            read_format: 0,
+            flags: ATTR_DISABLED,
+            wakeup_events: 0,
+            bp_type: 0,
+            bp_addr: 0,
+            bp_len: 0,
+            rest: [0; 7],
+        };
+        // pid 0, cpu -1: this thread, any CPU (a per-thread event, which is what keeps the
+        // hooks on; a CPU-wide one would not).
+        Ok(SchedHooksHeld {
+            _fd: perf_event_open(&attr, 0)?,
+        })
+    }
+}
+
+/// `perf_event_open(attr, tid, -1, -1, FD_CLOEXEC)`.
+fn perf_event_open(attr: &PerfEventAttr, tid: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: perf_event_open reads `size` bytes of the attr we own; pid/cpu/group are plain
+    // values.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_perf_event_open,
+            attr as *const PerfEventAttr,
+            tid as libc::pid_t,
+            -1 as libc::c_int,
+            -1 as libc::c_int,
+            PERF_FLAG_FD_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(std::io::Error::new(
+            e.kind(),
+            format!("perf_event_open failed: {e}"),
+        ));
+    }
+    // SAFETY: a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
+}
+
+/// Sets and removes probe watchpoints on a helper thread, in the order they are asked for,
+/// so that the recording loop does not wait in the kernel: it stamps a watch's end before it
+/// hands the breakpoint over (hits after that are not timed) and does not wait for the close;
+/// it waits for a setting (the watch's start and the seed read must follow the kernel's
+/// install), which runs after the removals asked for before it (a rotation needs the register
+/// an old one holds, and two events on one address would report each write twice).
+///
+/// The helper runs at the loop's priority (real-time when the loop is). At normal priority
+/// beside a loaded vllm serve on 2 CPUs, a setting that takes ~100 µs in the kernel waited up
+/// to 0.8 s on the run queue after its wake-up while the EngineCore ran on that CPU (the
+/// kernel's `sched_wakeup` to `sched_switch`, measured with ftrace; enginescope and the engine
+/// in different sessions' autogroups), and the loop waited with it: 0.9-1.8 s of watch
+/// settings per 15 s recording, 0.3-1.4 s the longest. As a real-time thread, with
+/// [`SchedHooksHeld`] open, 600 settings and removals on the loaded engine's threads took
+/// 0.4 ms at most, with no retries spinning in the kernel.
 struct Switcher {
     tx: std::sync::mpsc::Sender<SwitchJob>,
 }
@@ -831,10 +926,15 @@ const SET_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 impl Switcher {
     fn spawn() -> std::io::Result<Switcher> {
         let (tx, rx) = std::sync::mpsc::channel::<SwitchJob>();
+        // Threads start at normal priority (`SCHED_RESET_ON_FORK`); the loop that asks for
+        // the first watchpoint says which this one runs at.
+        let realtime = crate::sys::is_realtime_this_thread();
         std::thread::Builder::new()
             .name("es-watch".into())
             .spawn(move || {
-                crate::sys::normal_this_thread();
+                if !realtime || crate::sys::realtime_this_thread().is_err() {
+                    crate::sys::normal_this_thread();
+                }
                 for job in rx {
                     match job {
                         SwitchJob::Close(w) => drop(w),
@@ -904,7 +1004,7 @@ impl Breakpoint {
         addr: u64,
         len: u64,
     ) -> std::io::Result<Breakpoint> {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        use std::os::fd::AsRawFd;
         let attr = PerfEventAttr {
             type_: PERF_TYPE_BREAKPOINT,
             size: std::mem::size_of::<PerfEventAttr>() as u32,
@@ -920,27 +1020,7 @@ impl Breakpoint {
             bp_len: len,
             rest: [0; 7],
         };
-        // SAFETY: perf_event_open reads `size` bytes of the attr we own; pid/cpu/group are
-        // plain values.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_perf_event_open,
-                &attr as *const PerfEventAttr,
-                tid as libc::pid_t,
-                -1 as libc::c_int,
-                -1 as libc::c_int,
-                PERF_FLAG_FD_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(std::io::Error::new(
-                e.kind(),
-                format!("perf_event_open failed: {e}"),
-            ));
-        }
-        // SAFETY: a new descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
+        let fd = perf_event_open(&attr, tid)?;
         for (req, arg, what) in [
             (
                 PERF_EVENT_IOC_SET_BPF,
