@@ -57,6 +57,11 @@ pub struct BpfSampler {
     /// Keeps the kernel's context-switch hooks for per-thread perf events on while we set
     /// and remove watchpoints ([`SchedHooksHeld`]); opened before the first one.
     sched_hooks: Option<SchedHooksHeld>,
+    /// Watchpoints on every CPU, pointed at one address at a time
+    /// ([`watch_refcount_cpus`](Self::watch_refcount_cpus)).
+    cpu_slots: Vec<std::sync::Arc<CpuSlot>>,
+    /// Why the kernel refused a new one (no more are tried).
+    cpu_slots_refused: Option<String>,
 }
 
 impl Drop for BpfSampler {
@@ -171,6 +176,8 @@ impl BpfSampler {
             closed_here: 0,
             switcher: None,
             sched_hooks: None,
+            cpu_slots: Vec::new(),
+            cpu_slots_refused: None,
         })
     }
 
@@ -259,9 +266,77 @@ impl BpfSampler {
         set.map_err(|e| anyhow!("watchpoint at {addr:#x} on thread {tid}: {e}"))
     }
 
+    /// The most watchpoints [`watch_refcount_cpus`](Self::watch_refcount_cpus) sets at once:
+    /// each reserves a debug register on every CPU, and threads watched on their own (every
+    /// call of a thread whose probes are cheap, a GC watchpoint) need one of the four too.
+    pub const CPU_SLOTS: usize = 3;
+
+    /// Set a write watchpoint on the 8 bytes at `addr` on every CPU ([`CpuSlot`]), running
+    /// `on_probe_hit` on each write by any thread: for a thread whose probes are watched in
+    /// on-phases, so that it pays no debug-register reload at its context switches. A free slot
+    /// is re-pointed (an IPI to each CPU); a new one is opened when none is free, up to
+    /// [`CPU_SLOTS`](Self::CPU_SLOTS) (opening waits for the kernel's grace period once). Err
+    /// when none can be had: the caller sets a thread's watchpoint instead.
+    pub fn watch_refcount_cpus(&mut self, addr: u64) -> anyhow::Result<Breakpoint> {
+        use std::sync::atomic::Ordering;
+        if let Some(why) = &self.cpu_slots_refused {
+            anyhow::bail!("watchpoints on every CPU refused earlier: {why}");
+        }
+        let free = self
+            .cpu_slots
+            .iter()
+            .find(|s| !s.in_use.load(Ordering::Acquire))
+            .cloned();
+        let slot = match free {
+            Some(s) => s,
+            None if self.cpu_slots.len() >= Self::CPU_SLOTS => {
+                anyhow::bail!(
+                    "all {} watchpoint slots on every CPU in use",
+                    Self::CPU_SLOTS
+                )
+            }
+            None => {
+                let prog_fd = raw_fd(self.probe_program()?)
+                    .map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?;
+                let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
+                match CpuSlot::open(prog_fd, &cpus) {
+                    Ok(s) => {
+                        let s = std::sync::Arc::new(s);
+                        self.cpu_slots.push(s.clone());
+                        s
+                    }
+                    Err(e) => {
+                        self.cpu_slots_refused = Some(e.to_string());
+                        anyhow::bail!("watchpoint on every CPU: {e}");
+                    }
+                }
+            }
+        };
+        slot.point(Some(addr))
+            .map_err(|e| anyhow!("watchpoint at {addr:#x} on every CPU: {e}"))?;
+        slot.in_use.store(true, Ordering::Release);
+        Ok(Breakpoint {
+            _kind: BreakpointKind::Cpus {
+                _held: CpuWatchHeld(slot),
+            },
+        })
+    }
+
+    /// Watchpoint slots on every CPU opened, and why the kernel refused one (None if it never
+    /// did).
+    pub fn cpu_slots(&self) -> (usize, Option<&str>) {
+        (self.cpu_slots.len(), self.cpu_slots_refused.as_deref())
+    }
+
     /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount): handed to the
     /// helper thread that closes it ([`Switcher`]), or closed here if it cannot be started.
+    /// One set on every CPU is disabled here (an IPI to each CPU), so that its slot is free
+    /// for the next setting.
     pub fn unwatch_refcount(&mut self, w: Breakpoint) {
+        if w.on_every_cpu() {
+            drop(w);
+            return;
+        }
         match self.switcher() {
             Some(sw) => {
                 if let Err(e) = sw.tx.send(SwitchJob::Close(w)) {
@@ -816,8 +891,110 @@ impl SwitchCost {
 /// times a second.
 #[derive(Debug)]
 pub struct Breakpoint {
-    /// Held, not read: closing it (on drop) removes the watchpoint.
-    _fd: std::os::fd::OwnedFd,
+    /// Held, not read: closing it (on drop) removes the watchpoint; or, for one set on every
+    /// CPU, the slot it points (on drop it is disabled and the slot freed).
+    _kind: BreakpointKind,
+}
+
+#[derive(Debug)]
+enum BreakpointKind {
+    Thread { _fd: std::os::fd::OwnedFd },
+    Cpus { _held: CpuWatchHeld },
+}
+
+impl Breakpoint {
+    /// Whether it is set on every CPU ([`BpfSampler::watch_refcount_cpus`]), not on one
+    /// thread: the thread pays no debug-register reload at its context switches.
+    pub fn on_every_cpu(&self) -> bool {
+        matches!(self._kind, BreakpointKind::Cpus { .. })
+    }
+}
+
+/// A slot of [`CpuSlot`]s in use by one watch: disabled, and free again, when dropped.
+#[derive(Debug)]
+struct CpuWatchHeld(std::sync::Arc<CpuSlot>);
+
+impl Drop for CpuWatchHeld {
+    fn drop(&mut self) {
+        // A slot that cannot be disabled stays marked in use (never handed out again); its
+        // events go when the sampler does.
+        if self.0.point(None).is_ok() {
+            self.0
+                .in_use
+                .store(false, std::sync::atomic::Ordering::Release);
+        }
+    }
+}
+
+/// One write watchpoint on every online CPU (`perf_event_open` with pid -1, one CPU each),
+/// opened once, disabled, and pointed at a probed code object's reference count for one
+/// on-phase at a time with `PERF_EVENT_IOC_MODIFY_ATTRIBUTES` (the kernel's debug-register
+/// slots stay reserved, so re-pointing takes no lock and waits for no grace period: an IPI to
+/// each CPU). A watchpoint held by a thread is written into the CPU's debug registers at every
+/// switch into and out of that thread, which in a VM exits to the hypervisor: on a thread
+/// that blocks and wakes across CPUs every ~80 µs (a pipe ping-pong, Intel VM), holding one
+/// that never fired cost 8.7-9.7% of its throughput (armed/unarmed, 12-15 interleaved
+/// pairs), and on a loaded vllm serve the worker ran 12% fewer steps while its probes were
+/// watched (docs/probes.md); one set on the CPUs stays in their registers across switches
+/// (the same ping-pong: 0.998). The price: any thread on any CPU that writes the address
+/// traps while it is set (the BPF program drops threads of processes that are not targets;
+/// other threads of the target are hits outside their watch, not timed), and each slot
+/// reserves one debug register on every CPU while the recording lasts.
+#[derive(Debug)]
+struct CpuSlot {
+    fds: Vec<std::os::fd::OwnedFd>,
+    in_use: std::sync::atomic::AtomicBool,
+}
+
+/// Where a disabled [`CpuSlot`] points: an aligned user address no target writes.
+const CPU_SLOT_PARKED: u64 = 0x1000;
+
+impl CpuSlot {
+    fn attr(addr: u64, enabled: bool) -> PerfEventAttr {
+        let mut a = Breakpoint::attr(addr, 8);
+        if !enabled {
+            a.flags |= ATTR_DISABLED;
+        }
+        a
+    }
+
+    fn open(prog_fd: std::os::fd::RawFd, cpus: &[u32]) -> std::io::Result<CpuSlot> {
+        let attr = Self::attr(CPU_SLOT_PARKED, false);
+        let mut fds = Vec::with_capacity(cpus.len());
+        for &cpu in cpus {
+            let fd = perf_event_open_on(&attr, -1, cpu as i32)?;
+            Breakpoint::set_bpf(&fd, prog_fd)?;
+            fds.push(fd);
+        }
+        Ok(CpuSlot {
+            fds,
+            in_use: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Point every CPU's event at `addr` and enable it, or (None) disable it.
+    fn point(&self, addr: Option<u64>) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let attr = Self::attr(addr.unwrap_or(CPU_SLOT_PARKED), addr.is_some());
+        for fd in &self.fds {
+            // SAFETY: an ioctl on our own perf event descriptor that reads the attr we own.
+            let rc = unsafe {
+                libc::ioctl(
+                    fd.as_raw_fd(),
+                    PERF_EVENT_IOC_MODIFY_ATTRIBUTES as _,
+                    &attr as *const PerfEventAttr,
+                )
+            };
+            if rc != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("PERF_EVENT_IOC_MODIFY_ATTRIBUTES failed: {e}"),
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A disabled software event (`PERF_COUNT_SW_DUMMY`) on this process, held while watchpoints
@@ -865,6 +1042,15 @@ impl SchedHooksHeld {
 
 /// `perf_event_open(attr, tid, -1, -1, FD_CLOEXEC)`.
 fn perf_event_open(attr: &PerfEventAttr, tid: i32) -> std::io::Result<std::os::fd::OwnedFd> {
+    perf_event_open_on(attr, tid, -1)
+}
+
+/// `perf_event_open(attr, tid, cpu, -1, FD_CLOEXEC)`.
+fn perf_event_open_on(
+    attr: &PerfEventAttr,
+    tid: i32,
+    cpu: i32,
+) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::os::fd::{FromRawFd, OwnedFd};
     // SAFETY: perf_event_open reads `size` bytes of the attr we own; pid/cpu/group are plain
     // values.
@@ -873,7 +1059,7 @@ fn perf_event_open(attr: &PerfEventAttr, tid: i32) -> std::io::Result<std::os::f
             libc::SYS_perf_event_open,
             attr as *const PerfEventAttr,
             tid as libc::pid_t,
-            -1 as libc::c_int,
+            cpu as libc::c_int,
             -1 as libc::c_int,
             PERF_FLAG_FD_CLOEXEC,
         )
@@ -988,6 +1174,8 @@ const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
 /// `_IOW('$', 8, __u32)`, `_IO('$', 0)`.
 const PERF_EVENT_IOC_SET_BPF: libc::c_ulong = 0x4004_2408;
 const PERF_EVENT_IOC_ENABLE: libc::c_ulong = 0x2400;
+/// `_IOW('$', 11, struct perf_event_attr *)`.
+const PERF_EVENT_IOC_MODIFY_ATTRIBUTES: libc::c_ulong = 0x4008_240b;
 
 impl Breakpoint {
     /// Watch writes of `len` bytes (1, 2, 4, 8) at `addr` in thread `tid`, running `prog`.
@@ -1004,8 +1192,17 @@ impl Breakpoint {
         addr: u64,
         len: u64,
     ) -> std::io::Result<Breakpoint> {
-        use std::os::fd::AsRawFd;
-        let attr = PerfEventAttr {
+        let fd = perf_event_open(&Self::attr(addr, len), tid)?;
+        Self::set_bpf(&fd, prog_fd)?;
+        Ok(Breakpoint {
+            _kind: BreakpointKind::Thread { _fd: fd },
+        })
+    }
+
+    /// A write watchpoint of `len` bytes at `addr`, enabled from the start, sampling every
+    /// hit with its raw record.
+    fn attr(addr: u64, len: u64) -> PerfEventAttr {
+        PerfEventAttr {
             type_: PERF_TYPE_BREAKPOINT,
             size: std::mem::size_of::<PerfEventAttr>() as u32,
             config: 0,
@@ -1019,8 +1216,12 @@ impl Breakpoint {
             bp_addr: addr,
             bp_len: len,
             rest: [0; 7],
-        };
-        let fd = perf_event_open(&attr, tid)?;
+        }
+    }
+
+    /// Run `prog_fd` on every hit of the event `fd` and enable it.
+    fn set_bpf(fd: &std::os::fd::OwnedFd, prog_fd: std::os::fd::RawFd) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
         for (req, arg, what) in [
             (
                 PERF_EVENT_IOC_SET_BPF,
@@ -1035,7 +1236,7 @@ impl Breakpoint {
                 return Err(std::io::Error::new(e.kind(), format!("{what} failed: {e}")));
             }
         }
-        Ok(Breakpoint { _fd: fd })
+        Ok(())
     }
 }
 

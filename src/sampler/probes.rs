@@ -218,6 +218,10 @@ struct ThreadRegs {
     /// The thread's context switches when `held` last changed (None when unreadable): each
     /// switch while it holds watchpoints costs it a reload of its debug registers.
     held_mark: Option<u64>,
+    /// The longest of its recent timed calls, ns (each call's duration, or this less a
+    /// sixteenth at every call when that is more: a slowly decaying maximum), which sizes its
+    /// on-phases ([`on_phase_base`]).
+    long_call_ns: u64,
 }
 
 /// The context switches from `from` to `to` of a thread holding `held` watchpoints all that
@@ -329,10 +333,25 @@ const BUDGET_WINDOW_NS: u64 = 2_000_000_000;
 /// The first window, watched all the time, is shorter: it costs the full price (hundreds of
 /// calls at the rates that make a budget matter).
 const BUDGET_FIRST_WINDOW_NS: u64 = 500_000_000;
-/// Length of one on-phase under `--probe-budget`: short, so that a window holds many of them
-/// (a count scaled from a few long runs follows the load's swings: on a real vLLM, runs of
-/// 2 s every 33 s put estimated counts 9% off), and long beside the calls probed here.
-pub const BUDGET_ON_NS: u64 = 250_000_000;
+/// Length of one on-phase under `--probe-budget` (on average; each is drawn between half and
+/// one and a half times it): short, so that a window holds many of them. A count scaled from a
+/// few phases follows the engine's own swings: at 250 ms a 28 s window of a loaded vllm serve
+/// held 6-7 phases per thread and the estimated counts were 5-18% off, at 50 ms 23-25 phases
+/// and every count within 1.4% of the in-process timers (docs/probes.md). Longer where the
+/// thread's probed calls are long ([`on_phase_base`]): a call is timed only when it lies inside
+/// one phase.
+pub const BUDGET_ON_NS: u64 = 50_000_000;
+/// An on-phase is at least this many times the longest recent probed call on its thread.
+const PHASE_CALLS: u64 = 10;
+/// ... and at most this long on average.
+const BUDGET_ON_MAX_NS: u64 = 2_000_000_000;
+
+/// The mean on-phase length for a thread whose longest recent probed call took `long_call_ns`.
+fn on_phase_base(long_call_ns: u64) -> u64 {
+    long_call_ns
+        .saturating_mul(PHASE_CALLS)
+        .clamp(budget_on_ns(), BUDGET_ON_MAX_NS.max(budget_on_ns()))
+}
 
 /// A watchpoint set in more than this is counted slow (`probe_watch_switches_slow`): tens of
 /// µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
@@ -660,6 +679,9 @@ pub struct Probes {
     /// The longest of them, and how many took over [`SLOW_SWITCH_NS`].
     pub switch_max_ns: u64,
     pub switches_slow: u64,
+    /// Watches set on every CPU instead of on their thread (counter
+    /// `probe_watches_every_cpu`).
+    pub watches_every_cpu: u64,
     /// Watchpoints removed, and the loop's time handing them to the helper thread.
     pub removals: u64,
     pub removal_ns: u64,
@@ -724,6 +746,7 @@ impl Probes {
             switch_max_ns: 0,
             switches_slow: 0,
             removals: 0,
+            watches_every_cpu: 0,
             removal_ns: 0,
             late_hits: 0,
             watched_switches: 0,
@@ -902,6 +925,7 @@ impl Probes {
             },
             held: 0,
             held_mark: None,
+            long_call_ns: 0,
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -955,9 +979,12 @@ impl Probes {
         // from it (a push, or the pop of a call already running, which is dropped).
         let seed = read_refcnt(proc, p.refcnt);
         let t = std::time::Instant::now();
-        // Set on the helper thread of normal priority (`bpf::Switcher`); the loop sleeps
-        // until it is.
-        let ls = attach_all(b, tid, &p);
+        // A thread watched in on-phases gets watchpoints on every CPU, which it does not
+        // reload at its context switches (`bpf::CpuSlot`); one watched all the time, its own
+        // (any number of threads at once, four registers each). A thread's own are set on the
+        // helper thread (`bpf::Switcher`); the loop sleeps until they are.
+        let every_cpu = self.budget > 0.0 && self.regs.get(&tid).is_some_and(|r| r.phase < 1.0);
+        let ls = attach_all(b, tid, &p, every_cpu);
         self.note_switch(t);
         let ls = ls?;
         // The watched interval begins once the watch is surely set.
@@ -965,7 +992,11 @@ impl Probes {
         if let Some(r) = self.regs.get_mut(&tid) {
             r.window.watch(set_ns, 1);
         }
-        self.held_changed(tid, 1);
+        if ls.iter().all(|l| l.on_every_cpu()) {
+            self.watches_every_cpu += 1;
+        } else {
+            self.held_changed(tid, 1);
+        }
         self.active[i].links.insert(tid, ls);
         if let Some(old) = self.open.insert((tid, i), ThreadCalls::new(seed, set_ns)) {
             self.drop_open(&old);
@@ -991,7 +1022,9 @@ impl Probes {
         if let Some(r) = self.regs.get_mut(&tid) {
             r.window.watch(now_abs, -1);
         }
-        self.held_changed(tid, -1);
+        if !ls.iter().all(|l| l.on_every_cpu()) {
+            self.held_changed(tid, -1);
+        }
         if let Some(c) = self.open.get_mut(&(tid, i)) {
             c.until = now_abs;
             c.rotated = rotation;
@@ -1234,7 +1267,7 @@ impl Probes {
                 PhaseStep::Start { late } => {
                     r.off_until = None;
                     r.on_since = now_abs;
-                    r.on_len = on_phase_len(budget_on_ns(), draw);
+                    r.on_len = on_phase_len(on_phase_base(r.long_call_ns), draw);
                     r.late = late;
                     self.late_starts += u64::from(late > 0);
                     let chosen = r.advance(now_abs);
@@ -1282,7 +1315,7 @@ impl Probes {
             let (t0, _) = r.budget_mark;
             // At least one whole cycle of phases and turns, so that each probe was watched
             // about its share of the window.
-            let on = budget_on_ns();
+            let on = on_phase_base(r.long_call_ns);
             let cycle = (on + off_phase_ns(on, r.phase))
                 * if r.rotates() { r.want.len() as u64 } else { 1 };
             let dt = end.saturating_sub(t0);
@@ -1650,6 +1683,9 @@ impl Probes {
                 }) => {
                     self.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
                     let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
+                    if let Some(r) = self.regs.get_mut(&tid) {
+                        r.long_call_ns = dur.max(r.long_call_ns - r.long_call_ns / 16);
+                    }
                     if !pipe.in_window(start) {
                         // Began before the window (during the warm-up): not in it.
                         self.calls_before_window += 1;
@@ -1825,6 +1861,7 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     out.insert("probe_watch_switch_max_ns".into(), v(|p| p.switch_max_ns));
     out.insert("probe_watch_switches_slow".into(), v(|p| p.switches_slow));
     out.insert("probe_watch_removals".into(), v(|p| p.removals));
+    out.insert("probe_watches_every_cpu".into(), v(|p| p.watches_every_cpu));
     out.insert("probe_watch_removal_ns".into(), v(|p| p.removal_ns));
     out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
     out.insert("probe_watched_switches".into(), v(|p| p.watched_switches));
@@ -1844,10 +1881,23 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
 }
 
 /// Set the watchpoint of `p` on thread `tid`.
-fn attach_all(b: &mut BpfSampler, tid: i32, p: &ExactPlan) -> anyhow::Result<Vec<Breakpoint>> {
+/// Set plan `p`'s watchpoints for thread `tid`: on every CPU with `every_cpu` where a slot is
+/// free ([`BpfSampler::watch_refcount_cpus`]), else on the thread.
+fn attach_all(
+    b: &mut BpfSampler,
+    tid: i32,
+    p: &ExactPlan,
+    every_cpu: bool,
+) -> anyhow::Result<Vec<Breakpoint>> {
     let mut ls = Vec::new();
     for &addr in std::iter::once(&p.refcnt) {
-        match b.watch_refcount(tid, addr) {
+        let set = if every_cpu {
+            b.watch_refcount_cpus(addr)
+                .or_else(|_| b.watch_refcount(tid, addr))
+        } else {
+            b.watch_refcount(tid, addr)
+        };
+        match set {
             Ok(l) => ls.push(l),
             Err(e) => {
                 for l in ls {
@@ -2070,16 +2120,17 @@ mod tests {
             window: BudgetWindow::default(),
             held: 0,
             held_mark: None,
+            long_call_ns: 0,
         };
         assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
         assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
         assert!((regs(5, 4, 1.0).duty() - 0.8).abs() < 1e-9);
         assert!((regs(5, 4, 0.5).duty() - 0.4).abs() < 1e-9);
         // On 250 ms, off 750 ms: a quarter of the time.
-        assert_eq!(off_phase_ns(BUDGET_ON_NS, 0.25), 750_000_000);
-        assert_eq!(off_phase_ns(BUDGET_ON_NS, 1.0), 0);
+        assert_eq!(off_phase_ns(250 * MS, 0.25), 750_000_000);
+        assert_eq!(off_phase_ns(250 * MS, 1.0), 0);
         // Never below the floor: 5% is on 250 ms, off 4.75 s.
-        assert_eq!(off_phase_ns(BUDGET_ON_NS, 0.0), 4_750_000_000);
+        assert_eq!(off_phase_ns(250 * MS, 0.0), 4_750_000_000);
         // Each on-phase takes the next assignment: five probes on four registers, every
         // probe out once in five turns; three on four, all of them every turn.
         let mut r = regs(5, 4, 0.5);
@@ -2197,6 +2248,15 @@ mod tests {
 
     /// A recording loop that gets to an on-phase's end late (here 1 s instead of 250 ms)
     /// makes the off-phase after it as much longer: the share over the cycle stays `phase`.
+    #[test]
+    fn on_phases_hold_ten_of_the_longest_recent_calls() {
+        // Short calls: the default length; long ones: ten of them, up to the cap.
+        assert_eq!(on_phase_base(0), budget_on_ns());
+        assert_eq!(on_phase_base(3 * MS), budget_on_ns());
+        assert_eq!(on_phase_base(20 * MS), 200 * MS);
+        assert_eq!(on_phase_base(900 * MS), BUDGET_ON_MAX_NS);
+    }
+
     #[test]
     fn budget_share_holds_when_the_loop_is_late() {
         for (on, phase) in [
