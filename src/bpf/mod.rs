@@ -62,6 +62,8 @@ pub struct BpfSampler {
     cpu_slots: Vec<std::sync::Arc<CpuSlot>>,
     /// Why the kernel refused a new one (no more are tried).
     cpu_slots_refused: Option<String>,
+    /// The slots being opened off the loop ([`CpuSlot::open_all`]).
+    cpu_slots_coming: Option<std::sync::mpsc::Receiver<Result<Vec<CpuSlot>, String>>>,
 }
 
 impl Drop for BpfSampler {
@@ -178,6 +180,7 @@ impl BpfSampler {
             sched_hooks: None,
             cpu_slots: Vec::new(),
             cpu_slots_refused: None,
+            cpu_slots_coming: None,
         })
     }
 
@@ -279,39 +282,18 @@ impl BpfSampler {
     /// when none can be had: the caller sets a thread's watchpoint instead.
     pub fn watch_refcount_cpus(&mut self, addr: u64) -> anyhow::Result<Breakpoint> {
         use std::sync::atomic::Ordering;
-        if let Some(why) = &self.cpu_slots_refused {
-            anyhow::bail!("watchpoints on every CPU refused earlier: {why}");
-        }
-        let free = self
+        self.take_cpu_slots()?;
+        let slot = self
             .cpu_slots
             .iter()
             .find(|s| !s.in_use.load(Ordering::Acquire))
-            .cloned();
-        let slot = match free {
-            Some(s) => s,
-            None if self.cpu_slots.len() >= Self::CPU_SLOTS => {
-                anyhow::bail!(
+            .cloned()
+            .ok_or_else(|| {
+                anyhow!(
                     "all {} watchpoint slots on every CPU in use",
-                    Self::CPU_SLOTS
+                    self.cpu_slots.len()
                 )
-            }
-            None => {
-                let prog_fd = raw_fd(self.probe_program()?)
-                    .map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?;
-                let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
-                match CpuSlot::open(prog_fd, &cpus) {
-                    Ok(s) => {
-                        let s = std::sync::Arc::new(s);
-                        self.cpu_slots.push(s.clone());
-                        s
-                    }
-                    Err(e) => {
-                        self.cpu_slots_refused = Some(e.to_string());
-                        anyhow::bail!("watchpoint on every CPU: {e}");
-                    }
-                }
-            }
-        };
+            })?;
         slot.point(Some(addr))
             .map_err(|e| anyhow!("watchpoint at {addr:#x} on every CPU: {e}"))?;
         slot.in_use.store(true, Ordering::Release);
@@ -320,6 +302,58 @@ impl BpfSampler {
                 _held: CpuWatchHeld(slot),
             },
         })
+    }
+
+    /// The slots on every CPU, opened on a thread of their own the first time they are asked
+    /// for (opening one waits for the kernel's grace period, up to 0.75 s beside a loaded
+    /// engine, which the recording loop must not: measured, it fell back to normal priority):
+    /// Err until they are there, or when the kernel refused them.
+    fn take_cpu_slots(&mut self) -> anyhow::Result<()> {
+        if let Some(why) = &self.cpu_slots_refused {
+            anyhow::bail!("watchpoints on every CPU refused: {why}");
+        }
+        if !self.cpu_slots.is_empty() {
+            return Ok(());
+        }
+        let Some(rx) = &self.cpu_slots_coming else {
+            let prog_fd = raw_fd(self.probe_program()?)
+                .map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?;
+            let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
+            let (tx, rx) = std::sync::mpsc::channel();
+            // The program's descriptor stays open while the sampler lives; a thread still
+            // opening when it goes finds its sends unanswered and drops what it opened.
+            std::thread::Builder::new()
+                .name("es-watch-cpus".into())
+                .spawn(move || {
+                    let _ = tx.send(CpuSlot::open_all(prog_fd, &cpus, Self::CPU_SLOTS));
+                })
+                .map_err(|e| {
+                    self.cpu_slots_refused = Some(format!("no thread to open them: {e}"));
+                    anyhow!("watchpoints on every CPU: {e}")
+                })?;
+            self.cpu_slots_coming = Some(rx);
+            anyhow::bail!("watchpoints on every CPU being opened");
+        };
+        match rx.try_recv() {
+            Ok(Ok(slots)) => {
+                self.cpu_slots = slots.into_iter().map(std::sync::Arc::new).collect();
+                self.cpu_slots_coming = None;
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                self.cpu_slots_refused = Some(e.clone());
+                self.cpu_slots_coming = None;
+                anyhow::bail!("watchpoints on every CPU: {e}")
+            }
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                anyhow::bail!("watchpoints on every CPU being opened")
+            }
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                self.cpu_slots_refused = Some("the thread opening them ended".into());
+                self.cpu_slots_coming = None;
+                anyhow::bail!("watchpoints on every CPU: the thread opening them ended")
+            }
+        }
     }
 
     /// Watchpoint slots on every CPU opened, and why the kernel refused one (None if it never
@@ -973,6 +1007,23 @@ impl CpuSlot {
     }
 
     /// Point every CPU's event at `addr` and enable it, or (None) disable it.
+    /// Up to `n` slots, as many as the kernel gives (Err when it gives none: why).
+    fn open_all(
+        prog_fd: std::os::fd::RawFd,
+        cpus: &[u32],
+        n: usize,
+    ) -> Result<Vec<CpuSlot>, String> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            match Self::open(prog_fd, cpus) {
+                Ok(s) => out.push(s),
+                Err(e) if out.is_empty() => return Err(e.to_string()),
+                Err(_) => break,
+            }
+        }
+        Ok(out)
+    }
+
     fn point(&self, addr: Option<u64>) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         let attr = Self::attr(addr.unwrap_or(CPU_SLOT_PARKED), addr.is_some());

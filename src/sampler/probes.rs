@@ -218,10 +218,6 @@ struct ThreadRegs {
     /// The thread's context switches when `held` last changed (None when unreadable): each
     /// switch while it holds watchpoints costs it a reload of its debug registers.
     held_mark: Option<u64>,
-    /// The longest of its recent timed calls, ns (each call's duration, or this less a
-    /// sixteenth at every call when that is more: a slowly decaying maximum), which sizes its
-    /// on-phases ([`on_phase_base`]).
-    long_call_ns: u64,
 }
 
 /// The context switches from `from` to `to` of a thread holding `held` watchpoints all that
@@ -337,21 +333,13 @@ const BUDGET_FIRST_WINDOW_NS: u64 = 500_000_000;
 /// one and a half times it): short, so that a window holds many of them. A count scaled from a
 /// few phases follows the engine's own swings: at 250 ms a 28 s window of a loaded vllm serve
 /// held 6-7 phases per thread and the estimated counts were 5-18% off, at 50 ms 23-25 phases
-/// and every count within 1.4% of the in-process timers (docs/probes.md). Longer where the
-/// thread's probed calls are long ([`on_phase_base`]): a call is timed only when it lies inside
-/// one phase.
+/// and every count within 1.4% of the in-process timers (docs/probes.md). A call is timed only
+/// when it lies inside one phase, so calls of more than a few tens of ms are timed less often
+/// (and weighted for it, `views::latency`). Sizing the phases from the thread's longest recent
+/// call was tried: a probed call that waits (the EngineCore's `dequeue` while the engine is
+/// idle) made them seconds long, and the off-phases after them (their real length × 19 at a
+/// 5% share) left one thread unwatched for a whole 28 s window.
 pub const BUDGET_ON_NS: u64 = 50_000_000;
-/// An on-phase is at least this many times the longest recent probed call on its thread.
-const PHASE_CALLS: u64 = 10;
-/// ... and at most this long on average.
-const BUDGET_ON_MAX_NS: u64 = 2_000_000_000;
-
-/// The mean on-phase length for a thread whose longest recent probed call took `long_call_ns`.
-fn on_phase_base(long_call_ns: u64) -> u64 {
-    long_call_ns
-        .saturating_mul(PHASE_CALLS)
-        .clamp(budget_on_ns(), BUDGET_ON_MAX_NS.max(budget_on_ns()))
-}
 
 /// A watchpoint set in more than this is counted slow (`probe_watch_switches_slow`): tens of
 /// µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
@@ -925,7 +913,6 @@ impl Probes {
             },
             held: 0,
             held_mark: None,
-            long_call_ns: 0,
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -1267,7 +1254,7 @@ impl Probes {
                 PhaseStep::Start { late } => {
                     r.off_until = None;
                     r.on_since = now_abs;
-                    r.on_len = on_phase_len(on_phase_base(r.long_call_ns), draw);
+                    r.on_len = on_phase_len(budget_on_ns(), draw);
                     r.late = late;
                     self.late_starts += u64::from(late > 0);
                     let chosen = r.advance(now_abs);
@@ -1315,7 +1302,7 @@ impl Probes {
             let (t0, _) = r.budget_mark;
             // At least one whole cycle of phases and turns, so that each probe was watched
             // about its share of the window.
-            let on = on_phase_base(r.long_call_ns);
+            let on = budget_on_ns();
             let cycle = (on + off_phase_ns(on, r.phase))
                 * if r.rotates() { r.want.len() as u64 } else { 1 };
             let dt = end.saturating_sub(t0);
@@ -1683,9 +1670,6 @@ impl Probes {
                 }) => {
                     self.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
                     let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
-                    if let Some(r) = self.regs.get_mut(&tid) {
-                        r.long_call_ns = dur.max(r.long_call_ns - r.long_call_ns / 16);
-                    }
                     if !pipe.in_window(start) {
                         // Began before the window (during the warm-up): not in it.
                         self.calls_before_window += 1;
@@ -2120,7 +2104,6 @@ mod tests {
             window: BudgetWindow::default(),
             held: 0,
             held_mark: None,
-            long_call_ns: 0,
         };
         assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
         assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
@@ -2248,15 +2231,6 @@ mod tests {
 
     /// A recording loop that gets to an on-phase's end late (here 1 s instead of 250 ms)
     /// makes the off-phase after it as much longer: the share over the cycle stays `phase`.
-    #[test]
-    fn on_phases_hold_ten_of_the_longest_recent_calls() {
-        // Short calls: the default length; long ones: ten of them, up to the cap.
-        assert_eq!(on_phase_base(0), budget_on_ns());
-        assert_eq!(on_phase_base(3 * MS), budget_on_ns());
-        assert_eq!(on_phase_base(20 * MS), 200 * MS);
-        assert_eq!(on_phase_base(900 * MS), BUDGET_ON_MAX_NS);
-    }
-
     #[test]
     fn budget_share_holds_when_the_loop_is_late() {
         for (on, phase) in [
