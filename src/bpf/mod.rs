@@ -220,11 +220,6 @@ impl BpfSampler {
         }
     }
 
-    /// Whether [`SchedHooksHeld`] is open (`probe_sched_hooks_held` in the counters).
-    pub fn sched_hooks_held(&self) -> bool {
-        self.sched_hooks.is_some()
-    }
-
     /// The helper thread that sets and removes probe watchpoints, started the first time one
     /// is asked for (None where it cannot be started: the caller then does it itself).
     fn switcher(&mut self) -> Option<&Switcher> {
@@ -277,9 +272,11 @@ impl BpfSampler {
     /// Set a write watchpoint on the 8 bytes at `addr` on every CPU ([`CpuSlot`]), running
     /// `on_probe_hit` on each write by any thread: for a thread whose probes are watched in
     /// on-phases, so that it pays no debug-register reload at its context switches. A free slot
-    /// is re-pointed (an IPI to each CPU); a new one is opened when none is free, up to
-    /// [`CPU_SLOTS`](Self::CPU_SLOTS) (opening waits for the kernel's grace period once). Err
-    /// when none can be had: the caller sets a thread's watchpoint instead.
+    /// is re-pointed (an IPI to each CPU); the slots, up to [`CPU_SLOTS`](Self::CPU_SLOTS), are
+    /// opened together off the loop the first time one is asked for
+    /// ([`take_cpu_slots`](Self::take_cpu_slots)). Err while they are being opened, when none
+    /// is free, or when the kernel refused them: the caller sets a thread's watchpoint
+    /// instead.
     pub fn watch_refcount_cpus(&mut self, addr: u64) -> anyhow::Result<Breakpoint> {
         use std::sync::atomic::Ordering;
         self.take_cpu_slots()?;
@@ -354,12 +351,6 @@ impl BpfSampler {
                 anyhow::bail!("watchpoints on every CPU: the thread opening them ended")
             }
         }
-    }
-
-    /// Watchpoint slots on every CPU opened, and why the kernel refused one (None if it never
-    /// did).
-    pub fn cpu_slots(&self) -> (usize, Option<&str>) {
-        (self.cpu_slots.len(), self.cpu_slots_refused.as_deref())
     }
 
     /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount): handed to the
@@ -1006,7 +997,6 @@ impl CpuSlot {
         })
     }
 
-    /// Point every CPU's event at `addr` and enable it, or (None) disable it.
     /// Up to `n` slots, as many as the kernel gives (Err when it gives none: why).
     fn open_all(
         prog_fd: std::os::fd::RawFd,
@@ -1024,6 +1014,7 @@ impl CpuSlot {
         Ok(out)
     }
 
+    /// Point every CPU's event at `addr` and enable it, or (None) disable it.
     fn point(&self, addr: Option<u64>) -> std::io::Result<()> {
         use std::os::fd::AsRawFd;
         let attr = Self::attr(addr.unwrap_or(CPU_SLOT_PARKED), addr.is_some());

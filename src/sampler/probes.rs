@@ -1864,7 +1864,6 @@ pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String,
     );
 }
 
-/// Set the watchpoint of `p` on thread `tid`.
 /// Set plan `p`'s watchpoints for thread `tid`: on every CPU with `every_cpu` where a slot is
 /// free ([`BpfSampler::watch_refcount_cpus`]), else on the thread.
 fn attach_all(
