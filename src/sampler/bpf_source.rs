@@ -927,7 +927,7 @@ impl Source for BpfSource {
         );
         out.insert(
             "gc_watch_attach_failures".into(),
-            self.probes.gc_attach_failures,
+            self.probes.n.gc_attach_failures,
         );
         out.insert("gc_uprobe_attach_failures".into(), self.gc_uprobe_failures);
         out.insert(

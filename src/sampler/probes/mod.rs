@@ -35,8 +35,6 @@ use crate::sys::Schedstat;
 use std::collections::{HashMap, HashSet};
 
 use crate::bpf::Breakpoint;
-
-use crate::bpf::BpfSampler;
 use crate::cpython::objects::CodeInfo;
 use crate::cpython::opcodes;
 use crate::cpython::{Frame, PythonProcess};
@@ -46,96 +44,22 @@ use super::cost::next_random;
 use super::sink::Sink;
 use super::Pipeline;
 
-/// Functions probed by default in vLLM processes (`record --vllm`): the calls that proved the
-/// router-replay fix, most important first (earlier probes win debug registers). Names that
-/// match nothing cost nothing.
-pub const VLLM_DEFAULT_PROBES: &[&str] = &[
-    "MessageQueue.enqueue",
-    "MessageQueue.dequeue",
-    "Worker.execute_model",
-    "_evict_to_fit",
-    "EngineCore.step",
-    "EngineCore.step_with_batch_queue",
-    "BlockObjectStore.put",
-    "AuxOutputStore.put",
-];
+mod calls;
+mod counters;
+mod schedule;
+mod spec;
+mod watch;
 
-/// Of the default probes, the ones that say what a vLLM process is doing, for `top`'s line per
-/// process: an engine core's step and a worker's model run (what the MessageQueue calls inside
-/// them add up to).
-pub const VLLM_HEADLINE_PROBES: &[&str] = &[
-    "EngineCore.step",
-    "EngineCore.step_with_batch_queue",
-    "Worker.execute_model",
-];
-
-/// Whether a qualified name is `name` or ends with it as a dotted suffix
-/// (`mod.<locals>.MessageQueue.enqueue` names `MessageQueue.enqueue`).
-pub fn names(qualname: &str, name: &str) -> bool {
-    qualname == name
-        || qualname
-            .strip_suffix(name)
-            .is_some_and(|head| head.ends_with('.'))
-}
-
-/// Whether a probed function is one of [`VLLM_HEADLINE_PROBES`].
-pub fn is_headline(function: &str) -> bool {
-    VLLM_HEADLINE_PROBES.iter().any(|h| names(function, h))
-}
-
-/// A function to probe, as asked for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProbeSpec {
-    pub spec: String,
-    file: Option<String>,
-    name: String,
-}
-
-impl ProbeSpec {
-    /// `[FILE:]QUALNAME`. QUALNAME matches a function's qualified name exactly or as a
-    /// dotted suffix (`MessageQueue.enqueue` matches `pkg.<locals>.MessageQueue.enqueue`; a
-    /// bare name matches any function of that name); FILE matches the code's file name
-    /// exactly or as a path suffix (`shm_broadcast.py`, `device_communicators/shm_broadcast.py`).
-    pub fn parse(s: &str) -> anyhow::Result<Self> {
-        let s = s.trim();
-        let (file, name) = match s.rsplit_once(':') {
-            Some((f, n)) => (Some(f.trim().to_string()), n.trim().to_string()),
-            None => (None, s.to_string()),
-        };
-        anyhow::ensure!(
-            !name.is_empty()
-                && !name.starts_with('.')
-                && !name.ends_with('.')
-                && file.as_ref().is_none_or(|f| !f.is_empty()),
-            "bad probe {s:?}: expected [FILE:]QUALNAME, e.g. MessageQueue.enqueue or shm_broadcast.py:MessageQueue.dequeue"
-        );
-        Ok(ProbeSpec {
-            spec: s.to_string(),
-            file,
-            name,
-        })
-    }
-
-    /// `has_qualname`: false for 3.10 code objects, which carry only the bare name; then the
-    /// spec's last component is compared.
-    pub fn matches(&self, qualname: &str, filename: &str, has_qualname: bool) -> bool {
-        let name_ok = if has_qualname {
-            names(qualname, &self.name)
-        } else {
-            self.name.rsplit('.').next() == Some(qualname)
-        };
-        let file_ok = match &self.file {
-            None => true,
-            Some(f) => {
-                filename == f
-                    || filename
-                        .strip_suffix(f.as_str())
-                        .is_some_and(|head| head.ends_with('/'))
-            }
-        };
-        name_ok && file_ok
-    }
-}
+use calls::{Edge, OpenCall, ThreadCalls, MAX_OPEN_CALLS};
+pub use counters::{counters, Counters};
+use schedule::{
+    budget_on_ns, off_phase_ns, on_phase_len, phase_steps, rotate_ns, watched_switches,
+    BudgetWindow, PhaseState, PhaseStep, ThreadRegs, BUDGET_FIRST_WINDOW_NS, BUDGET_WINDOW_NS,
+};
+pub use schedule::{full_cost, BUDGET_MIN_PHASE, BUDGET_ON_NS, ROTATE_NS};
+pub use spec::{is_headline, names, ProbeSpec, VLLM_DEFAULT_PROBES, VLLM_HEADLINE_PROBES};
+use watch::{attach_all, no_register};
+pub use watch::{Watch, Watchpoints};
 
 /// Where the watchpoint of one exactly probed code object goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,310 +68,14 @@ pub struct ExactPlan {
     pub refcnt: u64,
 }
 
-/// Hardware breakpoints per thread (x86 debug registers DR0-DR3).
-const DEBUG_REGISTERS: usize = 4;
-/// Largest bytecode we walk, in bytes.
-const MAX_CODE_BYTES: u64 = 1 << 20;
-/// Most calls kept open per thread and probe (recursion depth).
-const MAX_OPEN_CALLS: usize = 64;
-/// How long one assignment of a thread's debug registers lasts when more exact probes want
-/// one on that thread than it has: then the registers rotate among them (one probe out, the
-/// next in, every period), each probe watched for `registers / probes` of the time, in runs
-/// of `registers` periods (1.5-2 s), so calls of up to ~100 ms are mostly seen whole (a call
-/// is lost when a switch falls inside it). Measured on mq_pipeline (five probes on one
-/// thread, 2-core machine at load 10-20): with 500 ms, estimated counts within 1.5% of the
-/// truth on 3.11-3.15 and p50/p90 within 10% but for one p90 of six at -10.1%; with 200 ms,
-/// counts off by up to 15% and a p90 by -40% (each switch perturbs the thread; a call slowed
-/// by it is never timed by the probe coming in or going out).
-/// `ENGINESCOPE_PROBE_ROTATE_MS` overrides it (measurements).
-pub const ROTATE_NS: u64 = 500_000_000;
-
-fn rotate_ns() -> u64 {
-    ns_from_env_ms("ENGINESCOPE_PROBE_ROTATE_MS", ROTATE_NS)
-}
-
-/// A length in ms from the environment variable `var` (measurements), as ns; `default` when
-/// it is unset, not a number or 0.
-fn ns_from_env_ms(var: &str, default: u64) -> u64 {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-        .filter(|&ms| ms > 0)
-        .map_or(default, |ms| ms * 1_000_000)
-}
-
-/// The exact probes that want a debug register on one thread, and which of them have one.
-#[derive(Debug)]
-struct ThreadRegs {
-    /// Probe indexes, in the order they came.
-    want: Vec<usize>,
-    /// Registers the probes may use here: 4, less the GC watchpoint's, lowered to what the
-    /// thread holds when the kernel refuses one (another tool holds the rest).
-    cap: usize,
-    /// Rotation position: the next assignment starts at `want[next]`.
-    next: usize,
-    /// When the assignment last changed, absolute ns.
-    last_ns: u64,
-    /// `--probe-budget`: the share of the time the thread's probes are watched at all
-    /// (1.0 = all the time). Below 1, they are watched in on-phases of [`BUDGET_ON_NS`]
-    /// separated by off-phases, all of the thread's watched probes together; with more
-    /// probes than registers each on-phase takes the next assignment of the rotation.
-    phase: f64,
-    /// In an off-phase: when it ends (absolute ns).
-    off_until: Option<u64>,
-    /// When the current on-phase began (absolute ns).
-    on_since: u64,
-    /// How long the current on-phase lasts (drawn at its start, [`on_phase_len`]).
-    on_len: u64,
-    /// How late the current on-phase began after its off-phase ended (another thread's
-    /// on-phase held it back, [`phase_steps`]): taken off the next off-phase.
-    late: u64,
-    /// Start of the thread's current budget window (absolute ns) and its trap count then.
-    budget_mark: (u64, u64),
-    /// Whether a budget window has been measured on the thread yet.
-    measured: bool,
-    /// The thread's scheduler counters at the budget window's start (None when unreadable).
-    sched: Option<Schedstat>,
-    /// What the budget is sized from, by the events' own times (not when they were
-    /// drained, which lags when the recording loop does): the traps the thread took at or
-    /// after the window's start, and its probes' watched time (probe·ns) since then: the
-    /// watched time summed up to `on_mark`, plus `on_count` probes watched since it.
-    window: BudgetWindow,
-    /// Watchpoints the thread holds now (its probes watched, not the GC's).
-    held: usize,
-    /// The thread's context switches when `held` last changed (None when unreadable): each
-    /// switch while it holds watchpoints costs it a reload of its debug registers.
-    held_mark: Option<u64>,
-}
-
-/// The context switches from `from` to `to` of a thread holding `held` watchpoints all that
-/// time, and what they cost it at `cost` (nothing without a reading at both ends, or with no
-/// watchpoint held).
-fn watched_switches(
-    from: Option<u64>,
-    to: Option<u64>,
-    held: usize,
-    cost: crate::bpf::SwitchCost,
-) -> (u64, u64) {
-    match (from, to) {
-        (Some(a), Some(b)) if held > 0 => {
-            let n = b.saturating_sub(a);
-            (n, n.saturating_mul(cost.with_regs(held)))
-        }
-        _ => (0, 0),
-    }
-}
-
-/// What watching a thread's probes all the time would cost it, as a share of its wall time:
-/// `trap_share` (its traps' time over the wall time, scaled to every probe watched) plus its
-/// context switches from `from` to `to` times what each costs holding `regs` watchpoints.
-/// Without scheduler counters, the trap share alone.
-pub fn full_cost(
-    trap_share: f64,
-    from: Option<Schedstat>,
-    to: Option<Schedstat>,
-    switch: crate::bpf::SwitchCost,
-    regs: usize,
-) -> f64 {
-    let (Some(a), Some(b)) = (from, to) else {
-        return trap_share;
-    };
-    let wall = b.t_ns.saturating_sub(a.t_ns);
-    if wall == 0 {
-        return trap_share;
-    }
-    let switches = b.switches.saturating_sub(a.switches) as f64;
-    trap_share + switches * switch.with_regs(regs) as f64 / wall as f64
-}
-
-/// One thread's budget window, measured by event time.
-#[derive(Debug, Default, Clone, Copy)]
-struct BudgetWindow {
-    traps: u64,
-    on_acc: u64,
-    on_count: u64,
-    on_mark: u64,
-}
-
-impl BudgetWindow {
-    /// The thread's watched probe count changes by `delta` at `t`.
-    fn watch(&mut self, t: u64, delta: i64) {
-        let t = t.max(self.on_mark);
-        self.on_acc += self.on_count * (t - self.on_mark);
-        self.on_mark = t;
-        self.on_count = self.on_count.saturating_add_signed(delta);
-    }
-
-    /// Watched probe·ns from the window's start to `t`.
-    fn watched(&self, t: u64) -> u64 {
-        self.on_acc + self.on_count * t.saturating_sub(self.on_mark)
-    }
-
-    /// A new window from `t` on (the probes watched then stay counted).
-    fn restart(&mut self, t: u64) {
-        self.traps = 0;
-        self.on_acc = 0;
-        self.on_mark = self.on_mark.max(t);
-    }
-}
-
-impl ThreadRegs {
-    /// Whether the registers take turns among more probes than they are.
-    fn rotates(&self) -> bool {
-        self.want.len() > self.cap && self.cap > 0
-    }
-
-    /// The share of the time each probe is watched: the on-phases' share, times the
-    /// rotation's `cap / probes` where the probes outnumber the registers.
-    fn duty(&self) -> f64 {
-        let turns = if self.rotates() {
-            self.cap as f64 / self.want.len() as f64
-        } else {
-            1.0
-        };
-        self.phase * turns
-    }
-
-    /// The assignment of the next turn: the `cap` probes from `next` on, round-robin.
-    fn advance(&mut self, now_abs: u64) -> Vec<usize> {
-        let n = self.want.len();
-        if n == 0 {
-            return Vec::new();
-        }
-        if self.rotates() {
-            self.next = (self.next + 1) % n;
-        }
-        self.last_ns = now_abs;
-        (0..self.cap.min(n))
-            .map(|k| self.want[(self.next + k) % n])
-            .collect()
-    }
-}
-
-/// The shortest window over which a thread's trap time is measured for `--probe-budget`.
-const BUDGET_WINDOW_NS: u64 = 2_000_000_000;
-/// The first window, watched all the time, is shorter: it costs the full price (hundreds of
-/// calls at the rates that make a budget matter).
-const BUDGET_FIRST_WINDOW_NS: u64 = 500_000_000;
-/// Length of one on-phase under `--probe-budget` (on average; each is drawn between half and
-/// one and a half times it): short, so that a window holds many of them. A count scaled from a
-/// few phases follows the engine's own swings: at 250 ms a 28 s window of a loaded vllm serve
-/// held 6-7 phases per thread and the estimated counts were 5-18% off, at 50 ms 23-25 phases
-/// and every count within 1.4% of the in-process timers (docs/probes.md). A call is timed only
-/// when it lies inside one phase, so calls of more than a few tens of ms are timed less often
-/// (and weighted for it, `views::latency`). Sizing the phases from the thread's longest recent
-/// call was tried: a probed call that waits (the EngineCore's `dequeue` while the engine is
-/// idle) made them seconds long, and the off-phases after them (their real length × 19 at a
-/// 5% share) left one thread unwatched for a whole 28 s window.
-pub const BUDGET_ON_NS: u64 = 50_000_000;
-
 /// A watchpoint set in more than this is counted slow (`probe_watch_switches_slow`): tens of
 /// µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
 const SLOW_SWITCH_NS: u64 = 10_000_000;
 
-/// [`BUDGET_ON_NS`], or `ENGINESCOPE_PROBE_PHASE_MS` (measurements).
-fn budget_on_ns() -> u64 {
-    static ON: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| ns_from_env_ms("ENGINESCOPE_PROBE_PHASE_MS", BUDGET_ON_NS))
-}
-/// The least share of the time the probes are watched under `--probe-budget` (a probe
-/// watched less would time too few calls to say anything).
-pub const BUDGET_MIN_PHASE: f64 = 0.05;
-
-/// The off-phase that follows an on-phase of `on_ns` for an on share of `phase`.
-fn off_phase_ns(on_ns: u64, phase: f64) -> u64 {
-    let phase = phase.clamp(BUDGET_MIN_PHASE, 1.0);
-    (on_ns as f64 * (1.0 / phase - 1.0)).round() as u64
-}
-
-/// When the off-phase of an on-phase that began at `on_since` and ends at `now` ends, for an
-/// on share of `phase`: sized from the on-phase as it really lasted, not as planned, so that
-/// a recording loop that gets to the phase's end late (a busy machine, normal priority) still
-/// keeps the probes within their share over every on/off cycle.
-fn off_phase_end(on_since: u64, now: u64, phase: f64) -> u64 {
-    now.saturating_add(off_phase_ns(now.saturating_sub(on_since), phase))
-}
-
-/// A thread's on-phase lasts between half and one and a half times `on_ns`, drawn from
-/// `draw` (uniform 64 bits): phases of one length would fall in step with an engine loop of
-/// a commensurate period and watch the same part of it every time.
-fn on_phase_len(on_ns: u64, draw: u64) -> u64 {
-    let u = (draw >> 11) as f64 / (1u64 << 53) as f64;
-    (on_ns as f64 * (0.5 + u)).round() as u64
-}
-
-/// A thread's place in the `--probe-budget` schedule, as [`phase_steps`] reads it.
-#[derive(Debug, Clone, Copy)]
-struct PhaseState {
-    tid: i32,
-    phase: f64,
-    off_until: Option<u64>,
-    on_since: u64,
-    on_len: u64,
-    late: u64,
-}
-
-/// What the schedule does to one thread now.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum PhaseStep {
-    /// End its on-phase; the off-phase lasts until then.
-    End { off_until: u64 },
-    /// Begin an on-phase, `late` ns after its off-phase ended.
-    Start { late: u64 },
-}
-
-/// The `--probe-budget` schedule at `now` (pure: the kernel side is [`Probes::phases`]).
-/// An on-phase that has lasted its length ends, followed by an off-phase sized from how long
-/// it really lasted (a late loop keeps the share) less how late it began. Budgeted threads
-/// take turns: no more of them are on at once than the sum of their shares rounded up (one,
-/// on an engine whose threads are watched a few percent each), the longest-waiting first. An
-/// engine's step runs through several watched threads in turn (the EngineCore waits for its
-/// worker), and every watched call's two debug traps lengthen it: with each thread on in its
-/// own time, a watched call carries the traps of its own thread's probes only, not those of
-/// every thread the step crosses. A thread watched all the time takes no turn.
-fn phase_steps(ts: &[PhaseState], now: u64) -> Vec<(i32, PhaseStep)> {
-    let budgeted = |t: &&PhaseState| t.phase < 1.0;
-    let mut out = Vec::new();
-    let mut on = 0usize;
-    for t in ts.iter().filter(budgeted) {
-        match t.off_until {
-            None if now.saturating_sub(t.on_since) >= t.on_len => {
-                let end = off_phase_end(t.on_since, now, t.phase);
-                let off_until = end.saturating_sub(t.late).max(now);
-                out.push((t.tid, PhaseStep::End { off_until }));
-            }
-            None => on += 1,
-            Some(_) => {}
-        }
-    }
-    let total: f64 = ts.iter().filter(budgeted).map(|t| t.phase).sum();
-    let limit = ((total - 1e-9).ceil() as usize).max(1);
-    let mut due: Vec<(u64, i32, bool)> = ts
-        .iter()
-        .filter_map(|t| {
-            let at = t.off_until.filter(|&at| now >= at)?;
-            Some((at, t.tid, t.phase < 1.0))
-        })
-        .collect();
-    due.sort_unstable();
-    for (at, tid, takes_turn) in due {
-        if takes_turn {
-            if on >= limit {
-                continue;
-            }
-            on += 1;
-        }
-        let late = if takes_turn { now - at } else { 0 };
-        out.push((tid, PhaseStep::Start { late }));
-    }
-    out
-}
-
-/// Whether setting a watchpoint failed for want of a free debug register.
-fn no_register(e: &anyhow::Error) -> bool {
-    let s = format!("{e:#}");
-    s.contains("No space left") || s.contains("os error 28")
-}
+/// Hardware breakpoints per thread (x86 debug registers DR0-DR3).
+const DEBUG_REGISTERS: usize = 4;
+/// Largest bytecode we walk, in bytes.
+const MAX_CODE_BYTES: u64 = 1 << 20;
 
 /// Plan exact probing of the code object at `code`, or say why it cannot be done.
 ///
@@ -504,71 +132,7 @@ fn read_refcnt(proc: &PythonProcess, code: u64) -> Option<u32> {
     proc.mem.read_u64(code).ok().map(|v| v as u32)
 }
 
-/// What a write to a watched reference count was, from the value this thread last saw.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Edge {
-    Push,
-    Pop,
-}
-
-/// Per thread and exact probe: the last reference count this thread wrote and its open calls
-/// (innermost last).
-#[derive(Debug, Default)]
-struct ThreadCalls {
-    last: Option<u32>,
-    open: Vec<OpenCall>,
-    /// When the watch was known to be set (absolute ns): writes before it (the watch becomes
-    /// active somewhere inside the `perf_event_open` that sets it) keep the count but time
-    /// nothing, so that every timed call lies inside the watched interval written to the
-    /// recording.
-    since: u64,
-    /// When the watch was removed (absolute ns; `u64::MAX` while set): writes up to it,
-    /// drained later, are still timed; later ones (the removal takes effect inside the
-    /// syscall) are not. The state stays until the watch is set again or the thread goes.
-    until: u64,
-    /// Removed by a rotation or an on-phase's end (its open calls count as dropped at a
-    /// rotation), rather than for good.
-    rotated: bool,
-}
-
-impl ThreadCalls {
-    fn new(last: Option<u32>, since: u64) -> Self {
-        ThreadCalls {
-            last,
-            open: Vec::new(),
-            since,
-            until: u64::MAX,
-            rotated: false,
-        }
-    }
-}
-
-/// An exact call begun and not yet ended.
-#[derive(Debug, Clone, Copy)]
-struct OpenCall {
-    /// Absolute monotonic time of the push trap.
-    start_ns: u64,
-    /// The thread's debug traps before the push (see `Probes::traps`).
-    traps: u64,
-}
-
-impl ThreadCalls {
-    /// Classify a write that left `value`: +1 from the last value this thread saw is a push,
-    /// -1 a pop. Another thread may have written in between (it called the function too, or
-    /// touched `func.__code__`): then a call open on this thread makes it a pop, else a push.
-    fn classify(&mut self, value: u32) -> (Edge, bool) {
-        let delta = self.last.map(|l| value.wrapping_sub(l) as i32);
-        self.last = Some(value);
-        match delta {
-            Some(1) => (Edge::Push, true),
-            Some(-1) => (Edge::Pop, true),
-            _ if self.open.is_empty() => (Edge::Push, false),
-            _ => (Edge::Pop, false),
-        }
-    }
-}
-
-struct Active {
+struct Active<H> {
     info: ProbeInfo,
     /// Code object address.
     code: u64,
@@ -576,7 +140,7 @@ struct Active {
     prio: usize,
     plan: Option<ExactPlan>,
     /// tid → breakpoints set on it.
-    links: HashMap<i32, Vec<Breakpoint>>,
+    links: HashMap<i32, Vec<H>>,
     /// Threads where setting them failed (not retried).
     failed: HashSet<i32>,
     /// Replaced by a sampled probe (too many calls for breakpoints): takes no more calls.
@@ -587,9 +151,9 @@ struct Active {
 }
 
 /// Probe state of one recording.
-pub struct Probes {
+pub struct Probes<H = Breakpoint> {
     specs: Vec<ProbeSpec>,
-    active: Vec<Active>,
+    active: Vec<Active<H>>,
     /// (pid, code address) already considered.
     seen: HashSet<(i32, u64)>,
     /// (pid, watched address) → probe index.
@@ -616,80 +180,32 @@ pub struct Probes {
     /// recorded (what in-process timers measure, the ground truth of tests/live_probes.rs:
     /// taking them out read `Engine.step`'s median 5-14% short of it). They are counted.
     traps: HashMap<i32, u64>,
-    /// Traps taken inside timed calls (counter `probe_nested_traps`: with
-    /// `probe_trap_cost_ns`, how much of the probed calls' time the probes themselves added).
-    pub nested_traps: u64,
-    /// On-phases that began late because other threads' on-phases held their turn
-    /// (counter `probe_phase_late_starts`).
-    pub late_starts: u64,
     /// Draws the on-phases' lengths ([`on_phase_len`]).
     rng: u64,
     period_ns: u64,
     quiet: bool,
-    pub calls: u64,
-    /// Exact entries closed without a return (left by an exception, or attached mid-call).
-    pub unfinished: u64,
-    /// Pops with no push (the call began before the probe attached).
-    pub unmatched_returns: u64,
-    /// Writes to a watched reference count whose direction had to be guessed (another thread
-    /// wrote it between two of this thread's writes).
-    pub ambiguous_edges: u64,
-    /// Threads a probe could not be set on (no free debug register).
-    pub attach_failures: u64,
-    /// Threads a probe was set on after its first.
-    pub thread_attaches: u64,
-    /// Exact probes switched to sampling for their call rate.
-    pub demoted: u64,
     /// tid → the exact probes wanting a register there.
     regs: HashMap<i32, ThreadRegs>,
     /// Watch edges not yet written (absolute times).
     edges: Vec<ProbeWatch>,
-    /// Register assignments changed by rotation (one probe out, one in).
-    pub rotations: u64,
-    /// Calls open on a thread when its watch was removed (rotation): not counted.
-    pub rotation_dropped: u64,
-    /// Watchpoints that could not be set when their turn came (counted, retried next turn).
-    pub rotation_attach_failures: u64,
     /// Length of one register assignment, ns ([`ROTATE_NS`]).
     rotate_ns: u64,
     /// pid → `gcstate->collecting` address, for processes whose GC is watched.
     gc_addr: HashMap<i32, u64>,
     /// tid → its GC watchpoint.
-    gc_links: HashMap<i32, Breakpoint>,
-    pub gc_attach_failures: u64,
+    gc_links: HashMap<i32, H>,
     /// `--probe-budget` as a share (0.02 = 2%); 0 = probes watched all the time.
     budget: f64,
-    /// Threads whose on-phases `--probe-budget` re-sized.
-    pub budget_resizes: u64,
-    /// Watchpoints set, and the recording loop's wait for them.
-    pub switches: u64,
-    pub switch_ns: u64,
-    /// The longest of them, and how many took over [`SLOW_SWITCH_NS`].
-    pub switch_max_ns: u64,
-    pub switches_slow: u64,
-    /// Watches set on every CPU instead of on their thread (counter
-    /// `probe_watches_every_cpu`).
-    pub watches_every_cpu: u64,
-    /// Watchpoints removed, and the loop's time handing them to the helper thread.
-    pub removals: u64,
-    pub removal_ns: u64,
-    /// Watchpoint writes outside any watched interval (before its start was stamped, or
-    /// drained after its watch was removed): not timed.
-    pub late_hits: u64,
-    /// Context switches of threads while they held probe watchpoints, and what they cost
-    /// them at the calibrated switch cost ([`crate::bpf::SwitchCost`]).
-    pub watched_switches: u64,
-    pub watched_switch_ns: u64,
     /// Every watchpoint removed and none set until [`Self::resume`] (`record --measure-cost`'s
     /// off arms).
     suspended: bool,
-    /// Calls that began before the window (timed in the warm-up): not written.
-    pub calls_before_window: u64,
     /// Events up to here (absolute ns) have been drained ([`Self::drained_to`]).
     drained_ns: u64,
+    /// What the probes did, for the recording's counters ([`counters`]).
+    pub n: Counters,
 }
 
-impl Probes {
+impl<H: Watch> Probes<H> {
     pub fn new(specs: Vec<ProbeSpec>, period_ns: u64, quiet: bool) -> Self {
         Probes {
             specs,
@@ -702,46 +218,22 @@ impl Probes {
             trap_ns: 0,
             budget_trap_ns: 0,
             traps: HashMap::new(),
-            nested_traps: 0,
-            late_starts: 0,
             rng: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0x9E37_79B9_7F4A_7C15, |d| d.as_nanos() as u64)
                 | 1,
             period_ns: period_ns.max(1),
             quiet,
-            calls: 0,
-            unfinished: 0,
-            unmatched_returns: 0,
-            ambiguous_edges: 0,
-            attach_failures: 0,
-            thread_attaches: 0,
-            demoted: 0,
             regs: HashMap::new(),
             edges: Vec::new(),
-            rotations: 0,
-            rotation_dropped: 0,
-            rotation_attach_failures: 0,
             rotate_ns: rotate_ns(),
             gc_addr: HashMap::new(),
             gc_links: HashMap::new(),
-            gc_attach_failures: 0,
             budget: 0.0,
-            budget_resizes: 0,
             switch_cost: crate::bpf::SwitchCost::default(),
-            switches: 0,
-            switch_ns: 0,
-            switch_max_ns: 0,
-            switches_slow: 0,
-            removals: 0,
-            watches_every_cpu: 0,
-            removal_ns: 0,
-            late_hits: 0,
-            watched_switches: 0,
-            watched_switch_ns: 0,
             suspended: false,
-            calls_before_window: 0,
             drained_ns: 0,
+            n: Counters::default(),
         }
     }
 
@@ -749,7 +241,7 @@ impl Probes {
     /// appear later). Fails, setting nothing, when the first thread refuses.
     pub fn watch_gc(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         pid: i32,
         addr: u64,
         tids: &[i32],
@@ -759,7 +251,7 @@ impl Probes {
             match b.watch_gc_thread(tid, addr) {
                 Ok(l) => set.push((tid, l)),
                 Err(e) if set.is_empty() => return Err(e),
-                Err(_) => self.gc_attach_failures += 1,
+                Err(_) => self.n.gc_attach_failures += 1,
             }
         }
         self.gc_links.extend(set);
@@ -786,7 +278,7 @@ impl Probes {
     #[allow(clippy::too_many_arguments)]
     pub fn consider(
         &mut self,
-        b: Option<&mut BpfSampler>,
+        b: Option<&mut dyn Watchpoints<Watch = H>>,
         proc: &PythonProcess,
         tid: i32,
         code: u64,
@@ -886,7 +378,7 @@ impl Probes {
     /// at all (the probe is then not exact on this thread).
     fn want(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc: &PythonProcess,
         tid: i32,
         i: usize,
@@ -944,7 +436,7 @@ impl Probes {
                     r.want.retain(|&j| j != i);
                 }
                 self.active[i].failed.insert(tid);
-                self.attach_failures += 1;
+                self.n.attach_failures += 1;
                 Err(e)
             }
         }
@@ -953,7 +445,7 @@ impl Probes {
     /// Set probe `i`'s watchpoint on `tid`, seeded with the count now; queue the edge.
     fn watch_on(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc: &PythonProcess,
         tid: i32,
         i: usize,
@@ -980,7 +472,7 @@ impl Probes {
             r.window.watch(set_ns, 1);
         }
         if ls.iter().all(|l| l.on_every_cpu()) {
-            self.watches_every_cpu += 1;
+            self.n.watches_every_cpu += 1;
         } else {
             self.held_changed(tid, 1);
         }
@@ -999,7 +491,14 @@ impl Probes {
 
     /// Remove probe `i`'s watchpoint from `tid` (calls open there are dropped: counted as
     /// dropped at a rotation with `rotation`, else unfinished); queue the edge.
-    fn watch_off(&mut self, b: &mut BpfSampler, tid: i32, i: usize, now_abs: u64, rotation: bool) {
+    fn watch_off(
+        &mut self,
+        b: &mut dyn Watchpoints<Watch = H>,
+        tid: i32,
+        i: usize,
+        now_abs: u64,
+        rotation: bool,
+    ) {
         let Some(ls) = self.active[i].links.remove(&tid) else {
             return;
         };
@@ -1034,20 +533,20 @@ impl Probes {
     /// thread sets it while the loop waits).
     fn note_switch(&mut self, t: std::time::Instant) {
         let ns = t.elapsed().as_nanos() as u64;
-        self.switch_ns += ns;
-        self.switch_max_ns = self.switch_max_ns.max(ns);
+        self.n.switch_ns += ns;
+        self.n.switch_max_ns = self.n.switch_max_ns.max(ns);
         if ns > SLOW_SWITCH_NS {
-            self.switches_slow += 1;
+            self.n.switches_slow += 1;
         }
-        self.switches += 1;
+        self.n.switches += 1;
     }
 
     /// One watchpoint removed, begun at `t`: counted apart from the settings, with the
     /// loop's time handing it to the helper thread, which removes it without the loop
     /// waiting (µs; the removal itself can take up to seconds on a thread that spins).
     fn note_removal(&mut self, t: std::time::Instant) {
-        self.removals += 1;
-        self.removal_ns += t.elapsed().as_nanos() as u64;
+        self.n.removals += 1;
+        self.n.removal_ns += t.elapsed().as_nanos() as u64;
     }
 
     /// Thread `tid`'s probes span its whole life, watched or not: where the recording ends
@@ -1081,8 +580,8 @@ impl Probes {
         };
         let now = Schedstat::of_thread(tid).map(|s| s.switches);
         let (n, ns) = watched_switches(r.held_mark, now, r.held, cost);
-        self.watched_switches += n;
-        self.watched_switch_ns += ns;
+        self.n.watched_switches += n;
+        self.n.watched_switch_ns += ns;
         r.held_mark = now;
         r.held = r.held.saturating_add_signed(delta as isize);
     }
@@ -1101,7 +600,7 @@ impl Probes {
     /// memory, to seed the counts of the probes coming in. `now_abs` absolute ns.
     pub fn rotate<'a>(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
@@ -1119,7 +618,7 @@ impl Probes {
                 continue;
             };
             let chosen = r.advance(now_abs);
-            self.rotations += 1;
+            self.n.rotations += 1;
             self.assign(b, &proc_of, tid, &chosen, now_abs);
         }
     }
@@ -1129,7 +628,7 @@ impl Probes {
     /// dropped as at a rotation; counts scale by the watched time as under a budget.
     pub fn suspend<'a>(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
@@ -1146,7 +645,7 @@ impl Probes {
     /// assignment of its rotation.
     pub fn resume<'a>(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
@@ -1171,7 +670,7 @@ impl Probes {
     /// a rotation), then those of `chosen` not set yet come in.
     fn assign<'a>(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
         tid: i32,
         chosen: &[usize],
@@ -1195,7 +694,7 @@ impl Probes {
                 continue;
             };
             if self.watch_on(b, proc, tid, j, now_abs).is_err() {
-                self.rotation_attach_failures += 1;
+                self.n.rotation_attach_failures += 1;
             }
         }
     }
@@ -1222,7 +721,7 @@ impl Probes {
     /// when its off-phase is over (the next assignment of the rotation on).
     fn phases<'a>(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
         now_abs: u64,
     ) {
@@ -1256,7 +755,7 @@ impl Probes {
                     r.on_since = now_abs;
                     r.on_len = on_phase_len(budget_on_ns(), draw);
                     r.late = late;
-                    self.late_starts += u64::from(late > 0);
+                    self.n.late_starts += u64::from(late > 0);
                     let chosen = r.advance(now_abs);
                     self.assign(b, proc_of, tid, &chosen, now_abs);
                 }
@@ -1365,7 +864,7 @@ impl Probes {
         }
         changed.sort_by_key(|c| c.0);
         for (tid, full, duty) in changed {
-            self.budget_resizes += 1;
+            self.n.budget_resizes += 1;
             if !self.quiet {
                 eprintln!(
                     "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time (debug traps and context switches); watched {:.0}% of the time for --probe-budget {:.2}% (counts scaled, coverage on every figure)",
@@ -1382,7 +881,7 @@ impl Probes {
     /// and a new sampled probe on the same function takes its later calls. `now_ns` absolute.
     pub fn enforce_rate(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         now_ns: u64,
         max_per_s: u64,
         pipe: &mut Pipeline<impl Sink>,
@@ -1419,7 +918,7 @@ impl Probes {
     /// and add a sampled probe on the same function (a new probe record).
     fn demote(
         &mut self,
-        b: &mut BpfSampler,
+        b: &mut dyn Watchpoints<Watch = H>,
         i: usize,
         why: &str,
         now_ns: u64,
@@ -1443,7 +942,7 @@ impl Probes {
             }
             idx != i
         });
-        self.unfinished += dropped;
+        self.n.unfinished += dropped;
         let mut info = self.active[i].info.clone();
         info.id = self.active.len() as u32;
         info.method = "sampled".into();
@@ -1468,13 +967,19 @@ impl Probes {
             window_calls: 0,
             window_start_ns: 0,
         });
-        self.demoted += 1;
+        self.n.demoted += 1;
         Ok(())
     }
 
     /// A stack of thread `tid` of `pid` (raw code object addresses): an exact probe whose
     /// function is in it wants a register on this thread, if it does not have one or a turn.
-    pub fn observe(&mut self, b: &mut BpfSampler, proc: &PythonProcess, tid: i32, codes: &[u64]) {
+    pub fn observe(
+        &mut self,
+        b: &mut dyn Watchpoints<Watch = H>,
+        proc: &PythonProcess,
+        tid: i32,
+        codes: &[u64],
+    ) {
         let pid = proc.pid;
         let now = crate::sys::monotonic_ns();
         let wanted: Vec<usize> = (0..self.active.len())
@@ -1482,7 +987,7 @@ impl Probes {
             .collect();
         for i in wanted {
             if self.want(b, proc, tid, i, now).is_ok() {
-                self.thread_attaches += 1;
+                self.n.thread_attaches += 1;
             }
         }
     }
@@ -1512,21 +1017,21 @@ impl Probes {
     }
 
     /// A thread of `pid` appeared: watch its GC state.
-    pub fn thread_added(&mut self, b: &mut BpfSampler, pid: i32, tid: i32) {
+    pub fn thread_added(&mut self, b: &mut dyn Watchpoints<Watch = H>, pid: i32, tid: i32) {
         if let Some(&addr) = self.gc_addr.get(&pid) {
             if let std::collections::hash_map::Entry::Vacant(e) = self.gc_links.entry(tid) {
                 match b.watch_gc_thread(tid, addr) {
                     Ok(l) => {
                         e.insert(l);
                     }
-                    Err(_) => self.gc_attach_failures += 1,
+                    Err(_) => self.n.gc_attach_failures += 1,
                 }
             }
         }
     }
 
     /// A thread exited: drop its breakpoints and its open calls.
-    pub fn thread_gone(&mut self, b: &mut BpfSampler, tid: i32) {
+    pub fn thread_gone(&mut self, b: &mut dyn Watchpoints<Watch = H>, tid: i32) {
         if let Some(l) = self.gc_links.remove(&tid) {
             b.unwatch_gc_thread(l);
         }
@@ -1556,7 +1061,7 @@ impl Probes {
     /// A process exited (after [`Self::thread_gone`] for its threads): its probes take no more
     /// calls and what was kept per code object and per breakpoint address goes. The probes
     /// themselves stay, since probe ids index them.
-    pub fn process_gone(&mut self, b: &mut BpfSampler, pid: i32) {
+    pub fn process_gone(&mut self, b: &mut dyn Watchpoints<Watch = H>, pid: i32) {
         let now = crate::sys::monotonic_ns();
         for i in 0..self.active.len() {
             if self.active[i].info.pid != pid {
@@ -1581,9 +1086,9 @@ impl Probes {
     fn drop_open(&mut self, c: &ThreadCalls) {
         let n = c.open.len() as u64;
         if c.rotated {
-            self.rotation_dropped += n;
+            self.n.rotation_dropped += n;
         } else {
-            self.unfinished += n;
+            self.n.unfinished += n;
         }
     }
 
@@ -1632,22 +1137,22 @@ impl Probes {
         // No state: a write drained after the watch was removed (a rotation, an on-phase's
         // end); it belongs to no watched interval.
         let Some(tc) = self.open.get_mut(&(tid, probe)) else {
-            self.late_hits += 1;
+            self.n.late_hits += 1;
             return Ok(());
         };
         if t_ns > tc.until {
             // After its watch was removed.
-            self.late_hits += 1;
+            self.n.late_hits += 1;
             return Ok(());
         }
         let (edge, sure) = tc.classify(f.value as u32);
         if t_ns < tc.since {
             // Before the watch's interval began: the count is kept, nothing is timed.
-            self.late_hits += 1;
+            self.n.late_hits += 1;
             return Ok(());
         }
         if !sure {
-            self.ambiguous_edges += 1;
+            self.n.ambiguous_edges += 1;
         }
         match edge {
             Edge::Push => {
@@ -1660,7 +1165,7 @@ impl Probes {
                     // Entries that never saw their pop (an exception left a frame object
                     // holding the reference): the oldest go.
                     tc.open.remove(0);
-                    self.unfinished += 1;
+                    self.n.unfinished += 1;
                 }
             }
             Edge::Pop => match tc.open.pop() {
@@ -1668,14 +1173,14 @@ impl Probes {
                     start_ns: start,
                     traps: at_push,
                 }) => {
-                    self.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
+                    self.n.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
                     let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
                     if !pipe.in_window(start) {
                         // Began before the window (during the warm-up): not in it.
-                        self.calls_before_window += 1;
+                        self.n.calls_before_window += 1;
                         return Ok(());
                     }
-                    self.calls += 1;
+                    self.n.calls += 1;
                     pipe.writer.call(&FunctionCall {
                         probe: probe as u32,
                         pid,
@@ -1684,7 +1189,7 @@ impl Probes {
                         dur_ns: dur,
                     })?;
                 }
-                None => self.unmatched_returns += 1,
+                None => self.n.unmatched_returns += 1,
             },
         }
         Ok(())
@@ -1764,10 +1269,10 @@ impl Probes {
         pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         if !pipe.in_window(first) {
-            self.calls_before_window += 1;
+            self.n.calls_before_window += 1;
             return Ok(());
         }
-        self.calls += 1;
+        self.n.calls += 1;
         pipe.writer.call(&FunctionCall {
             probe: probe as u32,
             pid,
@@ -1782,7 +1287,7 @@ impl Probes {
     /// Remove every breakpoint and close sampled runs.
     pub fn close(
         &mut self,
-        b: Option<&mut BpfSampler>,
+        b: Option<&mut dyn Watchpoints<Watch = H>>,
         pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
         if let Some(b) = b {
@@ -1813,84 +1318,6 @@ impl Probes {
         }
         Ok(())
     }
-}
-
-/// The probe counters, when probes were asked for (`None`: a source that cannot set them, all
-/// zero).
-pub fn counters(p: Option<&Probes>, out: &mut std::collections::BTreeMap<String, u64>) {
-    let v = |f: fn(&Probes) -> u64| p.map_or(0, f);
-    out.insert("probe_trap_cost_ns".into(), v(|p| p.trap_ns));
-    out.insert("probe_trap_cost_in_use_ns".into(), v(|p| p.budget_trap_ns));
-    out.insert("probe_nested_traps".into(), v(|p| p.nested_traps));
-    out.insert("probe_phase_late_starts".into(), v(|p| p.late_starts));
-    out.insert("probe_calls".into(), v(|p| p.calls));
-    out.insert("probe_calls_unfinished".into(), v(|p| p.unfinished));
-    out.insert("probe_unmatched_returns".into(), v(|p| p.unmatched_returns));
-    out.insert("probe_ambiguous_edges".into(), v(|p| p.ambiguous_edges));
-    out.insert("probe_attach_failures".into(), v(|p| p.attach_failures));
-    out.insert("probe_thread_attaches".into(), v(|p| p.thread_attaches));
-    out.insert("probes_switched_to_sampling".into(), v(|p| p.demoted));
-    out.insert("probe_register_rotations".into(), v(|p| p.rotations));
-    out.insert("probe_budget_resizes".into(), v(|p| p.budget_resizes));
-    out.insert(
-        "probe_switch_cost_1reg_ns".into(),
-        v(|p| p.switch_cost.one_ns),
-    );
-    out.insert(
-        "probe_switch_cost_4reg_ns".into(),
-        v(|p| p.switch_cost.four_ns),
-    );
-    out.insert("probe_watch_switches".into(), v(|p| p.switches));
-    out.insert("probe_watch_switch_ns".into(), v(|p| p.switch_ns));
-    out.insert("probe_watch_switch_max_ns".into(), v(|p| p.switch_max_ns));
-    out.insert("probe_watch_switches_slow".into(), v(|p| p.switches_slow));
-    out.insert("probe_watch_removals".into(), v(|p| p.removals));
-    out.insert("probe_watches_every_cpu".into(), v(|p| p.watches_every_cpu));
-    out.insert("probe_watch_removal_ns".into(), v(|p| p.removal_ns));
-    out.insert("probe_hits_outside_watch".into(), v(|p| p.late_hits));
-    out.insert("probe_watched_switches".into(), v(|p| p.watched_switches));
-    out.insert("probe_watched_switch_ns".into(), v(|p| p.watched_switch_ns));
-    out.insert(
-        "probe_calls_before_window".into(),
-        v(|p| p.calls_before_window),
-    );
-    out.insert(
-        "probe_calls_dropped_at_rotation".into(),
-        v(|p| p.rotation_dropped),
-    );
-    out.insert(
-        "probe_rotation_attach_failures".into(),
-        v(|p| p.rotation_attach_failures),
-    );
-}
-
-/// Set plan `p`'s watchpoints for thread `tid`: on every CPU with `every_cpu` where a slot is
-/// free ([`BpfSampler::watch_refcount_cpus`]), else on the thread.
-fn attach_all(
-    b: &mut BpfSampler,
-    tid: i32,
-    p: &ExactPlan,
-    every_cpu: bool,
-) -> anyhow::Result<Vec<Breakpoint>> {
-    let mut ls = Vec::new();
-    for &addr in std::iter::once(&p.refcnt) {
-        let set = if every_cpu {
-            b.watch_refcount_cpus(addr)
-                .or_else(|_| b.watch_refcount(tid, addr))
-        } else {
-            b.watch_refcount(tid, addr)
-        };
-        match set {
-            Ok(l) => ls.push(l),
-            Err(e) => {
-                for l in ls {
-                    b.unwatch_refcount(l);
-                }
-                return Err(e);
-            }
-        }
-    }
-    Ok(ls)
 }
 
 #[cfg(test)]
@@ -1992,10 +1419,10 @@ mod tests {
                 (12, 10 * MS, 2 * MS - 1000)
             ]
         );
-        assert_eq!(p.calls, 4);
-        assert_eq!(p.unmatched_returns, 1);
-        assert_eq!(p.ambiguous_edges, 2);
-        assert_eq!(p.unfinished, 1);
+        assert_eq!(p.n.calls, 4);
+        assert_eq!(p.n.unmatched_returns, 1);
+        assert_eq!(p.n.ambiguous_edges, 2);
+        assert_eq!(p.n.unfinished, 1);
     }
 
     /// Traps the thread takes inside a call (another probe's, a GC watchpoint's) stay in its
@@ -2020,7 +1447,7 @@ mod tests {
             calls(&pipe.writer),
             [(10, MS, 4 * MS - 1000), (10, 6 * MS, MS - 1000)]
         );
-        assert_eq!(p.nested_traps, 3);
+        assert_eq!(p.n.nested_traps, 3);
         let mut c = std::collections::BTreeMap::new();
         counters(Some(&p), &mut c);
         assert_eq!(c.get("probe_nested_traps"), Some(&3));
@@ -2066,7 +1493,7 @@ mod tests {
                 (11, 300 * MS - half, 10 * MS)
             ]
         );
-        assert_eq!(p.calls, 3);
+        assert_eq!(p.n.calls, 3);
     }
 
     /// Found by the `walker` fuzz target (issue 15): a code address read from the target near
@@ -2083,254 +1510,269 @@ mod tests {
         assert!(plan_exact(&p, c + (1 << 40)).is_err());
     }
 
-    /// `--probe-budget`'s phases: each probe on a thread is watched `phase`, times `cap /
-    /// probes` where they outnumber the registers, of the time.
-    #[test]
-    fn budget_phases_give_each_probe_its_share() {
-        let regs = |want: usize, cap: usize, phase: f64| ThreadRegs {
-            want: (0..want).collect(),
-            cap,
-            next: 0,
-            last_ns: 0,
-            phase,
-            off_until: None,
-            on_since: 0,
-            on_len: BUDGET_ON_NS,
-            late: 0,
-            budget_mark: (0, 0),
-            measured: false,
-            sched: None,
-            window: BudgetWindow::default(),
-            held: 0,
-            held_mark: None,
-        };
-        assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
-        assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
-        assert!((regs(5, 4, 1.0).duty() - 0.8).abs() < 1e-9);
-        assert!((regs(5, 4, 0.5).duty() - 0.4).abs() < 1e-9);
-        // On 250 ms, off 750 ms: a quarter of the time.
-        assert_eq!(off_phase_ns(250 * MS, 0.25), 750_000_000);
-        assert_eq!(off_phase_ns(250 * MS, 1.0), 0);
-        // Never below the floor: 5% is on 250 ms, off 4.75 s.
-        assert_eq!(off_phase_ns(250 * MS, 0.0), 4_750_000_000);
-        // Each on-phase takes the next assignment: five probes on four registers, every
-        // probe out once in five turns; three on four, all of them every turn.
-        let mut r = regs(5, 4, 0.5);
-        let mut seen = [0; 5];
-        for t in 0..5 {
-            for j in r.advance(t) {
-                seen[j] += 1;
-            }
-        }
-        assert_eq!(seen, [4; 5]);
-        let mut r = regs(3, 4, 0.5);
-        assert_eq!(r.advance(0), vec![0, 1, 2]);
-        assert_eq!(r.advance(1), vec![0, 1, 2]);
+    // ---- The schedule through the fake kernel (rotation, budget phases, demotion, refusals,
+    // nothing left behind).
+
+    use super::watch::fake::{FakeWatch, FakeWatchpoints};
+
+    /// A thread id no process can have (above the kernel's largest `pid_max`): its scheduler
+    /// counters read as absent.
+    const TID: i32 = 9_999_991;
+
+    /// Event times: far ahead of the monotonic clock, which `watch_on` takes the later of.
+    fn base() -> u64 {
+        crate::sys::monotonic_ns() + 1_000_000 * 1_000_000_000
     }
 
-    /// Runs [`phase_steps`] every `tick` ns for `until` ns over threads of the given
-    /// shares, all starting on together: each thread's watched share, and the most on at
-    /// once after the first 2 s.
-    fn simulate_phases(phases: &[f64], until: u64, tick: u64) -> (Vec<f64>, usize) {
-        let mut ts: Vec<PhaseState> = phases
-            .iter()
-            .enumerate()
-            .map(|(i, &phase)| PhaseState {
-                tid: i as i32,
-                phase,
-                off_until: None,
-                on_since: 0,
-                on_len: BUDGET_ON_NS,
-                late: 0,
-            })
+    /// `n` exact probes of process 1, function `f{i}` at code `0x1000 * (i + 1)`, as
+    /// `consider` leaves them with a BPF sampler.
+    fn exact_probes(n: usize) -> Probes<FakeWatch> {
+        let specs = (0..n)
+            .map(|i| ProbeSpec::parse(&format!("f{i}")).unwrap())
             .collect();
-        let mut on_ns = vec![0u64; phases.len()];
-        let (mut rng, mut most, mut now) = (7u64, 0, 0);
-        while now < until {
-            for (tid, step) in phase_steps(&ts, now) {
-                let t = &mut ts[tid as usize];
-                match step {
-                    PhaseStep::End { off_until } => {
-                        on_ns[tid as usize] += now - t.on_since;
-                        t.off_until = Some(off_until);
-                    }
-                    PhaseStep::Start { late } => {
-                        t.off_until = None;
-                        t.on_since = now;
-                        t.on_len = on_phase_len(BUDGET_ON_NS, next_random(&mut rng));
-                        t.late = late;
+        let mut p = Probes::new(specs, 10 * MS, true);
+        p.trap_ns = 1000;
+        for i in 0..n {
+            let code = 0x1000 * (i as u64 + 1);
+            p.by_addr.insert((1, code), i);
+            p.active.push(Active {
+                info: ProbeInfo {
+                    id: i as u32,
+                    pid: 1,
+                    function: format!("f{i}"),
+                    file: "x.py".into(),
+                    method: "exact".into(),
+                    ..Default::default()
+                },
+                code,
+                prio: i,
+                plan: Some(ExactPlan { refcnt: code }),
+                links: HashMap::new(),
+                failed: HashSet::new(),
+                retired: false,
+                window_calls: 0,
+                window_start_ns: 0,
+            });
+        }
+        p
+    }
+
+    fn fake_process() -> PythonProcess {
+        crate::cpython::testutil::Fake::new().process(0)
+    }
+
+    /// The watch edges written, per probe: (on, off).
+    fn edges(events: &[Event], probe: u32) -> (usize, usize) {
+        let mut n = (0, 0);
+        for e in events {
+            if let Event::ProbeWatch(w) = e {
+                if w.probe == probe {
+                    if w.on {
+                        n.0 += 1
+                    } else {
+                        n.1 += 1
                     }
                 }
             }
-            let on = ts
-                .iter()
-                .filter(|t| t.phase < 1.0 && t.off_until.is_none())
-                .count();
-            if now >= 2_000_000_000 {
-                most = most.max(on);
-            }
-            now += tick;
         }
-        for (i, t) in ts.iter().enumerate() {
-            if t.off_until.is_none() {
-                on_ns[i] += now - t.on_since;
-            }
-        }
-        let shares = on_ns.iter().map(|&n| n as f64 / now as f64).collect();
-        (shares, most)
+        n
     }
 
-    /// Budgeted threads take turns: one on at a time while their shares add up to at most
-    /// one (a step crossing them pays one thread's traps), as many as the shares' sum rounded
-    /// up otherwise; each keeps its share, the turns' waits taken off its next off-phase; on
-    /// a loop that looks every 10 ms and on one that is 300 ms late.
+    /// Five exact probes on a thread with four registers: every turn one goes out and the next
+    /// comes in, each watched four turns in five, never more than four set, and every edge
+    /// written.
     #[test]
-    fn budgeted_threads_take_turns_and_keep_their_shares() {
-        for tick in [10_000_000, 300_000_000] {
-            for (phases, most) in [
-                (&[0.25, 0.1, 0.05][..], 1),
-                (&[0.3, 0.3, 0.3][..], 1),
-                (&[0.5, 0.5, 0.5][..], 2),
-            ] {
-                let (shares, on) = simulate_phases(phases, 600_000_000_000, tick);
-                assert!(on <= most, "{phases:?} tick {tick}: {on} on at once");
-                for (s, p) in shares.iter().zip(phases) {
-                    assert!(
-                        (s - p).abs() <= 0.1 * p,
-                        "{phases:?} tick {tick}: share {s:.3} for {p}"
+    fn rotation_gives_each_probe_its_turns() {
+        let (mut p, mut k, proc) = (exact_probes(5), FakeWatchpoints::default(), fake_process());
+        let t0 = base();
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), t0, 100);
+        for i in 0..5 {
+            p.want(&mut k, &proc, TID, i, t0).unwrap();
+        }
+        assert_eq!(k.on_thread(TID), 4);
+        let mut turns = [0; 5];
+        let period = p.rotate_ns;
+        for turn in 1..=50 {
+            p.rotate(&mut k, |_| Some(&proc), t0 + turn * period);
+            assert_eq!(k.on_thread(TID), 4, "turn {turn}");
+            for (i, n) in turns.iter_mut().enumerate() {
+                *n += usize::from(k.watched(TID, 0x1000 * (i as u64 + 1)));
+            }
+        }
+        assert_eq!(turns, [40; 5]);
+        assert_eq!(p.n.rotations, 50);
+        assert_eq!(p.n.rotation_attach_failures, 0);
+        // Between turns the loop does nothing: no rotation before the period is over.
+        p.rotate(&mut k, |_| Some(&proc), t0 + 50 * period + period / 2);
+        assert_eq!(p.n.rotations, 50);
+        p.flush_watches(&mut pipe).unwrap();
+        for i in 0..5u32 {
+            let (on, off) = edges(&pipe.writer, i);
+            let now = usize::from(k.watched(TID, 0x1000 * (u64::from(i) + 1)));
+            assert_eq!(on, off + now, "probe {i}: {on} on, {off} off");
+        }
+    }
+
+    /// Another tool holds two of a thread's registers: the kernel refuses the third watch, so
+    /// the probes share the two left (each watched two turns in three) and none is lost; a
+    /// thread with none left gets no exact probe (counted).
+    #[test]
+    fn refused_registers_are_shared_not_lost() {
+        let (mut p, mut k, proc) = (exact_probes(3), FakeWatchpoints::default(), fake_process());
+        k.held_elsewhere.insert(TID, 2);
+        let t0 = base();
+        for i in 0..3 {
+            p.want(&mut k, &proc, TID, i, t0).unwrap();
+        }
+        assert_eq!(k.on_thread(TID), 2);
+        assert_eq!(p.regs[&TID].cap, 2);
+        let mut turns = [0; 3];
+        for turn in 1..=30 {
+            p.rotate(&mut k, |_| Some(&proc), t0 + turn * p.rotate_ns);
+            assert!(k.on_thread(TID) <= 2);
+            for (i, n) in turns.iter_mut().enumerate() {
+                *n += usize::from(k.watched(TID, 0x1000 * (i as u64 + 1)));
+            }
+        }
+        assert_eq!(turns, [20; 3]);
+        assert_eq!(p.n.attach_failures, 0);
+        // No register at all on another thread.
+        k.held_elsewhere.insert(TID + 1, 4);
+        assert!(p.want(&mut k, &proc, TID + 1, 0, t0).is_err());
+        assert_eq!(p.n.attach_failures, 1);
+        assert!(p.active[0].failed.contains(&(TID + 1)));
+        assert!(!p.wants_thread(0, 1, TID + 1, &[0x1000]));
+    }
+
+    /// `--probe-budget 0.1%` on a thread whose one probe takes 1,000 traps a second at
+    /// 10 µs each (1% of its time watched all the time): after the first window it is watched
+    /// a tenth of the time, in on-phases on every CPU (not on the thread, whose switches
+    /// would reload them), and the traps it takes cost it about the budget; a recording loop
+    /// that looks every 10 ms and one that looks every 200 ms alike.
+    #[test]
+    fn budget_phases_keep_the_traps_under_the_budget() {
+        for tick in [10 * MS, 200 * MS] {
+            let (mut p, mut k, proc) =
+                (exact_probes(1), FakeWatchpoints::default(), fake_process());
+            p.set_budget(0.001);
+            p.budget_trap_ns = 10_000;
+            let t0 = base();
+            p.want(&mut k, &proc, TID, 0, t0).unwrap();
+            assert_eq!(
+                k.on_thread(TID),
+                1,
+                "watched all the time at first, on the thread"
+            );
+            let (mut now, mut traps_after, mut watched_ns) = (t0, 0u64, 0u64);
+            let settle = t0 + 2_000 * MS;
+            let end = t0 + 120_000 * MS;
+            while now < end {
+                // Over the next tick the thread takes a trap every ms while watched.
+                let watched = k.watched(TID, 0x1000);
+                if watched {
+                    for ms in 0..tick / MS {
+                        p.note_trap(TID, now + ms * MS);
+                    }
+                    if now >= settle {
+                        traps_after += tick / MS;
+                        watched_ns += tick;
+                    }
+                }
+                if watched && now >= settle {
+                    assert_eq!(
+                        k.on_thread(TID),
+                        0,
+                        "budgeted on-phases use the CPUs' slots"
                     );
                 }
+                now += tick;
+                p.drained_to(now);
+                p.rotate(&mut k, |_| Some(&proc), now);
+            }
+            let share = watched_ns as f64 / (end - settle) as f64;
+            assert!(
+                (share - 0.1).abs() < 0.02,
+                "tick {tick}: watched {share:.3}"
+            );
+            let cost = traps_after as f64 * 10_000.0 / (end - settle) as f64;
+            assert!((cost - 0.001).abs() < 0.0002, "tick {tick}: cost {cost:.5}");
+            assert_eq!(p.n.budget_resizes, 1, "tick {tick}");
+            assert!((p.regs[&TID].phase - 0.1).abs() < 1e-9);
+            assert!(p.n.watches_every_cpu > 10);
+        }
+    }
+
+    /// An exact probe over `--probe-max-rate`: its watchpoints go, a sampled probe on the same
+    /// function takes its later calls (a new probe record), and no thread wants it any more.
+    #[test]
+    fn demotion_removes_the_watches_and_adds_a_sampled_probe() {
+        let (mut p, mut k, proc) = (exact_probes(1), FakeWatchpoints::default(), fake_process());
+        let t0 = base();
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), t0, 100);
+        p.want(&mut k, &proc, TID, 0, t0).unwrap();
+        p.want(&mut k, &proc, TID + 1, 0, t0).unwrap();
+        assert_eq!(k.live.len(), 2);
+        p.enforce_rate(&mut k, t0, 1000, &mut pipe).unwrap();
+        // 999 calls in a second stay exact; 2,000 do not.
+        p.active[0].window_calls = 999;
+        p.enforce_rate(&mut k, t0 + 1_000 * MS, 1000, &mut pipe)
+            .unwrap();
+        assert_eq!((p.n.demoted, k.live.len()), (0, 2));
+        p.active[0].window_calls = 2000;
+        p.enforce_rate(&mut k, t0 + 2_000 * MS, 1000, &mut pipe)
+            .unwrap();
+        assert_eq!((p.n.demoted, k.live.len()), (1, 0));
+        assert!(p.active[0].retired);
+        assert_eq!(p.active.len(), 2);
+        assert_eq!(p.active[1].info.method, "sampled");
+        assert!(p.regs.values().all(|r| r.want.is_empty()));
+        let probes: Vec<&ProbeInfo> = pipe
+            .writer
+            .iter()
+            .filter_map(|e| match e {
+                Event::Probe(i) => Some(i),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(probes.len(), 1);
+        assert_eq!((probes[0].id, probes[0].function.as_str()), (1, "f0"));
+        // Its rotation does not bring it back.
+        p.rotate(&mut k, |_| Some(&proc), t0 + 10_000 * MS);
+        assert!(k.live.is_empty());
+    }
+
+    /// `record --measure-cost`'s off arms remove every probe watchpoint (the GC's stay), and
+    /// the on arms set them again; a thread that exits and the recording's end leave nothing
+    /// set.
+    #[test]
+    fn suspend_resume_and_the_end_leave_nothing_behind() {
+        let (mut p, mut k, proc) = (exact_probes(2), FakeWatchpoints::default(), fake_process());
+        let t0 = base();
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), t0, 100);
+        p.watch_gc(&mut k, 1, 0x9000, &[TID, TID + 1]).unwrap();
+        for tid in [TID, TID + 1] {
+            for i in 0..2 {
+                p.want(&mut k, &proc, tid, i, t0).unwrap();
             }
         }
-        // A thread back to all the time starts at once, whoever else is on.
-        let t = |tid, phase, off_until| PhaseState {
-            tid,
-            phase,
-            off_until,
-            on_since: 0,
-            on_len: BUDGET_ON_NS,
-            late: 0,
-        };
-        let steps = phase_steps(
-            &[t(1, 0.2, None), t(2, 0.2, Some(5)), t(3, 1.0, Some(5))],
-            10,
-        );
-        assert_eq!(steps, vec![(3, PhaseStep::Start { late: 0 })]);
-        // The on-phases' lengths: between half and one and a half times the planned one.
-        let mut rng = 3u64;
-        let lens: Vec<u64> = (0..1000)
-            .map(|_| on_phase_len(BUDGET_ON_NS, next_random(&mut rng)))
-            .collect();
-        assert!(lens
-            .iter()
-            .all(|&l| (BUDGET_ON_NS / 2..=BUDGET_ON_NS * 3 / 2).contains(&l)));
-        let mean = lens.iter().sum::<u64>() as f64 / lens.len() as f64;
-        assert!((mean / BUDGET_ON_NS as f64 - 1.0).abs() < 0.05, "{mean}");
-    }
-
-    /// A recording loop that gets to an on-phase's end late (here 1 s instead of 250 ms)
-    /// makes the off-phase after it as much longer: the share over the cycle stays `phase`.
-    #[test]
-    fn budget_share_holds_when_the_loop_is_late() {
-        for (on, phase) in [
-            (BUDGET_ON_NS, 0.25),
-            (1_000_000_000, 0.25),
-            (3_700_000_000, 0.1),
-        ] {
-            let end = off_phase_end(500, 500 + on, phase);
-            let share = on as f64 / (end - 500) as f64;
-            assert!((share - phase).abs() < 1e-6, "on {on} ns: share {share}");
-        }
-        // Watched all the time: no off-phase.
-        assert_eq!(off_phase_end(0, 900, 1.0), 900);
-    }
-
-    #[test]
-    fn watched_switches_cost_what_the_registers_held_cost() {
-        let cost = crate::bpf::SwitchCost {
-            one_ns: 1000,
-            four_ns: 4000,
-        };
-        assert_eq!(watched_switches(Some(10), Some(25), 1, cost), (15, 15_000));
-        assert_eq!(watched_switches(Some(10), Some(25), 4, cost), (15, 60_000));
-        // Nothing held, or a reading missing at either end: nothing counted.
-        assert_eq!(watched_switches(Some(10), Some(25), 0, cost), (0, 0));
-        assert_eq!(watched_switches(None, Some(25), 2, cost), (0, 0));
-        assert_eq!(watched_switches(Some(30), Some(25), 2, cost), (0, 0));
-    }
-
-    #[test]
-    fn budget_counts_context_switches() {
-        let st = |t_ns, run_ns, switches| Schedstat {
-            t_ns,
-            run_ns,
-            switches,
-        };
-        assert_eq!(Schedstat::parse("2500 77 30\n", 9), Some(st(9, 2500, 30)));
-        assert_eq!(Schedstat::parse("2500 77\n", 9), None);
-        let cost = crate::bpf::SwitchCost {
-            one_ns: 1000,
-            four_ns: 4000,
-        };
-        assert_eq!(cost.with_regs(0), 0);
-        assert_eq!(cost.with_regs(2), 2000);
-        assert_eq!(cost.with_regs(9), 4000);
-        let s = 1_000_000_000;
-        // 1% of the wall time in traps, on a thread that switched 5,000 times in 1 s holding
-        // one register: +0.5%; holding four, +2%.
-        let full = full_cost(0.01, Some(st(0, 0, 0)), Some(st(s, s, 5000)), cost, 1);
-        assert!((full - 0.015).abs() < 1e-9, "{full}");
-        let full = full_cost(0.01, Some(st(0, 0, 0)), Some(st(s, 0, 5000)), cost, 4);
-        assert!((full - 0.03).abs() < 1e-9, "{full}");
-        // No counters: the trap share alone.
-        assert_eq!(full_cost(0.01, None, Some(st(s, s, 1)), cost, 1), 0.01);
-    }
-
-    #[test]
-    fn budget_window_counts_watched_probe_time_by_event_time() {
-        let mut w = BudgetWindow::default();
-        // Two probes on from 100, one off at 300, the other off at 500: 200·2 + 200·1.
-        w.watch(100, 1);
-        w.watch(100, 1);
-        w.watch(300, -1);
-        assert_eq!(w.watched(400), 400 + 100);
-        w.watch(500, -1);
-        assert_eq!(w.watched(900), 600);
-        // A new window at 900 with one probe set at 1000: 50 at 1050.
-        w.restart(900);
-        w.watch(1000, 1);
-        assert_eq!(w.watched(1050), 50);
-        // An edge stamped before the window's start counts from the start.
-        let mut w = BudgetWindow {
-            on_mark: 2000,
-            ..BudgetWindow::default()
-        };
-        w.watch(1500, 1);
-        assert_eq!(w.watched(2100), 100);
-    }
-
-    #[test]
-    fn spec_matching() {
-        let p = ProbeSpec::parse("MessageQueue.enqueue").unwrap();
-        assert!(p.matches("MessageQueue.enqueue", "/x/shm_broadcast.py", true));
-        assert!(p.matches("f.<locals>.MessageQueue.enqueue", "a.py", true));
-        assert!(!p.matches("OtherMessageQueue.enqueue", "a.py", true));
-        assert!(!p.matches("MessageQueue.enqueue_many", "a.py", true));
-        let p = ProbeSpec::parse("shm_broadcast.py:MessageQueue.dequeue").unwrap();
-        assert!(p.matches(
-            "MessageQueue.dequeue",
-            "/v/device_communicators/shm_broadcast.py",
-            true
-        ));
-        assert!(p.matches("MessageQueue.dequeue", "shm_broadcast.py", true));
-        assert!(!p.matches("MessageQueue.dequeue", "/v/not_shm_broadcast.py", true));
-        let p = ProbeSpec::parse("execute_model").unwrap();
-        assert!(p.matches("Worker.execute_model", "w.py", true));
-        assert!(p.matches("execute_model", "w.py", true));
-        let p = ProbeSpec::parse("MessageQueue.enqueue").unwrap();
-        assert!(p.matches("enqueue", "a.py", false));
-        for bad in ["", ":f", "f.", ".f", "x.py:"] {
-            assert!(ProbeSpec::parse(bad).is_err(), "{bad}");
-        }
+        assert_eq!(k.live.len(), 6);
+        p.suspend(&mut k, |_| Some(&proc), t0 + MS);
+        assert_eq!(k.live.len(), 2, "the GC's watchpoints stay");
+        // Nothing comes back while suspended, rotation or not.
+        p.rotate(&mut k, |_| Some(&proc), t0 + 5_000 * MS);
+        p.want(&mut k, &proc, TID + 2, 0, t0 + 5_000 * MS).unwrap();
+        assert_eq!(k.live.len(), 2);
+        p.resume(&mut k, |_| Some(&proc), t0 + 6_000 * MS);
+        assert_eq!(k.live.len(), 2 + 5);
+        // A thread that appears later gets the GC's watchpoint; one that exits loses all.
+        p.thread_added(&mut k, 1, TID + 3);
+        assert_eq!(k.on_thread(TID + 3), 1);
+        p.thread_gone(&mut k, TID);
+        assert_eq!(k.on_thread(TID), 0);
+        assert!(!p.regs.contains_key(&TID));
+        p.close(Some(&mut k), &mut pipe).unwrap();
+        assert!(k.live.is_empty(), "{:?}", k.live);
+        let sets = k.log.iter().filter(|l| l.0).count();
+        assert_eq!(sets, k.log.len() - sets, "every setting removed once");
     }
 }
