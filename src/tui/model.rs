@@ -669,11 +669,12 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     for key in keys {
         let (probe, (pid, tid)) = key;
         let info = rec.probes.get(probe as usize);
-        let mut d: Vec<u64> = w
+        let ends: Vec<(u64, u64)> = w
             .call_durations
             .get(&key)
-            .map(|q| q.iter().map(|&(_, d)| d).collect())
+            .map(|q| q.iter().copied().collect())
             .unwrap_or_default();
+        let mut d: Vec<u64> = ends.iter().map(|&(_, d)| d).collect();
         d.sort_unstable();
         let mut calls = w.totals.calls.get(&key).map_or(0, |c| c.count);
         let mut method = info.map(|p| p.method.clone()).unwrap_or_default();
@@ -683,8 +684,15 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             percentile(&d, 0.99),
         );
         if let Some(c) = cov.get(&(probe, tid)) {
-            let mut wd: Vec<(u64, f64)> = d.iter().map(|&x| (x, c.weight(x))).collect();
-            calls = (calls as f64 / c.share().max(1e-9)).round() as u64;
+            let mut wd: Vec<(u64, f64)> = ends
+                .iter()
+                .map(|&(end, x)| (x, c.weight_at(end.saturating_sub(x), x)))
+                .collect();
+            // As `report` estimates it (the calls kept stand for all of the window's, in
+            // proportion where the window held more than are kept).
+            let kept = wd.len().max(1) as f64;
+            let weighed: f64 = wd.iter().map(|&(_, w)| w).sum();
+            calls = (weighed * calls as f64 / kept).round() as u64;
             if let Some(l) = crate::views::latency::LatencyMs::of_weighted(&mut wd) {
                 (p50, p90, p99) = (
                     (l.p50 * 1e6) as u64,

@@ -508,7 +508,7 @@ impl Profile {
             };
             let w = cov
                 .get(&(c.probe, c.tid))
-                .map_or(1.0, |cv| cv.weight(c.dur_ns));
+                .map_or(1.0, |cv| cv.weight_at(c.start_ns, c.dur_ns));
             pairs.entry(k.clone()).or_default().insert((c.probe, c.tid));
             probes
                 .entry(k)

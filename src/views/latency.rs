@@ -198,7 +198,54 @@ impl Coverage {
             self.span_ns as f64 / room as f64
         }
     }
+
+    /// As [`Self::weight`], for a call that began at `start_ns`, with the share taken locally:
+    /// the span is cut into strata of consecutive watched intervals, each stratum at least
+    /// [`STRATUM_NS`] long (the last runs to the span's end), and a call weighs its stratum's
+    /// length over the room a call of its length had in the stratum's intervals. Where the
+    /// share changes over the span (the budget's re-sizing), a stretch watched less weighs
+    /// more; where it does not, this is [`Self::weight`].
+    pub fn weight_at(&self, start_ns: u64, dur_ns: u64) -> f64 {
+        let Some(first) = self.intervals.iter().map(|&(a, _)| a).min() else {
+            return 1.0;
+        };
+        let end = first + self.span_ns;
+        // (stratum's start, its intervals' room for this length).
+        let (mut lo, mut room) = (first, 0u64);
+        let mut iv = self.intervals.clone();
+        iv.sort_unstable();
+        for (k, &(a, b)) in iv.iter().enumerate() {
+            room += (b - a).saturating_sub(dur_ns);
+            let last = k + 1 == iv.len();
+            // The stratum closes at the next interval's start once it is long enough.
+            let hi = if last { end } else { iv[k + 1].0 };
+            if !last && hi.saturating_sub(lo) < STRATUM_NS {
+                continue;
+            }
+            if start_ns < hi || last {
+                let len = hi.saturating_sub(lo).max(1);
+                if room == 0 {
+                    let watched: u64 = iv
+                        .iter()
+                        .filter(|&&(x, _)| x >= lo && x < hi)
+                        .map(|&(x, y)| y - x)
+                        .sum();
+                    return len as f64 / watched.max(1) as f64;
+                }
+                return len as f64 / room as f64;
+            }
+            lo = hi;
+            room = 0;
+        }
+        self.weight(dur_ns)
+    }
 }
+
+/// The stretch of a span over which [`Coverage::weight_at`] takes the watched share as
+/// constant: `--probe-budget` re-sizes a thread's on-phases every two seconds or more, from
+/// the traps of the last window, so the share watched follows the thread's call rate (less of
+/// it watched while it calls more); a count scaled by the whole span's share would then be low.
+pub const STRATUM_NS: u64 = 2_000_000_000;
 
 /// Per (probe, tid) of exact probes: its span and watched intervals, however much of the span
 /// they cover.
@@ -504,7 +551,7 @@ pub fn estimate_intervals(
             timed.entry((c.probe, c.tid)).or_default().push((
                 c.start_ns,
                 c.dur_ns,
-                k.weight(c.dur_ns),
+                k.weight_at(c.start_ns, c.dur_ns),
             ));
         }
     }
@@ -645,7 +692,7 @@ pub fn function_latency(
         let weight = match cov.get(&(c.probe, c.tid)) {
             Some(k) => {
                 row_cov.entry(key).or_insert_with(|| k.share());
-                k.weight(c.dur_ns)
+                k.weight_at(c.start_ns, c.dur_ns)
             }
             None => 1.0,
         };
@@ -813,6 +860,43 @@ mod tests {
         assert!((c.weight(0) - 1.25).abs() < 1e-9);
         // A 100 ns call fits whole in 300 + 300 ns of start times.
         assert!((c.weight(100) - 1000.0 / 600.0).abs() < 1e-9);
+        // A span shorter than a stratum: the local weight is the span's.
+        assert!((c.weight_at(650, 100) - c.weight(100)).abs() < 1e-9);
+    }
+
+    /// `--probe-budget` re-sized the phases: the first 10 s watched half the time while the
+    /// thread called 10 times a second, the next 10 s a tenth of the time while it called 100
+    /// times a second. The span's share (30%) would count 150 timed calls as 500; each stretch
+    /// at its own share counts them as the 1,100 made.
+    #[test]
+    fn coverage_weighs_each_stretch_at_its_own_share() {
+        let s = 1_000_000_000u64;
+        let mut intervals = Vec::new();
+        for k in 0..10 {
+            intervals.push((k * s, k * s + s / 2));
+        }
+        for k in 10..20 {
+            intervals.push((k * s, k * s + s / 10));
+        }
+        let c = Coverage {
+            span_ns: 20 * s,
+            intervals,
+        };
+        assert!((c.share() - 0.3).abs() < 1e-9);
+        // Calls of no length, evenly spread: those inside a watched interval are timed.
+        let mut timed = Vec::new();
+        for k in 0..100 {
+            timed.push(k * s / 10);
+        }
+        for k in 0..1000 {
+            timed.push(10 * s + k * s / 100);
+        }
+        timed.retain(|&t| c.intervals.iter().any(|&(a, b)| t >= a && t < b));
+        assert_eq!(timed.len(), 150);
+        let global: f64 = timed.iter().map(|_| c.weight(0)).sum();
+        let local: f64 = timed.iter().map(|&t| c.weight_at(t, 0)).sum();
+        assert!((global - 500.0).abs() < 1e-6, "{global}");
+        assert!((local - 1100.0).abs() < 1e-6, "{local}");
     }
 
     /// A probe watched 99.6% of the recording, and half of its last 0.8 s: the whole
