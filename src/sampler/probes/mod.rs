@@ -46,6 +46,7 @@ use super::Pipeline;
 
 mod calls;
 mod counters;
+pub mod replay;
 mod schedule;
 mod spec;
 mod watch;

@@ -88,8 +88,8 @@ pub(super) fn attach_all<H: Watch>(
 }
 
 /// A fake kernel for the probes' schedule: it keeps every watchpoint set and refuses one as
-/// the kernel does when a thread's debug registers (or the CPUs' slots) are all taken.
-#[cfg(test)]
+/// the kernel does when a thread's debug registers (or the CPUs' slots) are all taken. The
+/// unit tests drive the schedule through it, and [`super::replay`] replays call timelines.
 pub mod fake {
     use std::collections::BTreeMap;
 
