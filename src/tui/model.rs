@@ -424,6 +424,65 @@ pub const LOOP_STALL_NS: u64 = 100_000_000;
 pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     let wall = w.wall_ns();
     let start = w.start_ns();
+    let names = ThreadNames::of_recording(rec);
+    let engines = engines(rec, topo);
+    let groups = process_groups(w, rec, topo, &engines, thread_rows(w, &names));
+    let latency = latency_rows(w, rec, &names);
+    let engine_metrics = engine_metrics(w, rec, &engines);
+    let mut snap = Snapshot {
+        now_ns: w.now_ns(),
+        window_start_ns: start,
+        wall_ns: wall,
+        groups,
+        latency,
+        engines: engine_metrics,
+        ended: rec.end.as_ref().map(|e| e.reason.clone()),
+        problems: PROBLEM_COUNTERS
+            .iter()
+            .filter_map(|&k| {
+                rec.counters
+                    .get(k)
+                    .filter(|&&v| v > 0)
+                    .map(|&v| (k.to_string(), v))
+            })
+            .collect(),
+        // The counters come every few seconds and add up from the start: over the time
+        // they cover, not the window.
+        cost: crate::views::cost::RecordingCost::from_counters(&rec.counters, w.now_ns()),
+        findings: Vec::new(),
+        recalled: Vec::new(),
+    };
+    snap.findings = window_findings(&snap);
+    snap
+}
+
+/// The latest name of every thread (its newest thread record).
+struct ThreadNames<'a>(HashMap<ThreadKey, &'a str>);
+
+impl<'a> ThreadNames<'a> {
+    fn of_recording(rec: &'a Recording) -> Self {
+        let mut names = HashMap::new();
+        for t in &rec.threads {
+            names.insert((t.pid, t.tid), t.display_name());
+        }
+        ThreadNames(names)
+    }
+
+    /// A thread's name, `tid N` when it has none (nothing for tid 0).
+    fn of(&self, pid: i32, tid: i32) -> String {
+        match self.0.get(&(pid, tid)) {
+            Some(n) if !n.is_empty() => n.to_string(),
+            _ if tid == 0 => String::new(),
+            _ => format!("tid {tid}"),
+        }
+    }
+}
+
+/// The Threads panel's rows, per process: every thread named or seen, with its shares of the
+/// window, its CPU history, top functions and what held the GIL while it waited.
+fn thread_rows(w: &Window, names: &ThreadNames) -> BTreeMap<i32, Vec<ThreadRow>> {
+    let wall = w.wall_ns();
+    let start = w.start_ns();
     let stats_of = |key: &ThreadKey| -> Stats {
         let Some(a) = w.totals.threads.get(key) else {
             return Stats::default();
@@ -441,22 +500,9 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             gc_pauses: a.gc_pauses,
         }
     };
-
-    // Names: the latest thread record of each thread wins.
-    let mut names: HashMap<ThreadKey, &str> = HashMap::new();
-    for t in &rec.threads {
-        names.insert((t.pid, t.tid), t.display_name());
-    }
-    let mut threads: BTreeSet<ThreadKey> = names.keys().copied().collect();
+    let mut threads: BTreeSet<ThreadKey> = names.0.keys().copied().collect();
     threads.extend(w.totals.threads.keys().copied());
     threads.extend(w.last_seen.keys().copied());
-    let name_of = |pid: i32, tid: i32| -> String {
-        match names.get(&(pid, tid)) {
-            Some(n) if !n.is_empty() => n.to_string(),
-            _ if tid == 0 => String::new(),
-            _ => format!("tid {tid}"),
-        }
-    };
 
     // Per thread: functions and blame, from the totals (one pass each).
     let mut fns: HashMap<ThreadKey, Vec<(u32, u64, u64)>> = HashMap::new();
@@ -517,7 +563,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 };
                 BlameRow {
                     holder_tid,
-                    holder: name_of(pid, holder_tid),
+                    holder: names.of(pid, holder_tid),
                     function,
                     file,
                     wait_ns: ns,
@@ -535,7 +581,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         thread_rows.entry(pid).or_default().push(ThreadRow {
             pid,
             tid,
-            name: name_of(pid, tid),
+            name: names.of(pid, tid),
             stats,
             cpu_history,
             top_self,
@@ -544,9 +590,20 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             idle: w.last_seen.get(&key).is_none_or(|&t| t < start),
         });
     }
+    thread_rows
+}
 
+/// The processes of the window, with their roles, GC pauses and event-loop stalls, grouped by
+/// engine (the rest last).
+fn process_groups(
+    w: &Window,
+    rec: &Recording,
+    topo: &Topology,
+    engines: &[EngineInfo],
+    mut thread_rows: BTreeMap<i32, Vec<ThreadRow>>,
+) -> Vec<Group> {
+    let wall = w.wall_ns();
     // Processes, with their roles and GC pauses.
-    let engines = engines(rec, topo);
     let mut pids: BTreeSet<i32> = rec.processes.iter().map(|p| p.pid).collect();
     pids.extend(thread_rows.keys().copied());
     pids.extend(topo.roles.keys().copied());
@@ -631,7 +688,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
 
     // Group by engine.
     let mut groups = Vec::new();
-    for e in &engines {
+    for e in engines {
         let members: Vec<i32> = processes
             .keys()
             .copied()
@@ -658,7 +715,13 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             processes: processes.into_values().collect(),
         });
     }
+    groups
+}
 
+/// The Latency panel's rows: per probe and thread, its calls and percentiles over the window
+/// (scaled as `report` scales them where the probe was watched part of the window).
+fn latency_rows(w: &Window, rec: &Recording, names: &ThreadNames) -> Vec<LatencyRow> {
+    let wall = w.wall_ns();
     // Function latency. A probe that took turns for its thread's debug registers is scaled
     // by the share of the window it was watched, as `report` does (views/latency.rs).
     let cov = crate::views::latency::window_coverages(rec, w.start_ns(), w.now_ns());
@@ -722,7 +785,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
                 .unwrap_or_else(|| format!("probe {probe}")),
             pid,
             tid,
-            thread: name_of(pid, tid),
+            thread: names.of(pid, tid),
             method,
             resolution_ns: info.map_or(0, |p| p.resolution_ns),
             calls,
@@ -737,7 +800,12 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             max_ns: d.last().copied().unwrap_or(0),
         });
     }
+    latency
+}
 
+/// The engines' metrics over the window: tokens/s, KV cache, queue, TTFT/TPOT and scrapes.
+fn engine_metrics(w: &Window, rec: &Recording, engines: &[EngineInfo]) -> Vec<EngineMetrics> {
+    let start = w.start_ns();
     // Engine metrics.
     let mut engine_ids: BTreeSet<String> = engines.iter().map(|e| e.id.clone()).collect();
     engine_ids.extend(rec.series.iter().map(|s| s.engine.clone()));
@@ -796,7 +864,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         }
         maths::HistogramDelta::from_increases(buckets, sum, count).quantiles_ms()
     };
-    let engine_metrics = engine_ids
+    engine_ids
         .into_iter()
         .map(|id| EngineMetrics {
             metrics_url: engines
@@ -826,33 +894,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
             },
             engine: id,
         })
-        .collect();
-
-    let mut snap = Snapshot {
-        now_ns: w.now_ns(),
-        window_start_ns: start,
-        wall_ns: wall,
-        groups,
-        latency,
-        engines: engine_metrics,
-        ended: rec.end.as_ref().map(|e| e.reason.clone()),
-        problems: PROBLEM_COUNTERS
-            .iter()
-            .filter_map(|&k| {
-                rec.counters
-                    .get(k)
-                    .filter(|&&v| v > 0)
-                    .map(|&v| (k.to_string(), v))
-            })
-            .collect(),
-        // The counters come every few seconds and add up from the start: over the time
-        // they cover, not the window.
-        cost: crate::views::cost::RecordingCost::from_counters(&rec.counters, w.now_ns()),
-        findings: Vec::new(),
-        recalled: Vec::new(),
-    };
-    snap.findings = window_findings(&snap);
-    snap
+        .collect()
 }
 
 /// The findings of a window, from its rows (the shared accounting's sums), with the report's
@@ -1323,11 +1365,12 @@ mod tests {
         // The window starts at 0.25 s (its first bucket); the recording is still being
         // written, so the thread's span runs through its off-phase to the window's end (10 s,
         // not its last watch edge at 9 s): watched 4.75 of 9.75 s, 47 calls timed (those
-        // ending from 0.25 s on), standing for 10 calls/s over the window.
+        // ending from 0.25 s on), standing for 10 calls/s over the window: 97.5 calls. Each
+        // weighs as `report` weighs it (its stratum's length over the room a 1 ms call had in
+        // it), a little more than the share alone (47 / 0.487 = 96.5), for the calls a watch
+        // edge would have cut.
         assert_eq!(l.method, "exact, 49% of the window");
-        let share: f64 = 4.75 / 9.75;
-        assert_eq!(l.calls, (47.0 / share).round() as u64);
-        assert_eq!(l.calls, 96);
+        assert_eq!(l.calls, 97);
         assert!((l.calls_per_s - 10.0).abs() < 0.2, "{}", l.calls_per_s);
         assert_eq!(l.p50_ns, MS);
     }
