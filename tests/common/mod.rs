@@ -306,9 +306,15 @@ pub struct Recorder {
 impl Recorder {
     /// Start `enginescope record ARGS` and return once it says sampling has started.
     pub fn start(args: &[&str]) -> Recorder {
+        Self::start_env(args, &[])
+    }
+
+    /// As [`Self::start`], with `env` set for the recorder.
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Recorder {
         let mut child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
             .arg("record")
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

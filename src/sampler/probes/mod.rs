@@ -54,8 +54,9 @@ mod watch;
 use calls::{Edge, OpenCall, ThreadCalls, MAX_OPEN_CALLS};
 pub use counters::{counters, Counters};
 use schedule::{
-    budget_on_ns, off_phase_ns, on_phase_len, phase_steps, rotate_ns, watched_switches,
-    BudgetWindow, PhaseState, PhaseStep, ThreadRegs, BUDGET_FIRST_WINDOW_NS, BUDGET_WINDOW_NS,
+    budget_on_ns, forced_share, off_phase_ns, on_phase_len, phase_steps, rotate_ns,
+    watched_switches, BudgetWindow, PhaseState, PhaseStep, ThreadRegs, BUDGET_FIRST_WINDOW_NS,
+    BUDGET_WINDOW_NS,
 };
 pub use schedule::{full_cost, BUDGET_MIN_PHASE, BUDGET_ON_NS, ROTATE_NS};
 pub use spec::{is_headline, names, ProbeSpec, VLLM_DEFAULT_PROBES, VLLM_HEADLINE_PROBES};
@@ -841,7 +842,9 @@ impl<H: Watch> Probes<H> {
             // The on share that brings the cost under the budget, in steps of a tenth of
             // itself (a thread re-measured a little over or under keeps its phase).
             let want = (self.budget / full).clamp(BUDGET_MIN_PHASE, 1.0);
-            let phase = if want >= 1.0 {
+            let phase = if let Some(share) = forced_share() {
+                share
+            } else if want >= 1.0 {
                 1.0
             } else {
                 let step = 10f64.powf((want.log10() * 10.0).floor() / 10.0);

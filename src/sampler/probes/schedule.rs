@@ -202,6 +202,19 @@ pub(super) fn budget_on_ns() -> u64 {
     static ON: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *ON.get_or_init(|| ns_from_env_ms("ENGINESCOPE_PROBE_PHASE_MS", BUDGET_ON_NS))
 }
+/// `ENGINESCOPE_PROBE_SHARE` (a share from 0.01 to 1, measurements): every budgeted thread
+/// watched that share of the time, whatever its probes cost (the budget's sizing is skipped).
+/// For checking the estimates at a chosen coverage (`tests/live_probes.rs`), not for use.
+pub(super) fn forced_share() -> Option<f64> {
+    static SHARE: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    *SHARE.get_or_init(|| {
+        std::env::var("ENGINESCOPE_PROBE_SHARE")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|s| (0.01..=1.0).contains(s))
+    })
+}
+
 /// The least share of the time the probes are watched under `--probe-budget` (a probe
 /// watched less would time too few calls to say anything).
 pub const BUDGET_MIN_PHASE: f64 = 0.05;
