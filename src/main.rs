@@ -445,6 +445,11 @@ fn budget_share(pct: f64, exact: bool) -> anyhow::Result<f64> {
 
 fn advise(e: &anyhow::Error) -> String {
     let mut msg = format!("error: {e:#}");
+    if e.downcast_ref::<enginescope::record::format::DiskFull>()
+        .is_some()
+    {
+        msg.push_str("\nhint: free space on that filesystem, or write the recording elsewhere with -o; `enginescope report` reads what was written");
+    }
     if let Some(a) = e.downcast_ref::<AttachError>() {
         let hint = match a {
             AttachError::Gone(_) => "check the PID (`ps -ef | grep python`); the process may have exited",

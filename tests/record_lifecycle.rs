@@ -129,3 +129,93 @@ fn output_into_a_missing_directory_fails_before_attaching() {
     );
     assert!(!Path::new("/nonexistent-enginescope-dir").exists());
 }
+
+/// A small tmpfs mounted for a test, unmounted however the test ends.
+struct TinyFs(tempfile::TempDir);
+
+impl TinyFs {
+    /// `size` bytes, or None where mounting is not allowed (not root).
+    fn mount(size: &str) -> Option<TinyFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(TinyFs(dir))
+    }
+}
+
+impl Drop for TinyFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.0.path())
+            .status();
+    }
+}
+
+/// The filesystem fills during `record` (a 200 KiB tmpfs, 999 Hz on a busy thread: ~60 KiB a
+/// second): the recording stops with an error that names the file, says the filesystem is full
+/// and what to do, and leaves a recording that reads whole (its counters and end record, kept
+/// room for ahead of it) and says where it stopped; the space kept ahead is given back.
+#[test]
+fn a_full_filesystem_stops_the_recording_readable() {
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let Some(fs) = TinyFs::mount("200k") else {
+        eprintln!("skipped: cannot mount a tmpfs (not root?)");
+        return;
+    };
+    let w = start(&i, "cpu_bound.py", &["--threads", "1", "--duration", "60"]);
+    let out = fs.0.path().join("r.esrec");
+    let out_s = out.to_string_lossy().into_owned();
+    let pid = w.pid.to_string();
+    let o = enginescope(&[
+        "record",
+        "--pid",
+        &pid,
+        "--duration",
+        "30",
+        "--rate",
+        "999",
+        "-o",
+        &out_s,
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains(&format!("error: writing {out_s}: the filesystem is full")),
+        "{err}"
+    );
+    assert!(err.contains("hint: free space on that filesystem"), "{err}");
+    let r = enginescope::record::read_recording(&out).unwrap();
+    assert!(!r.truncated, "the recording must end whole");
+    let end = r.end.as_ref().expect("an end record");
+    assert!(
+        end.reason.starts_with("error: the filesystem is full"),
+        "{}",
+        end.reason
+    );
+    assert!(end.duration_ns < 30_000_000_000, "{}", end.duration_ns);
+    assert!(r.samples.len() > 100, "{} samples", r.samples.len());
+    assert!(r.counters.contains_key("bpf_ringbuf_full_lost"));
+    // The blocks kept ahead were given back: the file takes what it holds.
+    let meta = std::fs::metadata(&out).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert!(
+        meta.blocks() * 512 < meta.len() + 64 * 1024,
+        "{} bytes in {} blocks",
+        meta.len(),
+        meta.blocks()
+    );
+    let rep = enginescope(&["report", &out_s]);
+    let text = String::from_utf8_lossy(&rep.stdout);
+    assert!(rep.status.success());
+    assert!(
+        text.contains("> **Stopped early:** the filesystem is full"),
+        "{text}"
+    );
+    drop(w);
+}

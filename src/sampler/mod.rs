@@ -201,6 +201,11 @@ pub fn record_rotating(
         start_ns,
         crate::sys::unix_now_s(),
     );
+    // Where the recording goes, for a full filesystem's error.
+    let written_to = match &rotation {
+        Some(r) => r.dir.display().to_string(),
+        None => opts.output.display().to_string(),
+    };
     let (mut writer, rotator) = output::open(&opts.output, rotation, &meta)?;
     if let Some(every) = opts.aggregate {
         writer.aggregate(crate::record::profile::AggregateOptions {
@@ -288,8 +293,18 @@ pub fn record_rotating(
         duration_ns: end_ns.saturating_sub(pipe.start_ns),
         reason,
     })?;
-    result?;
-    finished?;
+    // A full filesystem stopped the recording: say where, and that what is there reads.
+    let full = |e: anyhow::Error| {
+        if e.downcast_ref::<crate::record::format::DiskFull>()
+            .is_some()
+        {
+            e.context(format!("writing {written_to}"))
+        } else {
+            e
+        }
+    };
+    result.map_err(full)?;
+    finished.map_err(full)?;
     Ok(RecordSummary {
         backend: backend.into(),
         samples: written.samples,

@@ -771,6 +771,13 @@ impl Report {
                 s,
                 "\n> **No end record:** the recorder did not finish cleanly."
             );
+        } else if let Some(e) = r
+            .end_reason
+            .as_deref()
+            .and_then(|e| e.strip_prefix("error: "))
+        {
+            // Stopped by an error (a full filesystem): its window ends there, and says so.
+            let _ = writeln!(s, "\n> **Stopped early:** {}.", md(e));
         }
 
         self.findings_markdown(&mut s);
