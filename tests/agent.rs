@@ -1486,3 +1486,72 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     // Processes exiting while they are attached never stop the recorder.
     assert_eq!(restarts, 0.0, "{figures}\n{log}");
 }
+
+/// The agent's directory fills (a 600 KiB tmpfs, 300 KiB of it a ballast file, 999 Hz raw
+/// events): the recorder stops with the filesystem full (said once, with the directory), the
+/// agent goes on serving /metrics, and once the ballast is deleted it records again (every 5
+/// s it tries) into a new segment that reads whole.
+#[test]
+fn agent_keeps_serving_through_a_full_disk_and_records_again() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let Some(fs) = TinyFs::mount("600k") else {
+        eprintln!("skipped: cannot mount a tmpfs (not root?)");
+        return;
+    };
+    let ballast = fs.path().join("ballast");
+    std::fs::write(&ballast, vec![1u8; 300 << 10]).unwrap();
+    let dir = fs.path().join("segs");
+    let w = start(&i, "cpu_bound.py", &["--threads", "1", "--duration", "120"]);
+    let pid = w.pid.to_string();
+    let mut agent = Agent::start(&[
+        "--pid",
+        &pid,
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--rate",
+        "999",
+        "--raw-events",
+    ]);
+    agent.wait_line("sampling started", Duration::from_secs(30));
+    let full = agent.wait_line("the filesystem is full", Duration::from_secs(60));
+    assert!(
+        full.contains(&format!("writing {}", dir.display())),
+        "{full}"
+    );
+    // Still serving, and saying the recorder stopped.
+    let m = agent.metrics();
+    assert!(m.contains("enginescope_"), "{m}");
+    let before: Vec<PathBuf> = segments(&dir);
+    assert!(!before.is_empty());
+    for s in &before {
+        let r = read_recording(s).unwrap();
+        assert!(!r.truncated, "{} cut inside a record", s.display());
+    }
+    std::fs::remove_file(&ballast).unwrap();
+    agent.wait_line("sampling started", Duration::from_secs(30));
+    let fresh = poll_until(Duration::from_secs(20), Duration::from_millis(200), || {
+        let n = segments(&dir)
+            .into_iter()
+            .filter(|s| !before.contains(s))
+            .filter_map(|s| read_recording(&s).ok())
+            .map(|r| r.samples.len())
+            .max()
+            .unwrap_or(0);
+        (n >= 100, n)
+    });
+    assert!(
+        fresh >= 100,
+        "{fresh} samples in the segments after the space came back"
+    );
+    assert!(agent.metrics().contains("enginescope_"));
+    agent.stop();
+    drop(w);
+}

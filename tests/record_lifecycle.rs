@@ -130,30 +130,6 @@ fn output_into_a_missing_directory_fails_before_attaching() {
     assert!(!Path::new("/nonexistent-enginescope-dir").exists());
 }
 
-/// A small tmpfs mounted for a test, unmounted however the test ends.
-struct TinyFs(tempfile::TempDir);
-
-impl TinyFs {
-    /// `size` bytes, or None where mounting is not allowed (not root).
-    fn mount(size: &str) -> Option<TinyFs> {
-        let dir = tempfile::tempdir().ok()?;
-        let ok = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .status()
-            .is_ok_and(|s| s.success());
-        ok.then_some(TinyFs(dir))
-    }
-}
-
-impl Drop for TinyFs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount")
-            .arg(self.0.path())
-            .status();
-    }
-}
-
 /// The filesystem fills during `record` (a 200 KiB tmpfs, 999 Hz on a busy thread: ~60 KiB a
 /// second): the recording stops with an error that names the file, says the filesystem is full
 /// and what to do, and leaves a recording that reads whole (its counters and end record, kept
@@ -169,7 +145,7 @@ fn a_full_filesystem_stops_the_recording_readable() {
         return;
     };
     let w = start(&i, "cpu_bound.py", &["--threads", "1", "--duration", "60"]);
-    let out = fs.0.path().join("r.esrec");
+    let out = fs.path().join("r.esrec");
     let out_s = out.to_string_lossy().into_owned();
     let pid = w.pid.to_string();
     let o = enginescope(&[

@@ -483,3 +483,31 @@ pub fn window_report(
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     serde_json::from_slice(&o.stdout).expect("report JSON")
 }
+
+/// A small tmpfs mounted for a test, unmounted however the test ends.
+pub struct TinyFs(tempfile::TempDir);
+
+impl TinyFs {
+    /// `size` bytes, or None where mounting is not allowed (not root).
+    pub fn mount(size: &str) -> Option<TinyFs> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(TinyFs(dir))
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for TinyFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.0.path())
+            .status();
+    }
+}
