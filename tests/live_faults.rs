@@ -1,0 +1,156 @@
+//! Targets that misbehave while recorded (issue 25), four at once in one `record`: a healthy
+//! one (the yardstick), one frozen with SIGSTOP for 1.5 s in the middle, one that exits, one
+//! that `exec`s a new Python. enginescope must neither hang nor fail: the recording ends on
+//! time and whole, says the exiting target went, takes no sample of the frozen one while it is
+//! stopped, and the healthy target's samples match the CPU time it really used over the window
+//! (from /proc, as its own truth). Cost: ~12 s.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A process's user + system CPU time, ns (/proc/PID/stat, in clock ticks).
+fn cpu_ns(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime) are the 12th and 13th after the command.
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    ticks * 1_000_000_000 / hz
+}
+
+fn unix_now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+#[test]
+fn frozen_exiting_and_execing_targets_leave_the_rest_whole() {
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let healthy = start(&i, "cpu_bound.py", &["--threads", "1", "--duration", "60"]);
+    let frozen = start(&i, "cpu_bound.py", &["--threads", "1", "--duration", "60"]);
+    let exiting = start(&i, "faults.py", &["--exit", "--after", "2"]);
+    let execing = start(&i, "faults.py", &["--exec", "--after", "2", "--for", "8"]);
+    let pids = format!(
+        "{},{},{},{}",
+        healthy.pid, frozen.pid, exiting.pid, execing.pid
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("faults.esrec");
+    let out_s = out.to_string_lossy().into_owned();
+    let began = Instant::now();
+    let rec = Recorder::start(&[
+        "--pid",
+        &pids,
+        "--duration",
+        "5",
+        "--rate",
+        "199",
+        "-o",
+        &out_s,
+    ]);
+    // The healthy target's CPU time every 20 ms, on the wall clock (the window's clock).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readings = {
+        let (stop, pid) = (stop.clone(), healthy.pid);
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                v.push((unix_now_ns(), cpu_ns(pid)));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            v
+        })
+    };
+    // The fault: 1 s into sampling the frozen target stops for 1.5 s.
+    std::thread::sleep(Duration::from_secs(1));
+    // SAFETY: kill(2) on a process we started.
+    unsafe { libc::kill(frozen.pid, libc::SIGSTOP) };
+    let stopped_at = unix_now_ns();
+    std::thread::sleep(Duration::from_millis(1500));
+    let resumed_at = unix_now_ns();
+    unsafe { libc::kill(frozen.pid, libc::SIGCONT) };
+    let (ok, _, err) = rec.wait();
+    let took = began.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let readings = readings.join().unwrap();
+    assert!(ok, "record failed: {err}");
+    assert!(
+        took < Duration::from_secs(15),
+        "record took {took:?} for a 5 s window"
+    );
+    assert!(
+        err.contains(&format!("process {} exited", exiting.pid)),
+        "{err}"
+    );
+    let r = enginescope::record::read_recording(&out).unwrap();
+    assert!(!r.truncated);
+    let end = r.end.as_ref().expect("an end record");
+    assert_eq!(end.reason, "duration reached");
+    // The healthy target: its samples against the CPU time it used. The recorder's start and
+    // end lie a little outside the window; each sample stands for its weight.
+    let mine: Vec<_> = r.samples.iter().filter(|s| s.pid == healthy.pid).collect();
+    let sampled_s = mine.iter().map(|s| s.weight_ns as f64).sum::<f64>() / 1e9;
+    let start_unix_ns = (r.meta.start_unix_s * 1e9) as u64;
+    let cpu_at = |t: u64| {
+        // The reading at or just before t (readings every 20 ms; a tick is 10 ms).
+        readings
+            .iter()
+            .rev()
+            .find(|(at, _)| *at <= t)
+            .or(readings.first())
+            .map_or(0, |r| r.1)
+    };
+    let truth_s = (cpu_at(start_unix_ns + end.duration_ns) - cpu_at(start_unix_ns)) as f64 / 1e9;
+    let window_s = end.duration_ns as f64 / 1e9;
+    eprintln!(
+        "healthy: {} samples = {sampled_s:.2} s on CPU; /proc says {truth_s:.2} s over ~{window_s:.1} s",
+        mine.len()
+    );
+    assert!(
+        (sampled_s - truth_s).abs() <= 0.1 * truth_s + 0.05,
+        "healthy target: {sampled_s:.2} s sampled against {truth_s:.2} s used"
+    );
+    // The frozen target: nothing sampled while it was stopped (50 ms of margin each side for
+    // the clocks and the signal's delivery), and sampled again after.
+    let at = |s: &enginescope::record::Sample| start_unix_ns + s.t_ns;
+    let in_stop = r
+        .samples
+        .iter()
+        .filter(|s| s.pid == frozen.pid)
+        .filter(|s| at(s) > stopped_at + 50_000_000 && at(s) + 50_000_000 < resumed_at)
+        .count();
+    assert_eq!(
+        in_stop, 0,
+        "samples of the frozen target while it was stopped"
+    );
+    let after = r
+        .samples
+        .iter()
+        .filter(|s| s.pid == frozen.pid && at(s) > resumed_at + 100_000_000)
+        .count();
+    assert!(
+        after > 20,
+        "{after} samples of the frozen target after SIGCONT"
+    );
+    // The target that exec'd: recorded to the end without a failure (its new image's Python
+    // stacks are not read: docs/recording-format.md), and the one that exited, up to its exit.
+    assert!(r.samples.iter().any(|s| s.pid == execing.pid));
+    let last_exiting = r
+        .samples
+        .iter()
+        .filter(|s| s.pid == exiting.pid)
+        .map(at)
+        .max()
+        .unwrap_or(0);
+    assert!(last_exiting > 0, "no sample of the exiting target");
+}
