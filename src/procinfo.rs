@@ -183,6 +183,15 @@ pub fn descends_from(pid: i32, root: i32) -> bool {
 }
 
 /// Whether `pid` still runs: it exists and is not a zombie waiting for its parent to reap it.
+/// The process's auxiliary vector (/proc/PID/auxv): fixed for the life of one program image
+/// and new at every `exec` (the stack's and loader's addresses are randomized), so two
+/// readings that differ mean the process exec'd in between. None when unreadable.
+pub fn image_id(pid: i32) -> Option<Vec<u8>> {
+    std::fs::read(format!("/proc/{pid}/auxv"))
+        .ok()
+        .filter(|b| !b.is_empty())
+}
+
 pub fn is_running(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;

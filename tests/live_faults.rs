@@ -1,8 +1,9 @@
 //! Targets that misbehave while recorded (issue 25), four at once in one `record`: a healthy
 //! one (the yardstick), one frozen with SIGSTOP for 1.5 s in the middle, one that exits, one
 //! that `exec`s a new Python. enginescope must neither hang nor fail: the recording ends on
-//! time and whole, says the exiting target went, takes no sample of the frozen one while it is
-//! stopped, and the healthy target's samples match the CPU time it really used over the window
+//! time and whole, says the exiting target went, attaches again to the one that exec'd (its new
+//! program's Python read), takes no sample of the frozen one while it is stopped, and the
+//! healthy target's samples match the CPU time it really used over the window
 //! (from /proc, as its own truth). Cost: ~12 s.
 
 mod common;
@@ -142,9 +143,27 @@ fn frozen_exiting_and_execing_targets_leave_the_rest_whole() {
         after > 20,
         "{after} samples of the frozen target after SIGCONT"
     );
-    // The target that exec'd: recorded to the end without a failure (its new image's Python
-    // stacks are not read: docs/recording-format.md), and the one that exited, up to its exit.
-    assert!(r.samples.iter().any(|s| s.pid == execing.pid));
+    // The target that exec'd: attached again, its new program's Python read (`after_exec`).
+    assert!(
+        err.contains(&format!("attached to exec'd process {}", execing.pid)),
+        "{err}"
+    );
+    assert_eq!(r.counters.get("targets_reattached_after_exec"), Some(&1));
+    let in_new_image = r
+        .samples
+        .iter()
+        .filter(|s| s.pid == execing.pid)
+        .filter(|s| {
+            r.stacks[s.stack as usize]
+                .iter()
+                .any(|&f| r.frames[f as usize].function == "after_exec")
+        })
+        .count();
+    assert!(
+        in_new_image > 20,
+        "{in_new_image} samples in the exec'd program's after_exec()"
+    );
+    // And the one that exited, up to its exit.
     let last_exiting = r
         .samples
         .iter()

@@ -42,6 +42,8 @@ pub struct Recorder<'a> {
     /// Counters of targets that exited and were dropped, so that totals never go back.
     exited_unresolved_frames: u64,
     exited_code_rereads: u64,
+    /// Targets attached again after they exec'd (counter `targets_reattached_after_exec`).
+    exec_reattaches: u64,
     /// Whether the recording loop runs as a real-time thread ([`crate::sys::realtime_this_thread`];
     /// counter `recorder_realtime`).
     realtime: bool,
@@ -75,6 +77,7 @@ impl<'a> Recorder<'a> {
             rotator,
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
+            exec_reattaches: 0,
             realtime: false,
             realtime_regained: 0,
             tasks: super::tasks::TaskReaders::default(),
@@ -353,10 +356,37 @@ impl<'a> Recorder<'a> {
             .filter(|t| !crate::procinfo::is_running(t.pid))
             .map(|t| t.pid)
             .collect();
-        if exited.is_empty() {
-            return Ok(());
+        if !exited.is_empty() {
+            self.drop_exited(&exited, self.opts.quiet)?;
         }
-        self.drop_exited(&exited, self.opts.quiet)
+        self.attach_again_after_exec()
+    }
+
+    /// Targets that exec'd a new program (same pid, new image): what was read of the old
+    /// interpreter no longer holds, so each is dropped as if it had exited and attached again
+    /// when the new program is a Python.
+    fn attach_again_after_exec(&mut self) -> anyhow::Result<()> {
+        let execd: Vec<i32> = self
+            .targets
+            .iter()
+            .filter(|t| {
+                t.image.is_some()
+                    && crate::procinfo::image_id(t.pid)
+                        .is_some_and(|i| Some(&i) != t.image.as_ref())
+            })
+            .map(|t| t.pid)
+            .collect();
+        for pid in execd {
+            self.exec_reattaches += 1;
+            self.drop_exited(&[pid], true)?;
+            match PythonProcess::attach(pid) {
+                Ok(p) => self.add_target(Target::new(p), String::new(), "exec'd process")?,
+                Err(err) => self.say(|| {
+                    format!("process {pid} exec'd a new program and is no longer recorded: {err}")
+                }),
+            }
+        }
+        Ok(())
     }
 
     /// Forget processes that exited: their last events are written first, then the source's
@@ -386,14 +416,15 @@ impl<'a> Recorder<'a> {
                 continue;
             }
             match PythonProcess::attach(pid) {
-                Ok(p) => self.add_target(Target::new(p), role)?,
+                Ok(p) => self.add_target(Target::new(p), role, "new engine process")?,
                 Err(err) => self.say(|| format!("new engine process {pid}: {err}")),
             }
         }
         Ok(())
     }
 
-    fn add_target(&mut self, t: Target, role: String) -> anyhow::Result<()> {
+    /// Record target `t` from now on (`what`: how it is named in what the recorder says).
+    fn add_target(&mut self, t: Target, role: String, what: &str) -> anyhow::Result<()> {
         let pid = t.pid;
         self.pipe.writer.process(&ProcessInfo {
             pid,
@@ -425,11 +456,11 @@ impl<'a> Recorder<'a> {
             })?;
         }
         match setup {
-            Ok(()) => self.say(|| format!("attached to new engine process {pid}")),
+            Ok(()) => self.say(|| format!("attached to {what} {pid}")),
             // It exited right after attaching (workers come and go): forget it; not a reason
             // to stop recording.
             Err(e) => {
-                self.say(|| format!("new engine process {pid} skipped: {e:#}"));
+                self.say(|| format!("{what} {pid} skipped: {e:#}"));
                 self.drop_exited(&[pid], true)?;
             }
         }
@@ -484,6 +515,7 @@ impl<'a> Recorder<'a> {
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v)),
         );
+        c.insert("targets_reattached_after_exec".into(), self.exec_reattaches);
         c.insert("recorder_realtime".into(), u64::from(self.realtime));
         c.insert("recorder_realtime_regained".into(), self.realtime_regained);
         c

@@ -15,6 +15,9 @@ pub struct Target {
     pub proc: PythonProcess,
     pub pid: i32,
     pub cmdline: String,
+    /// The program image attached to ([`procinfo::image_id`]): another one means the process
+    /// exec'd, and what was read of its interpreter no longer holds.
+    pub image: Option<Vec<u8>>,
     /// host tid → (PyThreadState address, thread name)
     pub threads: HashMap<i32, (u64, String)>,
     /// Raw frames to names and lines (both sources share this cache per process).
@@ -62,6 +65,7 @@ impl Target {
     pub fn new(proc: PythonProcess) -> Self {
         let pid = proc.pid;
         Target {
+            image: procinfo::image_id(pid),
             cmdline: procinfo::cmdline(pid),
             proc,
             pid,
