@@ -152,6 +152,37 @@ struct Active<H> {
     window_start_ns: u64,
 }
 
+impl<H> Active<H> {
+    /// A probe of code object `code`, matched by spec `prio`; exact when `plan` is given.
+    fn new(info: ProbeInfo, code: u64, prio: usize, plan: Option<ExactPlan>) -> Self {
+        Active {
+            info,
+            code,
+            prio,
+            plan,
+            links: HashMap::new(),
+            failed: HashSet::new(),
+            retired: false,
+            window_calls: 0,
+            window_start_ns: 0,
+        }
+    }
+
+    /// An exact probe of `function` in process `pid` whose code object (and watched
+    /// reference count) is at `code`, probe id `id` (the schedule's tests and replays).
+    fn exact(id: usize, pid: i32, function: String, code: u64) -> Self {
+        let info = ProbeInfo {
+            id: id as u32,
+            pid,
+            function,
+            file: "x.py".into(),
+            method: "exact".into(),
+            ..Default::default()
+        };
+        Self::new(info, code, id, Some(ExactPlan { refcnt: code }))
+    }
+}
+
 /// Probe state of one recording.
 pub struct Probes<H = Breakpoint> {
     specs: Vec<ProbeSpec>,
@@ -308,17 +339,8 @@ impl<H: Watch> Probes<H> {
             (Some(_), Err(e)) => (None, e),
             (Some(_), Ok(p)) => (Some(p), String::new()),
         };
-        self.active.push(Active {
-            info: ProbeInfo::default(),
-            code,
-            plan: plan.clone(),
-            links: HashMap::new(),
-            failed: HashSet::new(),
-            retired: false,
-            window_calls: 0,
-            window_start_ns: 0,
-            prio,
-        });
+        self.active
+            .push(Active::new(ProbeInfo::default(), code, prio, plan.clone()));
         if let (Some(bpf), Some(_)) = (b, &plan) {
             if let Some(p) = &plan {
                 self.by_addr.insert((proc.pid, p.refcnt), id);
@@ -960,17 +982,7 @@ impl<H: Watch> Probes<H> {
         }
         pipe.writer.probe(&info)?;
         let (code, prio) = (self.active[i].code, self.active[i].prio);
-        self.active.push(Active {
-            info,
-            code,
-            prio,
-            plan: None,
-            links: HashMap::new(),
-            failed: HashSet::new(),
-            retired: false,
-            window_calls: 0,
-            window_start_ns: 0,
-        });
+        self.active.push(Active::new(info, code, prio, None));
         self.n.demoted += 1;
         Ok(())
     }
@@ -1179,19 +1191,7 @@ impl<H: Watch> Probes<H> {
                 }) => {
                     self.n.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
                     let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
-                    if !pipe.in_window(start) {
-                        // Began before the window (during the warm-up): not in it.
-                        self.n.calls_before_window += 1;
-                        return Ok(());
-                    }
-                    self.n.calls += 1;
-                    pipe.writer.call(&FunctionCall {
-                        probe: probe as u32,
-                        pid,
-                        tid,
-                        start_ns: start.saturating_sub(pipe.start_ns),
-                        dur_ns: dur,
-                    })?;
+                    self.write_call(probe, (pid, tid), (start, dur), start, pipe)?;
                 }
                 None => self.n.unmatched_returns += 1,
             },
@@ -1272,7 +1272,25 @@ impl<H: Watch> Probes<H> {
         (first, last): (u64, u64),
         pipe: &mut Pipeline<impl Sink>,
     ) -> anyhow::Result<()> {
-        if !pipe.in_window(first) {
+        // The run stands for a call from half a period before its first sample to half a
+        // period after its last.
+        let start = first.saturating_sub(self.period_ns / 2);
+        let dur = last - first + self.period_ns;
+        self.write_call(probe, (pid, tid), (start, dur), first, pipe)
+    }
+
+    /// A call of probe `probe` on thread `(pid, tid)`, `(start, dur)` (absolute ns): written
+    /// when `seen` (when it was first seen) lies in the window, else counted as before it
+    /// (the warm-up).
+    fn write_call(
+        &mut self,
+        probe: usize,
+        (pid, tid): (i32, i32),
+        (start, dur): (u64, u64),
+        seen: u64,
+        pipe: &mut Pipeline<impl Sink>,
+    ) -> anyhow::Result<()> {
+        if !pipe.in_window(seen) {
             self.n.calls_before_window += 1;
             return Ok(());
         }
@@ -1281,10 +1299,8 @@ impl<H: Watch> Probes<H> {
             probe: probe as u32,
             pid,
             tid,
-            start_ns: first
-                .saturating_sub(self.period_ns / 2)
-                .saturating_sub(pipe.start_ns),
-            dur_ns: last - first + self.period_ns,
+            start_ns: start.saturating_sub(pipe.start_ns),
+            dur_ns: dur,
         })
     }
 
@@ -1539,24 +1555,7 @@ mod tests {
         for i in 0..n {
             let code = 0x1000 * (i as u64 + 1);
             p.by_addr.insert((1, code), i);
-            p.active.push(Active {
-                info: ProbeInfo {
-                    id: i as u32,
-                    pid: 1,
-                    function: format!("f{i}"),
-                    file: "x.py".into(),
-                    method: "exact".into(),
-                    ..Default::default()
-                },
-                code,
-                prio: i,
-                plan: Some(ExactPlan { refcnt: code }),
-                links: HashMap::new(),
-                failed: HashSet::new(),
-                retired: false,
-                window_calls: 0,
-                window_start_ns: 0,
-            });
+            p.active.push(Active::exact(i, 1, format!("f{i}"), code));
         }
         p
     }

@@ -19,13 +19,12 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::watch::fake::{FakeWatch, FakeWatchpoints};
-use super::{Active, ExactPlan, ProbeSpec, Probes};
+use super::{Active, ProbeSpec, Probes};
 use crate::cpython::binary::InterpreterBinary;
 use crate::cpython::memory::FakeMemory;
 use crate::cpython::offsets::PY312;
 use crate::cpython::version::PyVersion;
 use crate::cpython::PythonProcess;
-use crate::record::model::ProbeInfo;
 use crate::sampler::sink::Event;
 use crate::sampler::Pipeline;
 use crate::views::latency::{uncertainty, Coverage, LatencyMs, Uncertainty};
@@ -155,23 +154,7 @@ pub fn replay(probes: usize, calls: &[Call], r: &Replay) -> Vec<Watched> {
     let addr = |i: usize| 0x1000 * (i as u64 + 1);
     for i in 0..probes {
         p.by_addr.insert((1, addr(i)), i);
-        p.active.push(Active {
-            info: ProbeInfo {
-                id: i as u32,
-                pid: 1,
-                function: format!("p{i}"),
-                method: "exact".into(),
-                ..Default::default()
-            },
-            code: addr(i),
-            prio: i,
-            plan: Some(ExactPlan { refcnt: addr(i) }),
-            links: HashMap::new(),
-            failed: HashSet::new(),
-            retired: false,
-            window_calls: 0,
-            window_start_ns: 0,
-        });
+        p.active.push(Active::exact(i, 1, format!("p{i}"), addr(i)));
     }
     // The schedule takes the later of its `now` and the monotonic clock: the timeline is moved
     // far ahead of it. Threads get ids no real thread has.
