@@ -747,9 +747,10 @@ fn latency_rows(w: &Window, rec: &Recording, names: &ThreadNames) -> Vec<Latency
             percentile(&d, 0.99),
         );
         if let Some(c) = cov.get(&(probe, tid)) {
+            let strata = c.strata();
             let mut wd: Vec<(u64, f64)> = ends
                 .iter()
-                .map(|&(end, x)| (x, c.weight_at(end.saturating_sub(x), x)))
+                .map(|&(end, x)| (x, strata.weight(end.saturating_sub(x), x)))
                 .collect();
             // As `report` estimates it (the calls kept stand for all of the window's, in
             // proportion where the window held more than are kept).

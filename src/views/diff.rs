@@ -489,6 +489,7 @@ impl Profile {
         // A probe that took turns for a thread's debug registers was watched part of the
         // time: each timed call stands for `weight` calls (views/latency.rs).
         let cov = super::latency::coverages(rec, extent_ns(rec));
+        let strata = super::latency::strata_of(&cov);
         let mut probes: BTreeMap<(String, String), Vec<TimedCall>> = BTreeMap::new();
         // The (probe, thread) pairs of each key, for its estimate's intervals.
         let mut pairs: BTreeMap<(String, String), std::collections::BTreeSet<(u32, i32)>> =
@@ -506,9 +507,9 @@ impl Profile {
                     format!("probe {}", c.probe),
                 ),
             };
-            let w = cov
+            let w = strata
                 .get(&(c.probe, c.tid))
-                .map_or(1.0, |cv| cv.weight_at(c.start_ns, c.dur_ns));
+                .map_or(1.0, |st| st.weight(c.start_ns, c.dur_ns));
             pairs.entry(k.clone()).or_default().insert((c.probe, c.tid));
             probes
                 .entry(k)

@@ -199,45 +199,79 @@ impl Coverage {
         }
     }
 
-    /// As [`Self::weight`], for a call that began at `start_ns`, with the share taken locally:
-    /// the span is cut into strata of consecutive watched intervals, each stratum at least
-    /// [`STRATUM_NS`] long (the last runs to the span's end), and a call weighs its stratum's
-    /// length over the room a call of its length had in the stratum's intervals. Where the
-    /// share changes over the span (the budget's re-sizing), a stretch watched less weighs
-    /// more; where it does not, this is [`Self::weight`].
+    /// As [`Self::weight`], for a call that began at `start_ns`, with the share taken locally
+    /// ([`Strata::weight`]). Weighing many calls of one coverage, cut it once with
+    /// [`Self::strata`].
     pub fn weight_at(&self, start_ns: u64, dur_ns: u64) -> f64 {
-        let Some(first) = self.intervals.iter().map(|&(a, _)| a).min() else {
-            return 1.0;
-        };
-        let end = first + self.span_ns;
-        // (stratum's start, its intervals' room for this length).
-        let (mut lo, mut room) = (first, 0u64);
+        self.strata().weight(start_ns, dur_ns)
+    }
+
+    /// The span cut into strata of consecutive watched intervals, each at least
+    /// [`STRATUM_NS`] long (the first from the first interval's start, the last to the span's
+    /// end).
+    pub fn strata(&self) -> Strata {
         let mut iv = self.intervals.clone();
         iv.sort_unstable();
-        for (k, &(a, b)) in iv.iter().enumerate() {
-            room += (b - a).saturating_sub(dur_ns);
+        let Some(&(first, _)) = iv.first() else {
+            return Strata(Vec::new());
+        };
+        let end = first + self.span_ns;
+        let mut strata = Vec::new();
+        let (mut lo, mut from) = (first, 0);
+        for k in 0..iv.len() {
             let last = k + 1 == iv.len();
-            // The stratum closes at the next interval's start once it is long enough.
+            // A stratum closes at the next interval's start once it is long enough.
             let hi = if last { end } else { iv[k + 1].0 };
-            if !last && hi.saturating_sub(lo) < STRATUM_NS {
-                continue;
+            if last || hi.saturating_sub(lo) >= STRATUM_NS {
+                strata.push(Stratum {
+                    lo,
+                    hi,
+                    intervals: iv[from..=k].to_vec(),
+                });
+                (lo, from) = (hi, k + 1);
             }
-            if start_ns < hi || last {
-                let len = hi.saturating_sub(lo).max(1);
-                if room == 0 {
-                    let watched: u64 = iv
-                        .iter()
-                        .filter(|&&(x, _)| x >= lo && x < hi)
-                        .map(|&(x, y)| y - x)
-                        .sum();
-                    return len as f64 / watched.max(1) as f64;
-                }
-                return len as f64 / room as f64;
-            }
-            lo = hi;
-            room = 0;
         }
-        self.weight(dur_ns)
+        Strata(strata)
+    }
+}
+
+/// A [`Coverage`] cut into strata ([`Coverage::strata`]).
+#[derive(Debug, Clone)]
+pub struct Strata(Vec<Stratum>);
+
+#[derive(Debug, Clone)]
+struct Stratum {
+    lo: u64,
+    hi: u64,
+    intervals: Vec<(u64, u64)>,
+}
+
+impl Strata {
+    /// How many calls one timed call that began at `start_ns` and lasted `dur_ns` stands for:
+    /// its stratum's length over the room a call of its length had in the stratum's
+    /// intervals (where none fits, over the time they were watched). Where the share changes
+    /// over the span (the budget's re-sizing), a stretch watched less weighs more; where it
+    /// does not, this is [`Coverage::weight`]. 1 without any interval.
+    pub fn weight(&self, start_ns: u64, dur_ns: u64) -> f64 {
+        let Some(s) = self
+            .0
+            .iter()
+            .find(|s| start_ns < s.hi)
+            .or_else(|| self.0.last())
+        else {
+            return 1.0;
+        };
+        let len = s.hi.saturating_sub(s.lo).max(1);
+        let room: u64 = s
+            .intervals
+            .iter()
+            .map(|&(a, b)| (b - a).saturating_sub(dur_ns))
+            .sum();
+        if room == 0 {
+            let watched: u64 = s.intervals.iter().map(|&(a, b)| b - a).sum();
+            return len as f64 / watched.max(1) as f64;
+        }
+        len as f64 / room as f64
     }
 }
 
@@ -543,19 +577,25 @@ pub fn uncertainty(calls: &[StartedCall], cov: &Coverage) -> Option<Uncertainty>
 /// A timed call's (start, duration, weight), ns: what [`uncertainty`] takes.
 type StartedCall = (u64, u64, f64);
 
+/// Each coverage cut into its strata once, for weighing its calls ([`Strata::weight`]).
+pub fn strata_of(cov: &BTreeMap<(u32, i32), Coverage>) -> BTreeMap<(u32, i32), Strata> {
+    cov.iter().map(|(&k, c)| (k, c.strata())).collect()
+}
+
 /// The 95% intervals of every (probe, thread) watched for part of its span (`cov`, from
 /// [`coverages`] or [`window_coverages`]), from the calls it timed.
 pub fn estimate_intervals(
     rec: &Recording,
     cov: &BTreeMap<(u32, i32), Coverage>,
 ) -> BTreeMap<(u32, i32), Uncertainty> {
+    let strata = strata_of(cov);
     let mut timed: BTreeMap<(u32, i32), Vec<StartedCall>> = BTreeMap::new();
     for c in &rec.calls {
-        if let Some(k) = cov.get(&(c.probe, c.tid)) {
+        if let Some(k) = strata.get(&(c.probe, c.tid)) {
             timed.entry((c.probe, c.tid)).or_default().push((
                 c.start_ns,
                 c.dur_ns,
-                k.weight_at(c.start_ns, c.dur_ns),
+                k.weight(c.start_ns, c.dur_ns),
             ));
         }
     }
@@ -691,14 +731,15 @@ pub fn function_latency(
     let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
     let mut row_cov: BTreeMap<(u32, i32, i32), f64> = BTreeMap::new();
     let intervals = estimate_intervals(rec, &cov);
+    let strata = strata_of(&cov);
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
         let key = (row_of(c.probe), c.pid, c.tid);
-        let weight = match cov.get(&(c.probe, c.tid)) {
-            Some(k) => {
+        let weight = match (cov.get(&(c.probe, c.tid)), strata.get(&(c.probe, c.tid))) {
+            (Some(k), Some(st)) => {
                 row_cov.entry(key).or_insert_with(|| k.share());
-                k.weight_at(c.start_ns, c.dur_ns)
+                st.weight(c.start_ns, c.dur_ns)
             }
-            None => 1.0,
+            _ => 1.0,
         };
         by_key.entry(key).or_default().push((
             c.start_ns.saturating_add(c.dur_ns),

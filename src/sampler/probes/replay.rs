@@ -84,10 +84,11 @@ impl Watched {
             span_ns: window_ns,
             intervals: self.intervals.clone(),
         };
+        let strata = cov.strata();
         let mut w: Vec<(u64, f64)> = self
             .timed
             .iter()
-            .map(|&(s, d)| (d, cov.weight_at(s, d)))
+            .map(|&(s, d)| (d, strata.weight(s, d)))
             .collect();
         let calls = w.iter().map(|c| c.1).sum();
         Some((calls, LatencyMs::of_weighted(&mut w)?))
@@ -100,10 +101,11 @@ impl Watched {
             span_ns: window_ns,
             intervals: self.intervals.clone(),
         };
+        let strata = cov.strata();
         let calls: Vec<(u64, u64, f64)> = self
             .timed
             .iter()
-            .map(|&(s, d)| (s, d, cov.weight_at(s, d)))
+            .map(|&(s, d)| (s, d, strata.weight(s, d)))
             .collect();
         uncertainty(&calls, &cov)
     }
