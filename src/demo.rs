@@ -150,7 +150,10 @@ fn start_engine(
         .args(["serve", "--port", "0", "--truth"])
         .arg(truth)
         .arg("--go-fifo")
-        .arg(go);
+        .arg(go)
+        // The load sweeps its concurrency, as a benchmark over concurrencies does, so that
+        // what grows with the requests per step (the per-request pickling) shows.
+        .args(["--ramp", RAMP]);
     if let Some(s) = seconds {
         cmd.args(["--seconds", &format!("{s}")]);
     }
@@ -323,7 +326,7 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
     let rec = crate::record::read_recording(&rec_path)?;
     let report =
         crate::views::report::Report::build(&rec, &crate::views::filter::Selection::all(&rec));
-    println!("\n== findings (report.md, from any recording; ranked by the share of time each explains)\n");
+    println!("\n== findings (report.md, from any recording; ranked by the share of time each explains), with the engine's own figure where it times one\n");
     if report.findings.is_empty() {
         println!("   none");
     }
@@ -340,6 +343,9 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
             f.score * 100.0,
             f.verdict
         );
+        if let Some(own) = own_figure(f, &truth) {
+            println!("   engine's own: {own}");
+        }
     }
     print!("{}", findings(&rec, &truth)?);
     if opts.fixed {
@@ -477,17 +483,63 @@ fn read_truth(dir: &Path, role: &str) -> Option<serde_json::Value> {
     None
 }
 
-/// The three findings, enginescope's figure next to the engine's own.
+/// The sample engine's load: requests in flight up and down, each level held 0.625 s: one
+/// sweep takes 7.5 s, half the engine's window, so each half of a recording holds about one
+/// (`diff` takes a recording's noise from the difference of its halves).
+pub const RAMP: &str = "8,16,24,32,40,48,64,48,40,32,24,16:0.625";
+
+/// The engine's own figure for a finding about the bundled engine, from its truth files: the
+/// worker's GIL fight (its `execute_model` and the writer's `_evict_to_fit` as its timers saw
+/// them), the EngineCore's GC (its `gc.callbacks`), a MessageQueue call's growth per request
+/// (its CPU time per record handled, least squares over the window's calls).
+pub fn own_figure(f: &crate::views::findings::Finding, truth_dir: &Path) -> Option<String> {
+    let role = ["worker", "engine_core"].into_iter().find_map(|r| {
+        read_truth(truth_dir, r).filter(|t| t["pid"].as_i64() == Some(f.pid as i64))
+    })?;
+    let ms = |v: &serde_json::Value| v.as_f64().map(|x| x / 1e6);
+    match f.kind.as_str() {
+        "gil_contention" if role["role"] == "worker" && f.tid == Some(f.pid) => {
+            let fs = &role["functions"];
+            let exec = ms(&fs["Worker.execute_model"]["wall_ns"]["mean"])?;
+            let evict = ms(&fs["AuxOutputStore._evict_to_fit"]["wall_ns"]["mean"]);
+            Some(format!(
+                "Worker.execute_model {exec:.2} ms per call{} (its timers, around each call)",
+                evict.map_or(String::new(), |e| format!(
+                    ", AuxOutputStore._evict_to_fit {e:.2} ms per call on the writer"
+                ))
+            ))
+        }
+        "gc_pressure" if role["role"] == "engine_core" => {
+            let gc = &role["gc"];
+            let g2 = &gc["by_generation"]["2"];
+            Some(format!(
+                "{:.1}% of its window collecting (gen 2: {} × {:.2} ms)",
+                gc["share_of_wall"].as_f64()? * 100.0,
+                g2["count"].as_u64().unwrap_or(0),
+                g2["total_ns"].as_f64().unwrap_or(0.0)
+                    / g2["count"].as_f64().filter(|&n| n > 0.0).unwrap_or(1.0)
+                    / 1e6
+            ))
+        }
+        "per_request_growth" => {
+            let per = &role["functions"][&f.function]["per_item_cpu"];
+            Some(format!(
+                "{:.1} µs more CPU per record handled (r {:.2}, {}-{} records a call)",
+                per["slope_ns"].as_f64()? / 1e3,
+                per["r"].as_f64().unwrap_or(0.0),
+                per["items_min"],
+                per["items_max"]
+            ))
+        }
+        _ => None,
+    }
+}
+
+/// The per-call latency of the probed functions and the throughput, enginescope's figure
+/// next to the engine's own.
 pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
     use std::fmt::Write as _;
     let mut s = String::new();
-    let role_pid = |role: &str| {
-        rec.processes
-            .iter()
-            .rev()
-            .find(|p| p.role == role || p.role.starts_with(&format!("{role}_")))
-            .map(|p| p.pid)
-    };
     let worker_t = read_truth(truth_dir, "worker");
     let core_t = read_truth(truth_dir, "engine_core");
     let api_t = read_truth(truth_dir, "api_server");
@@ -507,44 +559,10 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
     let wall_s = (w1 - w0) as f64 / 1e9;
     writeln!(s, "\n== what enginescope found (over the engine's {wall_s:.1} s window), next to the engine's own measurements\n")?;
 
-    // 1. GIL: who blocks the worker's main thread.
-    if let Some(wp) = role_pid("worker") {
-        let waits: Vec<_> = rec
-            .gil_waits
-            .iter()
-            .filter(|g| g.pid == wp && g.tid == wp && in_window(g.start_ns))
-            .collect();
-        let total: u64 = waits.iter().map(|g| g.dur_ns).sum();
-        let mut by_holder: std::collections::BTreeMap<String, u64> = Default::default();
-        for g in &waits {
-            let holder = crate::views::gil::holder_name(rec, g);
-            let func = rec
-                .stack_frames(g.holder_stack)
-                .next()
-                .map(|f| f.function.clone())
-                .unwrap_or_else(|| "?".into());
-            *by_holder.entry(format!("{holder} in {func}")).or_default() += g.dur_ns;
-        }
-        let mut top: Vec<_> = by_holder.into_iter().collect();
-        top.sort_by_key(|x| std::cmp::Reverse(x.1));
-        writeln!(
-            s,
-            "1. GIL: the Worker's main thread waited {:.0} ms/s for the GIL ({} waits)",
-            total as f64 / 1e6 / wall_s,
-            waits.len()
-        )?;
-        for (who, ns) in top.iter().take(2) {
-            writeln!(
-                s,
-                "   {:5.1}% of that while `{who}` held it",
-                100.0 * *ns as f64 / total.max(1) as f64
-            )?;
-        }
-    }
     // 2. Per-call latency of the probed functions, against the engine's timers.
     writeln!(
         s,
-        "2. per-call latency (p50), enginescope vs the engine's own perf_counter timers:"
+        "per-call latency (p50), enginescope vs the engine's own perf_counter timers:"
     )?;
     // Like with like: the engine times each call from its caller, so its timer holds the two
     // debug traps every exactly probed call takes (its start and its end), which
@@ -631,32 +649,6 @@ pub fn findings(rec: &Recording, truth_dir: &Path) -> anyhow::Result<String> {
             s,
             "   (the engine times each call around it, from its caller: that holds the probe's own two debug traps, {:.0} µs each here, calibrated, and whatever the caller waited for around the call (the GIL, on a thread that shares it); \"less traps\" takes the traps out, and where the engine also times the call inside it, that figure is the one to compare)",
             trap_ns as f64 / 1e3
-        )?;
-    }
-    // 3. GC in the EngineCore.
-    if let Some(cp) = role_pid("engine_core") {
-        let gen2: Vec<_> = rec
-            .gc_pauses
-            .iter()
-            .filter(|g| g.pid == cp && g.generation == 2 && in_window(g.start_ns))
-            .collect();
-        let all: u64 = rec
-            .gc_pauses
-            .iter()
-            .filter(|g| g.pid == cp && in_window(g.start_ns))
-            .map(|g| g.dur_ns)
-            .sum();
-        let g2: u64 = gen2.iter().map(|g| g.dur_ns).sum();
-        let truth = core_t
-            .as_ref()
-            .and_then(|t| t["gc"]["by_generation"]["2"]["share_of_wall"].as_f64());
-        writeln!(
-            s,
-            "3. GC: the EngineCore spent {:.1}% of its wall time in generation-2 collections ({} of them; all generations {:.1}%)   engine's own: {}",
-            100.0 * g2 as f64 / 1e9 / wall_s,
-            gen2.len(),
-            100.0 * all as f64 / 1e9 / wall_s,
-            truth.map_or("-".to_string(), |t| format!("{:.1}%", 100.0 * t))
         )?;
     }
     // Throughput from the engine's own /metrics, as scraped (every engine of the recording).

@@ -3,7 +3,8 @@
 It starts the EngineCore (multiprocessing spawn, like vLLM), which starts the Worker(s), then
 runs the load itself instead of serving HTTP completions:
 
-  `load-generator` thread: keeps --requests requests in flight (closed loop). Each has a prompt
+  `load-generator` thread: keeps --requests requests in flight (closed loop; with --ramp, a
+  level that steps through the given ones). Each has a prompt
       (70% start with one of 4 shared 256-token system prompts, so the prefix cache hits) and a
       max_tokens drawn in [--max-tokens/2, --max-tokens]; a finished request is replaced at once.
   `output-handler` thread: receives each step's tokens and scheduler stats from the EngineCore
@@ -133,12 +134,26 @@ class EngineClient:
 
     def load_loop(self):
         rec = procutil.register_thread("load-generator")
-        target = self.cfg["requests"]
+        ramp = self.cfg.get("ramp")
+        t0 = mono()
+
+        def target_now():
+            """--requests, or with --ramp the level of this moment (levels in turn, each held
+            its seconds, cycling): as a sweep of concurrencies would load the engine."""
+            if not ramp:
+                return self.cfg["requests"], None
+            levels, step_ns = ramp["levels"], int(ramp["seconds"] * 1e9)
+            k = (mono() - t0) // step_ns
+            next_s = (t0 + (k + 1) * step_ns - mono()) / 1e9
+            return levels[k % len(levels)], max(next_s, 0.001)
+
         try:
             while True:
                 with self.cond:
+                    target, wake_s = target_now()
                     while self.in_flight >= target and not self.stopping:
-                        self.cond.wait()
+                        self.cond.wait(wake_s)
+                        target, wake_s = target_now()
                     if self.stopping:
                         return
                     n = target - self.in_flight

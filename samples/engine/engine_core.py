@@ -373,7 +373,7 @@ class MultiprocExecutor:
         self.sched_mq.enqueue(so.records)
         c1 = tcpu()
         t1 = mono()
-        self.enqueue_log.add(t0, t1, c0, c1)
+        self.enqueue_log.add(t0, t1, c0, c1, len(so.records))
         t0 = mono()
         c0 = tcpu()
         out = self.resp_mq.dequeue()

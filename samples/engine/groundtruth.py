@@ -38,8 +38,12 @@ class CallLog:
         # times them; only for functions that report it (shm_broadcast.MessageQueue).
         self.body_starts = array("q")
         self.body_walls = array("q")
+        # Items per call, where the caller says (add(..., items=n)); one per kept call.
+        self.items = array("q")
 
-    def add(self, t0, t1, c0, c1):
+    def add(self, t0, t1, c0, c1, items=None):
+        """One call; `items`: how many items it handled (records of a message), where its cost
+        may grow with them."""
         self.calls_total += 1
         if self.thread is None:
             self.thread = threading.get_native_id()
@@ -47,6 +51,8 @@ class CallLog:
             self.starts.append(t0)
             self.walls.append(t1 - t0)
             self.cpus.append(c1 - c0)
+            if items is not None:
+                self.items.append(items)
 
     def add_body(self, t0, t1):
         if len(self.body_starts) < self.cap:
@@ -73,10 +79,45 @@ class CallLog:
             # Timed inside the call, where a probe times it (absent where not measured).
             **({"body_wall_ns": summary(body), "body_calls": len(body)} if body else {}),
             "cpu_ns": summary(cpus),
+            # Wall and thread-CPU time per item handled (least squares over the window's
+            # calls), where known.
+            **({"per_item": per_item([(self.items[i], self.walls[i]) for i in idx]),
+                "per_item_cpu": per_item([(self.items[i], self.cpus[i]) for i in idx])}
+               if len(self.items) == len(self.starts) and idx else {}),
             "columns": ["start_ns", "wall_ns", "cpu_ns"],
             "list": rows,
             "list_truncated": len(idx) > list_cap,
         }
+
+
+def per_item(points, min_calls=5):
+    """Time per item handled: the median of the calls with each item count (of those with at
+    least `min_calls` calls), a least-squares line through those medians: {slope_ns,
+    intercept_ns, r, calls, counts, items_min, items_max, items_mean}. Medians, because a
+    collection of the whole heap now and then lands inside a call and its 50 ms would outweigh
+    every record. slope and r are None where fewer than three item counts qualify."""
+    by = {}
+    for items, t in points:
+        by.setdefault(items, []).append(t)
+    med = [(k, sorted(v)[(len(v) - 1) // 2]) for k, v in sorted(by.items()) if len(v) >= min_calls]
+    xs = [p[0] for p in points]
+    out = {"slope_ns": None, "intercept_ns": None, "r": None, "calls": len(points),
+           "counts": len(med), "items_min": min(xs), "items_max": max(xs),
+           "items_mean": round(sum(xs) / len(xs), 2)}
+    if len(med) < 3:
+        return out
+    n = len(med)
+    mx = sum(x for x, _ in med) / n
+    my = sum(y for _, y in med) / n
+    sxx = sum((x - mx) ** 2 for x, _ in med)
+    syy = sum((y - my) ** 2 for _, y in med)
+    sxy = sum((x - mx) * (y - my) for x, y in med)
+    if sxx <= 0:
+        return out
+    slope = sxy / sxx
+    out.update(slope_ns=round(slope, 1), intercept_ns=round(my - slope * mx, 1),
+               r=None if syy <= 0 else round(sxy / (sxx * syy) ** 0.5, 4))
+    return out
 
 
 def percentile(sorted_xs, p):

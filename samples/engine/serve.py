@@ -44,6 +44,10 @@ def build_parser():
     load = p.add_argument_group("load")
     load.add_argument("--requests", type=int,
                       help="requests in flight (default 64; 24 with --serialize-stalls)")
+    load.add_argument("--ramp", metavar="LEVELS:SECONDS",
+                      help="requests in flight step through these levels, each held SECONDS, "
+                           "cycling (e.g. 8,16,32,64:1): a sweep of concurrencies, so that "
+                           "what grows with the batch shows; instead of --requests")
     load.add_argument("--max-tokens", type=int, default=128,
                       help="each request's max_tokens is drawn in [N/2, N]")
     load.add_argument("--warmup-requests", type=int,
@@ -120,9 +124,22 @@ def make_config(args):
     if steps_per_s is None:
         # A paced engine leaves the API server's loop a core on a small machine.
         steps_per_s = 100.0 if args.serialize_stalls else 0
+    ramp = None
+    if args.ramp:
+        try:
+            levels, seconds = args.ramp.split(":")
+            ramp = {"levels": [int(x) for x in levels.split(",")], "seconds": float(seconds)}
+        except ValueError:
+            raise SystemExit("--ramp: expected LEVELS:SECONDS such as 8,16,32,64:1, got %r"
+                             % args.ramp)
+        if not ramp["levels"] or min(ramp["levels"]) < 1 or ramp["seconds"] <= 0:
+            raise SystemExit("--ramp: levels must be at least 1 and SECONDS above 0")
+        # Warm-up and the metrics' first figures as at the highest level.
+        requests = max(ramp["levels"])
     if truth:
         os.makedirs(truth, exist_ok=True)
     return {
+        "ramp": ramp,
         "model": args.model,
         "served_model_name": args.served_model_name or args.model,
         "truth": truth,

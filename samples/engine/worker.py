@@ -364,7 +364,7 @@ def run_worker(cfg, rank, sched_handle, resp_handle, ready_conn, parent_pid):
                     window = [msg.obj[1], msg.obj[2]]
                     break
                 continue
-            dq.add(t0, t1, c0, c1)
+            dq.add(t0, t1, c0, c1, len(msg))
             t0 = mono()
             c0 = tcpu()
             out = worker.execute_model(msg)

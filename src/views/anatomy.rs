@@ -69,7 +69,7 @@ pub const OFF_CPU: &str = "off CPU";
 type Calls = Vec<(u32, u64, u64)>;
 
 /// Sum of the overlaps of sorted, disjoint `intervals` with `[a, b)`.
-fn overlap(intervals: &[(u64, u64)], a: u64, b: u64) -> u64 {
+pub(crate) fn overlap(intervals: &[(u64, u64)], a: u64, b: u64) -> u64 {
     let mut i = intervals.partition_point(|&(_, e)| e <= a);
     let mut sum = 0;
     while let Some(&(s, e)) = intervals.get(i) {
@@ -83,7 +83,7 @@ fn overlap(intervals: &[(u64, u64)], a: u64, b: u64) -> u64 {
 }
 
 /// Sorted `(start, end)` merged where they overlap.
-fn merged(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+pub(crate) fn merged(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     v.sort_unstable();
     let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
     for (a, b) in v {

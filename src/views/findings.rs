@@ -13,7 +13,11 @@
 //! - `gil_contention`: a thread waits for the GIL [`GIL_MIN_SHARE`] or more of the recording,
 //!   over at least [`GIL_MIN_WAITS`] waits; names the thread that held it most when the waits
 //!   began and what that thread ran, and, for each probed function on the waiting thread, how
-//!   much of its calls' time was GIL wait.
+//!   much of its calls' time was GIL wait. Scored by that share, except a thread of an engine
+//!   process off its step loop (where the step anatomy names the loop's threads) that keeps
+//!   up, idle more than [`KEEPS_UP_IDLE`]: its waits delay what it hands on, not the steps, so
+//!   it is context, at [`MIN_SCORE`] (an output thread behind the busy loop, the writer
+//!   behind the worker's main thread).
 //! - `gc_pressure`: a process's collections take [`GC_MIN_SHARE`] or more of the recording,
 //!   over at least [`GC_MIN_PAUSES`] pauses; by generation (count, mean and max pause), the
 //!   thread that collected most, and the function the collections interrupted most (the
@@ -28,9 +32,11 @@
 //! - `busy_spin`: a thread on CPU [`SPIN_MIN_CPU_SHARE`] or more of the recording, at least
 //!   [`SPIN_MIN_POLL_SHARE`] of that in a polling loop (a function named like
 //!   `acquire_read`, `sched_yield`, `spin`, `busy_wait`, `poll`): a core burnt waiting.
-//! - `per_request_growth`: a probed function's median latency per window grows with its
-//!   engine's running requests (least squares over at least [`GROWTH_MIN_WINDOWS`] windows
-//!   of at least half the median window's calls; not a vLLM step or `execute_model`, whose
+//! - `per_request_growth`: a probed function's median latency per interval between its
+//!   engine's scrapes grows with the running requests they read (least squares over at least
+//!   [`GROWTH_MIN_POINTS`] intervals of at least half the median interval's calls: the
+//!   scrapes, not the report's 10 s windows, so that a sweep of concurrencies or a ramp inside
+//!   one window is seen; not a vLLM step or `execute_model`, whose
 //!   work grows with the batch by design and with what is inside them,
 //!   correlation at least [`GROWTH_MIN_R`], a rise over the range seen of at least
 //!   [`GROWTH_MIN_RISE`] of its mean): the slope in ms per running request, scored by the
@@ -52,6 +58,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use super::anatomy::{merged, overlap, StepAnatomy};
 use super::report::Report;
 use super::stalls::is_serialization_frame;
 use super::Selection;
@@ -78,12 +85,16 @@ pub const SPIN_MIN_SAMPLES: u64 = 20;
 /// Serialization and per-request growth explain at least this share of the thread's time
 /// (below it, the finding would rank under every real one and read as noise).
 pub const MIN_SCORE: f64 = 0.01;
+/// A thread of an engine process off its step loop idle more than this share of the
+/// recording keeps up with its work: its GIL waits are latency, not throughput.
+pub const KEEPS_UP_IDLE: f64 = 0.1;
 /// Findings listed first in Markdown and on `top`'s line.
 pub const TOP: usize = 5;
 
-/// A probe's per-window median latency regressed on its engine's running requests: at least
-/// this many windows with both (and [`GROWTH_MIN_CALLS`] calls each)...
-pub const GROWTH_MIN_WINDOWS: usize = 6;
+/// A probe's median latency per interval between its engine's scrapes, regressed on the
+/// running requests those scrapes read: at least this many intervals (of
+/// [`GROWTH_MIN_CALLS`] calls each)...
+pub const GROWTH_MIN_POINTS: usize = 6;
 pub const GROWTH_MIN_CALLS: u64 = 3;
 /// ...a correlation of at least this...
 pub const GROWTH_MIN_R: f64 = 0.7;
@@ -127,12 +138,13 @@ pub struct Finding {
 pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
     let mut out = Vec::new();
     let dur_ns = rec.duration_ns().max(1);
-    gil_contention(rec, sel, r, dur_ns, &mut out);
+    let anatomies = super::anatomy::step_anatomies(rec, sel);
+    gil_contention(rec, sel, r, dur_ns, &anatomies, &mut out);
     gc_pressure(rec, sel, r, dur_ns, &mut out);
     serialization(rec, sel, r, &mut out);
     busy_spin(rec, sel, r, &mut out);
-    per_request_growth(rec, r, &mut out);
-    step_anatomy(rec, sel, r, &mut out);
+    per_request_growth(rec, sel, r, &mut out);
+    step_anatomy(rec, r, &anatomies, &mut out);
     for s in &r.api_server_stalls.servers {
         let stalled_s = s.stalled_s;
         if s.stalls == 0 || r.duration_s <= 0.0 {
@@ -298,14 +310,31 @@ fn gil_contention(
     sel: &Selection,
     r: &Report,
     dur_ns: u64,
+    anatomies: &[StepAnatomy],
     out: &mut Vec<Finding>,
 ) {
     let dur_s = dur_ns as f64 / 1e9;
+    // The threads that run an engine's step (its EngineCore's and its workers'), where the
+    // step anatomy found them, and their processes.
+    let step_threads: Vec<(i32, i32)> = anatomies
+        .iter()
+        .flat_map(|a| std::iter::once(&a.engine_core).chain(&a.workers))
+        .map(|s| (s.pid, s.tid))
+        .collect();
     for t in &r.threads {
         let share = t.gil_wait_s / dur_s;
         if share < GIL_MIN_SHARE || t.gil_waits < GIL_MIN_WAITS {
             continue;
         }
+        // A thread of an engine process off its step loop that keeps up (idle, neither on CPU
+        // nor waiting for the GIL, more than [`KEEPS_UP_IDLE`] of the recording): its waits
+        // delay what it hands on (latency), not the engine's steps; context, listed after the
+        // causes at the least score. One that cannot keep up limits throughput: full score.
+        let off_step = step_threads.iter().any(|&(p, _)| p == t.pid)
+            && !step_threads.contains(&(t.pid, t.tid));
+        let idle = (1.0 - (t.cpu_s + t.gil_wait_s) / dur_s).max(0.0);
+        let keeps_up = off_step && idle > KEEPS_UP_IDLE;
+        let score = if keeps_up { MIN_SCORE } else { share };
         // The holder that made it wait most (a thread, not the GIL being free or itself).
         let holder = r
             .gil_blocking_pairs
@@ -371,9 +400,17 @@ fn gil_contention(
                     .collect::<Vec<_>>()),
             );
         }
+        if keeps_up {
+            verdict.push_str(&format!(
+                "; off the engine's step loop and idle {} of the recording, it keeps up: this delays what it hands on, not the engine's steps",
+                pct(idle)
+            ));
+            evidence.insert("off_step_loop".into(), json!(true));
+            evidence.insert("idle_share".into(), json!(idle));
+        }
         out.push(Finding {
             kind: "gil_contention".into(),
-            score: share.min(1.0),
+            score: score.min(1.0),
             pid: t.pid,
             tid: Some(t.tid),
             thread: t.name.clone(),
@@ -697,12 +734,12 @@ fn side_line(rec: &Recording, s: &super::anatomy::Side) -> String {
 /// other kinds name (scored by the step's share it would have been, it came first in the demo
 /// and put the GIL fight behind it second), so it is listed at [`MIN_SCORE`], after them;
 /// `evidence.critical_not_running_share` keeps that share.
-fn step_anatomy(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
+fn step_anatomy(rec: &Recording, r: &Report, anatomies: &[StepAnatomy], out: &mut Vec<Finding>) {
     use super::anatomy::{RUNNING, WAIT_WORKERS};
     if r.duration_s <= 0.0 {
         return;
     }
-    for a in super::anatomy::step_anatomies(rec, sel) {
+    for a in anatomies {
         let e = &a.engine_core;
         let wait = e.share(WAIT_WORKERS);
         let worst = a
@@ -790,62 +827,111 @@ fn fit(points: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
     Some((slope, my - slope * mx, sxy / (sxx * syy).sqrt()))
 }
 
-fn per_request_growth(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
-    // Probe key (`pid:spec`) -> the engine holding that pid.
-    let engine_of = |pid: i32| {
-        rec.engines
+/// The intervals between an engine's scrapes of its running requests, each with the mean of
+/// its two readings and the median time on CPU of a probe's calls that began in it; only
+/// intervals holding [`GROWTH_MIN_CALLS`] calls and at least half the median interval's
+/// (an interval cut by the engine stopping is not the steady state the others are).
+fn growth_points(running: &[(u64, f64)], mut calls: Vec<(u64, u64)>) -> Vec<(f64, f64)> {
+    calls.sort_unstable();
+    let mut per: Vec<(f64, Vec<u64>)> = Vec::new();
+    let mut i = 0;
+    for w in running.windows(2) {
+        let (t0, t1) = (w[0].0, w[1].0);
+        while i < calls.len() && calls[i].0 < t0 {
+            i += 1;
+        }
+        let mut d = Vec::new();
+        while i < calls.len() && calls[i].0 < t1 {
+            d.push(calls[i].1);
+            i += 1;
+        }
+        if !d.is_empty() {
+            per.push(((w[0].1 + w[1].1) / 2.0, d));
+        }
+    }
+    let mut counts: Vec<usize> = per.iter().map(|p| p.1.len()).collect();
+    counts.sort_unstable();
+    let enough = counts
+        .get(counts.len() / 2)
+        .map_or(GROWTH_MIN_CALLS as usize, |&m| {
+            (GROWTH_MIN_CALLS as usize).max(m / 2)
+        });
+    per.into_iter()
+        .filter(|(_, d)| d.len() >= enough)
+        .map(|(x, mut d)| {
+            d.sort_unstable();
+            (x, d[(d.len() - 1) / 2] as f64 / 1e6)
+        })
+        .collect()
+}
+
+/// A thread's time off CPU or waiting for the GIL, merged.
+fn off_cpu_of(rec: &Recording, sel: &Selection, pid: i32, tid: i32) -> Vec<(u64, u64)> {
+    merged(
+        sel.offcpu(rec)
+            .filter(|o| o.pid == pid && o.tid == tid)
+            .map(|o| (o.start_ns, o.start_ns.saturating_add(o.dur_ns)))
+            .chain(
+                sel.gil_waits(rec)
+                    .filter(|g| g.pid == pid && g.tid == tid)
+                    .map(|g| (g.start_ns, g.start_ns.saturating_add(g.dur_ns))),
+            )
+            .collect(),
+    )
+}
+
+fn per_request_growth(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
+    let ix = crate::metrics::MetricIndex::new(rec);
+    // One line per probed function and process, whatever its method over time.
+    let mut seen = std::collections::BTreeSet::new();
+    for p in &rec.probes {
+        if !seen.insert((p.pid, p.spec.as_str())) {
+            continue;
+        }
+        // A step or a model run grows with its batch by design (the model's work is per
+        // token), and with whatever grows inside it: the calls inside it are the finding.
+        if crate::sampler::probes::is_headline(&p.function) {
+            continue;
+        }
+        let Some(engine) = rec
+            .engines
             .iter()
             .rev()
-            .find(|e| e.pids().contains(&pid))
-            .map(|e| e.id.clone())
-    };
-    let mut keys: Vec<&str> = r
-        .windows
-        .iter()
-        .flat_map(|w| w.probes.iter().map(|p| p.probe.as_str()))
-        .collect();
-    keys.sort_unstable();
-    keys.dedup();
-    for key in keys {
-        let Some(pid) = key.split(':').next().and_then(|p| p.parse::<i32>().ok()) else {
+            .find(|e| e.pids().contains(&p.pid))
+            .map(|e| e.id.as_str())
+        else {
             continue;
         };
-        let Some(engine) = engine_of(pid) else {
-            continue;
-        };
-        let mut points = Vec::new();
-        let mut calls_per_s = 0.0;
-        // A window with under half the median window's calls is not the steady state the
-        // others are (cut by the recording's end while the engine stopped: its last 11 calls
-        // read 0.40 ms among windows of 0.86-1.44 ms and undid the demo's growth).
-        let mut counts: Vec<u64> = r
-            .windows
+        let running = ix.gauge(engine, &crate::metrics::names::RUNNING);
+        let ids: Vec<u32> = rec
+            .probes
             .iter()
-            .filter_map(|w| w.probes.iter().find(|p| p.probe == key))
-            .map(|p| p.calls)
+            .filter(|q| q.pid == p.pid && q.spec == p.spec)
+            .map(|q| q.id)
             .collect();
-        counts.sort_unstable();
-        let enough = counts
-            .get(counts.len() / 2)
-            .map_or(GROWTH_MIN_CALLS, |&m| GROWTH_MIN_CALLS.max(m / 2));
-        for w in &r.windows {
-            let Some(p) = w.probes.iter().find(|p| p.probe == key) else {
-                continue;
-            };
-            let running = w
-                .engines
-                .iter()
-                .find(|e| e.id == engine)
-                .and_then(|e| e.running);
-            if let (Some(p50), Some(run), true) = (p.p50_ms, running, p.calls >= enough) {
-                points.push((run, p50));
-                calls_per_s += p.calls_per_s;
-            }
-        }
-        if points.len() < GROWTH_MIN_WINDOWS {
+        // Each call's time on CPU: its duration less the thread's GIL waits and other time
+        // off CPU inside it, so that a call that waits (a reader blocked on its queue, behind
+        // the GIL) is judged by its own work, not by how long its peer took.
+        let mut waits: HashMap<i32, Vec<(u64, u64)>> = HashMap::new();
+        let calls: Vec<(u64, u64)> = rec
+            .calls
+            .iter()
+            .filter(|c| ids.contains(&c.probe) && sel.contains(c.pid, c.tid))
+            .map(|c| {
+                let w = waits
+                    .entry(c.tid)
+                    .or_insert_with(|| off_cpu_of(rec, sel, c.pid, c.tid));
+                let end = c.start_ns.saturating_add(c.dur_ns);
+                (
+                    c.start_ns,
+                    c.dur_ns.saturating_sub(overlap(w, c.start_ns, end)),
+                )
+            })
+            .collect();
+        let points = growth_points(&running, calls);
+        if points.len() < GROWTH_MIN_POINTS {
             continue;
         }
-        calls_per_s /= points.len() as f64;
         let Some((slope, intercept, corr)) = fit(&points) else {
             continue;
         };
@@ -857,21 +943,18 @@ fn per_request_growth(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
         if slope <= 0.0 || corr < GROWTH_MIN_R || mean_y <= 0.0 || rise < GROWTH_MIN_RISE * mean_y {
             continue;
         }
-        let spec = key.split_once(':').map_or(key, |(_, s)| s);
-        let function = rec
-            .probes
+        // Calls per second as the latency table estimates them (a budgeted probe's scaled).
+        let calls_per_s: f64 = r
+            .function_latency
             .iter()
-            .find(|p| p.pid == pid && p.spec == spec)
-            .map_or_else(|| spec.to_string(), |p| p.function.clone());
-        // A step or a model run grows with its batch by design (the model's work is per
-        // token), and with whatever grows inside it: the calls inside it are the finding.
-        if crate::sampler::probes::is_headline(&function) {
-            continue;
-        }
+            .filter(|l| l.pid == p.pid && l.function == p.function)
+            .map(|l| l.calls_per_s)
+            .sum();
         let score = (calls_per_s * slope * mean_x / 1e3).clamp(0.0, 1.0);
         if score < MIN_SCORE {
             continue;
         }
+        let (pid, function) = (p.pid, p.function.clone());
         out.push(Finding {
             kind: "per_request_growth".into(),
             score,
@@ -880,24 +963,26 @@ fn per_request_growth(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
             thread: String::new(),
             function: function.clone(),
             verdict: format!(
-                "{function} (pid {pid}) takes {:.3} ms more per running request of {engine} (r {corr:.2} over {} windows, {lo:.0}-{hi:.0} running): {:.2} ms at {lo:.0}, {:.2} ms at {hi:.0}",
-                slope,
+                "{function} (pid {pid}) runs {:.1} µs more on CPU per running request of {engine} (r {corr:.2} over {} scrape intervals, {lo:.0}-{hi:.0} running): {:.2} ms a call at {lo:.0}, {:.2} ms at {hi:.0}; the per-request part takes {:.1}% of its thread at {mean_x:.0} running",
+                slope * 1e3,
                 points.len(),
                 intercept + slope * lo,
-                intercept + slope * hi
+                intercept + slope * hi,
+                score * 100.0
             ),
             evidence: [
                 ("slope_ms_per_request".to_string(), json!(slope)),
                 ("intercept_ms".to_string(), json!(intercept)),
                 ("r".to_string(), json!(corr)),
-                ("windows".to_string(), json!(points.len())),
+                ("intervals".to_string(), json!(points.len())),
                 ("running_min".to_string(), json!(lo)),
                 ("running_max".to_string(), json!(hi)),
+                ("running_mean".to_string(), json!(mean_x)),
                 ("calls_per_s".to_string(), json!(calls_per_s)),
             ]
             .into_iter()
             .collect(),
-            see: "Per-window timeline".into(),
+            see: "Function latency".into(),
         });
     }
 }
@@ -976,12 +1061,57 @@ mod tests {
         Report::build(rec, &Selection::all(rec)).findings
     }
 
+    /// An engine (1 s, its worker waiting for the GIL 10% of it inside execute_model) whose
+    /// EngineCore process has two more threads waiting for the GIL 12% of the recording: an
+    /// output thread idle the rest of the time (it keeps up: listed at the least score, after
+    /// the worker's) and a helper on CPU 84% of it (it cannot keep up: full score).
+    #[test]
+    fn gil_contention_off_the_step_loop_counts_only_where_the_thread_cannot_keep_up() {
+        let mut rec = crate::views::anatomy::tests::engine(100);
+        for (tid, name) in [(5, "engine-output"), (6, "helper")] {
+            rec.threads.push(ThreadInfo {
+                pid: 1,
+                tid,
+                name: name.into(),
+                t_ns: 0,
+                python_name: None,
+            });
+            for i in 0..60u64 {
+                rec.gil_waits.push(GilWait {
+                    pid: 1,
+                    tid,
+                    start_ns: i * 16 * MS,
+                    dur_ns: 2 * MS,
+                    holder_tid: 1,
+                    holder_stack: 0,
+                    waiter_stack: 0,
+                    switch_wait: false,
+                });
+            }
+        }
+        rec.stacks.push(vec![]);
+        samples(&mut rec, 6, 0, 84, 0, 0);
+        let f = run(&rec);
+        let score = |tid: i32| {
+            f.iter()
+                .find(|g| g.kind == "gil_contention" && g.tid == Some(tid))
+                .unwrap_or_else(|| panic!("tid {tid}: {f:#?}"))
+                .score
+        };
+        assert!((score(2) - 0.1).abs() < 1e-9, "{f:#?}");
+        assert_eq!(score(5), MIN_SCORE, "{f:#?}");
+        assert!((score(6) - 0.12).abs() < 1e-9, "{f:#?}");
+        let out = f.iter().find(|g| g.tid == Some(5)).unwrap();
+        assert_eq!(out.evidence["off_step_loop"], json!(true));
+        assert!(out.verdict.contains("it keeps up"), "{}", out.verdict);
+    }
+
     /// An engine's dequeue (100 calls/s) grows 0.02 ms per running request over twelve 10 s
     /// windows (running 8, 12, ... 52): a finding with that slope; its step, which grows the same
     /// (the dequeue is inside it), is no finding; a last window cut short, with a few fast
     /// calls, is left out of the fit (it would have undone it).
     #[test]
-    fn per_request_growth_fits_the_windows_and_names_the_inner_call() {
+    fn per_request_growth_fits_the_scrape_intervals_and_names_the_inner_call() {
         use crate::record::{EngineInfo, MetricPoint, MetricSeries};
         let mut rec = base();
         rec.end = Some(EndInfo {
