@@ -1,14 +1,16 @@
 """Ground truth for `enginescope dump`: threads parked at known Python stacks.
 
-Every thread (the main thread included) ends up blocked in a C call (`lock.acquire()`) on a
-line that also held its last Python action, so its stack no longer changes. The main thread
+Every thread (the main thread included) ends up blocked in a C call (`lock.acquire()`, the main
+thread `os.read()`) on a line that also held its last Python action, so its stack no longer
+changes. The main thread
 records every thread's stack with `sys._current_frames()` (function = co_qualname on 3.11+,
 co_name on 3.10; file = co_filename; line = f_lineno), writes it to --truth as JSON, then
-prints READY on stdout and parks. Nothing here sleeps.
+parks; READY on stdout comes once it has (with --spin from the spinner, which then holds the
+GIL for good). Nothing here sleeps.
 
 Threads: nested functions, a method, a closure, a generator, an asyncio coroutine, non-ASCII
-function names, deep recursion, --threads N plain workers, and with --spin one thread that
-runs pure Python forever (it holds the GIL).
+function names, deep recursion, --threads N plain workers (--depth D: each D frames deep), and
+with --spin one thread that runs pure Python forever (it holds the GIL).
 """
 import argparse
 import asyncio
@@ -115,8 +117,35 @@ def recurse(n):
     recurse(n - 1)
 
 
+# With --spin the spinner says READY, once the main thread is parked: a READY printed by the
+# main thread before it parks left a moment in which the GIL was the main thread's (or nobody's,
+# the spinner not yet woken) while a dump could already look: holds_gil read false for the
+# spinner when the machine was busy.
+ANNOUNCE = False
+PARK_R, PARK_W = os.pipe()  # the main thread parks reading PARK_R (nothing is ever written)
+
+
+def main_parked():
+    """Whether the main thread is blocked reading PARK_R (its GIL released for good)."""
+    path = "/proc/self/task/%d/syscall" % threading.main_thread().native_id
+    with open(path) as f:
+        fields = f.read().split()
+    return len(fields) > 1 and fields[0] == "0" and int(fields[1], 16) == PARK_R
+
+
+def announce():
+    """Print READY once the main thread is parked (called once, from the spinner's loop)."""
+    global ANNOUNCE
+    while not main_parked():
+        pass
+    ANNOUNCE = False
+    print("READY", flush=True)
+
+
 def spin():
-    while not STOP: pass
+    # One line, every instruction of it on that line on 3.10-3.15 (`while not STOP: ANNOUNCE and
+    # announce()` compiles a jump with no line, and a dump that met the thread there read none).
+    while not (STOP or (ANNOUNCE and announce())): pass
 
 
 def worker():
@@ -157,7 +186,16 @@ def write_truth(path, threads, spinner):
 
 
 def finish(path, threads, spinner):
-    write_truth(path, threads, spinner) or print("READY", flush=True) or PARK.acquire()
+    write_truth(path, threads, spinner) or set_announce(spinner) or os.read(PARK_R, 1)
+
+
+def set_announce(spinner):
+    """READY: now from the main thread, or with a spinner from it once this thread parks."""
+    global ANNOUNCE
+    if spinner is None:
+        print("READY", flush=True)
+    else:
+        ANNOUNCE = True
 
 
 def main():
@@ -165,7 +203,11 @@ def main():
     ap.add_argument("--truth", required=True)
     ap.add_argument("--threads", type=int, default=4, help="extra plain worker threads")
     ap.add_argument("--spin", action="store_true", help="one thread running pure Python forever")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="each plain worker parks DEPTH frames deep in recurse() (0: in worker())")
     args = ap.parse_args()
+    if args.depth:
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), args.depth + 100))
     set_comm("es-main")
     specs = [
         ("es-nested", outer, ()),
@@ -175,7 +217,8 @@ def main():
         ("es-asyncio", run_loop, ()),
         ("es-unicode", 函数, ()),
         ("es-recurse", recurse, (40,)),
-    ] + [("es-worker-%d" % i, worker, ()) for i in range(args.threads)]
+    ] + [("es-worker-%d" % i, recurse, (args.depth,)) if args.depth else
+         ("es-worker-%d" % i, worker, ()) for i in range(args.threads)]
     names = {}
     for name, target, targs in specs:
         t = threading.Thread(target=thread_main, args=(name, target, targs), name=name, daemon=True)

@@ -8,14 +8,29 @@ use common::*;
 use serde_json::Value;
 
 fn check_dump(label: &str) {
+    check_dump_with(label, 4, 0);
+}
+
+/// `threads` plain workers besides the named threads, each parked `depth` frames deep (0: one
+/// frame); every thread's stack exact however many and however deep (issue 25's scale).
+fn check_dump_with(label: &str, threads: usize, depth: usize) {
     let i = interp(label);
     if !available(&i) {
         return;
     }
+    let (threads, depth) = (threads.to_string(), depth.to_string());
     let w = start(
         &i,
         "stacks.py",
-        &["--truth", "{dir}/truth.json", "--threads", "4", "--spin"],
+        &[
+            "--truth",
+            "{dir}/truth.json",
+            "--threads",
+            &threads,
+            "--depth",
+            &depth,
+            "--spin",
+        ],
     );
     let out = enginescope(&["dump", "--pid", &w.pid.to_string(), "--json"]);
     assert!(
@@ -128,4 +143,22 @@ fn exact_sid_3_14_container() {
 #[test]
 fn exact_sid_3_15_container() {
     check_dump("sid-3.15");
+}
+
+// Scale (issue 25): a process of 1,000 threads, and 200 threads 500 frames deep.
+#[test]
+fn exact_1000_threads_pyenv_3_12() {
+    check_dump_with("pyenv-3.12", 1000, 0);
+}
+#[test]
+fn exact_1000_threads_sid_3_14_container() {
+    check_dump_with("sid-3.14", 1000, 0);
+}
+#[test]
+fn exact_200_threads_500_deep_pyenv_3_12() {
+    check_dump_with("pyenv-3.12", 200, 500);
+}
+#[test]
+fn exact_200_threads_500_deep_sid_3_14_container() {
+    check_dump_with("sid-3.14", 200, 500);
 }
