@@ -485,14 +485,14 @@ impl PythonProcess {
         let known = match codes.get(&code) {
             Some(&k) => k,
             None => {
-                // 3.13+: f_executable can be a non-code object (None for C entry frames).
-                let k = if code_type.is_some_and(|ct| self.read(code.wrapping_add(8)) != Ok(ct)) {
-                    self.read(code.wrapping_add(8))?;
-                    None
-                } else {
-                    let firstlineno = self.mem.read_i32(code.wrapping_add(o.code_firstlineno))?;
-                    let name = self.read(code.wrapping_add(o.code_name))?;
-                    Some((firstlineno, name))
+                let k = match code_type {
+                    // 3.13+: f_executable can be a non-code object (None for C entry frames).
+                    Some(ct) if self.read(code.wrapping_add(8))? != ct => None,
+                    _ => {
+                        let firstlineno =
+                            self.mem.read_i32(code.wrapping_add(o.code_firstlineno))?;
+                        Some((firstlineno, self.read(code.wrapping_add(o.code_name))?))
+                    }
                 };
                 if codes.len() < CODE_CACHE_MAX {
                     codes.insert(code, k);

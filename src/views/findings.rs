@@ -32,8 +32,9 @@
 //! - `busy_spin`: a thread on CPU [`SPIN_MIN_CPU_SHARE`] or more of the recording, at least
 //!   [`SPIN_MIN_POLL_SHARE`] of that in a polling loop (a function named like
 //!   `acquire_read`, `sched_yield`, `spin`, `busy_wait`, `poll`): a core burnt waiting.
-//! - `per_request_growth`: a probed function's median latency per interval between its
-//!   engine's scrapes grows with the running requests they read (least squares over at least
+//! - `per_request_growth`: a probed function's median time on CPU per call (its duration
+//!   less the thread's GIL waits and time off CPU inside it), per interval between its
+//!   engine's scrapes, grows with the running requests they read (least squares over at least
 //!   [`GROWTH_MIN_POINTS`] intervals of at least half the median interval's calls: the
 //!   scrapes, not the report's 10 s windows, so that a sweep of concurrencies or a ramp inside
 //!   one window is seen; not a vLLM step or `execute_model`, whose
@@ -91,8 +92,8 @@ pub const KEEPS_UP_IDLE: f64 = 0.1;
 /// Findings listed first in Markdown and on `top`'s line.
 pub const TOP: usize = 5;
 
-/// A probe's median latency per interval between its engine's scrapes, regressed on the
-/// running requests those scrapes read: at least this many intervals (of
+/// A probe's median time on CPU per call, per interval between its engine's scrapes,
+/// regressed on the running requests those scrapes read: at least this many intervals (of
 /// [`GROWTH_MIN_CALLS`] calls each)...
 pub const GROWTH_MIN_POINTS: usize = 6;
 pub const GROWTH_MIN_CALLS: u64 = 3;
@@ -882,6 +883,8 @@ fn off_cpu_of(rec: &Recording, sel: &Selection, pid: i32, tid: i32) -> Vec<(u64,
 
 fn per_request_growth(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding>) {
     let ix = crate::metrics::MetricIndex::new(rec);
+    // Each thread's time off CPU or waiting for the GIL, read once for all its probes.
+    let mut waits: HashMap<(i32, i32), Vec<(u64, u64)>> = HashMap::new();
     // One line per probed function and process, whatever its method over time.
     let mut seen = std::collections::BTreeSet::new();
     for p in &rec.probes {
@@ -912,14 +915,13 @@ fn per_request_growth(rec: &Recording, sel: &Selection, r: &Report, out: &mut Ve
         // Each call's time on CPU: its duration less the thread's GIL waits and other time
         // off CPU inside it, so that a call that waits (a reader blocked on its queue, behind
         // the GIL) is judged by its own work, not by how long its peer took.
-        let mut waits: HashMap<i32, Vec<(u64, u64)>> = HashMap::new();
         let calls: Vec<(u64, u64)> = rec
             .calls
             .iter()
             .filter(|c| ids.contains(&c.probe) && sel.contains(c.pid, c.tid))
             .map(|c| {
                 let w = waits
-                    .entry(c.tid)
+                    .entry((c.pid, c.tid))
                     .or_insert_with(|| off_cpu_of(rec, sel, c.pid, c.tid));
                 let end = c.start_ns.saturating_add(c.dur_ns);
                 (
@@ -1107,9 +1109,9 @@ mod tests {
     }
 
     /// An engine's dequeue (100 calls/s) grows 0.02 ms per running request over twelve 10 s
-    /// windows (running 8, 12, ... 52): a finding with that slope; its step, which grows the same
-    /// (the dequeue is inside it), is no finding; a last window cut short, with a few fast
-    /// calls, is left out of the fit (it would have undone it).
+    /// stretches (running 8, 12, ... 52, scraped every second): a finding with that slope; its
+    /// step, which grows the same (the dequeue is inside it), is no finding; a few fast calls
+    /// after the last scrape (the engine stopping) are in no interval and left out of the fit.
     #[test]
     fn per_request_growth_fits_the_scrape_intervals_and_names_the_inner_call() {
         use crate::record::{EngineInfo, MetricPoint, MetricSeries};
