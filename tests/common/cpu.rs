@@ -1,0 +1,107 @@
+//! A process's CPU time from /proc, read on the wall clock a recording's window is on, and a
+//! recording's samples and wholeness against it (tests/live_faults.rs, tests/live_scale.rs).
+
+use std::time::Duration;
+
+/// A process's user + system CPU time, ns (/proc/PID/stat, in clock ticks).
+pub fn cpu_ns(pid: i32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime) are the 12th and 13th after the command.
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    ticks * 1_000_000_000 / hz
+}
+
+/// Processes' CPU times read every 20 ms on the wall clock (a recording's window is on it
+/// too), until [`CpuReadings::over_window`].
+pub struct CpuReadings {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(u64, Vec<u64>)>>,
+}
+
+impl CpuReadings {
+    pub fn start(pid: i32) -> Self {
+        Self::start_many(&[pid])
+    }
+
+    pub fn start_many(pids: &[i32]) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let pids = pids.to_vec();
+        let thread = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            while !s.load(std::sync::atomic::Ordering::Relaxed) {
+                v.push((unix_now_ns(), pids.iter().map(|&p| cpu_ns(p)).collect()));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            v
+        });
+        CpuReadings { stop, thread }
+    }
+
+    /// The CPU seconds the (first) process used over the recording's window.
+    pub fn over_window(self, r: &enginescope::record::Recording) -> f64 {
+        self.over_window_each(r)[0]
+    }
+
+    /// The CPU seconds each process used over the recording's window, from the readings at
+    /// or just before its two ends.
+    pub fn over_window_each(self, r: &enginescope::record::Recording) -> Vec<f64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let readings = self.thread.join().unwrap();
+        let start = (r.meta.start_unix_s * 1e9) as u64;
+        let end = start + r.end.as_ref().map_or(0, |e| e.duration_ns);
+        let at = |t: u64| {
+            readings
+                .iter()
+                .rev()
+                .find(|(at, _)| *at <= t)
+                .or(readings.first())
+                .map(|r| r.1.clone())
+                .unwrap_or_default()
+        };
+        let (a, b) = (at(start), at(end));
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| y.saturating_sub(*x) as f64 / 1e9)
+            .collect()
+    }
+}
+
+/// CPU seconds sampled of process `pid` (each sample stands for its weight).
+pub fn sampled_s(r: &enginescope::record::Recording, pid: i32) -> f64 {
+    r.samples
+        .iter()
+        .filter(|s| s.pid == pid)
+        .map(|s| s.weight_ns as f64)
+        .sum::<f64>()
+        / 1e9
+}
+
+/// The recording at `path`, checked whole: not cut short, ended by its duration, no event
+/// lost to a full ring.
+pub fn read_whole(path: &std::path::Path) -> enginescope::record::Recording {
+    let r = enginescope::record::read_recording(path).unwrap();
+    assert!(!r.truncated);
+    assert_eq!(
+        r.end.as_ref().map(|e| e.reason.as_str()),
+        Some("duration reached")
+    );
+    let lost = r
+        .counters
+        .get("bpf_ringbuf_full_lost")
+        .copied()
+        .unwrap_or(0);
+    assert_eq!(lost, 0, "events lost to a full ring");
+    r
+}
+
+pub fn unix_now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
