@@ -4,8 +4,11 @@
 # 0, the closed-loop load and enginescope on CPU 1. One measurement of everything (PAIRS pairs
 # of SLICE s), then each part left out in turn with a null comparison (PART_PAIRS pairs).
 # Prints enginescope's tables; the recordings and logs stay in OUT.
+# With PARTS (e.g. "probes null"), only those comparisons instead (`--cost-part`, PAIRS pairs
+# each), once for each share in SHARES ("budget" for the defaults' own, or a share of the
+# time the probes are watched, `ENGINESCOPE_PROBE_SHARE`): how a part's cost grows with it.
 # Env: PORT (8160), C (16), MAXTOK (128), PAIRS (60), PART_PAIRS (20), SLICE (1.5),
-# SERVE_ARGS, OUT.
+# PARTS, SHARES ("budget"), SERVE_ARGS, OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
@@ -25,6 +28,23 @@ load() {
   LOAD=$!
 }
 echo "lscpu: $(lscpu | sed -n 's/^Model name: *//p')"
+if [ -n "${PARTS:-}" ]; then
+  NPARTS=$(wc -w <<< "$PARTS")
+  for SHARE in ${SHARES:-budget}; do
+    load $((30 + NPARTS * PAIRS * (2 * ${SLICE%.*} + 2))) "share-$SHARE"
+    args=()
+    for p in $PARTS; do args+=(--cost-part "$p"); done
+    if [ "$SHARE" = budget ]; then share_env=(); else share_env=(ENGINESCOPE_PROBE_SHARE="$SHARE"); fi
+    echo "== probe share: $SHARE"
+    env "${share_env[@]}" taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost \
+      "${args[@]}" --cost-pairs "$PAIRS" --cost-slice "$SLICE" -o "$OUT/share-$SHARE.esrec" \
+      2> "$OUT/share-$SHARE.log"
+    kill -TERM "$LOAD" 2>/dev/null || true
+    wait "$LOAD" 2>/dev/null || true
+  done
+  echo "recordings and logs in $OUT"
+  exit 0
+fi
 load $((30 + 2 * PAIRS * ${SLICE%.*} + 2 * PAIRS)) all
 taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-pairs "$PAIRS" \
   --cost-slice "$SLICE" -o "$OUT/everything.esrec" 2> "$OUT/everything.log"

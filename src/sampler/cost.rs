@@ -55,6 +55,11 @@ pub struct CostArgs {
     /// readers), by leaving it out, and a null comparison (nothing differs).
     #[arg(long)]
     pub cost_each_part: bool,
+    /// With --measure-cost: only the named comparisons, in this order (repeat the flag):
+    /// everything, sampling, offcpu, gc, probes, tasks, null. One part's cost then gets all
+    /// the pairs instead of a sixth of them.
+    #[arg(long = "cost-part", value_name = "NAME", value_parser = part_name)]
+    pub cost_parts: Vec<String>,
     /// With --measure-cost: the Prometheus counter that counts the engine's progress, summed
     /// over its series (default vLLM's generated tokens).
     #[arg(
@@ -86,13 +91,58 @@ impl CostArgs {
                 .unwrap_or(1)
         });
         Ok(Some(CostPlan {
-            comparisons: comparisons(self.cost_each_part),
+            comparisons: if self.cost_parts.is_empty() {
+                comparisons(self.cost_each_part)
+            } else {
+                named_comparisons(&self.cost_parts)
+            },
             pairs: self.cost_pairs as usize,
             slice: Duration::from_secs_f64(self.cost_slice),
             counter: self.cost_counter.clone(),
             seed,
         }))
     }
+}
+
+/// The short names `--cost-part` takes, each with its comparison's index in
+/// [`comparisons`]`(true)`.
+const PART_NAMES: &[(&str, usize)] = &[
+    ("everything", 0),
+    ("sampling", 1),
+    ("offcpu", 2),
+    ("gc", 3),
+    ("probes", 4),
+    ("tasks", 5),
+    ("null", 6),
+];
+
+fn part_name(s: &str) -> Result<String, String> {
+    if PART_NAMES.iter().any(|(n, _)| *n == s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "no part named {s:?}: one of {}",
+            PART_NAMES
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    }
+}
+
+/// The comparisons named by `--cost-part`, in the order given (a name given twice once).
+pub fn named_comparisons(names: &[String]) -> Vec<Comparison> {
+    let all = comparisons(true);
+    let mut out: Vec<Comparison> = Vec::new();
+    for name in names {
+        if let Some(&(_, i)) = PART_NAMES.iter().find(|(n, _)| n == name) {
+            if !out.iter().any(|c| c.name == all[i].name) {
+                out.push(all[i].clone());
+            }
+        }
+    }
+    out
 }
 
 /// Two arms, each the mask of parts switched off.
@@ -546,6 +596,25 @@ mod tests {
             counter: "c".into(),
             seed: 42,
         }
+    }
+
+    #[test]
+    fn cost_parts_name_their_comparisons_in_the_order_given() {
+        let all = comparisons(true);
+        // Every short name picks a comparison, each a different one.
+        for (i, (name, _)) in PART_NAMES.iter().enumerate() {
+            let c = named_comparisons(&[name.to_string()]);
+            assert_eq!(c.len(), 1, "{name}");
+            assert!(PART_NAMES[..i]
+                .iter()
+                .all(|(n, _)| named_comparisons(&[n.to_string()])[0] != c[0]));
+        }
+        let c = named_comparisons(&["probes".into(), "null".into(), "probes".into()]);
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[0].on, c[0].off), (0, OFF_PROBE));
+        assert_eq!((c[1].on, c[1].off), (OFF_ALL, OFF_ALL));
+        assert_eq!(named_comparisons(&["everything".into()])[0], all[0]);
+        assert!(part_name("prob").is_err());
     }
 
     #[test]
