@@ -8,6 +8,7 @@
 pub mod accounting;
 pub mod agent;
 pub mod bpf;
+pub mod cli;
 pub mod cpython;
 pub mod demo;
 pub mod doctor;

@@ -35,6 +35,32 @@ pub struct Meta {
     pub cpus: u32,
 }
 
+impl Meta {
+    /// The sampling period of the rate asked for (None for a recording without one).
+    pub fn period(&self) -> Option<Period> {
+        (self.rate_hz > 0).then(|| Period::of_hz(self.rate_hz))
+    }
+}
+
+/// The time between two samples at a rate: the one place where Hz become ns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Period(u64);
+
+impl Period {
+    /// The period of `hz` samples per second (at least 1 Hz).
+    pub fn of_hz(hz: u32) -> Period {
+        Period(1_000_000_000 / u64::from(hz.max(1)))
+    }
+
+    pub fn ns(self) -> u64 {
+        self.0
+    }
+
+    pub fn duration(self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.0)
+    }
+}
+
 /// A target process.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ProcessInfo {

@@ -112,7 +112,7 @@ impl BpfSource {
             event_max_ns: 0,
             unparsed: 0,
             finish_wait_ns: 0,
-            weights: RuntimeWeights::new(1_000_000_000 / rate_hz.max(1) as u64),
+            weights: RuntimeWeights::new(crate::record::Period::of_hz(rate_hz).ns()),
             gc_uprobes: std::collections::HashMap::new(),
             gc_methods_pending: Vec::new(),
             trap_cost: None,

@@ -43,7 +43,7 @@ impl MemorySource {
 
     /// The tick at `rate_hz` (at most [`MAX_RATE_HZ`]).
     pub fn period_ns(rate_hz: u32) -> u64 {
-        1_000_000_000 / rate_hz.clamp(1, MAX_RATE_HZ) as u64
+        crate::record::Period::of_hz(rate_hz.min(MAX_RATE_HZ)).ns()
     }
 
     /// Offer code objects the symbolizer met for the first time to the probes (sampled).

@@ -426,7 +426,7 @@ fn choose_source(opts: &RecordOptions) -> anyhow::Result<(Box<dyn Source>, Strin
         native: opts.native,
     };
     let bpf = || {
-        let period = 1_000_000_000 / opts.rate_hz as u64;
+        let period = crate::record::Period::of_hz(opts.rate_hz).ns();
         let mut probes = probes::Probes::new(specs.clone(), period, opts.quiet);
         probes.set_budget(opts.probe_budget);
         bpf_source::BpfSource::start(opts.rate_hz, tracing, probes)

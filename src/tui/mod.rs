@@ -35,7 +35,7 @@ use anyhow::Context;
 use crossterm::event::{self, Event};
 
 use crate::record::{EndInfo, EngineInfo, Recording};
-use crate::sampler::{Backend, RecordOptions, RecordSummary};
+use crate::sampler::{RecordOptions, RecordSummary};
 pub use model::Topology;
 
 /// How often new events are taken in (and the screen redrawn when nothing else happens).
@@ -51,63 +51,7 @@ pub const BUCKETS: u64 = 40;
 /// of the window); older ones are dropped from memory.
 pub const KEEP_NS: u64 = 60_000_000_000;
 
-/// What live mode records.
-#[derive(Debug, Clone)]
-pub struct LiveOptions {
-    pub pids: Vec<i32>,
-    pub rate_hz: u32,
-    pub backend: Backend,
-    /// Keep the recording here; a temporary file (removed at exit) otherwise.
-    pub output: Option<PathBuf>,
-}
-
-/// `top --pid …`: record the processes and show them.
-pub fn run_live(opts: &LiveOptions, window: Duration) -> anyhow::Result<()> {
-    run_engines(opts, Topology::default(), window)
-}
-
-/// `top` over processes whose roles and engines are known before the recording says so: the
-/// hook for `top --vllm`. Discovery finds the engines and their processes (pid → role:
-/// `APIServer`, `EngineCore`, `Worker`) and calls this with `opts.pids` set to those pids;
-/// the dashboard then groups processes by engine. Metric series come from the recording
-/// (`series`/`metrics`), i.e. from a recorder that scrapes the engines.
-pub fn run_engines(opts: &LiveOptions, topo: Topology, window: Duration) -> anyhow::Result<()> {
-    let stop = crate::sys::StopToken::new();
-    terminal::catch_stop_signals(stop.clone())?;
-    let (path, temporary) = match &opts.output {
-        Some(p) => (p.clone(), false),
-        None => (
-            std::env::temp_dir().join(format!("enginescope-top-{}.esrec", std::process::id())),
-            true,
-        ),
-    };
-    // The follower must not read a previous recording at this path before the recorder
-    // replaces it (record would overwrite it anyway).
-    match std::fs::remove_file(&path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("replacing {}", path.display())),
-    }
-    // `record`'s defaults: off-CPU, GIL and GC tracing on, until stopped.
-    let ropts = RecordOptions {
-        rate_hz: opts.rate_hz,
-        backend: opts.backend,
-        quiet: true,
-        stop,
-        ..RecordOptions::new(opts.pids.clone(), path.clone())
-    };
-    let pids: Vec<String> = opts.pids.iter().map(|p| p.to_string()).collect();
-    eprintln!("enginescope: attaching to pid {}", pids.join(","));
-    run_with(
-        ropts,
-        temporary,
-        &topo,
-        window,
-        format!("live pid {}", pids.join(",")),
-    )
-}
-
-/// `top --vllm` (and `demo` on a terminal): the dashboard over a recorder with any options,
+/// `top` (and `demo` on a terminal): the dashboard over a recorder with any options,
 /// e.g. `vllm: true`, which finds the engines and writes their roles, engines and metrics
 /// into the recording the dashboard follows. `ropts.output` is replaced when it exists and
 /// removed at the end when `temporary`.

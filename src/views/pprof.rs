@@ -357,10 +357,9 @@ pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
         time_nanos: (rec.meta.start_unix_s * 1e9) as i64,
         duration_nanos: i64::try_from(rec.duration_ns()).unwrap_or(i64::MAX),
         period_type: Some(period_type),
-        period: if rec.meta.rate_hz > 0 {
-            1_000_000_000 / i64::from(rec.meta.rate_hz)
-        } else {
-            0
+        period: match rec.meta.period() {
+            Some(p) => i64::try_from(p.ns()).unwrap_or(i64::MAX),
+            None => 0,
         },
         comment,
         default_sample_type,

@@ -503,11 +503,7 @@ fn runs(
 
 /// Stalls and serialization of the selected API servers.
 pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) -> ApiServerStalls {
-    let period_ns = if rec.meta.rate_hz > 0 {
-        1_000_000_000 / u64::from(rec.meta.rate_hz)
-    } else {
-        10_000_000
-    };
+    let period_ns = rec.meta.period().map_or(10_000_000, |p| p.ns());
     let mut out = ApiServerStalls {
         threshold_ms: threshold_ns as f64 / 1e6,
         ..Default::default()
