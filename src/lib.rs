@@ -13,6 +13,7 @@ pub mod cpython;
 pub mod demo;
 pub mod doctor;
 pub mod dump;
+pub mod estimate;
 pub mod metrics;
 pub mod native;
 pub mod procinfo;

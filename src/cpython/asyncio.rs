@@ -167,17 +167,8 @@ pub fn find_asyncio_debug(pid: i32) -> Option<AsyncioDebug> {
     None
 }
 
-/// The task a thread is running.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct RunningTask {
-    /// The task's name (`Task.get_name()`: `create_task(..., name=...)`, else `Task-N`).
-    pub name: String,
-    /// Qualified name of the task's coroutine (`Task.get_coro().__qualname__`).
-    pub coro: String,
-    /// The await chain: qualified names of the coroutine frames on the thread's stack,
-    /// outermost (the task's coroutine) first.
-    pub chain: Vec<String>,
-}
+/// The task a thread is running: a fact of the recording (record 18), read here.
+pub use crate::record::RunningTask;
 
 /// What `_current_tasks` holds (3.10–3.13).
 #[derive(Debug, Default, PartialEq, Eq)]

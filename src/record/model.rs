@@ -61,6 +61,18 @@ impl Period {
     }
 }
 
+/// The asyncio task a thread is running (`cpython::asyncio` reads it; record 18 carries it).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunningTask {
+    /// The task's name (`Task.get_name()`: `create_task(..., name=...)`, else `Task-N`).
+    pub name: String,
+    /// Qualified name of the task's coroutine (`Task.get_coro().__qualname__`).
+    pub coro: String,
+    /// The await chain: qualified names of the coroutine frames on the thread's stack,
+    /// outermost (the task's coroutine) first.
+    pub chain: Vec<String>,
+}
+
 /// A target process.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct ProcessInfo {
@@ -355,7 +367,7 @@ pub struct TaskChange {
     pub pid: i32,
     pub tid: i32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub task: Option<crate::cpython::asyncio::RunningTask>,
+    pub task: Option<RunningTask>,
     /// When the thread's previous state was last read (the reads between `prev_seen_ns` and
     /// `t_ns` did not happen: a reader held off the CPU). Absent: the previous read.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -211,7 +211,7 @@ pub fn process_headline(
     let preferred: Vec<(&LatencyRow, u64)> = mine
         .iter()
         .copied()
-        .filter(|(l, _)| crate::sampler::probes::is_headline(&l.function))
+        .filter(|(l, _)| crate::vllm::probes::is_headline(&l.function))
         .collect();
     let probe = if preferred.is_empty() {
         mine

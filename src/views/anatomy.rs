@@ -108,7 +108,7 @@ pub fn step_anatomies(rec: &Recording, sel: &Selection) -> Vec<StepAnatomy> {
                 p.method == "exact"
                     && names
                         .iter()
-                        .any(|n| crate::sampler::probes::names(&p.function, n))
+                        .any(|n| crate::vllm::probes::names(&p.function, n))
             })
             .map(|p| p.id)
             .collect()

@@ -893,7 +893,7 @@ fn per_request_growth(rec: &Recording, sel: &Selection, r: &Report, out: &mut Ve
         }
         // A step or a model run grows with its batch by design (the model's work is per
         // token), and with whatever grows inside it: the calls inside it are the finding.
-        if crate::sampler::probes::is_headline(&p.function) {
+        if crate::vllm::probes::is_headline(&p.function) {
             continue;
         }
         let Some(engine) = rec

@@ -5,6 +5,7 @@
 //! * [`metrics`]: fetching `/metrics`, and a [`metrics::Scraper`] thread that sends series,
 //!   points and errors over a channel for a recorder to write.
 //! * [`prom_text`]: the Prometheus text format parser the scraper uses.
+//! * [`probes`]: the functions probed by default, and how probe names match.
 //! * [`tree`]: the `discover` command (engine tree, metrics URL, live check).
 //!
 //! Names and maths of the metrics live in [`crate::metrics`]. Those relied on, as vLLM 0.32
@@ -17,5 +18,6 @@
 
 pub mod discover;
 pub mod metrics;
+pub mod probes;
 pub mod prom_text;
 pub mod tree;

@@ -201,7 +201,7 @@ mod tests {
     /// (not the threads that ran none) into the new segment at time 0.
     #[test]
     fn task_changes_roundtrip_and_rotate() {
-        use crate::cpython::asyncio::RunningTask;
+        use crate::record::RunningTask;
         let dir = tempfile::tempdir().unwrap();
         let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
         let meta = Meta::default();
@@ -708,7 +708,7 @@ mod tests {
                 t_ns: 0,
                 pid: 8,
                 tid: 11,
-                task: Some(crate::cpython::asyncio::RunningTask {
+                task: Some(crate::record::RunningTask {
                     name: "t".into(),
                     coro: "c".into(),
                     chain: vec![],

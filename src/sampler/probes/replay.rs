@@ -6,7 +6,7 @@
 //! on- and off-phases, sized from the traps the watched calls take) on the fake watchpoints
 //! ([`super::watch::fake`]). A call counts as timed when it lies wholly inside one watched
 //! interval, as a real watch times it; the estimate scales the timed calls by the share of the
-//! window that was watched, as `views::latency` does. The difference between that estimate and
+//! window that was watched, as `views::latency` does ([`crate::estimate`]). The difference between that estimate and
 //! every call of the timeline is what the schedule's choice of stretches costs (the selection
 //! effect); the difference between it and what a recording's probe timed in the same stretches
 //! is the probe's own effect on the calls (`tests/common/probe_truth.rs` measures that one).
@@ -25,9 +25,9 @@ use crate::cpython::memory::FakeMemory;
 use crate::cpython::offsets::PY312;
 use crate::cpython::version::PyVersion;
 use crate::cpython::PythonProcess;
+use crate::estimate::{uncertainty, Coverage, LatencyMs, Uncertainty};
 use crate::sampler::sink::Event;
 use crate::sampler::Pipeline;
-use crate::views::latency::{uncertainty, Coverage, LatencyMs, Uncertainty};
 
 /// One call of the timeline: probe index, thread, and its start and length (ns, any one clock).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
