@@ -54,6 +54,8 @@ cargo fmt --check
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
+# No unwrap/expect in what ships (tests may: a failed unwrap is their assertion).
+cargo clippy --lib --bins --locked -- -D warnings -D clippy::unwrap_used -D clippy::expect_used
 
 step "fuzz smoke: every target 15 s from its committed seeds (docs/fuzzing.md)"
 # libFuzzer is compiled from libfuzzer-sys's C++ sources: needs a C++ compiler.

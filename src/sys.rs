@@ -80,10 +80,10 @@ pub fn set_affinity(tid: i32, set: &libc::cpu_set_t) -> std::io::Result<()> {
 pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
     // SAFETY: cpu_set_t is plain data; all zeros is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: CPU_SET writes one bit of `set`; `cpu` past the set's size is refused below.
     if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
         return Err(std::io::Error::other(format!("CPU {cpu} out of range")));
     }
+    // SAFETY: CPU_SET writes one bit of `set`; `cpu` past the set's size was refused above.
     unsafe { libc::CPU_SET(cpu, &mut set) };
     set_affinity(tid, &set)
 }

@@ -247,9 +247,11 @@ fn check(how: &str) {
     );
     match how {
         "exit" => {}
+        // SAFETY: kill(2) with plain integers.
         "sigint" => unsafe {
             libc::kill(rec.id() as i32, libc::SIGINT);
         },
+        // SAFETY: kill(2) with plain integers.
         "sigkill" => unsafe {
             libc::kill(rec.id() as i32, libc::SIGKILL);
         },
@@ -375,6 +377,7 @@ fn no_probe_left_after_sigkill_while_removing() {
     while seen == all && t.elapsed() < std::time::Duration::from_secs(10) {
         seen = sites_probed(w.pid as u32, &sites);
     }
+    // SAFETY: kill(2) with plain integers.
     unsafe { libc::kill(rec.id() as i32, libc::SIGKILL) };
     let st = rec.wait().unwrap();
     eprintln!(

@@ -108,8 +108,8 @@ fn run_bounded(args: &[&str], limit: Duration) -> Run {
 
 fn mkfifo(p: &Path) {
     let c = std::ffi::CString::new(p.to_string_lossy().as_bytes()).unwrap();
-    // SAFETY: mkfifo with a valid NUL-terminated path.
     assert_eq!(
+        // SAFETY: mkfifo with a valid NUL-terminated path.
         unsafe { libc::mkfifo(c.as_ptr(), 0o600) },
         0,
         "mkfifo {}",

@@ -49,6 +49,7 @@ fn frozen_exiting_and_execing_targets_leave_the_rest_whole() {
     let stopped_at = unix_now_ns();
     std::thread::sleep(Duration::from_millis(1500));
     let resumed_at = unix_now_ns();
+    // SAFETY: kill(2) with plain integers.
     unsafe { libc::kill(frozen.pid, libc::SIGCONT) };
     let (ok, _, err) = rec.wait();
     let took = began.elapsed();

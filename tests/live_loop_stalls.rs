@@ -51,8 +51,8 @@ fn check_interp(i: &Interp, uvloop: bool) {
     let w = start(i, "asyncio_stalls.py", &args);
     let held = w.dir.join("held");
     let c = std::ffi::CString::new(held.to_string_lossy().as_bytes()).unwrap();
-    // SAFETY: mkfifo(3) on a NUL-terminated path we own.
     assert_eq!(
+        // SAFETY: mkfifo(3) on a NUL-terminated path we own.
         unsafe { libc::mkfifo(c.as_ptr(), 0o666) },
         0,
         "mkfifo {held:?}"

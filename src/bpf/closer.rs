@@ -198,76 +198,80 @@ impl Drop for UprobeCloser {
 /// # Safety
 /// Only in a freshly forked child, with `sock` its end of the pair. Makes system calls only.
 unsafe fn serve(sock: RawFd) -> ! {
-    // Out of the terminal's process group and session; deaf to the signals a user or a
-    // service manager sends (SIGKILL aside, which nothing can ignore).
-    libc::setsid();
-    let mut ign: libc::sigaction = std::mem::zeroed();
-    ign.sa_sigaction = libc::SIG_IGN;
-    for sig in [
-        libc::SIGINT,
-        libc::SIGTERM,
-        libc::SIGHUP,
-        libc::SIGQUIT,
-        libc::SIGPIPE,
-        libc::SIGUSR1,
-        libc::SIGUSR2,
-        libc::SIGTSTP,
-        libc::SIGTTIN,
-        libc::SIGTTOU,
-    ] {
-        libc::sigaction(sig, &ign, std::ptr::null_mut());
-    }
-    // The children that make the closes are reaped by the kernel.
-    libc::sigaction(libc::SIGCHLD, &ign, std::ptr::null_mut());
-    // Every other descriptor the fork copied (recordings, terminals, BPF objects): closes
-    // that are never the last, since the parent keeps its own.
-    if sock > 0 {
-        close_from_to(0, sock as u32 - 1);
-    }
-    close_from_to(sock as u32 + 1, u32::MAX);
-    let name = b"es-uprobe-close\0";
-    libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0);
-    loop {
-        let mut token = [0u8; 8];
-        let mut iov = libc::iovec {
-            iov_base: token.as_mut_ptr().cast(),
-            iov_len: token.len(),
-        };
-        let mut control = [0u64; 16];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = std::mem::size_of_val(&control) as _;
-        let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
-        if n < 0 && *libc::__errno_location() == libc::EINTR {
-            continue;
+    // SAFETY: the caller's contract (a freshly forked child, `sock` its end of the pair);
+    // system calls on our own plain data.
+    unsafe {
+        // Out of the terminal's process group and session; deaf to the signals a user or a
+        // service manager sends (SIGKILL aside, which nothing can ignore).
+        libc::setsid();
+        let mut ign: libc::sigaction = std::mem::zeroed();
+        ign.sa_sigaction = libc::SIG_IGN;
+        for sig in [
+            libc::SIGINT,
+            libc::SIGTERM,
+            libc::SIGHUP,
+            libc::SIGQUIT,
+            libc::SIGPIPE,
+            libc::SIGUSR1,
+            libc::SIGUSR2,
+            libc::SIGTSTP,
+            libc::SIGTTIN,
+            libc::SIGTTOU,
+        ] {
+            libc::sigaction(sig, &ign, std::ptr::null_mut());
         }
-        if n <= 0 {
-            break;
+        // The children that make the closes are reaped by the kernel.
+        libc::sigaction(libc::SIGCHLD, &ign, std::ptr::null_mut());
+        // Every other descriptor the fork copied (recordings, terminals, BPF objects): closes
+        // that are never the last, since the parent keeps its own.
+        if sock > 0 {
+            close_from_to(0, sock as u32 - 1);
         }
-        let mut fds = [-1 as RawFd; MAX_FDS];
-        let mut n_fds = 0;
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let data = libc::CMSG_DATA(c);
-                let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
-                for i in 0..len / std::mem::size_of::<RawFd>() {
-                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
-                    if n_fds < MAX_FDS {
-                        fds[n_fds] = fd;
-                        n_fds += 1;
-                    } else {
-                        libc::close(fd);
+        close_from_to(sock as u32 + 1, u32::MAX);
+        let name = b"es-uprobe-close\0";
+        libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0);
+        loop {
+            let mut token = [0u8; 8];
+            let mut iov = libc::iovec {
+                iov_base: token.as_mut_ptr().cast(),
+                iov_len: token.len(),
+            };
+            let mut control = [0u64; 16];
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = std::mem::size_of_val(&control) as _;
+            let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+            if n < 0 && *libc::__errno_location() == libc::EINTR {
+                continue;
+            }
+            if n <= 0 {
+                break;
+            }
+            let mut fds = [-1 as RawFd; MAX_FDS];
+            let mut n_fds = 0;
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(c);
+                    let len = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                    for i in 0..len / std::mem::size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        if n_fds < MAX_FDS {
+                            fds[n_fds] = fd;
+                            n_fds += 1;
+                        } else {
+                            libc::close(fd);
+                        }
                     }
                 }
+                c = libc::CMSG_NXTHDR(&msg, c);
             }
-            c = libc::CMSG_NXTHDR(&msg, c);
+            close_in_child(sock, &fds[..n_fds], &token);
         }
-        close_in_child(sock, &fds[..n_fds], &token);
+        libc::_exit(0)
     }
-    libc::_exit(0)
 }
 
 /// Descriptors one message may carry.
@@ -283,50 +287,58 @@ const MAX_FDS: usize = 16;
 /// # Safety
 /// Only in the helper process (single-threaded, system calls only).
 unsafe fn close_in_child(sock: RawFd, fds: &[RawFd], token: &[u8; 8]) {
-    let close_all = || {
-        for &fd in fds {
-            libc::close(fd);
+    // SAFETY: the caller's contract (this function's `# Safety`); system calls on our own
+    // plain data.
+    unsafe {
+        let close_all = || {
+            for &fd in fds {
+                libc::close(fd);
+            }
+        };
+        let mut p = [0 as RawFd; 2];
+        if libc::pipe(p.as_mut_ptr()) != 0 {
+            close_all();
+            libc::send(sock, token.as_ptr().cast(), token.len(), libc::MSG_NOSIGNAL);
+            return;
         }
-    };
-    let mut p = [0 as RawFd; 2];
-    if libc::pipe(p.as_mut_ptr()) != 0 {
+        let child = libc::fork();
+        if child == 0 {
+            libc::close(p[1]);
+            let mut b = 0u8;
+            // Returns when the helper has written, or (EOF) when it is gone: its copies are
+            // closed either way.
+            while libc::read(p[0], (&mut b as *mut u8).cast(), 1) < 0
+                && *libc::__errno_location() == libc::EINTR
+            {}
+            close_all();
+            libc::send(sock, token.as_ptr().cast(), token.len(), libc::MSG_NOSIGNAL);
+            libc::_exit(0);
+        }
+        libc::close(p[0]);
+        if child < 0 {
+            libc::close(p[1]);
+            close_all();
+            libc::send(sock, token.as_ptr().cast(), token.len(), libc::MSG_NOSIGNAL);
+            return;
+        }
         close_all();
-        libc::send(sock, token.as_ptr().cast(), token.len(), libc::MSG_NOSIGNAL);
-        return;
-    }
-    let child = libc::fork();
-    if child == 0 {
+        let b = 1u8;
+        libc::write(p[1], (&b as *const u8).cast(), 1);
         libc::close(p[1]);
-        let mut b = 0u8;
-        // Returns when the helper has written, or (EOF) when it is gone: its copies are
-        // closed either way.
-        while libc::read(p[0], (&mut b as *mut u8).cast(), 1) < 0
-            && *libc::__errno_location() == libc::EINTR
-        {}
-        close_all();
-        libc::send(sock, token.as_ptr().cast(), token.len(), libc::MSG_NOSIGNAL);
-        libc::_exit(0);
     }
-    libc::close(p[0]);
-    if child < 0 {
-        libc::close(p[1]);
-        close_all();
-        libc::send(sock, token.as_ptr().cast(), token.len(), libc::MSG_NOSIGNAL);
-        return;
-    }
-    close_all();
-    let b = 1u8;
-    libc::write(p[1], (&b as *const u8).cast(), 1);
-    libc::close(p[1]);
 }
 
 /// Close descriptors `lo..=hi`: `close_range` (Linux 5.9+), else one by one up to 4096.
 unsafe fn close_from_to(lo: u32, hi: u32) {
-    if libc::syscall(libc::SYS_close_range, lo, hi, 0) == 0 {
-        return;
-    }
-    for fd in lo..=hi.min(4095) {
-        libc::close(fd as libc::c_int);
+    // SAFETY: the caller's contract (this function's `# Safety`); system calls on our own
+    // plain data.
+    unsafe {
+        if libc::syscall(libc::SYS_close_range, lo, hi, 0) == 0 {
+            return;
+        }
+        for fd in lo..=hi.min(4095) {
+            libc::close(fd as libc::c_int);
+        }
     }
 }
 

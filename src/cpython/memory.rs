@@ -189,6 +189,8 @@ impl FakeMemory {
     pub fn put_u32(&mut self, addr: u64, v: u32) {
         self.put(addr, &v.to_le_bytes());
     }
+    /// A test double's setup: an address outside every region is the test's own mistake.
+    #[allow(clippy::expect_used)]
     pub fn put(&mut self, addr: u64, bytes: &[u8]) {
         let (base, region) = self
             .regions
