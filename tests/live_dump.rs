@@ -112,53 +112,21 @@ fn check_dump_with(label: &str, threads: usize, depth: usize) {
     );
 }
 
-#[test]
-fn exact_pyenv_3_10() {
-    check_dump("pyenv-3.10");
-}
-#[test]
-fn exact_pyenv_3_11() {
-    check_dump("pyenv-3.11");
-}
-#[test]
-fn exact_pyenv_3_12() {
-    check_dump("pyenv-3.12");
-}
-#[test]
-fn exact_pyenv_3_13() {
-    check_dump("pyenv-3.13");
-}
-#[test]
-fn exact_host_3_11_stripped() {
-    check_dump("host-3.11");
-}
-#[test]
-fn exact_sid_3_13_container() {
-    check_dump("sid-3.13");
-}
-#[test]
-fn exact_sid_3_14_container() {
-    check_dump("sid-3.14");
-}
-#[test]
-fn exact_sid_3_15_container() {
-    check_dump("sid-3.15");
-}
+crate::interpreter_tests!(check_dump {
+    exact_pyenv_3_10: ("pyenv-3.10"),
+    exact_pyenv_3_11: ("pyenv-3.11"),
+    exact_pyenv_3_12: ("pyenv-3.12"),
+    exact_pyenv_3_13: ("pyenv-3.13"),
+    exact_host_3_11_stripped: ("host-3.11"),
+    exact_sid_3_13_container: ("sid-3.13"),
+    exact_sid_3_14_container: ("sid-3.14"),
+    exact_sid_3_15_container: ("sid-3.15"),
+});
 
-// Scale (issue 25): a process of 1,000 threads, and 200 threads 500 frames deep.
-#[test]
-fn exact_1000_threads_pyenv_3_12() {
-    check_dump_with("pyenv-3.12", 1000, 0);
-}
-#[test]
-fn exact_1000_threads_sid_3_14_container() {
-    check_dump_with("sid-3.14", 1000, 0);
-}
-#[test]
-fn exact_200_threads_500_deep_pyenv_3_12() {
-    check_dump_with("pyenv-3.12", 200, 500);
-}
-#[test]
-fn exact_200_threads_500_deep_sid_3_14_container() {
-    check_dump_with("sid-3.14", 200, 500);
-}
+crate::interpreter_tests!(check_dump_with {
+    // Scale (issue 25): a process of 1,000 threads, and 200 threads 500 frames deep.
+    exact_1000_threads_pyenv_3_12: ("pyenv-3.12", 1000, 0),
+    exact_1000_threads_sid_3_14_container: ("sid-3.14", 1000, 0),
+    exact_200_threads_500_deep_pyenv_3_12: ("pyenv-3.12", 200, 500),
+    exact_200_threads_500_deep_sid_3_14_container: ("sid-3.14", 200, 500),
+});

@@ -362,80 +362,33 @@ fn gc(label: &str, generations_readable: bool, method: &str) {
     );
 }
 
-#[test]
-fn gil_waits_pyenv_3_11() {
-    gil("pyenv-3.11");
-}
-#[test]
-fn gil_waits_pyenv_3_12() {
-    gil("pyenv-3.12");
-}
-#[test]
-fn gil_waits_pyenv_3_13() {
-    gil("pyenv-3.13");
-}
-#[test]
-fn gil_waits_host_3_11_stripped() {
-    gil("host-3.11");
-}
-#[test]
-fn gil_waits_sid_3_13_stripped_container() {
-    gil("sid-3.13");
-}
-#[test]
-fn gil_waits_sid_3_14_stripped_container() {
-    gil("sid-3.14");
-}
-#[test]
-fn gc_pauses_pyenv_3_10() {
+crate::interpreter_tests!(gil {
+    gil_waits_pyenv_3_11: ("pyenv-3.11"),
+    gil_waits_pyenv_3_12: ("pyenv-3.12"),
+    gil_waits_pyenv_3_13: ("pyenv-3.13"),
+    gil_waits_host_3_11_stripped: ("host-3.11"),
+    gil_waits_sid_3_13_stripped_container: ("sid-3.13"),
+    gil_waits_sid_3_14_stripped_container: ("sid-3.14"),
+});
+crate::interpreter_tests!(gc {
     // Uprobes on the stores to the collecting flag inside the allocator (no collector
     // function spans a collection on 3.10/3.11).
-    gc("pyenv-3.10", true, "uprobe");
-}
-#[test]
-fn gc_pauses_pyenv_3_11() {
-    gc("pyenv-3.11", true, "uprobe");
-}
-#[test]
-fn gc_pauses_pyenv_3_11_watchpoint_forced() {
-    gc("pyenv-3.11", true, "watchpoint-forced");
-}
-#[test]
-fn gc_pauses_pyenv_3_12() {
-    gc("pyenv-3.12", true, "uprobe");
-}
-#[test]
-fn gc_pauses_pyenv_3_13() {
-    gc("pyenv-3.13", true, "uprobe");
-}
-// Stripped static builds: uprobes on the collector that the exported PyGC_Collect calls.
-#[test]
-fn gc_pauses_sid_3_13_stripped_container() {
-    gc("sid-3.13", true, "uprobe");
-}
-#[test]
-fn gc_pauses_sid_3_14_stripped_container() {
-    gc("sid-3.14", true, "uprobe");
-}
-#[test]
-fn gc_pauses_sid_3_15_stripped_container() {
+    gc_pauses_pyenv_3_10: ("pyenv-3.10", true, "uprobe"),
+    gc_pauses_pyenv_3_11: ("pyenv-3.11", true, "uprobe"),
+    gc_pauses_pyenv_3_11_watchpoint_forced: ("pyenv-3.11", true, "watchpoint-forced"),
+    gc_pauses_pyenv_3_12: ("pyenv-3.12", true, "uprobe"),
+    gc_pauses_pyenv_3_13: ("pyenv-3.13", true, "uprobe"),
+    // Stripped static builds: uprobes on the collector that the exported PyGC_Collect calls.
+    gc_pauses_sid_3_13_stripped_container: ("sid-3.13", true, "uprobe"),
+    gc_pauses_sid_3_14_stripped_container: ("sid-3.14", true, "uprobe"),
     // 3.15 keeps its per-generation statistics in rings behind a pointer (read through
     // _Py_DebugOffsets.gc.generation_stats); its automatic collections pass generation -1, so
     // the generation comes from which ring's newest record moved.
-    gc("sid-3.15", true, "uprobe");
-}
-#[test]
-fn gc_pauses_sid_3_15_stripped_watchpoint_forced() {
+    gc_pauses_sid_3_15_stripped_container: ("sid-3.15", true, "uprobe"),
     // The rings read at the watched flag's edges rather than at the collector's call.
-    gc("sid-3.15", true, "watchpoint-forced");
-}
-#[test]
-fn gc_pauses_sid_3_14_stripped_watchpoint_forced() {
-    gc("sid-3.14", true, "watchpoint-forced");
-}
-#[test]
-fn gc_pauses_pyenv_3_12_watchpoint_forced() {
+    gc_pauses_sid_3_15_stripped_watchpoint_forced: ("sid-3.15", true, "watchpoint-forced"),
+    gc_pauses_sid_3_14_stripped_watchpoint_forced: ("sid-3.14", true, "watchpoint-forced"),
     // The fallback on an interpreter that has symbols, so that both methods are measured
     // against the same truth on the same build.
-    gc("pyenv-3.12", true, "watchpoint-forced");
-}
+    gc_pauses_pyenv_3_12_watchpoint_forced: ("pyenv-3.12", true, "watchpoint-forced"),
+});

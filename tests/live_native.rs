@@ -243,27 +243,11 @@ fn check(label: &str) {
     assert!(failures.is_empty(), "{label}: {}", failures.join("; "));
 }
 
-#[test]
-fn native_shares_pyenv_3_11() {
-    check("pyenv-3.11");
-}
-#[test]
-fn native_shares_pyenv_3_12() {
-    check("pyenv-3.12");
-}
-#[test]
-fn native_shares_pyenv_3_13() {
-    check("pyenv-3.13");
-}
-#[test]
-fn native_shares_sid_3_13_stripped() {
-    check("sid-3.13");
-}
-#[test]
-fn native_shares_sid_3_14_stripped() {
-    check("sid-3.14");
-}
-#[test]
-fn native_shares_sid_3_15_stripped() {
-    check("sid-3.15");
-}
+crate::interpreter_tests!(check {
+    native_shares_pyenv_3_11: ("pyenv-3.11"),
+    native_shares_pyenv_3_12: ("pyenv-3.12"),
+    native_shares_pyenv_3_13: ("pyenv-3.13"),
+    native_shares_sid_3_13_stripped: ("sid-3.13"),
+    native_shares_sid_3_14_stripped: ("sid-3.14"),
+    native_shares_sid_3_15_stripped: ("sid-3.15"),
+});

@@ -166,18 +166,11 @@ fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
     assert!(failures.is_empty(), "{label}: {}", failures.join("; "));
 }
 
-#[test]
-fn ground_truth_bpf_pyenv_3_12() {
-    check("pyenv-3.12", "bpf", "1000", 0.02);
-}
-#[test]
-fn ground_truth_bpf_sid_3_14_container() {
-    check("sid-3.14", "bpf", "1000", 0.02);
-}
-#[test]
-fn ground_truth_bpf_pyenv_3_10() {
-    check("pyenv-3.10", "bpf", "1000", 0.02);
-}
+crate::interpreter_tests!(check {
+    ground_truth_bpf_pyenv_3_12: ("pyenv-3.12", "bpf", "1000", 0.02),
+    ground_truth_bpf_sid_3_14_container: ("sid-3.14", "bpf", "1000", 0.02),
+    ground_truth_bpf_pyenv_3_10: ("pyenv-3.10", "bpf", "1000", 0.02),
+});
 
 #[test]
 fn ground_truth_memory_backend_pyenv_3_12() {

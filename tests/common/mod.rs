@@ -7,6 +7,21 @@ pub mod cpu;
 pub mod probe_truth;
 pub mod tmux;
 
+/// The interpreter matrix written once: one `#[test]` per row, named as given, each calling
+/// `check` with the row's arguments (an interpreter label of [`interp`] first, such as
+/// `"pyenv-3.12"` or `"sid-3.14"`). `// comments` between rows say why a row is there.
+#[macro_export]
+macro_rules! interpreter_tests {
+    ($check:path { $( $name:ident: ($($arg:expr),* $(,)?) ),* $(,)? }) => {
+        $(
+            #[test]
+            fn $name() {
+                $check($($arg),*);
+            }
+        )*
+    };
+}
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
