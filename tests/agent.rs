@@ -1323,6 +1323,68 @@ fn mean(v: &[f64]) -> f64 {
 /// warm-up, the directory never exceeds the cap, thread series stay under their cap, new
 /// processes are attached throughout, and the agent stops cleanly. The figures are printed
 /// (docs/deployment.md has a 30-minute run).
+/// What a process holds that it must give back when the processes it follows go: its open
+/// descriptors (of them, perf events and BPF links: sampling, probes' watchpoints, uprobes), its threads,
+/// and the entries of the BPF hash maps it holds (per target process and thread).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Held {
+    fds: usize,
+    perf_events: usize,
+    bpf_links: usize,
+    threads: usize,
+    map_entries: usize,
+}
+
+fn held(pid: u32) -> Held {
+    let mut h = Held::default();
+    let dir = format!("/proc/{pid}/fd");
+    let mut maps = Vec::new();
+    for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        h.fds += 1;
+        let Ok(target) = std::fs::read_link(e.path()) else {
+            continue;
+        };
+        let t = target.to_string_lossy();
+        if t.contains("perf_event") {
+            h.perf_events += 1;
+        } else if t.contains("bpf_link") || t.contains("bpf-link") {
+            h.bpf_links += 1;
+        } else if t.contains("bpf-map") {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                e.file_name().to_string_lossy()
+            ))
+            .unwrap_or_default();
+            let field = |k: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(k))
+                    .map(|v| v.trim().to_string())
+            };
+            // Hash maps only (type 1; 5 per-CPU hash, 9 LRU hash): arrays and ring buffers
+            // have a fixed size.
+            if matches!(field("map_type:").as_deref(), Some("1" | "5" | "9")) {
+                if let Some(id) = field("map_id:") {
+                    maps.push(id);
+                }
+            }
+        }
+    }
+    h.threads = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    maps.sort();
+    maps.dedup();
+    for id in maps {
+        let out = Command::new("bpftool")
+            .args(["map", "dump", "id", &id, "--json"])
+            .output()
+            .expect("bpftool (apt-get install bpftool)");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        h.map_entries += v.as_array().map_or(0, |a| a.len());
+    }
+    h
+}
+
 #[test]
 fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -1402,6 +1464,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let mut max_thread_series = 0usize;
     let mut max_segments = 0usize;
     let mut last_exp = Vec::new();
+    let mut holds: Vec<Held> = Vec::new();
     let mut k = 0u64;
     while t0.elapsed() < Duration::from_secs(secs) {
         k += 1;
@@ -1413,6 +1476,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
         max_disk = max_disk.max(segs.iter().map(|s| s.bytes).sum());
         max_segments = max_segments.max(segs.len());
         if k.is_multiple_of(5) {
+            holds.push(held(pid));
             let exp = parse_exposition(&agent.metrics());
             let n = exp
                 .iter()
@@ -1445,7 +1509,38 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
         vmrss[0],
         vmrss[vmrss.len() - 1]
     );
+    // What the agent holds while workers come and go (4 alive at any time, one replaced every
+    // half second): no more in the second half of the soak than in its first after warm-up.
+    let warm_holds = (holds.len() * 4 / 10).max(1);
+    let half = warm_holds + (holds.len() - warm_holds) / 2;
+    let most = |v: &[Held], f: fn(&Held) -> usize| v.iter().map(f).max().unwrap_or(0);
+    let first_half = &holds[warm_holds..half];
+    let second_half = &holds[half..];
+    let figures = format!(
+        "{figures}; held every 5 s after warm-up (fds, perf events, BPF links, threads, BPF hash entries): {:?}",
+        holds[warm_holds..]
+            .iter()
+            .map(|h| (h.fds, h.perf_events, h.bpf_links, h.threads, h.map_entries))
+            .collect::<Vec<_>>()
+    );
     eprintln!("{figures}");
+    for (what, f) in [
+        ("descriptors", (|h: &Held| h.fds) as fn(&Held) -> usize),
+        ("perf events", |h: &Held| h.perf_events),
+        ("BPF links", |h: &Held| h.bpf_links),
+        ("threads", |h: &Held| h.threads),
+        ("BPF map entries", |h: &Held| h.map_entries),
+    ] {
+        // A process's worth of slack: the count at a reading depends on how many workers
+        // are between exit and their replacement's attach.
+        let slack = if what == "BPF map entries" { 16 } else { 4 };
+        assert!(
+            !first_half.is_empty()
+                && !second_half.is_empty()
+                && most(second_half, f) <= most(first_half, f) + slack,
+            "{what} grow as processes come and go: {figures}"
+        );
+    }
     // Recent segments read on their own (the oldest may be pruned while we read).
     let segs = segments(&dir);
     let p = &segs[segs.len().saturating_sub(2)];
