@@ -375,14 +375,22 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
                 if f.status == "unchanged" {
                     continue;
                 }
+                let what = match &f.figure {
+                    Some(g) => format!(
+                        "{:.1} -> {:.1} {}",
+                        g.value.a.unwrap_or(0.0),
+                        g.value.b.unwrap_or(0.0),
+                        g.name
+                    ),
+                    None => format!(
+                        "{:.1}% -> {:.1}%",
+                        f.score_pct.a.unwrap_or(0.0),
+                        f.score_pct.b.unwrap_or(0.0)
+                    ),
+                };
                 println!(
-                    "   {:<9} {} {}/{}: {:.1}% -> {:.1}%",
-                    f.status,
-                    f.kind,
-                    f.process,
-                    f.thread,
-                    f.score_pct.a.unwrap_or(0.0),
-                    f.score_pct.b.unwrap_or(0.0)
+                    "   {:<9} {} {}/{} {}: {what}",
+                    f.status, f.kind, f.process, f.thread, f.function
                 );
             }
         } else {

@@ -202,16 +202,50 @@ pub struct FindingDelta {
     /// Its verdict in A and in B (empty where absent).
     pub verdict_a: String,
     pub verdict_b: String,
+    /// The finding's own figure where a fix moves that rather than the score: per-request
+    /// growth's slope, µs more per running request (a faster engine's per-request part can
+    /// take the same share of a thread at a quarter of the slope). Its status then follows
+    /// this figure. Absent for other kinds (their score is their figure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub figure: Option<FindingFigure>,
+}
+
+/// A finding's own figure in A and B ([`FindingDelta::figure`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct FindingFigure {
+    /// What it is, with its unit.
+    pub name: String,
+    pub value: Figure,
+}
+
+/// The figure of a finding kind that is not its score: (name, value from the finding).
+fn own_figure(f: &super::findings::Finding) -> Option<(&'static str, f64)> {
+    match f.kind.as_str() {
+        "per_request_growth" => f
+            .evidence
+            .get("slope_ms_per_request")
+            .and_then(|v| v.as_f64())
+            .map(|ms| ("µs per running request", ms * 1e3)),
+        _ => None,
+    }
 }
 
 type FindingKey = (String, String, String, String);
 
+/// A finding's score (%) over a recording and its halves, its own figure likewise where it
+/// has one, and its verdict over the whole.
+struct Scored {
+    score: Thirds,
+    figure: Option<(&'static str, Thirds)>,
+    verdict: String,
+}
+
 /// Each finding of a recording by key: its score over the whole recording and each half (%),
 /// and its verdict over the whole.
-fn finding_scores(rec: &Recording) -> BTreeMap<FindingKey, (Thirds, String)> {
+fn finding_scores(rec: &Recording) -> BTreeMap<FindingKey, Scored> {
     let d = rec.duration_ns();
     let mid = d / 2;
-    let mut out: BTreeMap<FindingKey, (Thirds, String)> = BTreeMap::new();
+    let mut out: BTreeMap<FindingKey, Scored> = BTreeMap::new();
     for (i, (from, to)) in [(0, u64::MAX), (0, mid), (mid, d.max(mid + 1))]
         .into_iter()
         .enumerate()
@@ -245,22 +279,25 @@ fn finding_scores(rec: &Recording) -> BTreeMap<FindingKey, (Thirds, String)> {
                 _ => f.function.clone(),
             };
             let key = (f.kind.clone(), process, f.thread.clone(), function);
-            let e = out
-                .entry(key)
-                .or_insert(([None, Some(0.0), Some(0.0)], String::new()));
-            if i == 0 {
-                // Several of one key (two processes of one role) add up.
-                e.0[0] = Some(e.0[0].unwrap_or(0.0) + f.score * 100.0);
-                if e.1.is_empty() {
-                    e.1 = f.verdict;
-                }
-            } else {
-                e.0[i] = Some(e.0[i].unwrap_or(0.0) + f.score * 100.0);
+            let e = out.entry(key).or_insert(Scored {
+                score: [None, Some(0.0), Some(0.0)],
+                figure: None,
+                verdict: String::new(),
+            });
+            // Several of one key (two processes of one role) add up; their own figures
+            // (a slope each) do not: the largest stands.
+            e.score[i] = Some(e.score[i].unwrap_or(0.0) + f.score * 100.0);
+            if let Some((name, v)) = own_figure(&f) {
+                let t = &mut e.figure.get_or_insert((name, [None; 3])).1;
+                t[i] = Some(t[i].map_or(v, |w: f64| w.max(v)));
+            }
+            if i == 0 && e.verdict.is_empty() {
+                e.verdict = f.verdict;
             }
         }
     }
     // A finding seen in a half only is not one of the recording's.
-    out.retain(|_, v| v.0[0].is_some());
+    out.retain(|_, v| v.score[0].is_some());
     out
 }
 
@@ -274,15 +311,32 @@ pub fn finding_deltas(a: &Recording, b: &Recording) -> Vec<FindingDelta> {
     let mut out: Vec<FindingDelta> = keys
         .into_iter()
         .map(|k| {
-            let (ta, va) = fa.get(k).cloned().unwrap_or((absent, String::new()));
-            let (tb, vb) = fb.get(k).cloned().unwrap_or((absent, String::new()));
-            let score = Figure::new(ta, tb);
-            let status = match (fa.contains_key(k), fb.contains_key(k)) {
+            let (sa, sb) = (fa.get(k), fb.get(k));
+            let score = Figure::new(
+                sa.map_or(absent, |s| s.score),
+                sb.map_or(absent, |s| s.score),
+            );
+            let fig_a = sa.and_then(|s| s.figure);
+            let fig_b = sb.and_then(|s| s.figure);
+            let figure = fig_a.or(fig_b).map(|(name, _)| FindingFigure {
+                name: name.to_string(),
+                value: Figure::new(
+                    fig_a.map_or([None; 3], |f| f.1),
+                    fig_b.map_or([None; 3], |f| f.1),
+                ),
+            });
+            let moved = match &figure {
+                Some(f) => f.value.beyond_noise,
+                None => score.beyond_noise,
+            };
+            let status = match (sa.is_some(), sb.is_some()) {
                 (false, true) => "appeared",
                 (true, false) => "vanished",
-                _ if score.beyond_noise => "changed",
+                _ if moved => "changed",
                 _ => "unchanged",
             };
+            let verdict = |s: Option<&Scored>| s.map(|s| s.verdict.clone()).unwrap_or_default();
+            let (va, vb) = (verdict(sa), verdict(sb));
             FindingDelta {
                 kind: k.0.clone(),
                 process: k.1.clone(),
@@ -292,6 +346,7 @@ pub fn finding_deltas(a: &Recording, b: &Recording) -> Vec<FindingDelta> {
                 score_pct: score,
                 verdict_a: va,
                 verdict_b: vb,
+                figure,
             }
         })
         .collect();
@@ -760,18 +815,24 @@ impl Diff {
             let _ = writeln!(s, "## Findings\n");
             let _ = writeln!(
                 s,
-                "| finding | process | thread | function | score % | status |"
+                "| finding | process | thread | function | score % | its own figure | status |"
             );
-            let _ = writeln!(s, "|---|---|---|---|---|---|");
+            let _ = writeln!(s, "|---|---|---|---|---|---|---|");
             for f in &self.findings {
+                let own = f
+                    .figure
+                    .as_ref()
+                    .map(|g| format!("{} {}", cell(&g.value, 1), g.name))
+                    .unwrap_or_default();
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} |",
                     f.kind,
                     md(&f.process),
                     md(&f.thread),
                     md(&f.function),
                     cell(&f.score_pct, 1),
+                    own,
                     f.status
                 );
             }
