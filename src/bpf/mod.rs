@@ -233,6 +233,7 @@ impl BpfSampler {
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
     pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
+        let addr = probe_address(addr);
         self.hold_sched_hooks();
         let prog_fd =
             raw_fd(self.probe_program()?).map_err(|e| anyhow!("on_probe_hit not loaded: {e}"))?;
@@ -279,6 +280,7 @@ impl BpfSampler {
     /// instead.
     pub fn watch_refcount_cpus(&mut self, addr: u64) -> anyhow::Result<Breakpoint> {
         use std::sync::atomic::Ordering;
+        let addr = probe_address(addr);
         self.take_cpu_slots()?;
         let slot = self
             .cpu_slots
@@ -973,6 +975,21 @@ struct CpuSlot {
 
 /// Where a disabled [`CpuSlot`] points: an aligned user address no target writes.
 const CPU_SLOT_PARKED: u64 = 0x1000;
+
+/// Where a probe's watchpoint goes: its code object's reference count, or with
+/// `ENGINESCOPE_PROBE_PARKED=1` (a measurement, never for use: nothing is timed) an address no
+/// target writes, so that the watch's on-phases hold armed debug registers and make the same
+/// settings but take no trap: what watching costs the target besides its traps.
+fn probe_address(addr: u64) -> u64 {
+    static PARKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *PARKED
+        .get_or_init(|| std::env::var_os("ENGINESCOPE_PROBE_PARKED").is_some_and(|v| v == "1"))
+    {
+        CPU_SLOT_PARKED
+    } else {
+        addr
+    }
+}
 
 impl CpuSlot {
     fn attr(addr: u64, enabled: bool) -> PerfEventAttr {

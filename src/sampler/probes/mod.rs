@@ -846,11 +846,16 @@ impl<H: Watch> Probes<H> {
             r.window.restart(end);
             let sched = Schedstat::of_thread(tid);
             let from = std::mem::replace(&mut r.sched, sched);
-            if took == 0 || watched == 0 {
+            // A forced share holds without traps too (`ENGINESCOPE_PROBE_PARKED` takes none).
+            if (took == 0 || watched == 0) && forced_share().is_none() {
                 continue;
             }
             r.measured = true;
-            let trap_share = took as f64 * trap_ns as f64 * r.want.len() as f64 / watched as f64;
+            let trap_share = if watched == 0 {
+                0.0
+            } else {
+                took as f64 * trap_ns as f64 * r.want.len() as f64 / watched as f64
+            };
             // Holding registers also costs every context switch (the kernel reloads them):
             // the thread's switches over the window, at the registers it holds when all of
             // its probes are on.
