@@ -96,6 +96,16 @@ impl Report {
         if self.engines.is_empty() {
             return;
         }
+        self.engine_table_markdown(s);
+        self.engine_load_markdown(s);
+        self.request_time_markdown(s);
+        self.imbalance_markdown(s);
+        self.ranks_markdown(s);
+        self.fleet_findings_markdown(s);
+    }
+
+    /// The engines, their processes and scrapes, and what each engine's scrapes say of it.
+    fn engine_table_markdown(&self, s: &mut String) {
         let _ = writeln!(s, "\n## Engines\n");
         let _ = writeln!(
             s,
@@ -146,6 +156,10 @@ impl Report {
                 );
             }
         }
+    }
+
+    /// Each engine's load and latency over the recording.
+    fn engine_load_markdown(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "\n| engine | gen tok/s | min | max | prompt tok/s | KV mean | KV max | running | max | waiting | max | prefix-cache hits |"
@@ -201,6 +215,10 @@ impl Report {
                 e.ttft_ms.count.round()
             );
         }
+    }
+
+    /// Where the requests' time went, where the engine says so.
+    fn request_time_markdown(&self, s: &mut String) {
         // Where the requests' time went, where the engine says (vLLM V1's request time
         // histograms): the means add up (queue + prefill is about TTFT; queue + inference
         // about E2E, the API server's own time apart).
@@ -248,6 +266,10 @@ impl Report {
                 );
             }
         }
+    }
+
+    /// How unevenly the fleet's engines were loaded.
+    fn imbalance_markdown(&self, s: &mut String) {
         if let Some(im) = &self.engine_imbalance {
             let mut parts = Vec::new();
             for (what, sp, prec) in [
@@ -283,6 +305,10 @@ impl Report {
                 );
             }
         }
+    }
+
+    /// Data-parallel ranks (vLLM's `engine` label), one row each.
+    fn ranks_markdown(&self, s: &mut String) {
         if !self.engine_ranks.is_empty() {
             let _ = writeln!(s, "\nData-parallel ranks (vLLM's `engine` label):\n");
             let _ = writeln!(
@@ -324,6 +350,10 @@ impl Report {
                 );
             }
         }
+    }
+
+    /// The fleet's findings.
+    fn fleet_findings_markdown(&self, s: &mut String) {
         if !self.fleet_findings.is_empty() {
             let _ = writeln!(s, "\n### Fleet findings\n");
             for f in &self.fleet_findings {
