@@ -488,128 +488,12 @@ impl Report {
         }
         // Functions are (name, file); lines are merged.
         sums.expand_stacks(rec, &mut table);
-        let mut functions: Vec<(u64, FunctionRow)> = sums
-            .functions
-            .iter()
-            .map(|(&((pid, tid), f), a)| {
-                let (function, file) = table.name(f);
-                let cpu = threads.get(&(pid, tid)).map_or(0, |t| t.cpu_ns);
-                (
-                    a.self_ns,
-                    FunctionRow {
-                        function: function.to_string(),
-                        file: file.to_string(),
-                        pid,
-                        tid,
-                        self_s: secs(a.self_ns),
-                        total_s: secs(a.total_ns),
-                        self_share: share(a.self_ns, cpu),
-                        total_share: share(a.total_ns, cpu),
-                        self_native_s: secs(a.self_native_ns),
-                        self_samples: a.self_samples,
-                        total_samples: a.total_samples,
-                        calls: None,
-                        calls_per_s: None,
-                        latency_ms: None,
-                        method: None,
-                    },
-                )
-            })
-            .collect();
-        functions.sort_by(|(a_ns, a), (b_ns, b)| {
-            b_ns.cmp(a_ns)
-                .then(b.total_s.total_cmp(&a.total_s))
-                .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
-                .then(a.function.cmp(&b.function))
-                .then(a.file.cmp(&b.file))
-        });
+        let functions = function_rows(&sums, &table, &threads);
 
         let (gil_blocking, gil_blocking_pairs) = gil_tables(rec, &sums.blame, &table, &threads);
-        let mut by_thread: Vec<(u64, GcThreadRow)> = gc_thread
-            .into_iter()
-            .map(|((pid, tid), a)| {
-                let st = a.stats(duration_ns);
-                (
-                    a.total,
-                    GcThreadRow {
-                        pid,
-                        tid,
-                        name: rec.thread_name(pid, tid).to_string(),
-                        pauses: st.pauses,
-                        total_s: st.total_s,
-                        max_ms: st.max_ms,
-                        share: st.share,
-                    },
-                )
-            })
-            .collect();
-        by_thread.sort_by(|(a_ns, a), (b_ns, b)| {
-            b_ns.cmp(a_ns).then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
-        });
-        let all = gc_all.stats(duration_ns);
-        let gc = GcSummary {
-            pauses: all.pauses,
-            collected: all.collected,
-            total_s: all.total_s,
-            max_ms: all.max_ms,
-            share: all.share,
-            by_generation: gc_gen
-                .into_iter()
-                .map(|(k, a)| (k, a.stats(duration_ns)))
-                .collect(),
-            by_thread: by_thread.into_iter().map(|(_, r)| r).collect(),
-        };
+        let gc = gc_summary(rec, gc_all, gc_gen, gc_thread, duration_ns);
 
-        let mut totals = Totals::default();
-        let (mut cpu, mut native, mut off) = (0u64, 0u64, 0u64);
-        let (mut gil_held, mut gil_wait, mut gil_switch, mut gc_ns) = (0u64, 0u64, 0u64, 0u64);
-        let mut rows: Vec<(u64, ThreadRow)> = threads
-            .into_iter()
-            .map(|((pid, tid), t)| {
-                totals.samples += t.samples;
-                cpu += t.cpu_ns;
-                native += t.native_ns;
-                off += t.off_ns;
-                gil_held += t.gil_held_ns;
-                gil_wait += t.gil_wait_ns;
-                gil_switch += t.switch_wait_ns;
-                gc_ns += t.gc_ns;
-                (
-                    t.cpu_ns,
-                    ThreadRow {
-                        pid,
-                        tid,
-                        name: rec.thread_name(pid, tid).to_string(),
-                        os_name: rec.os_thread_name(pid, tid).to_string(),
-                        cpu_s: secs(t.cpu_ns),
-                        samples: t.samples,
-                        python_s: secs(t.cpu_ns - t.native_ns),
-                        native_s: secs(t.native_ns),
-                        offcpu_s: secs(t.off_ns),
-                        offcpu_preempted_s: secs(t.off_preempted_ns),
-                        gil_held_share: share(t.gil_held_ns, t.cpu_ns),
-                        gc_share: share(t.gc_cpu_ns, t.cpu_ns),
-                        gil_held_s: secs(t.gil_held_ns),
-                        gil_wait_s: secs(t.gil_wait_ns),
-                        gil_waits: t.gil_waits,
-                        gil_switch_wait_s: secs(t.switch_wait_ns),
-                        gc_s: secs(t.gc_ns),
-                        gc_pauses: t.gc_pauses,
-                    },
-                )
-            })
-            .collect();
-        rows.sort_by(|(a_ns, a), (b_ns, b)| {
-            b_ns.cmp(a_ns).then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
-        });
-        totals.cpu_s = secs(cpu);
-        totals.python_s = secs(cpu - native);
-        totals.native_s = secs(native);
-        totals.offcpu_s = secs(off);
-        totals.gil_held_s = secs(gil_held);
-        totals.gil_wait_s = secs(gil_wait);
-        totals.gil_switch_wait_s = secs(gil_switch);
-        totals.gc_s = secs(gc_ns);
+        let (rows, totals) = thread_rows(rec, threads);
 
         let end_ns = extent_ns(rec);
         let windows = Windows::new(opts.window_ns, end_ns);
@@ -1164,6 +1048,151 @@ pub(super) fn md(s: &str) -> String {
         .replace('<', "\\<")
         .replace('>', "\\>")
         .replace(['\n', '\r'], " ")
+}
+
+/// A row per selected thread and function (name, file; lines merged), the largest self time
+/// first.
+fn function_rows(
+    sums: &Sums,
+    table: &FunctionTable,
+    threads: &BTreeMap<(i32, i32), ThreadAcc>,
+) -> Vec<(u64, FunctionRow)> {
+    let mut functions: Vec<(u64, FunctionRow)> = sums
+        .functions
+        .iter()
+        .map(|(&((pid, tid), f), a)| {
+            let (function, file) = table.name(f);
+            let cpu = threads.get(&(pid, tid)).map_or(0, |t| t.cpu_ns);
+            (
+                a.self_ns,
+                FunctionRow {
+                    function: function.to_string(),
+                    file: file.to_string(),
+                    pid,
+                    tid,
+                    self_s: secs(a.self_ns),
+                    total_s: secs(a.total_ns),
+                    self_share: share(a.self_ns, cpu),
+                    total_share: share(a.total_ns, cpu),
+                    self_native_s: secs(a.self_native_ns),
+                    self_samples: a.self_samples,
+                    total_samples: a.total_samples,
+                    calls: None,
+                    calls_per_s: None,
+                    latency_ms: None,
+                    method: None,
+                },
+            )
+        })
+        .collect();
+    functions.sort_by(|(a_ns, a), (b_ns, b)| {
+        b_ns.cmp(a_ns)
+            .then(b.total_s.total_cmp(&a.total_s))
+            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+            .then(a.function.cmp(&b.function))
+            .then(a.file.cmp(&b.file))
+    });
+    functions
+}
+
+/// The GC section: all pauses, by generation and by thread (most time first).
+fn gc_summary(
+    rec: &Recording,
+    gc_all: GcAcc,
+    gc_gen: BTreeMap<String, GcAcc>,
+    gc_thread: BTreeMap<(i32, i32), GcAcc>,
+    duration_ns: u64,
+) -> GcSummary {
+    let mut by_thread: Vec<(u64, GcThreadRow)> = gc_thread
+        .into_iter()
+        .map(|((pid, tid), a)| {
+            let st = a.stats(duration_ns);
+            (
+                a.total,
+                GcThreadRow {
+                    pid,
+                    tid,
+                    name: rec.thread_name(pid, tid).to_string(),
+                    pauses: st.pauses,
+                    total_s: st.total_s,
+                    max_ms: st.max_ms,
+                    share: st.share,
+                },
+            )
+        })
+        .collect();
+    by_thread
+        .sort_by(|(a_ns, a), (b_ns, b)| b_ns.cmp(a_ns).then((a.pid, a.tid).cmp(&(b.pid, b.tid))));
+    let all = gc_all.stats(duration_ns);
+    let gc = GcSummary {
+        pauses: all.pauses,
+        collected: all.collected,
+        total_s: all.total_s,
+        max_ms: all.max_ms,
+        share: all.share,
+        by_generation: gc_gen
+            .into_iter()
+            .map(|(k, a)| (k, a.stats(duration_ns)))
+            .collect(),
+        by_thread: by_thread.into_iter().map(|(_, r)| r).collect(),
+    };
+    gc
+}
+
+/// A row per selected thread (most CPU first), and the totals over them.
+fn thread_rows(
+    rec: &Recording,
+    threads: BTreeMap<(i32, i32), ThreadAcc>,
+) -> (Vec<(u64, ThreadRow)>, Totals) {
+    let mut totals = Totals::default();
+    let (mut cpu, mut native, mut off) = (0u64, 0u64, 0u64);
+    let (mut gil_held, mut gil_wait, mut gil_switch, mut gc_ns) = (0u64, 0u64, 0u64, 0u64);
+    let mut rows: Vec<(u64, ThreadRow)> = threads
+        .into_iter()
+        .map(|((pid, tid), t)| {
+            totals.samples += t.samples;
+            cpu += t.cpu_ns;
+            native += t.native_ns;
+            off += t.off_ns;
+            gil_held += t.gil_held_ns;
+            gil_wait += t.gil_wait_ns;
+            gil_switch += t.switch_wait_ns;
+            gc_ns += t.gc_ns;
+            (
+                t.cpu_ns,
+                ThreadRow {
+                    pid,
+                    tid,
+                    name: rec.thread_name(pid, tid).to_string(),
+                    os_name: rec.os_thread_name(pid, tid).to_string(),
+                    cpu_s: secs(t.cpu_ns),
+                    samples: t.samples,
+                    python_s: secs(t.cpu_ns - t.native_ns),
+                    native_s: secs(t.native_ns),
+                    offcpu_s: secs(t.off_ns),
+                    offcpu_preempted_s: secs(t.off_preempted_ns),
+                    gil_held_share: share(t.gil_held_ns, t.cpu_ns),
+                    gc_share: share(t.gc_cpu_ns, t.cpu_ns),
+                    gil_held_s: secs(t.gil_held_ns),
+                    gil_wait_s: secs(t.gil_wait_ns),
+                    gil_waits: t.gil_waits,
+                    gil_switch_wait_s: secs(t.switch_wait_ns),
+                    gc_s: secs(t.gc_ns),
+                    gc_pauses: t.gc_pauses,
+                },
+            )
+        })
+        .collect();
+    rows.sort_by(|(a_ns, a), (b_ns, b)| b_ns.cmp(a_ns).then((a.pid, a.tid).cmp(&(b.pid, b.tid))));
+    totals.cpu_s = secs(cpu);
+    totals.python_s = secs(cpu - native);
+    totals.native_s = secs(native);
+    totals.offcpu_s = secs(off);
+    totals.gil_held_s = secs(gil_held);
+    totals.gil_wait_s = secs(gil_wait);
+    totals.gil_switch_wait_s = secs(gil_switch);
+    totals.gc_s = secs(gc_ns);
+    (rows, totals)
 }
 
 #[cfg(test)]
