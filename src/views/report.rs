@@ -1124,7 +1124,7 @@ fn gc_summary(
     by_thread
         .sort_by(|(a_ns, a), (b_ns, b)| b_ns.cmp(a_ns).then((a.pid, a.tid).cmp(&(b.pid, b.tid))));
     let all = gc_all.stats(duration_ns);
-    let gc = GcSummary {
+    GcSummary {
         pauses: all.pauses,
         collected: all.collected,
         total_s: all.total_s,
@@ -1135,8 +1135,7 @@ fn gc_summary(
             .map(|(k, a)| (k, a.stats(duration_ns)))
             .collect(),
         by_thread: by_thread.into_iter().map(|(_, r)| r).collect(),
-    };
-    gc
+    }
 }
 
 /// A row per selected thread (most CPU first), and the totals over them.
