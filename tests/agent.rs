@@ -475,6 +475,20 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
             ));
         }
     }
+    // For a miss: whether the recorder lost events (a full ring buffer) or fell behind.
+    let mut lost: BTreeMap<String, u64> = BTreeMap::new();
+    for r in &recs {
+        for (k, v) in &r.counters {
+            if k.contains("lost") || k.contains("late") || k.contains("drain") {
+                // Counters are the recorder's running totals: the last segment's are the most.
+                let e = lost.entry(k.clone()).or_default();
+                *e = (*e).max(*v);
+            }
+        }
+    }
+    report.push(format!(
+        "recorder counters (the most any segment says): {lost:?}"
+    ));
     eprintln!("{}", report.join("\n"));
     assert!(failures.is_empty(), "{failures:?}\n{}", report.join("\n"));
     // Other families present, with their labels.
