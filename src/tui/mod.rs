@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use crossterm::event::{self, Event};
 
-use crate::record::{EndInfo, EngineInfo, Recording};
+use crate::record::{EndInfo, Recording};
 use crate::sampler::{RecordOptions, RecordSummary};
 pub use model::Topology;
 
@@ -74,13 +74,12 @@ pub fn run_record(
         let pids: Vec<String> = ropts.pids.iter().map(|p| p.to_string()).collect();
         format!("live pid {}", pids.join(","))
     };
-    run_with(ropts, temporary, &Topology::default(), window, label)
+    run_with(ropts, temporary, window, label)
 }
 
 fn run_with(
     ropts: RecordOptions,
     temporary: bool,
-    topo: &Topology,
     window: Duration,
     label: String,
 ) -> anyhow::Result<()> {
@@ -103,7 +102,7 @@ fn run_with(
         let feed = Feed::Live {
             follow: Box::new(follow),
         };
-        drive(feed, &mut recorder, topo, window, label)
+        drive(feed, &mut recorder, window, label)
     })();
     recorder.stop.stop();
     let finished = recorder.finish();
@@ -137,7 +136,7 @@ pub fn run_replay(path: &Path, window: Duration) -> anyhow::Result<()> {
         outcome: None,
         stop,
     };
-    drive(feed, &mut none, &Topology::default(), window, label)
+    drive(feed, &mut none, window, label)
 }
 
 /// The background recorder of live mode.
@@ -300,16 +299,15 @@ fn update(
 fn drive(
     mut feed: Feed,
     recorder: &mut Recorder,
-    topo: &Topology,
     window: Duration,
     label: String,
 ) -> anyhow::Result<()> {
     let window_ns = (window.as_nanos() as u64).max(BUCKETS);
     let mut w = window::Window::new(window_ns, BUCKETS, KEEP_NS);
     if std::io::stdout().is_terminal() {
-        tui_loop(&mut feed, recorder, topo, &mut w, &label)
+        tui_loop(&mut feed, recorder, &mut w, &label)
     } else {
-        plain_loop(&mut feed, recorder, topo, &mut w)
+        plain_loop(&mut feed, recorder, &mut w)
     }
 }
 
@@ -318,13 +316,12 @@ fn drive(
 fn plain_loop(
     feed: &mut Feed,
     recorder: &mut Recorder,
-    topo: &Topology,
     w: &mut window::Window,
 ) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     let mut recall = model::Recall::default();
     let mut print = |w: &window::Window, rec: &Recording| -> bool {
-        let mut snap = model::snapshot(w, rec, topo);
+        let mut snap = model::snapshot(w, rec, &Topology::default());
         recall.apply(&mut snap);
         let mut text = plain::lines(&snap).join("\n");
         text.push('\n');
@@ -464,7 +461,6 @@ fn start_flame(sub: Recording, what: String, tx: mpsc::Sender<FlameResult>) {
 fn tui_loop(
     feed: &mut Feed,
     recorder: &mut Recorder,
-    topo: &Topology,
     w: &mut window::Window,
     label: &str,
 ) -> anyhow::Result<()> {
@@ -489,7 +485,7 @@ fn tui_loop(
             let t0 = Instant::now();
             update(feed, w, app.ui.paused, &mut last_trim)?;
             if !app.ui.paused {
-                app.snap = model::snapshot(w, feed.rec(), topo);
+                app.snap = model::snapshot(w, feed.rec(), &Topology::default());
                 recall.apply(&mut app.snap);
             }
             let frame_ms = app.header.frame_ms;
@@ -587,15 +583,6 @@ fn tui_loop(
             Event::Resize(..) => dirty = true,
             _ => {}
         }
-    }
-}
-
-/// Roles and engines as `run_engines` takes them, from (pid, role) pairs and engine
-/// descriptions: a convenience for discovery code.
-pub fn topology(processes: &[(i32, String)], engines: Vec<EngineInfo>) -> Topology {
-    Topology {
-        roles: processes.iter().cloned().collect(),
-        engines,
     }
 }
 
