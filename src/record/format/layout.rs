@@ -10,6 +10,7 @@ use super::{put_str, put_varint, tag, unzigzag, zigzag, Cur};
 use crate::record::model::{
     FunctionCall, GcPause, GilWait, MetricPoint, NativeFrameInfo, OffCpu, ProbeWatch,
 };
+use crate::record::profile::{CallKey, GilKey, OffCpuKey, SampleKey};
 
 /// One record type's payload.
 pub(super) trait Layout: Sized {
@@ -305,10 +306,7 @@ impl Layout for IntervalRec {
 /// Record 22: samples of one thread, stack and flags added up over the interval.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct SamplesRec {
-    pub pid: i32,
-    pub tid: i32,
-    pub stack: u32,
-    pub flags: u8,
+    pub key: SampleKey,
     pub count: u64,
     pub weight_ns: u64,
 }
@@ -316,19 +314,22 @@ pub(super) struct SamplesRec {
 impl Layout for SamplesRec {
     const TAG: u8 = tag::SAMPLES;
     fn put(&self, out: &mut Vec<u8>) {
-        put_i32(out, self.pid);
-        put_i32(out, self.tid);
-        put_varint(out, u64::from(self.stack));
-        out.push(self.flags);
+        let k = &self.key;
+        put_i32(out, k.pid);
+        put_i32(out, k.tid);
+        put_varint(out, u64::from(k.stack));
+        out.push(k.flags);
         put_varint(out, self.count);
         put_varint(out, self.weight_ns);
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
         Ok(SamplesRec {
-            pid: c.i32()?,
-            tid: c.i32()?,
-            stack: c.varint()? as u32,
-            flags: c.u8()?,
+            key: SampleKey {
+                pid: c.i32()?,
+                tid: c.i32()?,
+                stack: c.varint()? as u32,
+                flags: c.u8()?,
+            },
             count: c.varint()?,
             weight_ns: c.varint()?,
         })
@@ -338,10 +339,7 @@ impl Layout for SamplesRec {
 /// Record 23: off-CPU intervals of one thread and stack added up over the interval.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct OffCpuSumRec {
-    pub pid: i32,
-    pub tid: i32,
-    pub stack: u32,
-    pub preempted: bool,
+    pub key: OffCpuKey,
     pub count: u64,
     pub dur_ns: u64,
 }
@@ -349,19 +347,22 @@ pub(super) struct OffCpuSumRec {
 impl Layout for OffCpuSumRec {
     const TAG: u8 = tag::OFFCPU_SUM;
     fn put(&self, out: &mut Vec<u8>) {
-        put_i32(out, self.pid);
-        put_i32(out, self.tid);
-        put_varint(out, u64::from(self.stack));
-        out.push(u8::from(self.preempted));
+        let k = &self.key;
+        put_i32(out, k.pid);
+        put_i32(out, k.tid);
+        put_varint(out, u64::from(k.stack));
+        out.push(u8::from(k.preempted));
         put_varint(out, self.count);
         put_varint(out, self.dur_ns);
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
         Ok(OffCpuSumRec {
-            pid: c.i32()?,
-            tid: c.i32()?,
-            stack: c.varint()? as u32,
-            preempted: c.u8()? != 0,
+            key: OffCpuKey {
+                pid: c.i32()?,
+                tid: c.i32()?,
+                stack: c.varint()? as u32,
+                preempted: c.u8()? != 0,
+            },
             count: c.varint()?,
             dur_ns: c.varint()?,
         })
@@ -371,12 +372,7 @@ impl Layout for OffCpuSumRec {
 /// Record 24: GIL waits of one thread behind one holder and stacks, added up.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct GilWaitSumRec {
-    pub pid: i32,
-    pub tid: i32,
-    pub holder_tid: i32,
-    pub holder_stack: u32,
-    pub waiter_stack: u32,
-    pub switch_wait: bool,
+    pub key: GilKey,
     pub count: u64,
     pub dur_ns: u64,
 }
@@ -384,23 +380,26 @@ pub(super) struct GilWaitSumRec {
 impl Layout for GilWaitSumRec {
     const TAG: u8 = tag::GIL_WAIT_SUM;
     fn put(&self, out: &mut Vec<u8>) {
-        put_i32(out, self.pid);
-        put_i32(out, self.tid);
-        put_i32(out, self.holder_tid);
-        put_varint(out, u64::from(self.holder_stack));
-        put_varint(out, u64::from(self.waiter_stack));
-        out.push(u8::from(self.switch_wait));
+        let k = &self.key;
+        put_i32(out, k.pid);
+        put_i32(out, k.tid);
+        put_i32(out, k.holder_tid);
+        put_varint(out, u64::from(k.holder_stack));
+        put_varint(out, u64::from(k.waiter_stack));
+        out.push(u8::from(k.switch_wait));
         put_varint(out, self.count);
         put_varint(out, self.dur_ns);
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
         Ok(GilWaitSumRec {
-            pid: c.i32()?,
-            tid: c.i32()?,
-            holder_tid: c.i32()?,
-            holder_stack: c.varint()? as u32,
-            waiter_stack: c.varint()? as u32,
-            switch_wait: c.u8()? != 0,
+            key: GilKey {
+                pid: c.i32()?,
+                tid: c.i32()?,
+                holder_tid: c.i32()?,
+                holder_stack: c.varint()? as u32,
+                waiter_stack: c.varint()? as u32,
+                switch_wait: c.u8()? != 0,
+            },
             count: c.varint()?,
             dur_ns: c.varint()?,
         })
@@ -412,9 +411,7 @@ impl Layout for GilWaitSumRec {
 /// their counts.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct CallHistRec {
-    pub pid: i32,
-    pub tid: i32,
-    pub probe: u32,
+    pub key: CallKey,
     pub count: u64,
     pub sum_ns: u64,
     pub buckets: Vec<(u32, u64)>,
@@ -423,9 +420,10 @@ pub(super) struct CallHistRec {
 impl Layout for CallHistRec {
     const TAG: u8 = tag::CALL_HIST;
     fn put(&self, out: &mut Vec<u8>) {
-        put_i32(out, self.pid);
-        put_i32(out, self.tid);
-        put_varint(out, u64::from(self.probe));
+        let k = &self.key;
+        put_i32(out, k.pid);
+        put_i32(out, k.tid);
+        put_varint(out, u64::from(k.probe));
         put_varint(out, self.count);
         put_varint(out, self.sum_ns);
         put_varint(out, self.buckets.len() as u64);
@@ -437,8 +435,11 @@ impl Layout for CallHistRec {
         }
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
-        let (pid, tid) = (c.i32()?, c.i32()?);
-        let probe = c.varint()? as u32;
+        let key = CallKey {
+            pid: c.i32()?,
+            tid: c.i32()?,
+            probe: c.varint()? as u32,
+        };
         let count = c.varint()?;
         let sum_ns = c.varint()?;
         let n = c.varint()?;
@@ -455,9 +456,7 @@ impl Layout for CallHistRec {
             buckets.push((b as u32, c.varint()?));
         }
         Ok(CallHistRec {
-            pid,
-            tid,
-            probe,
+            key,
             count,
             sum_ns,
             buckets,
@@ -568,35 +567,43 @@ mod tests {
             end_ns: 20,
         });
         roundtrip(SamplesRec {
-            pid: 1,
-            tid: 2,
-            stack: 3,
-            flags: 4,
+            key: SampleKey {
+                pid: 1,
+                tid: 2,
+                stack: 3,
+                flags: 4,
+            },
             count: 5,
             weight_ns: 6,
         });
         roundtrip(OffCpuSumRec {
-            pid: 1,
-            tid: 2,
-            stack: 3,
-            preempted: false,
+            key: OffCpuKey {
+                pid: 1,
+                tid: 2,
+                stack: 3,
+                preempted: false,
+            },
             count: 5,
             dur_ns: 6,
         });
         roundtrip(GilWaitSumRec {
-            pid: 1,
-            tid: 2,
-            holder_tid: 3,
-            holder_stack: 4,
-            waiter_stack: 5,
-            switch_wait: false,
+            key: GilKey {
+                pid: 1,
+                tid: 2,
+                holder_tid: 3,
+                holder_stack: 4,
+                waiter_stack: 5,
+                switch_wait: false,
+            },
             count: 6,
             dur_ns: 7,
         });
         roundtrip(CallHistRec {
-            pid: 1,
-            tid: 2,
-            probe: 3,
+            key: CallKey {
+                pid: 1,
+                tid: 2,
+                probe: 3,
+            },
             count: 9,
             sum_ns: 1000,
             buckets: vec![(4, 2), (10, 3), (u32::MAX, 4)],

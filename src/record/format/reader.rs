@@ -275,14 +275,14 @@ impl RecordingReader {
     fn samples_sum(&mut self, a: SamplesRec) -> anyhow::Result<()> {
         let (start, end) = self.interval("samples")?;
         let count = aggregated_count(a.count)?;
-        self.known_stacks(&[a.stack], "aggregated samples")?;
+        self.known_stacks(&[a.key.stack], "aggregated samples")?;
         for i in 0..count {
             self.recording.samples.push(Sample {
                 t_ns: profile::spread(start, end, count, i),
-                pid: a.pid,
-                tid: a.tid,
-                stack: a.stack,
-                flags: a.flags,
+                pid: a.key.pid,
+                tid: a.key.tid,
+                stack: a.key.stack,
+                flags: a.key.flags,
                 weight_ns: profile::part(a.weight_ns, count, i).min(u32::MAX as u64) as u32,
             });
         }
@@ -292,16 +292,16 @@ impl RecordingReader {
     fn offcpu_sum(&mut self, a: OffCpuSumRec) -> anyhow::Result<()> {
         let (start, end) = self.interval("off-CPU")?;
         let count = aggregated_count(a.count)?;
-        self.known_stacks(&[a.stack], "aggregated off-CPU")?;
+        self.known_stacks(&[a.key.stack], "aggregated off-CPU")?;
         for i in 0..count {
             let dur_ns = profile::part(a.dur_ns, count, i);
             self.recording.offcpu.push(OffCpu {
-                pid: a.pid,
-                tid: a.tid,
+                pid: a.key.pid,
+                tid: a.key.tid,
                 start_ns: profile::ended_by(start, end, count, i, dur_ns),
                 dur_ns,
-                stack: a.stack,
-                preempted: a.preempted,
+                stack: a.key.stack,
+                preempted: a.key.preempted,
             });
         }
         Ok(())
@@ -310,18 +310,21 @@ impl RecordingReader {
     fn gil_wait_sum(&mut self, a: GilWaitSumRec) -> anyhow::Result<()> {
         let (start, end) = self.interval("GIL waits")?;
         let count = aggregated_count(a.count)?;
-        self.known_stacks(&[a.holder_stack, a.waiter_stack], "aggregated GIL waits")?;
+        self.known_stacks(
+            &[a.key.holder_stack, a.key.waiter_stack],
+            "aggregated GIL waits",
+        )?;
         for i in 0..count {
             let dur_ns = profile::part(a.dur_ns, count, i);
             self.recording.gil_waits.push(GilWait {
-                pid: a.pid,
-                tid: a.tid,
+                pid: a.key.pid,
+                tid: a.key.tid,
                 start_ns: profile::ended_by(start, end, count, i, dur_ns),
                 dur_ns,
-                holder_tid: a.holder_tid,
-                holder_stack: a.holder_stack,
-                waiter_stack: a.waiter_stack,
-                switch_wait: a.switch_wait,
+                holder_tid: a.key.holder_tid,
+                holder_stack: a.key.holder_stack,
+                waiter_stack: a.key.waiter_stack,
+                switch_wait: a.key.switch_wait,
             });
         }
         Ok(())
@@ -330,7 +333,7 @@ impl RecordingReader {
     fn call_hist(&mut self, a: CallHistRec) -> anyhow::Result<()> {
         let (start, end) = self.interval("calls")?;
         let count = aggregated_count(a.count)?;
-        self.known_probe(a.probe, "aggregated calls")?;
+        self.known_probe(a.key.probe, "aggregated calls")?;
         let mut i = 0u64;
         for (b, k) in a.buckets {
             if i.checked_add(k).is_none_or(|t| t > count) {
@@ -341,9 +344,9 @@ impl RecordingReader {
                 self.recording.calls.push(FunctionCall {
                     start_ns: profile::ended_by(start, end, count, i, dur_ns),
                     dur_ns,
-                    pid: a.pid,
-                    tid: a.tid,
-                    probe: a.probe,
+                    pid: a.key.pid,
+                    tid: a.key.tid,
+                    probe: a.key.probe,
                 });
                 i += 1;
             }

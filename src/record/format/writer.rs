@@ -254,10 +254,7 @@ impl RecordingWriter {
         for (k, v) in samples {
             self.samples += v.count;
             self.put(&SamplesRec {
-                pid: k.pid,
-                tid: k.tid,
-                stack: k.stack,
-                flags: k.flags,
+                key: *k,
                 count: v.count,
                 weight_ns: v.sum_ns,
             })?;
@@ -266,10 +263,7 @@ impl RecordingWriter {
         off.sort_unstable_by_key(|(k, _)| **k);
         for (k, v) in off {
             self.put(&OffCpuSumRec {
-                pid: k.pid,
-                tid: k.tid,
-                stack: k.stack,
-                preempted: k.preempted,
+                key: *k,
                 count: v.count,
                 dur_ns: v.sum_ns,
             })?;
@@ -278,24 +272,17 @@ impl RecordingWriter {
         gil.sort_unstable_by_key(|(k, _)| **k);
         for (k, v) in gil {
             self.put(&GilWaitSumRec {
-                pid: k.pid,
-                tid: k.tid,
-                holder_tid: k.holder_tid,
-                holder_stack: k.holder_stack,
-                waiter_stack: k.waiter_stack,
-                switch_wait: k.switch_wait,
+                key: *k,
                 count: v.count,
                 dur_ns: v.sum_ns,
             })?;
         }
         for (k, h) in acc.call_hists() {
             self.put(&CallHistRec {
-                pid: k.pid,
-                tid: k.tid,
-                probe: k.probe,
+                key: k,
                 count: h.count,
                 sum_ns: h.sum_ns,
-                buckets: h.buckets.clone(),
+                buckets: h.buckets,
             })?;
         }
         Ok(())
