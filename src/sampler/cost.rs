@@ -28,13 +28,13 @@ pub const OFF_TASKS: u32 = 1 << 16;
 /// Every part.
 pub const OFF_ALL: u32 = OFF_SAMPLE | OFF_SWITCH | OFF_GC | OFF_PROBE | OFF_TASKS;
 
-/// The parts, by name.
-pub const PARTS: &[(&str, u32)] = &[
-    ("sampling", OFF_SAMPLE),
-    ("off-CPU and GIL", OFF_SWITCH),
-    ("GC", OFF_GC),
-    ("probes", OFF_PROBE),
-    ("task readers", OFF_TASKS),
+/// The parts: the name `--cost-part` takes, the name the table prints, the mask bit.
+pub const PARTS: &[(&str, &str, u32)] = &[
+    ("sampling", "sampling", OFF_SAMPLE),
+    ("offcpu", "off-CPU and GIL", OFF_SWITCH),
+    ("gc", "GC", OFF_GC),
+    ("probes", "probes", OFF_PROBE),
+    ("tasks", "task readers", OFF_TASKS),
 ];
 
 /// `record` flags of the instrument.
@@ -104,29 +104,14 @@ impl CostArgs {
     }
 }
 
-/// The short names `--cost-part` takes, each with its comparison's index in
-/// [`comparisons`]`(true)`.
-const PART_NAMES: &[(&str, usize)] = &[
-    ("everything", 0),
-    ("sampling", 1),
-    ("offcpu", 2),
-    ("gc", 3),
-    ("probes", 4),
-    ("tasks", 5),
-    ("null", 6),
-];
-
 fn part_name(s: &str) -> Result<String, String> {
-    if PART_NAMES.iter().any(|(n, _)| *n == s) {
+    let all = comparisons(true);
+    if all.iter().any(|c| c.part == s) {
         Ok(s.to_string())
     } else {
         Err(format!(
             "no part named {s:?}: one of {}",
-            PART_NAMES
-                .iter()
-                .map(|(n, _)| *n)
-                .collect::<Vec<_>>()
-                .join(", ")
+            all.iter().map(|c| c.part).collect::<Vec<_>>().join(", ")
         ))
     }
 }
@@ -136,9 +121,9 @@ pub fn named_comparisons(names: &[String]) -> Vec<Comparison> {
     let all = comparisons(true);
     let mut out: Vec<Comparison> = Vec::new();
     for name in names {
-        if let Some(&(_, i)) = PART_NAMES.iter().find(|(n, _)| n == name) {
-            if !out.iter().any(|c| c.name == all[i].name) {
-                out.push(all[i].clone());
+        if let Some(c) = all.iter().find(|c| c.part == name) {
+            if !out.contains(c) {
+                out.push(c.clone());
             }
         }
     }
@@ -148,6 +133,9 @@ pub fn named_comparisons(names: &[String]) -> Vec<Comparison> {
 /// Two arms, each the mask of parts switched off.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Comparison {
+    /// What `--cost-part` calls it.
+    pub part: &'static str,
+    /// What the table prints.
     pub name: String,
     /// The arm whose cost is measured (fewer parts off).
     pub on: u32,
@@ -158,17 +146,20 @@ pub struct Comparison {
 /// `everything`, then (with `each_part`) each part left out and the null comparison.
 pub fn comparisons(each_part: bool) -> Vec<Comparison> {
     let mut v = vec![Comparison {
+        part: "everything",
         name: "everything".into(),
         on: 0,
         off: OFF_ALL,
     }];
     if each_part {
-        v.extend(PARTS.iter().map(|&(name, bit)| Comparison {
+        v.extend(PARTS.iter().map(|&(part, name, bit)| Comparison {
+            part,
             name: name.into(),
             on: 0,
             off: bit,
         }));
         v.push(Comparison {
+            part: "null",
             name: "null (nothing differs)".into(),
             on: OFF_ALL,
             off: OFF_ALL,
@@ -602,12 +593,21 @@ mod tests {
     fn cost_parts_name_their_comparisons_in_the_order_given() {
         let all = comparisons(true);
         // Every short name picks a comparison, each a different one.
-        for (i, (name, _)) in PART_NAMES.iter().enumerate() {
+        for (i, name) in all.iter().map(|c| c.part).enumerate() {
             let c = named_comparisons(&[name.to_string()]);
             assert_eq!(c.len(), 1, "{name}");
-            assert!(PART_NAMES[..i]
-                .iter()
-                .all(|(n, _)| named_comparisons(&[n.to_string()])[0] != c[0]));
+            assert_eq!(c[0], all[i]);
+        }
+        for name in [
+            "everything",
+            "sampling",
+            "offcpu",
+            "gc",
+            "probes",
+            "tasks",
+            "null",
+        ] {
+            assert!(part_name(name).is_ok(), "{name}");
         }
         let c = named_comparisons(&["probes".into(), "null".into(), "probes".into()]);
         assert_eq!(c.len(), 2);
