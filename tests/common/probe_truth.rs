@@ -19,6 +19,11 @@ pub fn timer_calls(dir: &Path, pid: i32, label: &str) -> Vec<(u64, u64)> {
     v
 }
 
+/// The mean of `v` (NaN when empty).
+pub fn mean(v: &[u64]) -> f64 {
+    v.iter().map(|&x| x as f64).sum::<f64>() / v.len() as f64
+}
+
 pub fn pctl(v: &mut [u64], q: f64) -> f64 {
     v.sort_unstable();
     if v.is_empty() {
@@ -87,7 +92,7 @@ pub fn probe_truth(
         }
     }
     let mut breakdown = String::from(
-        "| probe | process | watched | truth calls wholly inside the watched time → timed | truth calls/s watched / not | truth p50 watched / not | timed p50 |\n|---|---|---:|---|---|---|---|\n",
+        "| probe | process | watched | truth calls wholly inside the watched time → timed | truth calls/s watched / not | truth p50 watched / not | truth mean watched / not | truth gap to the next call, mean watched / not | timed p50 |\n|---|---|---:|---|---|---|---|---|---|\n",
     );
     let mut intervals = String::from(
         "| probe | process | phases | calls 95% | p50 ms 95% | p90 ms 95% |\n|---|---|---:|---|---|---|\n",
@@ -199,6 +204,20 @@ pub fn probe_truth(
                 .filter(|c| inside(c.0) && !starts_in(c))
                 .map(|c| c.1)
                 .collect();
+            // The time from a call's end to the next call's start (the caller's loop between
+            // calls), by whether it lies wholly in the watched time or wholly outside it.
+            let (mut gap_in, mut gap_out) = (Vec::new(), Vec::new());
+            let mut sorted: Vec<&(u64, u64)> = truth.iter().filter(|c| inside(c.0)).collect();
+            sorted.sort_unstable();
+            for w in sorted.windows(2) {
+                let (a, b) = (w[0].0 + w[0].1, w[1].0);
+                let Some(g) = b.checked_sub(a) else { continue };
+                if watched.iter().any(|&(x, y)| a >= x && b <= y) {
+                    gap_in.push(g);
+                } else if !watched.iter().any(|&(x, y)| a < y && b > x) {
+                    gap_out.push(g);
+                }
+            }
             let mut m_in: Vec<u64> = m.clone();
             // The truth's p50 by where in its on-phase a call starts (50 ms bins): a watch
             // that disturbs the engine when it begins shows at the phases' starts.
@@ -217,7 +236,7 @@ pub fn probe_truth(
                 by_pos.join(" | ")
             ));
             breakdown.push_str(&format!(
-                "| {function} | {role} | {:.1}% | {} ({} start there) → {timed} | {:.0} / {:.0} | {:.3} / {:.3} ms | {:.3} ms |\n",
+                "| {function} | {role} | {:.1}% | {} ({} start there) → {timed} | {:.0} / {:.0} | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} / {:.3} ms | {:.3} ms |\n",
                 on_ns as f64 / (t1 - w0) as f64 * 100.0,
                 t_in.len(),
                 n_start_in,
@@ -225,6 +244,10 @@ pub fn probe_truth(
                 t_out.len() as f64 / (off_ns.max(1) as f64 / 1e9),
                 pctl(&mut t_in, 0.5) / 1e6,
                 pctl(&mut t_out, 0.5) / 1e6,
+                mean(&t_in) / 1e6,
+                mean(&t_out) / 1e6,
+                mean(&gap_in) / 1e6,
+                mean(&gap_out) / 1e6,
                 pctl(&mut m_in, 0.5) / 1e6,
             ));
         }
