@@ -227,115 +227,8 @@ impl Symbols {
 
 /// Build the profile (not yet encoded).
 pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
-    let mut by_key: HashMap<(i32, i32, u32, u8), (i64, i64)> = HashMap::new();
-    for s in sel.samples(rec) {
-        let e = by_key
-            .entry((s.pid, s.tid, s.stack, s.flags & SHAPE_FLAGS))
-            .or_default();
-        e.0 += 1;
-        e.1 += i64::from(s.weight_ns);
-    }
-    // Deterministic output: sort by (pid, tid, stack, flags).
-    let mut keys: Vec<_> = by_key.into_iter().collect();
-    keys.sort_unstable_by_key(|&(k, _)| k);
-
-    let mut st = Strings::new();
-    let mut sym = Symbols {
-        functions: Vec::new(),
-        function_ids: HashMap::new(),
-        locations: Vec::new(),
-        location_ids: HashMap::new(),
-    };
-    let sample_type = vec![
-        proto::ValueType {
-            r#type: st.get("samples"),
-            unit: st.get("count"),
-        },
-        proto::ValueType {
-            r#type: st.get("cpu"),
-            unit: st.get("nanoseconds"),
-        },
-    ];
-    let (k_pid, k_tid, k_name) = (st.get("pid"), st.get("tid"), st.get("thread_name"));
-    let mut frame_locs: HashMap<u32, u64> = HashMap::new();
-    // Native and kernel frames: one mapping per module (addresses are the module's own, ELF
-    // vaddr, so one mapping serves every process that maps it; the kernel's are absolute).
-    let mut mappings: Vec<proto::Mapping> = Vec::new();
-    let mut mapping_ids: HashMap<String, usize> = HashMap::new();
-    let mut samples = Vec::with_capacity(keys.len());
-    for ((pid, tid, stack, bits), (count, ns)) in keys {
-        let mut locs = Vec::new();
-        for leaf in flag_leaves(bits).collect::<Vec<_>>().into_iter().rev() {
-            locs.push(sym.location(&mut st, leaf, "", 0));
-        }
-        for &fid in rec
-            .stacks
-            .get(stack as usize)
-            .map(Vec::as_slice)
-            .unwrap_or(&[])
-        {
-            let Some(f) = rec.frames.get(fid as usize) else {
-                continue;
-            };
-            let loc = *frame_locs.entry(fid).or_insert_with(|| {
-                let at = rec.frame_native.get(&fid).map(|n| {
-                    let i = *mapping_ids.entry(n.module.clone()).or_insert_with(|| {
-                        mappings.push(proto::Mapping {
-                            id: mappings.len() as u64 + 1,
-                            memory_start: u64::MAX,
-                            memory_limit: 0,
-                            filename: st.get(&n.module),
-                            build_id: st.get(&n.build_id),
-                            has_functions: true,
-                            ..Default::default()
-                        });
-                        mappings.len() - 1
-                    });
-                    let m = &mut mappings[i];
-                    m.memory_start = m.memory_start.min(n.addr);
-                    m.memory_limit = m.memory_limit.max(n.addr.saturating_add(1));
-                    (m.id, n.addr)
-                });
-                sym.location_at(
-                    &mut st,
-                    &f.function,
-                    &f.file,
-                    i64::from(f.line.unwrap_or(0)),
-                    at,
-                )
-            });
-            locs.push(loc);
-        }
-        if bits & flags::PARTIAL != 0 {
-            locs.push(sym.location(&mut st, PARTIAL_FRAME, "", 0));
-        }
-        let name = st.get(rec.thread_name(pid, tid));
-        samples.push(proto::Sample {
-            location_id: locs,
-            value: vec![count, ns],
-            label: vec![
-                proto::Label {
-                    key: k_pid,
-                    num: i64::from(pid),
-                    ..Default::default()
-                },
-                proto::Label {
-                    key: k_tid,
-                    num: i64::from(tid),
-                    ..Default::default()
-                },
-                proto::Label {
-                    key: k_name,
-                    str: name,
-                    ..Default::default()
-                },
-            ],
-        });
-    }
-    let period_type = proto::ValueType {
-        r#type: st.get("cpu"),
-        unit: st.get("nanoseconds"),
-    };
+    let mut b = Builder::new();
+    b.add(rec, sel);
     let m = &rec.meta;
     let comment = [
         ("recorded by enginescope", &m.tool_version),
@@ -345,36 +238,217 @@ pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
     ]
     .into_iter()
     .filter(|(_, v)| !v.is_empty())
-    .map(|(k, v)| st.get(&format!("{k} {v}")))
-    .collect();
-    let default_sample_type = st.get("cpu");
-    proto::Profile {
-        sample_type,
-        sample: samples,
-        mapping: mappings,
-        location: sym.locations,
-        function: sym.functions,
-        time_nanos: (rec.meta.start_unix_s * 1e9) as i64,
-        duration_nanos: i64::try_from(rec.duration_ns()).unwrap_or(i64::MAX),
-        period_type: Some(period_type),
-        period: match rec.meta.period() {
-            Some(p) => i64::try_from(p.ns()).unwrap_or(i64::MAX),
-            None => 0,
-        },
-        comment,
-        default_sample_type,
-        string_table: st.table,
-        ..Default::default()
+    .map(|(k, v)| format!("{k} {v}"))
+    .collect::<Vec<_>>();
+    b.finish(
+        (rec.meta.start_unix_s * 1e9) as i64,
+        i64::try_from(rec.duration_ns()).unwrap_or(i64::MAX),
+        rec.meta
+            .period()
+            .map_or(0, |p| i64::try_from(p.ns()).unwrap_or(i64::MAX)),
+        &comment,
+    )
+}
+
+/// One profile from the samples of several recordings (an agent's segments over a time
+/// range): functions, locations and native mappings shared, one pprof sample per distinct
+/// (recording, thread, stack, flags), in the order the recordings were added.
+pub struct Builder {
+    st: Strings,
+    sym: Symbols,
+    mappings: Vec<proto::Mapping>,
+    mapping_ids: HashMap<String, usize>,
+    samples: Vec<proto::Sample>,
+    sample_type: Vec<proto::ValueType>,
+    keys: [i64; 3],
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
-/// The export: the profile, protobuf-encoded and gzipped.
-pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
-    let raw = profile(rec, sel).encode_to_vec();
+impl Builder {
+    pub fn new() -> Self {
+        let mut st = Strings::new();
+        let sample_type = vec![
+            proto::ValueType {
+                r#type: st.get("samples"),
+                unit: st.get("count"),
+            },
+            proto::ValueType {
+                r#type: st.get("cpu"),
+                unit: st.get("nanoseconds"),
+            },
+        ];
+        let keys = [st.get("pid"), st.get("tid"), st.get("thread_name")];
+        Builder {
+            st,
+            sym: Symbols {
+                functions: Vec::new(),
+                function_ids: HashMap::new(),
+                locations: Vec::new(),
+                location_ids: HashMap::new(),
+            },
+            mappings: Vec::new(),
+            mapping_ids: HashMap::new(),
+            samples: Vec::new(),
+            sample_type,
+            keys,
+        }
+    }
+
+    /// CPU samples (count and on-CPU ns) and their total ns.
+    pub fn totals(&self) -> (i64, i64) {
+        self.samples
+            .iter()
+            .fold((0, 0), |(c, n), s| (c + s.value[0], n + s.value[1]))
+    }
+
+    /// Add the samples of `rec` that `sel` selects.
+    pub fn add(&mut self, rec: &Recording, sel: &Selection) {
+        let mut by_key: HashMap<(i32, i32, u32, u8), (i64, i64)> = HashMap::new();
+        for s in sel.samples(rec) {
+            let e = by_key
+                .entry((s.pid, s.tid, s.stack, s.flags & SHAPE_FLAGS))
+                .or_default();
+            e.0 += 1;
+            e.1 += i64::from(s.weight_ns);
+        }
+        // Deterministic output: sort by (pid, tid, stack, flags).
+        let mut keys: Vec<_> = by_key.into_iter().collect();
+        keys.sort_unstable_by_key(|&(k, _)| k);
+        let [k_pid, k_tid, k_name] = self.keys;
+        // Frame ids are the recording's own: its locations are looked up afresh.
+        let mut frame_locs: HashMap<u32, u64> = HashMap::new();
+        for ((pid, tid, stack, bits), (count, ns)) in keys {
+            let mut locs = Vec::new();
+            for leaf in flag_leaves(bits).collect::<Vec<_>>().into_iter().rev() {
+                locs.push(self.sym.location(&mut self.st, leaf, "", 0));
+            }
+            for &fid in rec
+                .stacks
+                .get(stack as usize)
+                .map(Vec::as_slice)
+                .unwrap_or(&[])
+            {
+                let Some(f) = rec.frames.get(fid as usize) else {
+                    continue;
+                };
+                let loc = match frame_locs.get(&fid) {
+                    Some(&l) => l,
+                    None => {
+                        let at = rec.frame_native.get(&fid).map(|n| self.mapping(n));
+                        let l = self.sym.location_at(
+                            &mut self.st,
+                            &f.function,
+                            &f.file,
+                            i64::from(f.line.unwrap_or(0)),
+                            at,
+                        );
+                        frame_locs.insert(fid, l);
+                        l
+                    }
+                };
+                locs.push(loc);
+            }
+            if bits & flags::PARTIAL != 0 {
+                locs.push(self.sym.location(&mut self.st, PARTIAL_FRAME, "", 0));
+            }
+            let name = self.st.get(rec.thread_name(pid, tid));
+            self.samples.push(proto::Sample {
+                location_id: locs,
+                value: vec![count, ns],
+                label: vec![
+                    proto::Label {
+                        key: k_pid,
+                        num: i64::from(pid),
+                        ..Default::default()
+                    },
+                    proto::Label {
+                        key: k_tid,
+                        num: i64::from(tid),
+                        ..Default::default()
+                    },
+                    proto::Label {
+                        key: k_name,
+                        str: name,
+                        ..Default::default()
+                    },
+                ],
+            });
+        }
+    }
+
+    /// Native and kernel frames: one mapping per module (addresses are the module's own, ELF
+    /// vaddr, so one mapping serves every process that maps it; the kernel's are absolute).
+    fn mapping(&mut self, n: &crate::record::NativeFrameInfo) -> (u64, u64) {
+        let st = &mut self.st;
+        let mappings = &mut self.mappings;
+        let i = *self.mapping_ids.entry(n.module.clone()).or_insert_with(|| {
+            mappings.push(proto::Mapping {
+                id: mappings.len() as u64 + 1,
+                memory_start: u64::MAX,
+                memory_limit: 0,
+                filename: st.get(&n.module),
+                build_id: st.get(&n.build_id),
+                has_functions: true,
+                ..Default::default()
+            });
+            mappings.len() - 1
+        });
+        let m = &mut self.mappings[i];
+        m.memory_start = m.memory_start.min(n.addr);
+        m.memory_limit = m.memory_limit.max(n.addr.saturating_add(1));
+        (m.id, n.addr)
+    }
+
+    /// The profile: `time_nanos` and `duration_nanos` what it covers, `period` the sampling
+    /// period (0: unknown), `comment` free lines.
+    pub fn finish(
+        mut self,
+        time_nanos: i64,
+        duration_nanos: i64,
+        period: i64,
+        comment: &[String],
+    ) -> proto::Profile {
+        let period_type = proto::ValueType {
+            r#type: self.st.get("cpu"),
+            unit: self.st.get("nanoseconds"),
+        };
+        let comment = comment.iter().map(|c| self.st.get(c)).collect();
+        let default_sample_type = self.st.get("cpu");
+        proto::Profile {
+            sample_type: self.sample_type,
+            sample: self.samples,
+            mapping: self.mappings,
+            location: self.sym.locations,
+            function: self.sym.functions,
+            time_nanos,
+            duration_nanos,
+            period_type: Some(period_type),
+            period,
+            comment,
+            default_sample_type,
+            string_table: self.st.table,
+            ..Default::default()
+        }
+    }
+}
+
+/// The profile, protobuf-encoded and gzipped.
+pub fn encode(p: &proto::Profile) -> anyhow::Result<Vec<u8>> {
+    let raw = p.encode_to_vec();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(&raw)
         .context("compressing the pprof profile")?;
     gz.finish().context("compressing the pprof profile")
+}
+
+/// The export: the profile, protobuf-encoded and gzipped.
+pub fn render(rec: &Recording, sel: &Selection) -> anyhow::Result<Vec<u8>> {
+    encode(&profile(rec, sel))
 }
 
 /// Read back a gzipped (or plain) profile; for tests and tools.
