@@ -17,9 +17,9 @@ export ENGINESCOPE_SHARED=${ENGINESCOPE_SHARED:-$REPO/../shared}
 
 step() { printf '\n==> %s\n' "$*"; }
 
-step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks), tmux (top in a real terminal), prometheus (agent PromQL test)"
+step "Debian packages: clang/llvm/libbpf-dev (BPF build), bpftool (probe checks), tmux (top in a real terminal), prometheus (agent PromQL test), golang-go (go tool pprof reads the agent's profiles)"
 need=()
-for pkg in clang llvm libbpf-dev bpftool tmux prometheus; do
+for pkg in clang llvm libbpf-dev bpftool tmux prometheus golang-go; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -1664,3 +1664,181 @@ fn agent_keeps_serving_through_a_full_disk_and_records_again() {
     agent.stop();
     drop(w);
 }
+
+/// `go` (Debian package `golang-go`, for `go tool pprof`); under CI=true a missing one fails.
+fn go_binary() -> Option<PathBuf> {
+    let p = std::env::var_os("PATH")?;
+    let found = std::env::split_paths(&p)
+        .map(|d| d.join("go"))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("go is missing (CI=true; scripts/test.sh installs golang-go)");
+        }
+        eprintln!("SKIP: go not installed (apt-get install golang-go)");
+    }
+    found
+}
+
+/// `go tool pprof -top` of `source` (a URL or a file): (total CPU s, the function with the
+/// most flat time), from its "Showing nodes accounting for …% of X total" line and first row.
+fn go_pprof_top(go: &Path, source: &str, tmp: &Path) -> (f64, String) {
+    let out = Command::new(go)
+        .args(["tool", "pprof", "-top", "-sample_index=cpu", source])
+        .env("PPROF_TMPDIR", tmp)
+        .env("HOME", tmp)
+        .output()
+        .expect("run go tool pprof");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "go tool pprof {source}: {err}\n{text}"
+    );
+    let secs = |v: &str| -> f64 {
+        let v = v.trim();
+        if let Some(ms) = v.strip_suffix("ms") {
+            ms.parse::<f64>().unwrap() / 1e3
+        } else if let Some(s) = v.strip_suffix('s') {
+            s.parse::<f64>().unwrap()
+        } else {
+            panic!("a duration in go tool pprof's output: {v:?}\n{text}")
+        }
+    };
+    let total = text
+        .lines()
+        .find_map(|l| l.split(" of ").nth(1)?.strip_suffix(" total").map(secs))
+        .unwrap_or_else(|| panic!("no total in go tool pprof's output:\n{text}\n{err}"));
+    let header = text
+        .lines()
+        .position(|l| l.trim_start().starts_with("flat"));
+    let first = header
+        .and_then(|h| text.lines().nth(h + 1))
+        .unwrap_or_else(|| panic!("no rows in go tool pprof's output:\n{text}"));
+    let function = first
+        .split_whitespace()
+        .skip(5)
+        .collect::<Vec<_>>()
+        .join(" ");
+    (total, function)
+}
+
+/// The agent's pull endpoint, as Alloy's `pyroscope.scrape`, Parca and `go tool pprof` read it
+/// (issue 24): a CPU profile of the N seconds after the request, whose total is the target's
+/// CPU time over those seconds (from /proc, 99 Hz sampling: within 10%), whose samples are the
+/// workload's threads, and which `go tool pprof` reads to the same total and top function,
+/// fetched over HTTP as a user would.
+#[test]
+fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let Some(go) = go_binary() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let w = start(&i, "cpu_bound.py", &["--threads", "2", "--duration", "120"]);
+    let pid = w.pid.to_string();
+    let mut agent = Agent::start(&[
+        "--pid",
+        &pid,
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        dir.path().join("segs").to_str().unwrap(),
+        "--rate",
+        "99",
+    ]);
+    agent.wait_line("sampling started", Duration::from_secs(30));
+    let tmp = tempfile::tempdir().unwrap();
+    // `go tool pprof` fetches its own window over HTTP beside ours (two at once are allowed).
+    let url = format!("http://{}/debug/pprof/profile?seconds=4", agent.addr);
+    let by_go = std::thread::spawn({
+        let (go, url, t) = (go.clone(), url.clone(), tmp.path().to_path_buf());
+        move || go_pprof_top(&go, &url, &t)
+    });
+    let cpu = common::cpu::CpuReadings::start(w.pid);
+    let client: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into();
+    let bytes = client
+        .get(&url)
+        .call()
+        .expect("GET /debug/pprof/profile")
+        .body_mut()
+        .with_config()
+        .limit(64 << 20)
+        .read_to_vec()
+        .unwrap();
+    let p = enginescope::views::pprof::decode(&bytes).unwrap();
+    assert_eq!(p.duration_nanos, 4_000_000_000);
+    let start_ns = p.time_nanos as u64;
+    let truth = cpu.between(start_ns, start_ns + 4_000_000_000)[0];
+    let total: i64 = p.sample.iter().map(|s| s.value[1]).sum();
+    let total_s = total as f64 / 1e9;
+    assert!(
+        (total_s - truth).abs() <= 0.10 * truth,
+        "profile's CPU {total_s:.3} s against the process's {truth:.3} s over the same 4 s"
+    );
+    let s = |i: i64| p.string_table[i as usize].as_str();
+    let mut flat: BTreeMap<String, i64> = BTreeMap::new();
+    // The workers run the work; the main thread wakes every 0.1 s to note progress.
+    let mut workers = 0;
+    for smp in &p.sample {
+        let label = |k: &str| smp.label.iter().find(|l| s(l.key) == k).unwrap();
+        assert_eq!(label("pid").num, w.pid as i64);
+        if s(label("thread_name").str).starts_with("cpu-worker") {
+            workers += smp.value[1];
+        }
+        let leaf = smp.location_id[0];
+        let loc = p.location.iter().find(|l| l.id == leaf).unwrap();
+        let f = p
+            .function
+            .iter()
+            .find(|f| f.id == loc.line[0].function_id)
+            .unwrap();
+        *flat.entry(s(f.name).to_string()).or_default() += smp.value[1];
+    }
+    assert!(
+        workers as f64 >= 0.95 * total as f64,
+        "{workers} of {total} ns"
+    );
+    let top = flat.iter().max_by_key(|(_, v)| **v).unwrap().0.clone();
+    assert!(
+        ["mix", "score", "tokenize", "parse", "handle_request"].contains(&top.as_str()),
+        "top function {top} is not the workload's: {flat:?}"
+    );
+    // Ours, read by go tool pprof from the bytes served: the same total and top function.
+    let file = tmp.path().join("ours.pb.gz");
+    std::fs::write(&file, &bytes).unwrap();
+    let (go_total, go_top) = go_pprof_top(&go, file.to_str().unwrap(), tmp.path());
+    assert!(
+        (go_total - total_s).abs() <= 0.01,
+        "{go_total} vs {total_s}"
+    );
+    assert_eq!(go_top, top, "{flat:?}");
+    // Its own fetch, over HTTP: a window of the same length on the same steady workload.
+    let (fetched_total, fetched_top) = by_go.join().unwrap();
+    eprintln!(
+        "profile {total_s:.3} s (top {top}), process {truth:.3} s; go tool pprof: ours {go_total:.3} s, its fetch {fetched_total:.3} s (top {fetched_top})"
+    );
+    assert!(
+        (fetched_total - truth).abs() <= 0.10 * truth,
+        "go tool pprof's fetch: {fetched_total:.3} s against ~{truth:.3} s"
+    );
+    assert!(
+        flat.contains_key(&fetched_top),
+        "{fetched_top} not in {flat:?}"
+    );
+    // The endpoint refuses what it cannot serve, at once.
+    let bad = http_get(&format!(
+        "http://{}/debug/pprof/profile?seconds=100000",
+        agent.addr
+    ));
+    assert!(bad.unwrap_err().contains("HTTP 400"));
+    let log = agent.stop();
+    assert!(!log.contains("panicked"), "{log}");
+}

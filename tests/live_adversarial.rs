@@ -677,7 +677,7 @@ fn endpoint(timeout: Duration) -> enginescope::agent::exporter::Exporter {
     c.inc_by(42);
     reg.register("es_adversarial_things", "Things", c);
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    enginescope::agent::exporter::Exporter::spawn(l, Arc::new(reg), timeout).unwrap()
+    enginescope::agent::exporter::Exporter::spawn(l, Arc::new(reg.into()), timeout).unwrap()
 }
 
 fn get(addr: std::net::SocketAddr) -> std::io::Result<String> {

@@ -1,12 +1,14 @@
 //! The agent's HTTP endpoint: `GET /metrics` (Prometheus text 0.0.4, or OpenMetrics when the
-//! scraper asks for it), `GET /-/healthy`, and `GET /` (a pointer to /metrics).
+//! scraper asks for it), `GET /debug/pprof/profile?seconds=N` (a CPU profile of the next N
+//! seconds, [`super::profiles`]), `GET /-/healthy`, and `GET /` (a pointer to both).
 //!
 //! A deliberately small server on `std::net`: `Connection: close`, request heads up to 8 KiB,
 //! and each connection has `timeout` (5 s) in all to send its head and take its answer, so a
 //! slow client (one byte every few seconds) cannot hold a handler for longer. Connections are
 //! served by up to [`MAX_CONNECTIONS`] threads at once, so a few stalled clients do not stop a
-//! scrape; past that a connection is answered `503` at once and closed. Bind it to loopback or
-//! a pod IP: it has no authentication (metrics only).
+//! scrape; past that a connection is answered `503` at once and closed. A profile request's
+//! wait is not the client's: its answer gets the same `timeout` again to be written. Bind it to
+//! loopback or a pod IP: it has no authentication (metrics and profiles only).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -15,6 +17,24 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
+
+use super::profiles::Profiles;
+
+/// What the endpoint serves: the metrics, and the profiles when the agent keeps segments.
+pub struct Served {
+    pub registry: Registry,
+    pub profiles: Option<Profiles>,
+}
+
+impl From<Registry> for Served {
+    /// Metrics only.
+    fn from(registry: Registry) -> Self {
+        Served {
+            registry,
+            profiles: None,
+        }
+    }
+}
 
 const MAX_HEAD: usize = 8 << 10;
 /// Connections served at once; more are answered `503 Service Unavailable`.
@@ -32,11 +52,11 @@ pub struct Exporter {
 }
 
 impl Exporter {
-    /// Serve `registry` on `listener` in a thread; `timeout` for each connection's reads
+    /// Serve `served` on `listener` in a thread; `timeout` for each connection's reads
     /// and writes ([`IO_TIMEOUT`]).
     pub fn spawn(
         listener: TcpListener,
-        registry: Arc<Registry>,
+        registry: Arc<Served>,
         timeout: Duration,
     ) -> anyhow::Result<Self> {
         let addr = listener.local_addr()?;
@@ -115,13 +135,31 @@ pub fn respond(
     method: &str,
     path: &str,
     accept: &str,
-    registry: &Registry,
-) -> (&'static str, &'static str, String) {
-    let path = path.split('?').next().unwrap_or(path);
+    served: &Served,
+) -> (&'static str, &'static str, Vec<u8>) {
+    let (path, query) = path.split_once('?').unwrap_or((path, ""));
     if method != "GET" && method != "HEAD" {
-        return ("405 Method Not Allowed", "text/plain", "GET only\n".into());
+        return (
+            "405 Method Not Allowed",
+            "text/plain",
+            b"GET only\n".to_vec(),
+        );
     }
+    let registry = &served.registry;
     match path {
+        "/debug/pprof/profile" => {
+            let Some(p) = &served.profiles else {
+                return (
+                    "404 Not Found",
+                    "text/plain",
+                    b"no profiles: this agent keeps no segments\n".to_vec(),
+                );
+            };
+            match p.seconds(query).and_then(|s| p.cpu(s)) {
+                Ok(body) => ("200 OK", "application/octet-stream", body),
+                Err((status, msg)) => (status, "text/plain", msg.into_bytes()),
+            }
+        }
         "/metrics" => {
             let mut body = String::new();
             let (ct, r) = if accept.contains("application/openmetrics-text") {
@@ -136,21 +174,22 @@ pub fn respond(
                 )
             };
             match r {
-                Ok(()) => ("200 OK", ct, body),
+                Ok(()) => ("200 OK", ct, body.into_bytes()),
                 Err(_) => (
                     "500 Internal Server Error",
                     "text/plain",
-                    "encoding failed\n".into(),
+                    b"encoding failed\n".to_vec(),
                 ),
             }
         }
-        "/-/healthy" | "/healthz" => ("200 OK", "text/plain", "ok\n".into()),
+        "/-/healthy" | "/healthz" => ("200 OK", "text/plain", b"ok\n".to_vec()),
         "/" => (
             "200 OK",
             "text/plain",
-            "enginescope agent: metrics at /metrics\n".into(),
+            b"enginescope agent: metrics at /metrics, CPU profiles at /debug/pprof/profile?seconds=N\n"
+                .to_vec(),
         ),
-        _ => ("404 Not Found", "text/plain", "not found\n".into()),
+        _ => ("404 Not Found", "text/plain", b"not found\n".to_vec()),
     }
 }
 
@@ -187,11 +226,11 @@ impl HeadReader {
 }
 
 /// The whole response (status line, headers, body) to one complete request head.
-pub fn answer(head: &[u8], registry: &Registry) -> Vec<u8> {
+pub fn answer(head: &[u8], served: &Served) -> Vec<u8> {
     let head = String::from_utf8_lossy(head);
     let (status, ct, body) = match parse_head(&head) {
-        Some((m, p, a)) => respond(m, p, a, registry),
-        None => ("400 Bad Request", "text/plain", "bad request\n".into()),
+        Some((m, p, a)) => respond(m, p, a, served),
+        None => ("400 Bad Request", "text/plain", b"bad request\n".to_vec()),
     };
     let is_head = head.starts_with("HEAD ");
     let mut out = format!(
@@ -200,7 +239,7 @@ pub fn answer(head: &[u8], registry: &Registry) -> Vec<u8> {
     )
     .into_bytes();
     if !is_head {
-        out.extend_from_slice(body.as_bytes());
+        out.extend_from_slice(&body);
     }
     out
 }
@@ -239,7 +278,7 @@ fn left(deadline: Instant) -> std::io::Result<Duration> {
 }
 
 /// Serve one connection, all within `timeout` from now.
-fn handle(mut c: TcpStream, registry: &Registry, timeout: Duration) -> std::io::Result<()> {
+fn handle(mut c: TcpStream, served: &Served, timeout: Duration) -> std::io::Result<()> {
     let deadline = Instant::now() + timeout;
     let mut head = HeadReader::default();
     let mut buf = [0u8; 1024];
@@ -261,9 +300,11 @@ fn handle(mut c: TcpStream, registry: &Registry, timeout: Duration) -> std::io::
             }
         }
     };
-    let out = answer(&head, registry);
-    // Each write is bounded by what is left of the deadline: a client that reads slowly
-    // cannot stretch it.
+    let asked = Instant::now();
+    let out = answer(&head, served);
+    // A profile waited for its window: the answer gets the whole timeout again. Each write
+    // is bounded by what is left of the deadline: a client that reads slowly cannot stretch it.
+    let deadline = deadline + asked.elapsed();
     let mut rest = &out[..];
     while !rest.is_empty() {
         c.set_write_timeout(Some(left(deadline)?))?;
@@ -311,8 +352,10 @@ mod tests {
         let mut big = vec![b'a'; MAX_HEAD + 10];
         big.extend_from_slice(b"\r\n\r\n");
         assert_eq!(h.push(&big), Some(Err(HeadTooLarge)));
-        assert!(answer(b"\r\n\r\n", &Registry::default()).starts_with(b"HTTP/1.1 400"));
-        assert!(answer(b"HEAD / HTTP/1.1\r\n\r\n", &Registry::default()).ends_with(b"\r\n\r\n"));
+        assert!(answer(b"\r\n\r\n", &Registry::default().into()).starts_with(b"HTTP/1.1 400"));
+        assert!(
+            answer(b"HEAD / HTTP/1.1\r\n\r\n", &Registry::default().into()).ends_with(b"\r\n\r\n")
+        );
     }
 
     /// Issue 15: connections were served one at a time with a per-read timeout, so a client
@@ -323,7 +366,7 @@ mod tests {
     fn slow_client_neither_blocks_others_nor_outlives_its_deadline() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let timeout = Duration::from_millis(1500);
-        let e = Exporter::spawn(l, Arc::new(Registry::default()), timeout).unwrap();
+        let e = Exporter::spawn(l, Arc::new(Registry::default().into()), timeout).unwrap();
         let mut slow = TcpStream::connect(e.addr).unwrap();
         slow.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
         // Another client is answered while the slow one is mid-head.
@@ -351,7 +394,7 @@ mod tests {
         reg.register("es_test_things", "Things", c);
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let timeout = Duration::from_millis(300);
-        let e = Exporter::spawn(l, Arc::new(reg), timeout).unwrap();
+        let e = Exporter::spawn(l, Arc::new(reg.into()), timeout).unwrap();
         let r = get(e.addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
         assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
         assert!(r.contains("Content-Type: text/plain; version=0.0.4"));

@@ -17,6 +17,7 @@ pub mod budget;
 pub mod exporter;
 pub mod follow;
 pub mod metrics;
+pub mod profiles;
 
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;
@@ -117,7 +118,16 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0),
     );
-    let exporter = exporter::Exporter::spawn(listener, Arc::new(registry), exporter::IO_TIMEOUT)?;
+    let served = exporter::Served {
+        registry,
+        profiles: Some(profiles::Profiles::new(
+            &pol.dir,
+            profiles::max_seconds(pol),
+            opts.record.aggregate,
+            pol.cut_interval.clone(),
+        )),
+    };
+    let exporter = exporter::Exporter::spawn(listener, Arc::new(served), exporter::IO_TIMEOUT)?;
     // Segments already there belong to an earlier run: the follower starts after them.
     let mut follower = follow::Follower::new(&pol.dir)?;
     eprintln!(

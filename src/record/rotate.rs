@@ -29,6 +29,10 @@ pub struct RotationPolicy {
     /// when its memory passes its cap, since a new segment starts with empty frame and stack
     /// tables.
     pub rotate_now: Arc<AtomicBool>,
+    /// Set to end the current aggregation interval at the next check (then cleared): the
+    /// agent's profile endpoint does this at both ends of the window it serves, so that the
+    /// window is whole intervals instead of parts of 10 s ones.
+    pub cut_interval: Arc<AtomicBool>,
 }
 
 impl RotationPolicy {
@@ -40,6 +44,7 @@ impl RotationPolicy {
             max_total_bytes: 1 << 30,
             max_segments: 1000,
             rotate_now: Arc::new(AtomicBool::new(false)),
+            cut_interval: Arc::new(AtomicBool::new(false)),
         }
     }
 }

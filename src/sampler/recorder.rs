@@ -292,11 +292,21 @@ impl<'a> Recorder<'a> {
                 last_flush = Instant::now();
                 let mono = monotonic_ns();
                 let now = mono.saturating_sub(self.pipe.start_ns);
-                if self.pipe.writer.profile_due(now) {
+                // The agent's profile endpoint may ask for the interval to end now.
+                let cut = self.rotator.as_ref().is_some_and(|r| {
+                    r.policy
+                        .cut_interval
+                        .swap(false, std::sync::atomic::Ordering::SeqCst)
+                });
+                if cut || self.pipe.writer.profile_due(now) {
                     // Open intervals count in each aggregation interval they span.
                     self.pipe.split_open_at(mono)?;
                 }
-                self.pipe.writer.profile_tick(now)?;
+                if cut {
+                    self.pipe.writer.profile_cut(now)?;
+                } else {
+                    self.pipe.writer.profile_tick(now)?;
+                }
                 self.pipe.writer.flush()?;
                 self.rotate_if_due()?;
             }

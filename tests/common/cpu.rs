@@ -50,10 +50,16 @@ impl CpuReadings {
     /// The CPU seconds each process used over the recording's window, from the readings at
     /// or just before its two ends.
     pub fn over_window_each(self, r: &enginescope::record::Recording) -> Vec<f64> {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let readings = self.thread.join().unwrap();
         let start = (r.meta.start_unix_s * 1e9) as u64;
         let end = start + r.end.as_ref().map_or(0, |e| e.duration_ns);
+        self.between(start, end)
+    }
+
+    /// The CPU seconds each process used over `[start, end)` (unix ns), from the readings at
+    /// or just before its two ends.
+    pub fn between(self, start: u64, end: u64) -> Vec<f64> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let readings = self.thread.join().unwrap();
         let at = |t: u64| {
             readings
                 .iter()

@@ -234,6 +234,11 @@ impl RecordingWriter {
         }
     }
 
+    /// End the aggregation interval at `now_ns` whatever its length (a no-op unaggregated).
+    pub fn profile_cut(&mut self, now_ns: u64) -> anyhow::Result<()> {
+        self.write_profile(now_ns)
+    }
+
     /// Write what the interval added up, as ending at `end_ns`, and start the next there.
     fn write_profile(&mut self, end_ns: u64) -> anyhow::Result<()> {
         let Some(p) = self.profile.as_mut() else {
