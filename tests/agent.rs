@@ -1682,9 +1682,11 @@ fn go_binary() -> Option<PathBuf> {
 
 /// `go tool pprof -top` of `source` (a URL or a file): (total CPU s, the function with the
 /// most flat time), from its "Showing nodes accounting for …% of X total" line and first row.
-fn go_pprof_top(go: &Path, source: &str, tmp: &Path) -> (f64, String) {
+fn go_pprof_top(go: &Path, source: &str, index: &str, tmp: &Path) -> (f64, String) {
     let out = Command::new(go)
-        .args(["tool", "pprof", "-top", "-sample_index=cpu", source])
+        .args(["tool", "pprof", "-top"])
+        .arg(format!("-sample_index={index}"))
+        .arg(source)
         .env("PPROF_TMPDIR", tmp)
         .env("HOME", tmp)
         .output()
@@ -1727,7 +1729,9 @@ fn go_pprof_top(go: &Path, source: &str, tmp: &Path) -> (f64, String) {
 /// (issue 24): a CPU profile of the N seconds after the request, whose total is the target's
 /// CPU time over those seconds (from /proc, 99 Hz sampling: within 10%), whose samples are the
 /// workload's threads, and which `go tool pprof` reads to the same total and top function,
-/// fetched over HTTP as a user would.
+/// fetched over HTTP as a user would; the off-CPU profile of two GIL-sharing workers against
+/// what the process did not run of their time (within 10%), their GIL-wait profile a part of it
+/// naming a worker as the holder.
 #[test]
 fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -1757,7 +1761,7 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
     let url = format!("http://{}/debug/pprof/profile?seconds=4", agent.addr);
     let by_go = std::thread::spawn({
         let (go, url, t) = (go.clone(), url.clone(), tmp.path().to_path_buf());
-        move || go_pprof_top(&go, &url, &t)
+        move || go_pprof_top(&go, &url, "cpu", &t)
     });
     let cpu = common::cpu::CpuReadings::start(w.pid);
     let client: ureq::Agent = ureq::Agent::config_builder()
@@ -1814,7 +1818,7 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
     // Ours, read by go tool pprof from the bytes served: the same total and top function.
     let file = tmp.path().join("ours.pb.gz");
     std::fs::write(&file, &bytes).unwrap();
-    let (go_total, go_top) = go_pprof_top(&go, file.to_str().unwrap(), tmp.path());
+    let (go_total, go_top) = go_pprof_top(&go, file.to_str().unwrap(), "cpu", tmp.path());
     assert!(
         (go_total - total_s).abs() <= 0.01,
         "{go_total} vs {total_s}"
@@ -1833,6 +1837,65 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
         flat.contains_key(&fetched_top),
         "{fetched_top} not in {flat:?}"
     );
+    // Off CPU and GIL waits over one window (two at once): the two workers share the GIL, so
+    // each is off CPU, waiting for it, for what the process does not run of their 2 x 2 s.
+    let cpu = common::cpu::CpuReadings::start(w.pid);
+    let fetch = |path: &str| {
+        let url = format!("http://{}/debug/pprof/{path}?seconds=2", agent.addr);
+        std::thread::spawn(move || {
+            let bytes = ureq::get(&url)
+                .call()
+                .expect("GET a profile")
+                .body_mut()
+                .read_to_vec()
+                .unwrap();
+            enginescope::views::pprof::decode(&bytes).unwrap()
+        })
+    };
+    let (off, gil) = (fetch("offcpu"), fetch("gil"));
+    let (off, gil) = (off.join().unwrap(), gil.join().unwrap());
+    let start_ns = off.time_nanos as u64;
+    let truth_off = 2.0 * 2.0 - cpu.between(start_ns, start_ns + 2_000_000_000)[0];
+    let workers_s = |p: &enginescope::views::pprof::proto::Profile, want: &str| -> f64 {
+        let s = |i: i64| p.string_table[i as usize].as_str();
+        assert_eq!(s(p.sample_type[1].r#type), want);
+        let mut ns = 0;
+        for smp in &p.sample {
+            let name = smp
+                .label
+                .iter()
+                .find(|l| s(l.key) == "thread_name")
+                .unwrap();
+            if s(name.str).starts_with("cpu-worker") {
+                ns += smp.value[1];
+            }
+        }
+        ns as f64 / 1e9
+    };
+    let (off_s, gil_s) = (workers_s(&off, "off_cpu"), workers_s(&gil, "gil_wait"));
+    eprintln!("workers off CPU {off_s:.3} s, GIL wait {gil_s:.3} s; truth ~{truth_off:.3} s");
+    assert!(
+        (off_s - truth_off).abs() <= 0.1 * truth_off,
+        "workers off CPU {off_s:.3} s against {truth_off:.3}"
+    );
+    // A GIL wait is off CPU; the rest of it is the wait for a CPU once woken.
+    assert!(
+        gil_s <= 1.02 * off_s && gil_s >= 0.7 * off_s,
+        "workers' GIL wait {gil_s:.3} s against their {off_s:.3} s off CPU"
+    );
+    let gs = |i: i64| gil.string_table[i as usize].as_str();
+    assert!(
+        gil.sample.iter().any(|smp| smp
+            .label
+            .iter()
+            .any(|l| gs(l.key) == "gil_holder" && gs(l.str).starts_with("cpu-worker"))),
+        "no GIL wait names a worker as the holder"
+    );
+    let file = tmp.path().join("gil.pb.gz");
+    std::fs::write(&file, enginescope::views::pprof::encode(&gil).unwrap()).unwrap();
+    let (go_gil, _) = go_pprof_top(&go, file.to_str().unwrap(), "gil_wait", tmp.path());
+    let all_gil: i64 = gil.sample.iter().map(|s| s.value[1]).sum();
+    assert!((go_gil - all_gil as f64 / 1e9).abs() <= 0.01, "{go_gil}");
     // The endpoint refuses what it cannot serve, at once.
     let bad = http_get(&format!(
         "http://{}/debug/pprof/profile?seconds=100000",

@@ -1,6 +1,6 @@
 //! The agent's HTTP endpoint: `GET /metrics` (Prometheus text 0.0.4, or OpenMetrics when the
 //! scraper asks for it), `GET /debug/pprof/profile?seconds=N` (a CPU profile of the next N
-//! seconds, [`super::profiles`]), `GET /-/healthy`, and `GET /` (a pointer to both).
+//! seconds; `offcpu` and `gil` likewise, [`super::profiles`]), `GET /-/healthy`, and `GET /` (a pointer to both).
 //!
 //! A deliberately small server on `std::net`: `Connection: close`, request heads up to 8 KiB,
 //! and each connection has `timeout` (5 s) in all to send its head and take its answer, so a
@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::registry::Registry;
 
 use super::profiles::Profiles;
+use crate::views::pprof::Kind;
 
 /// What the endpoint serves: the metrics, and the profiles when the agent keeps segments.
 pub struct Served {
@@ -147,7 +148,12 @@ pub fn respond(
     }
     let registry = &served.registry;
     match path {
-        "/debug/pprof/profile" => {
+        "/debug/pprof/profile" | "/debug/pprof/offcpu" | "/debug/pprof/gil" => {
+            let kind = match path {
+                "/debug/pprof/offcpu" => Kind::OffCpu,
+                "/debug/pprof/gil" => Kind::GilWait,
+                _ => Kind::Cpu,
+            };
             let Some(p) = &served.profiles else {
                 return (
                     "404 Not Found",
@@ -155,7 +161,7 @@ pub fn respond(
                     b"no profiles: this agent keeps no segments\n".to_vec(),
                 );
             };
-            match p.seconds(query).and_then(|s| p.cpu(s)) {
+            match p.seconds(query).and_then(|s| p.profile(kind, s)) {
                 Ok(body) => ("200 OK", "application/octet-stream", body),
                 Err((status, msg)) => (status, "text/plain", msg.into_bytes()),
             }

@@ -1,10 +1,13 @@
-//! The agent's pprof pull endpoint, `GET /debug/pprof/profile?seconds=N`: the convention of
+//! The agent's pprof pull endpoints, `GET /debug/pprof/profile?seconds=N`: the convention of
 //! Go's `net/http/pprof`, which Grafana Alloy's `pyroscope.scrape`, Parca's `scrape_configs`
 //! and `go tool pprof http://HOST/debug/pprof/profile` read. The request waits `N` seconds
 //! (default 30, at most [`Profiles::max_seconds`]) and answers a gzipped pprof profile of the
 //! CPU samples every target thread took in exactly those seconds, read back from the agent's
 //! own segments: the same samples, stacks and names that `report` and `flame` read from them,
-//! with `pid`, `tid` and `thread_name` labels on each sample.
+//! with `pid`, `tid` and `thread_name` labels on each sample. `/debug/pprof/offcpu` and
+//! `/debug/pprof/gil` answer the same way with the time threads spent off CPU (by the stack
+//! where they blocked, label `state`) and waiting for the GIL (by the waiter's stack, labels
+//! `gil_holder_tid` and `gil_holder`), each interval counted for its part inside the window.
 //!
 //! The agent stores samples added up per `--profile-seconds` interval (10 s), their times
 //! spread evenly over it, written when it ends. So a request ends the interval being added up
@@ -101,8 +104,8 @@ impl Profiles {
         }
     }
 
-    /// Wait `seconds`, then the CPU profile of exactly those seconds, gzipped.
-    pub fn cpu(&self, seconds: u64) -> Result<Vec<u8>, Refusal> {
+    /// Wait `seconds`, then the profile of exactly those seconds, gzipped.
+    pub fn profile(&self, kind: pprof::Kind, seconds: u64) -> Result<Vec<u8>, Refusal> {
         if self.building.fetch_add(1, Ordering::SeqCst) >= MAX_AT_ONCE {
             self.building.fetch_sub(1, Ordering::SeqCst);
             return Err((
@@ -110,12 +113,12 @@ impl Profiles {
                 format!("{MAX_AT_ONCE} profiles are being built already; ask again later\n"),
             ));
         }
-        let r = self.wait_and_build(seconds);
+        let r = self.wait_and_build(kind, seconds);
         self.building.fetch_sub(1, Ordering::SeqCst);
         r.map_err(|e| ("500 Internal Server Error", format!("{e:#}\n")))
     }
 
-    fn wait_and_build(&self, seconds: u64) -> anyhow::Result<Vec<u8>> {
+    fn wait_and_build(&self, kind: pprof::Kind, seconds: u64) -> anyhow::Result<Vec<u8>> {
         let since = SystemTime::now();
         let t0 = crate::sys::monotonic_ns();
         self.cut.store(true, Ordering::SeqCst);
@@ -134,14 +137,15 @@ impl Profiles {
             ),
             None => "every sample at its own time".to_string(),
         };
-        let p = cpu_between(&self.dir, since, t0, t1, unix0, &how)?;
+        let p = between(kind, &self.dir, since, t0, t1, unix0, &how)?;
         pprof::encode(&p)
     }
 }
 
-/// The CPU profile of `[t0, t1)` (CLOCK_MONOTONIC ns) from the segments in `dir` written to
-/// at or after `since`; `unix0` is `t0` on the wall clock (the profile's `time_nanos`).
-pub fn cpu_between(
+/// The profile of `[t0, t1)` (CLOCK_MONOTONIC ns) from the segments in `dir` written to at or
+/// after `since`; `unix0` is `t0` on the wall clock (the profile's `time_nanos`).
+pub fn between(
+    kind: pprof::Kind,
     dir: &Path,
     since: SystemTime,
     t0: u64,
@@ -149,7 +153,7 @@ pub fn cpu_between(
     unix0: i64,
     how: &str,
 ) -> anyhow::Result<pprof::proto::Profile> {
-    let mut b = pprof::Builder::new();
+    let mut b = pprof::Builder::of(kind);
     let mut period = 0;
     let segs = list_segments(dir).with_context(|| format!("listing {}", dir.display()))?;
     for s in segs {
@@ -211,8 +215,8 @@ mod tests {
 
     #[test]
     fn a_missing_directory_is_an_error_that_says_which() {
-        let e =
-            cpu_between(Path::new("/nonexistent/es"), SystemTime::now(), 0, 1, 0, "").unwrap_err();
+        let (dir, now) = (Path::new("/nonexistent/es"), SystemTime::now());
+        let e = between(pprof::Kind::Cpu, dir, now, 0, 1, 0, "").unwrap_err();
         assert!(format!("{e:#}").contains("/nonexistent/es"), "{e:#}");
     }
 }

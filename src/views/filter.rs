@@ -207,6 +207,16 @@ impl Selection {
         self.during.is_none_or(|(a, b)| t_ns >= a && t_ns < b)
     }
 
+    /// The part of `[start_ns, start_ns + dur_ns)` inside the time range, ns (all of it
+    /// without one).
+    pub fn clip(&self, start_ns: u64, dur_ns: u64) -> u64 {
+        let end = start_ns.saturating_add(dur_ns);
+        match self.during {
+            None => dur_ns,
+            Some((a, b)) => end.min(b).saturating_sub(start_ns.max(a)),
+        }
+    }
+
     fn overlaps(&self, start_ns: u64, dur_ns: u64) -> bool {
         self.during
             .is_none_or(|(a, b)| start_ns < b && start_ns.saturating_add(dur_ns) > a)

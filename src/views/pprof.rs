@@ -250,10 +250,36 @@ pub fn profile(rec: &Recording, sel: &Selection) -> proto::Profile {
     )
 }
 
-/// One profile from the samples of several recordings (an agent's segments over a time
-/// range): functions, locations and native mappings shared, one pprof sample per distinct
-/// (recording, thread, stack, flags), in the order the recordings were added.
+/// What a [`Builder`]'s profile counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// CPU samples: `samples/count`, `cpu/nanoseconds`.
+    Cpu,
+    /// Off-CPU intervals at the stack where each thread blocked (or was preempted: label
+    /// `state`): `intervals/count`, `off_cpu/nanoseconds`.
+    OffCpu,
+    /// GIL waits at the waiting thread's stack, labelled with the holder (`gil_holder_tid`,
+    /// `gil_holder`): `waits/count`, `gil_wait/nanoseconds`.
+    GilWait,
+}
+
+impl Kind {
+    /// (count type, count unit, time type): the time is in nanoseconds and the default.
+    fn types(self) -> [&'static str; 3] {
+        match self {
+            Kind::Cpu => ["samples", "count", "cpu"],
+            Kind::OffCpu => ["intervals", "count", "off_cpu"],
+            Kind::GilWait => ["waits", "count", "gil_wait"],
+        }
+    }
+}
+
+/// One profile from several recordings (an agent's segments over a time range): functions,
+/// locations and native mappings shared, one pprof sample per distinct (recording, thread,
+/// stack, flags or state), in the order the recordings were added. Intervals (off CPU, GIL
+/// waits) count the part of them inside the selection's time range.
 pub struct Builder {
+    kind: Kind,
     st: Strings,
     sym: Symbols,
     mappings: Vec<proto::Mapping>,
@@ -269,21 +295,31 @@ impl Default for Builder {
     }
 }
 
+/// One pprof sample's key: thread, stack, sample flags, and a label of the kind's own.
+type Key = (i32, i32, u32, u8, Option<(i64, i64)>);
+
 impl Builder {
+    /// A CPU profile.
     pub fn new() -> Self {
+        Self::of(Kind::Cpu)
+    }
+
+    pub fn of(kind: Kind) -> Self {
         let mut st = Strings::new();
+        let [count, unit, time] = kind.types();
         let sample_type = vec![
             proto::ValueType {
-                r#type: st.get("samples"),
-                unit: st.get("count"),
+                r#type: st.get(count),
+                unit: st.get(unit),
             },
             proto::ValueType {
-                r#type: st.get("cpu"),
+                r#type: st.get(time),
                 unit: st.get("nanoseconds"),
             },
         ];
         let keys = [st.get("pid"), st.get("tid"), st.get("thread_name")];
         Builder {
+            kind,
             st,
             sym: Symbols {
                 functions: Vec::new(),
@@ -299,86 +335,161 @@ impl Builder {
         }
     }
 
-    /// CPU samples (count and on-CPU ns) and their total ns.
+    /// The count and the total ns of every sample added.
     pub fn totals(&self) -> (i64, i64) {
         self.samples
             .iter()
             .fold((0, 0), |(c, n), s| (c + s.value[0], n + s.value[1]))
     }
 
-    /// Add the samples of `rec` that `sel` selects.
+    /// Add what `sel` selects of `rec`: its samples, off-CPU intervals or GIL waits, as the
+    /// builder's kind says.
     pub fn add(&mut self, rec: &Recording, sel: &Selection) {
-        let mut by_key: HashMap<(i32, i32, u32, u8), (i64, i64)> = HashMap::new();
-        for s in sel.samples(rec) {
-            let e = by_key
-                .entry((s.pid, s.tid, s.stack, s.flags & SHAPE_FLAGS))
-                .or_default();
+        let mut by_key: HashMap<Key, (i64, i64)> = HashMap::new();
+        let mut put = |k: Key, ns: u64| {
+            let e = by_key.entry(k).or_default();
             e.0 += 1;
-            e.1 += i64::from(s.weight_ns);
+            e.1 += i64::try_from(ns).unwrap_or(i64::MAX);
+        };
+        // The labels of the kind's own (-1: none; a CPU profile's strings stay as they were).
+        let st = &mut self.st;
+        let (state, blocked, preempted, holder) = match self.kind {
+            Kind::Cpu => (-1, -1, -1, -1),
+            Kind::OffCpu => (st.get("state"), st.get("blocked"), st.get("preempted"), -1),
+            Kind::GilWait => (-1, -1, -1, st.get("gil_holder_tid")),
+        };
+        match self.kind {
+            Kind::Cpu => {
+                for s in sel.samples(rec) {
+                    let k = (s.pid, s.tid, s.stack, s.flags & SHAPE_FLAGS, None);
+                    put(k, u64::from(s.weight_ns));
+                }
+            }
+            Kind::OffCpu => {
+                for o in sel.offcpu(rec) {
+                    let v = if o.preempted { preempted } else { blocked };
+                    let k = (o.pid, o.tid, o.stack, 0, Some((state, v)));
+                    put(k, sel.clip(o.start_ns, o.dur_ns));
+                }
+            }
+            Kind::GilWait => {
+                for g in sel.gil_waits(rec) {
+                    let k = (
+                        g.pid,
+                        g.tid,
+                        g.waiter_stack,
+                        0,
+                        Some((holder, i64::from(g.holder_tid))),
+                    );
+                    put(k, sel.clip(g.start_ns, g.dur_ns));
+                }
+            }
         }
-        // Deterministic output: sort by (pid, tid, stack, flags).
+        // Deterministic output: sort by (pid, tid, stack, flags, label).
         let mut keys: Vec<_> = by_key.into_iter().collect();
         keys.sort_unstable_by_key(|&(k, _)| k);
-        let [k_pid, k_tid, k_name] = self.keys;
         // Frame ids are the recording's own: its locations are looked up afresh.
         let mut frame_locs: HashMap<u32, u64> = HashMap::new();
-        for ((pid, tid, stack, bits), (count, ns)) in keys {
-            let mut locs = Vec::new();
-            for leaf in flag_leaves(bits).collect::<Vec<_>>().into_iter().rev() {
-                locs.push(self.sym.location(&mut self.st, leaf, "", 0));
-            }
-            for &fid in rec
-                .stacks
-                .get(stack as usize)
-                .map(Vec::as_slice)
-                .unwrap_or(&[])
-            {
-                let Some(f) = rec.frames.get(fid as usize) else {
-                    continue;
-                };
-                let loc = match frame_locs.get(&fid) {
-                    Some(&l) => l,
-                    None => {
-                        let at = rec.frame_native.get(&fid).map(|n| self.mapping(n));
-                        let l = self.sym.location_at(
-                            &mut self.st,
-                            &f.function,
-                            &f.file,
-                            i64::from(f.line.unwrap_or(0)),
-                            at,
-                        );
-                        frame_locs.insert(fid, l);
-                        l
+        for ((pid, tid, stack, bits, extra), (count, ns)) in keys {
+            let locs = self.locations(rec, stack, bits, &mut frame_locs);
+            let mut label = self.thread_labels(rec, pid, tid);
+            match extra {
+                Some((k, v)) if k == holder => {
+                    let holder_tid = i32::try_from(v).unwrap_or(0);
+                    label.push(proto::Label {
+                        key: k,
+                        num: v,
+                        ..Default::default()
+                    });
+                    if holder_tid != 0 {
+                        let name = self.st.get(rec.thread_name(pid, holder_tid));
+                        label.push(proto::Label {
+                            key: self.st.get("gil_holder"),
+                            str: name,
+                            ..Default::default()
+                        });
                     }
-                };
-                locs.push(loc);
+                }
+                Some((k, v)) => label.push(proto::Label {
+                    key: k,
+                    str: v,
+                    ..Default::default()
+                }),
+                None => {}
             }
-            if bits & flags::PARTIAL != 0 {
-                locs.push(self.sym.location(&mut self.st, PARTIAL_FRAME, "", 0));
-            }
-            let name = self.st.get(rec.thread_name(pid, tid));
             self.samples.push(proto::Sample {
                 location_id: locs,
                 value: vec![count, ns],
-                label: vec![
-                    proto::Label {
-                        key: k_pid,
-                        num: i64::from(pid),
-                        ..Default::default()
-                    },
-                    proto::Label {
-                        key: k_tid,
-                        num: i64::from(tid),
-                        ..Default::default()
-                    },
-                    proto::Label {
-                        key: k_name,
-                        str: name,
-                        ..Default::default()
-                    },
-                ],
+                label,
             });
         }
+    }
+
+    /// A sample's locations, leaf first: the flags' synthetic frames, the stack's frames, and
+    /// the partial-stack marker.
+    fn locations(
+        &mut self,
+        rec: &Recording,
+        stack: u32,
+        bits: u8,
+        frame_locs: &mut HashMap<u32, u64>,
+    ) -> Vec<u64> {
+        let mut locs = Vec::new();
+        for leaf in flag_leaves(bits).collect::<Vec<_>>().into_iter().rev() {
+            locs.push(self.sym.location(&mut self.st, leaf, "", 0));
+        }
+        for &fid in rec
+            .stacks
+            .get(stack as usize)
+            .map(Vec::as_slice)
+            .unwrap_or(&[])
+        {
+            let Some(f) = rec.frames.get(fid as usize) else {
+                continue;
+            };
+            let loc = match frame_locs.get(&fid) {
+                Some(&l) => l,
+                None => {
+                    let at = rec.frame_native.get(&fid).map(|n| self.mapping(n));
+                    let l = self.sym.location_at(
+                        &mut self.st,
+                        &f.function,
+                        &f.file,
+                        i64::from(f.line.unwrap_or(0)),
+                        at,
+                    );
+                    frame_locs.insert(fid, l);
+                    l
+                }
+            };
+            locs.push(loc);
+        }
+        if bits & flags::PARTIAL != 0 {
+            locs.push(self.sym.location(&mut self.st, PARTIAL_FRAME, "", 0));
+        }
+        locs
+    }
+
+    fn thread_labels(&mut self, rec: &Recording, pid: i32, tid: i32) -> Vec<proto::Label> {
+        let [k_pid, k_tid, k_name] = self.keys;
+        let name = self.st.get(rec.thread_name(pid, tid));
+        vec![
+            proto::Label {
+                key: k_pid,
+                num: i64::from(pid),
+                ..Default::default()
+            },
+            proto::Label {
+                key: k_tid,
+                num: i64::from(tid),
+                ..Default::default()
+            },
+            proto::Label {
+                key: k_name,
+                str: name,
+                ..Default::default()
+            },
+        ]
     }
 
     /// Native and kernel frames: one mapping per module (addresses are the module's own, ELF
@@ -413,12 +524,13 @@ impl Builder {
         period: i64,
         comment: &[String],
     ) -> proto::Profile {
+        let time = self.kind.types()[2];
         let period_type = proto::ValueType {
-            r#type: self.st.get("cpu"),
+            r#type: self.st.get(time),
             unit: self.st.get("nanoseconds"),
         };
         let comment = comment.iter().map(|c| self.st.get(c)).collect();
-        let default_sample_type = self.st.get("cpu");
+        let default_sample_type = self.st.get(time);
         proto::Profile {
             sample_type: self.sample_type,
             sample: self.samples,
@@ -462,4 +574,101 @@ pub fn decode(bytes: &[u8]) -> anyhow::Result<proto::Profile> {
         bytes.to_vec()
     };
     proto::Profile::decode(raw.as_slice()).context("decoding the pprof profile")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{Frame, GilWait, OffCpu, ThreadInfo};
+
+    fn rec() -> Recording {
+        let mut r = Recording::default();
+        for (tid, name) in [(2, "waiter"), (3, "holder")] {
+            r.threads.push(ThreadInfo {
+                pid: 1,
+                tid,
+                name: name.into(),
+                t_ns: 0,
+                python_name: None,
+            });
+        }
+        r.frames = vec![Frame {
+            function: "blocked_here".into(),
+            file: "w.py".into(),
+            line: Some(7),
+        }];
+        r.stacks = vec![vec![0]];
+        // 100-300 ms blocked, 250-400 ms preempted.
+        for (start_ns, dur_ns, preempted) in [(100, 200, false), (250, 150, true)] {
+            r.offcpu.push(OffCpu {
+                pid: 1,
+                tid: 2,
+                start_ns: start_ns * 1_000_000,
+                dur_ns: dur_ns * 1_000_000,
+                stack: 0,
+                preempted,
+            });
+        }
+        r.gil_waits.push(GilWait {
+            pid: 1,
+            tid: 2,
+            start_ns: 150_000_000,
+            dur_ns: 100_000_000,
+            holder_tid: 3,
+            holder_stack: 0,
+            waiter_stack: 0,
+            switch_wait: false,
+        });
+        r
+    }
+
+    fn label<'a>(p: &'a proto::Profile, s: &proto::Sample, key: &str) -> (&'a str, i64) {
+        let st = |i: i64| p.string_table[i as usize].as_str();
+        let l = s.label.iter().find(|l| st(l.key) == key).unwrap();
+        (st(l.str), l.num)
+    }
+
+    #[test]
+    fn intervals_count_their_part_inside_the_window_with_their_labels() {
+        let r = rec();
+        // The window 200-300 ms: 100 ms of the blocked interval, 50 of the preempted one.
+        let sel = Selection::all(&r).during(200_000_000, 300_000_000);
+        let mut b = Builder::of(Kind::OffCpu);
+        b.add(&r, &sel);
+        assert_eq!(b.totals(), (2, 150_000_000));
+        let p = b.finish(0, 100_000_000, 0, &[]);
+        assert_eq!(p.string_table[p.sample_type[1].r#type as usize], "off_cpu");
+        assert_eq!(p.string_table[p.default_sample_type as usize], "off_cpu");
+        let states: Vec<(&str, i64)> = p
+            .sample
+            .iter()
+            .map(|s| (label(&p, s, "state").0, s.value[1]))
+            .collect();
+        assert_eq!(
+            states,
+            [("blocked", 100_000_000), ("preempted", 50_000_000)]
+        );
+
+        let mut b = Builder::of(Kind::GilWait);
+        b.add(&r, &sel);
+        assert_eq!(b.totals(), (1, 50_000_000));
+        let p = b.finish(0, 100_000_000, 0, &[]);
+        let s = &p.sample[0];
+        assert_eq!(label(&p, s, "gil_holder_tid").1, 3);
+        assert_eq!(label(&p, s, "gil_holder").0, "holder");
+        assert_eq!(label(&p, s, "thread_name").0, "waiter");
+        let leaf = &p.location[s.location_id[0] as usize - 1];
+        let f = &p.function[leaf.line[0].function_id as usize - 1];
+        assert_eq!(p.string_table[f.name as usize], "blocked_here");
+
+        // Without a window, whole; CPU profiles carry none of these labels.
+        let mut b = Builder::of(Kind::OffCpu);
+        b.add(&r, &Selection::all(&r));
+        assert_eq!(b.totals(), (2, 350_000_000));
+        let p = profile(&r, &Selection::all(&r));
+        assert!(!p
+            .string_table
+            .iter()
+            .any(|s| s == "state" || s == "gil_holder_tid"));
+    }
 }
