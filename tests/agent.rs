@@ -1905,3 +1905,244 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
     let log = agent.stop();
     assert!(!log.contains("panicked"), "{log}");
 }
+
+/// One request as the test's ingest receiver read it.
+struct Ingest {
+    path: String,
+    query: BTreeMap<String, String>,
+    content_type: String,
+    body: Vec<u8>,
+}
+
+/// Read one HTTP/1.1 request with a Content-Length body, answer 200.
+fn read_ingest(mut c: std::net::TcpStream) -> Option<Ingest> {
+    use std::io::{Read, Write};
+    c.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 65536];
+    let head_end = loop {
+        let n = c.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break p + 4;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let header = |name: &str| {
+        head.lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let len: usize = header("content-length")?.parse().ok()?;
+    while buf.len() < head_end + len {
+        let n = c.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let first = head.lines().next()?.to_string();
+    let target = first.split(' ').nth(1)?.to_string();
+    assert!(first.starts_with("POST "), "{first}");
+    let (path, q) = target.split_once('?').unwrap_or((&target, ""));
+    let query = q
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), urldecode(v)))
+        .collect();
+    let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    Some(Ingest {
+        path: path.to_string(),
+        query,
+        content_type: header("content-type").unwrap_or_default(),
+        body: buf[head_end..head_end + len].to_vec(),
+    })
+}
+
+fn urldecode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let h = std::str::from_utf8(&b[i + 1..i + 3]).unwrap();
+                out.push(u8::from_str_radix(h, 16).unwrap());
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap()
+}
+
+/// The `profile` part of a multipart/form-data body, by the boundary its Content-Type names.
+fn profile_part(content_type: &str, body: &[u8]) -> Vec<u8> {
+    let boundary = content_type
+        .split(';')
+        .find_map(|p| p.trim().strip_prefix("boundary="))
+        .unwrap_or_else(|| panic!("no boundary in {content_type:?}"));
+    let delim = format!("--{boundary}");
+    let find = |hay: &[u8], from: usize, needle: &[u8]| {
+        hay[from..]
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .map(|p| p + from)
+    };
+    let start = find(body, 0, delim.as_bytes()).expect("first boundary");
+    let head_end = find(body, start, b"\r\n\r\n").expect("part head") + 4;
+    let head = String::from_utf8_lossy(&body[start..head_end]);
+    assert!(head.contains("name=\"profile\""), "{head}");
+    let end = find(body, head_end, format!("\r\n{delim}").as_bytes()).expect("closing boundary");
+    assert!(body[end..].starts_with(format!("\r\n{delim}--").as_bytes()));
+    body[head_end..end].to_vec()
+}
+
+/// `agent --push` against a receiver that checks each request against Pyroscope's ingest API
+/// (issue 24): POST /ingest with name, from, until, format=pprof, sampleRate, and the gzipped
+/// pprof in the multipart field `profile`; the profiles follow each other end to end, and
+/// their CPU is the target's over the same seconds (from /proc, within 10%). Then the backend
+/// dies: the agent counts failed pushes, keeps at most four and drops the oldest, and goes on
+/// serving /metrics.
+#[test]
+fn push_to_pyroscope_ingest_follows_the_protocol_and_survives_a_dead_backend() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (tx, rx) = std::sync::mpsc::channel::<Ingest>();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let receiver = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            for c in listener.incoming() {
+                if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    break;
+                }
+                if let Some(r) = c.ok().and_then(read_ingest) {
+                    let _ = tx.send(r);
+                }
+            }
+        }
+    });
+    let w = start(&i, "cpu_bound.py", &["--threads", "2", "--duration", "120"]);
+    let pid = w.pid.to_string();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut agent = Agent::start(&[
+        "--pid",
+        &pid,
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        dir.path().join("segs").to_str().unwrap(),
+        "--rate",
+        "99",
+        "--push",
+        &url,
+        "--push-every",
+        "1",
+        "--push-app",
+        "vllm",
+        "--push-label",
+        "engine=e0",
+    ]);
+    agent.wait_line("sampling started", Duration::from_secs(30));
+    let cpu = common::cpu::CpuReadings::start(w.pid);
+    let mut got = Vec::new();
+    while got.len() < 6 {
+        let r = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("a push within 20 s");
+        assert_eq!(r.path, "/ingest");
+        let q = |k: &str| r.query.get(k).cloned().unwrap_or_default();
+        assert_eq!(q("format"), "pprof");
+        assert_eq!(q("sampleRate"), "99");
+        assert_eq!(q("spyName"), "enginescope");
+        assert!(
+            q("name").starts_with("vllm.cpu{engine=e0,host="),
+            "{}",
+            q("name")
+        );
+        let (from, until): (u64, u64) = (q("from").parse().unwrap(), q("until").parse().unwrap());
+        assert!(from < until && until - from <= 3, "{from}..{until}");
+        assert!(
+            r.content_type.starts_with("multipart/form-data"),
+            "{}",
+            r.content_type
+        );
+        let p = enginescope::views::pprof::decode(&profile_part(&r.content_type, &r.body)).unwrap();
+        got.push((from, until, p));
+    }
+    // End to end: each profile begins where the one before ended.
+    for w2 in got.windows(2) {
+        let (a, b) = (&w2[0].2, &w2[1].2);
+        let gap = b.time_nanos - (a.time_nanos + a.duration_nanos);
+        assert!(gap.abs() < 20_000_000, "profiles {gap} ns apart");
+        assert!(
+            w2[1].0 + 1 >= w2[0].1 && w2[1].0 <= w2[0].1,
+            "{:?} {:?}",
+            (w2[0].0, w2[0].1),
+            (w2[1].0, w2[1].1)
+        );
+    }
+    // The CPU of the last four against the process's over their seconds (the first may begin
+    // before sampling did).
+    let (first, last) = (&got[2].2, &got[5].2);
+    let (a, b) = (
+        first.time_nanos as u64,
+        (last.time_nanos + last.duration_nanos) as u64,
+    );
+    let truth = cpu.between(a, b)[0];
+    let pushed: f64 = got[2..]
+        .iter()
+        .flat_map(|g| g.2.sample.iter())
+        .map(|s| s.value[1] as f64 / 1e9)
+        .sum();
+    eprintln!(
+        "pushed {pushed:.3} s of CPU over {:.3} s; the process used {truth:.3} s",
+        (b - a) as f64 / 1e9
+    );
+    assert!(
+        (pushed - truth).abs() <= 0.1 * truth,
+        "pushed {pushed:.3} s against {truth:.3} s"
+    );
+    // The backend dies: failed, then dropped past four kept; the agent serves on.
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+    receiver.join().unwrap();
+    let counted = |m: &str, kind: &str| {
+        let exp = parse_exposition(m);
+        sum_of(&exp, "enginescope_profile_pushes_total", &[("kind", kind)])
+    };
+    let (failed, dropped) = poll_until(Duration::from_secs(30), Duration::from_millis(500), || {
+        let m = agent.metrics();
+        let (f, d) = (counted(&m, "failed"), counted(&m, "dropped"));
+        (d >= 2.0, (f, d))
+    });
+    assert!(
+        dropped >= 2.0 && failed >= 6.0,
+        "failed {failed}, dropped {dropped}"
+    );
+    let sent = counted(&agent.metrics(), "sent");
+    assert!(sent >= 6.0, "sent {sent}");
+    let log = agent.stop();
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(log.contains("pushing a profile to"), "{log}");
+}

@@ -65,6 +65,7 @@ pub const FAMILIES: &[(&str, &str, &[&str])] = &[
     ("enginescope_recording_bytes", "gauge", &[]),
     ("enginescope_recording_rotations", "counter", &[]),
     ("enginescope_recorder_restarts", "counter", &[]),
+    ("enginescope_profile_pushes", "counter", &["kind"]),
     ("enginescope_info", "gauge", &["version", "backend", "mode"]),
     ("process_resident_memory_bytes", "gauge", &[]),
     ("process_virtual_memory_bytes", "gauge", &[]),
@@ -193,6 +194,8 @@ pub struct Metrics {
     pub recording_bytes: Gauge,
     pub rotations: Counter,
     pub recorder_restarts: Counter,
+    /// Profiles pushed (`--push`), by kind: `sent`, `failed` (kept to retry) and `dropped`.
+    pub profile_pushes: Family<KindLabels, Counter>,
     pub info: Family<InfoLabels, Gauge>,
     pub rss: Gauge,
     pub vsize: Gauge,
@@ -226,6 +229,7 @@ impl Metrics {
             recording_bytes: Gauge::default(),
             rotations: Counter::default(),
             recorder_restarts: Counter::default(),
+            profile_pushes: Family::default(),
             info: Family::default(),
             rss: Gauge::default(),
             vsize: Gauge::default(),
@@ -336,6 +340,11 @@ impl Metrics {
             "enginescope_recorder_restarts",
             "Times the recorder started again (targets gone, an error, or no engine yet)",
             c.recorder_restarts,
+        );
+        reg.register(
+            "enginescope_profile_pushes",
+            "CPU profiles pushed to --push (sent), not accepted and kept to retry (failed), or given up (dropped)",
+            c.profile_pushes,
         );
         reg.register(
             "enginescope_info",

@@ -18,6 +18,7 @@ pub mod exporter;
 pub mod follow;
 pub mod metrics;
 pub mod profiles;
+pub mod push;
 
 use std::net::TcpListener;
 use std::sync::atomic::Ordering;
@@ -45,6 +46,8 @@ pub struct AgentOptions {
     pub limits: Limits,
     /// Wait before starting the recorder again.
     pub retry: Duration,
+    /// Push CPU profiles to a Pyroscope server (`--push`).
+    pub push: Option<push::PushOptions>,
 }
 
 /// The agent's own resource use, from `/proc/self`.
@@ -152,6 +155,29 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
         .name("es-recorder".into())
         .spawn(move || supervise(&rec_opts, &rec_policy, retry, &restarts))?;
 
+    let push_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pusher = match &opts.push {
+        Some(p) => {
+            let (p, dir, cut) = (p.clone(), pol.dir.clone(), pol.cut_interval.clone());
+            let (aggregate, counts, stop) = (
+                opts.record.aggregate,
+                m.profile_pushes.clone(),
+                push_stop.clone(),
+            );
+            eprintln!(
+                "enginescope: agent: pushing CPU profiles to {}/ingest every {:.0} s as {}",
+                p.url.trim_end_matches('/'),
+                p.every.as_secs_f64(),
+                push::app_name(&p)
+            );
+            Some(
+                std::thread::Builder::new()
+                    .name("es-push".into())
+                    .spawn(move || push::run(p, dir, cut, aggregate, counts, stop))?,
+            )
+        }
+        None => None,
+    };
     let mut last_rss_rotation: Option<Instant> = None;
     let mut last_error = String::new();
     let mut backend = String::new();
@@ -218,6 +244,11 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
         }
     }
     exporter.stop();
+    push_stop.store(true, Ordering::SeqCst);
+    if let Some(p) = pusher {
+        // At most one push's timeout.
+        let _ = p.join();
+    }
     match recorder.join() {
         Ok(r) => r,
         Err(_) => anyhow::bail!("the recorder thread panicked"),

@@ -38,7 +38,7 @@ pub const MAX_AT_ONCE: usize = 2;
 pub const DEFAULT_SECONDS: u64 = 30;
 /// How long after an event the recorder has surely written it: it flushes every 200 ms
 /// (`sampler::recorder::FLUSH_EVERY`), and a drain may hold a batch as long.
-const FLUSHED_WITHIN: Duration = Duration::from_millis(600);
+pub(crate) const FLUSHED_WITHIN: Duration = Duration::from_millis(600);
 
 /// The longest window served: five minutes, and less than the segments kept by age (a window
 /// whose first segment is pruned while it is built would read short).
@@ -130,15 +130,20 @@ impl Profiles {
         let unix0 = since
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as i64);
-        let how = match self.aggregate {
-            Some(a) => format!(
-                "samples added up per interval (at most {:.0} s, cut at the window's ends within 0.2 s): a part of one straddling an end counts pro rata",
-                a.as_secs_f64()
-            ),
-            None => "every sample at its own time".to_string(),
-        };
+        let how = how(self.aggregate);
         let p = between(kind, &self.dir, since, t0, t1, unix0, &how)?;
         pprof::encode(&p)
+    }
+}
+
+/// What the profile's comment says of its window's ends.
+pub fn how(aggregate: Option<Duration>) -> String {
+    match aggregate {
+        Some(a) => format!(
+            "samples added up per interval (at most {:.0} s, cut at the window's ends within 0.2 s): a part of one straddling an end counts pro rata",
+            a.as_secs_f64()
+        ),
+        None => "every sample at its own time".to_string(),
     }
 }
 

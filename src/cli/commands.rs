@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use super::args::{
     record_options, AgentEngineArgs, AgentProbeArgs, AgentSamplingArgs, DemoSamplingArgs,
     EngineArgs, Groups, ProbeArgs, SamplingArgs, TraceArgs, VllmArgs,
@@ -473,6 +475,19 @@ pub struct AgentCmd {
     /// every engine metric series, as `record` does (~15x the disk).
     #[arg(long)]
     raw_events: bool,
+    /// Push CPU profiles to this Pyroscope server (or Alloy's pyroscope.receive_http), e.g.
+    /// http://pyroscope:4040: its ingest API, each profile the seconds since the last.
+    #[arg(long, value_name = "URL")]
+    push: Option<String>,
+    /// Seconds between pushes.
+    #[arg(long, default_value_t = 15.0)]
+    push_every: f64,
+    /// Application name of the pushed profiles (`NAME.cpu{labels}`).
+    #[arg(long, default_value = "enginescope")]
+    push_app: String,
+    /// A label of every pushed profile, KEY=VALUE (repeatable; `host` is added when absent).
+    #[arg(long, value_name = "KEY=VALUE")]
+    push_label: Vec<String>,
     #[command(flatten)]
     trace: TraceArgs,
     #[command(flatten)]
@@ -525,6 +540,37 @@ impl AgentCmd {
             probing: self.probes.probing()?,
         })?;
         record.aggregate = aggregate;
+        let push = match &self.push {
+            None => None,
+            Some(url) => {
+                anyhow::ensure!(
+                    url.starts_with("http://") || url.starts_with("https://"),
+                    "--push {url}: give the server's http:// or https:// URL"
+                );
+                let labels = self
+                    .push_label
+                    .iter()
+                    .map(|l| {
+                        let (k, v) = l
+                            .split_once('=')
+                            .filter(|(k, _)| !k.is_empty())
+                            .with_context(|| format!("--push-label {l}: write it KEY=VALUE"))?;
+                        anyhow::ensure!(
+                            !(k.contains([',', '{', '}', '=']) || v.contains([',', '{', '}'])),
+                            "--push-label {l}: keys and values cannot hold , {{ }} (nor = in a key)"
+                        );
+                        Ok((k.to_string(), v.to_string()))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                Some(crate::agent::push::PushOptions {
+                    url: url.clone(),
+                    every: Duration::from_secs_f64(pos(self.push_every, "--push-every")?),
+                    app: self.push_app.clone(),
+                    labels,
+                    rate_hz: record.rate_hz,
+                })
+            }
+        };
         Ok(crate::agent::AgentOptions {
             record,
             listen: self.listen,
@@ -538,6 +584,7 @@ impl AgentCmd {
                 idle_ticks,
             },
             retry: Duration::from_secs(5),
+            push,
         })
     }
 }
