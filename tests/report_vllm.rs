@@ -1400,3 +1400,50 @@ fn request_time_decomposition() {
     );
     assert!(row.ends_with("| 420.0 | 75.0 | 70.0 | - |"), "{row}");
 }
+
+/// Speculative decoding and NIXL KV transfers (issue 24), from a page with both
+/// (tests/fixtures/metrics-vllm-spec-nixl.txt) scraped at an engine's start and 10 s later:
+/// 600 draft tokens in 200 drafts, 450 accepted (rate 75%, 3.25 tokens a step); 50 transfers
+/// taking 0.3 s in all (6 ms mean; p50 the 25th of 50: 15 of the 30 in (5, 10] ms = 7.5 ms;
+/// p90 the 45th: 5 of the 10 in (10, 20] = 15 ms), 1.5 GB (30 MB each, 5,000 MB/s), 2 failed.
+/// An engine without those series has neither object.
+#[test]
+fn spec_decode_and_kv_transfer_figures_from_their_series() {
+    let page = include_str!("fixtures/metrics-vllm-spec-nixl.txt");
+    let (_dir, rec) = two_scrapes("", page);
+    let v = report_json(&rec, &opts(10));
+    let e = &v["engines"][0];
+    let d = &e["spec_decode"];
+    assert_close(&d["drafts"], 200.0);
+    assert_close(&d["draft_tokens"], 600.0);
+    assert_close(&d["accepted_tokens"], 450.0);
+    assert_close(&d["acceptance_rate"], 0.75);
+    assert_close(&d["mean_acceptance_length"], 3.25);
+    let k = &e["kv_transfer"];
+    assert_close(&k["transfers"], 50.0);
+    assert_close(&k["xfer_ms"]["mean"], 6.0);
+    assert_close(&k["xfer_ms"]["p50"], 7.5);
+    assert_close(&k["xfer_ms"]["p90"], 15.0);
+    assert_close(&k["bytes"], 1.5e9);
+    assert_close(&k["bytes_per_transfer"], 3e7);
+    assert_close(&k["mb_per_s"], 5000.0);
+    assert_close(&k["failed_transfers"], 2.0);
+    assert_close(&k["failed_notifications"], 0.0);
+    let md = String::from_utf8(
+        views::report_with(&rec, &Selection::all(&rec), ReportFormat::Md, &opts(10)).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        md.contains("| engine0 | 200 | 600 | 450 | 75.0% | 3.25 |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("| engine0 | 50 | 6.00 | 7.50 | 15.00 | 1500.0 | 30.00 | 5000 | 2 | 0 |"),
+        "{md}"
+    );
+
+    let (_dir, rec) = two_scrapes("", include_str!("fixtures/metrics-vllm-0.8.txt"));
+    let v = report_json(&rec, &opts(10));
+    assert!(v["engines"][0].get("spec_decode").is_none());
+    assert!(v["engines"][0].get("kv_transfer").is_none());
+}

@@ -92,6 +92,22 @@ pub const QUEUE_TIME: Family = Family::new("vllm:request_queue_time_seconds", &[
 pub const PREFILL_TIME: Family = Family::new("vllm:request_prefill_time_seconds", &[], Sum);
 pub const DECODE_TIME: Family = Family::new("vllm:request_decode_time_seconds", &[], Sum);
 pub const INFERENCE_TIME: Family = Family::new("vllm:request_inference_time_seconds", &[], Sum);
+/// Speculative decoding, counters: drafts proposed (V1), draft tokens proposed, and draft
+/// tokens the target model accepted (V0 and V1). Acceptance rate = accepted / draft tokens;
+/// mean acceptance length = 1 + accepted / drafts (tokens a verification step yields).
+pub const SPEC_DRAFTS: Family = Family::new("vllm:spec_decode_num_drafts_total", &[], Sum);
+pub const SPEC_DRAFT_TOKENS: Family =
+    Family::new("vllm:spec_decode_num_draft_tokens_total", &[], Sum);
+pub const SPEC_ACCEPTED_TOKENS: Family =
+    Family::new("vllm:spec_decode_num_accepted_tokens_total", &[], Sum);
+/// Disaggregated prefill's KV-cache transfers through NIXL (`NixlConnector`): the time of
+/// each transfer (histogram, s), the bytes of each (histogram), and failures (counters).
+pub const NIXL_XFER_TIME: Family = Family::new("vllm:nixl_xfer_time_seconds", &[], Sum);
+pub const NIXL_BYTES: Family = Family::new("vllm:nixl_bytes_transferred", &[], Sum);
+pub const NIXL_FAILED_TRANSFERS: Family =
+    Family::new("vllm:nixl_num_failed_transfers_total", &[], Sum);
+pub const NIXL_FAILED_NOTIFICATIONS: Family =
+    Family::new("vllm:nixl_num_failed_notifications_total", &[], Sum);
 /// V0's hit-rate gauge, read only where the counters are absent.
 pub const PREFIX_HIT_RATE_V0: Family = Family::new("vllm:gpu_prefix_cache_hit_rate", &[], Mean);
 
@@ -112,7 +128,7 @@ pub const RELIED_ON: [(Family, &str); 11] = [
 ];
 
 /// Every family a view reads.
-pub const ALL: [Family; 17] = [
+pub const ALL: [Family; 24] = [
     GENERATION_TOKENS,
     PROMPT_TOKENS,
     KV_CACHE_USAGE,
@@ -130,6 +146,13 @@ pub const ALL: [Family; 17] = [
     PREFILL_TIME,
     DECODE_TIME,
     INFERENCE_TIME,
+    SPEC_DRAFTS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_ACCEPTED_TOKENS,
+    NIXL_XFER_TIME,
+    NIXL_BYTES,
+    NIXL_FAILED_TRANSFERS,
+    NIXL_FAILED_NOTIFICATIONS,
 ];
 
 /// Whether a view reads the sample `name` (a histogram's `_bucket`, `_sum`, `_count` by its

@@ -102,6 +102,79 @@ pub struct EngineRow {
     /// Preemptions during the recording (`vllm:num_preemptions_total` increase).
     #[serde(default)]
     pub preemptions: Option<f64>,
+    /// Speculative decoding during the recording; absent where the engine does not export it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_decode: Option<SpecDecode>,
+    /// KV-cache transfers of disaggregated prefill (NIXL) during the recording; absent where
+    /// the engine does not export them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer: Option<KvTransfer>,
+}
+
+/// Speculative decoding over a recording (counter increases).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SpecDecode {
+    /// Draft tokens proposed and accepted.
+    pub draft_tokens: f64,
+    pub accepted_tokens: f64,
+    /// Drafts (verification steps) proposed; null before vLLM V1.
+    pub drafts: Option<f64>,
+    /// `accepted_tokens / draft_tokens`; null without drafts.
+    pub acceptance_rate: Option<f64>,
+    /// `1 + accepted_tokens / drafts`: tokens a verification step yields; null without drafts.
+    pub mean_acceptance_length: Option<f64>,
+}
+
+/// KV-cache transfers over NIXL over a recording (histogram and counter increases).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct KvTransfer {
+    /// Transfers finished (the transfer-time histogram's count).
+    pub transfers: f64,
+    /// Time per transfer, ms.
+    pub xfer_ms: LatencyQuantiles,
+    /// Bytes moved, and per transfer on average.
+    pub bytes: f64,
+    pub bytes_per_transfer: Option<f64>,
+    /// Bytes over the transfers' summed time, MB/s (the link as the transfers saw it).
+    pub mb_per_s: Option<f64>,
+    /// Failed transfers and failed notifications; null where not exported.
+    pub failed_transfers: Option<f64>,
+    pub failed_notifications: Option<f64>,
+}
+
+/// The speculative-decoding figures of `[t0, t1)`; None where the engine has no draft tokens.
+fn spec_decode(ix: &MetricIndex, id: &str, t0: u64, t1: u64) -> Option<SpecDecode> {
+    let inc = |f: &Family| ix.increase(id, f, t0, t1).map(|i| i.value);
+    let draft_tokens = inc(&names::SPEC_DRAFT_TOKENS)?;
+    let accepted_tokens = inc(&names::SPEC_ACCEPTED_TOKENS).unwrap_or(0.0);
+    let drafts = inc(&names::SPEC_DRAFTS);
+    Some(SpecDecode {
+        draft_tokens,
+        accepted_tokens,
+        drafts,
+        acceptance_rate: (draft_tokens > 0.0).then(|| accepted_tokens / draft_tokens),
+        mean_acceptance_length: drafts
+            .filter(|&d| d > 0.0)
+            .map(|d| 1.0 + accepted_tokens / d),
+    })
+}
+
+/// The NIXL transfer figures of `[t0, t1)`; None where the engine has no transfer histogram.
+fn kv_transfer(ix: &MetricIndex, id: &str, t0: u64, t1: u64) -> Option<KvTransfer> {
+    let time = ix.histogram(id, &names::NIXL_XFER_TIME, t0, t1)?;
+    let bytes = ix
+        .histogram(id, &names::NIXL_BYTES, t0, t1)
+        .map_or(0.0, |h| h.sum);
+    let failed = |f: &Family| ix.increase(id, f, t0, t1).map(|i| i.value);
+    Some(KvTransfer {
+        transfers: time.count,
+        bytes,
+        bytes_per_transfer: (time.count > 0.0).then(|| bytes / time.count),
+        mb_per_s: (time.sum > 0.0).then(|| bytes / time.sum / 1e6),
+        xfer_ms: time.quantiles_ms(),
+        failed_transfers: failed(&names::NIXL_FAILED_TRANSFERS),
+        failed_notifications: failed(&names::NIXL_FAILED_NOTIFICATIONS),
+    })
 }
 
 /// Below this scrape coverage the report warns.
@@ -288,6 +361,8 @@ pub fn engine_rows(
                 preemptions: ix
                     .increase(id, &names::PREEMPTIONS, 0, end_ns.max(1))
                     .map(|i| i.value),
+                spec_decode: spec_decode(ix, id, 0, end_ns.max(1)),
+                kv_transfer: kv_transfer(ix, id, 0, end_ns.max(1)),
             }
         })
         .collect()

@@ -99,6 +99,7 @@ impl Report {
         self.engine_table_markdown(s);
         self.engine_load_markdown(s);
         self.request_time_markdown(s);
+        self.spec_and_transfer_markdown(s);
         self.imbalance_markdown(s);
         self.ranks_markdown(s);
         self.fleet_findings_markdown(s);
@@ -263,6 +264,76 @@ impl Report {
                     opt(e.ttft_ms.mean, 1),
                     opt(sum, 1),
                     opt(e.e2e_ms.mean, 1)
+                );
+            }
+        }
+    }
+
+    /// Speculative decoding and disaggregated prefill's KV transfers, where engines export
+    /// them.
+    fn spec_and_transfer_markdown(&self, s: &mut String) {
+        let spec: Vec<_> = self
+            .engines
+            .iter()
+            .filter_map(|e| Some((e, e.spec_decode.as_ref()?)))
+            .collect();
+        if !spec.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nSpeculative decoding over the recording (vLLM's `spec_decode_*` counters; \
+                 acceptance length = 1 + accepted / drafts, the tokens one verification step \
+                 yields):\n"
+            );
+            let _ = writeln!(
+                s,
+                "| engine | drafts | draft tokens | accepted | acceptance rate | mean acceptance length |"
+            );
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|");
+            for (e, d) in spec {
+                let _ = writeln!(
+                    s,
+                    "| {} | {} | {:.0} | {:.0} | {} | {} |",
+                    md(&e.id),
+                    opt(d.drafts, 0),
+                    d.draft_tokens,
+                    d.accepted_tokens,
+                    d.acceptance_rate
+                        .map_or("-".into(), |r| format!("{:.1}%", r * 100.0)),
+                    opt(d.mean_acceptance_length, 2)
+                );
+            }
+        }
+        let kv: Vec<_> = self
+            .engines
+            .iter()
+            .filter_map(|e| Some((e, e.kv_transfer.as_ref()?)))
+            .collect();
+        if !kv.is_empty() {
+            let _ = writeln!(
+                s,
+                "\nKV-cache transfers of disaggregated prefill over the recording (vLLM's \
+                 `nixl_*` series; MB/s is bytes over the transfers' summed time):\n"
+            );
+            let _ = writeln!(
+                s,
+                "| engine | transfers | time mean ms | p50 | p90 | MB | MB per transfer | MB/s | failed transfers | failed notifications |"
+            );
+            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for (e, k) in kv {
+                let v = k.xfer_ms.shown(2);
+                let _ = writeln!(
+                    s,
+                    "| {} | {:.0} | {} | {} | {} | {:.1} | {} | {} | {} | {} |",
+                    md(&e.id),
+                    k.transfers,
+                    opt(k.xfer_ms.mean, 2),
+                    v[0],
+                    v[1],
+                    k.bytes / 1e6,
+                    opt(k.bytes_per_transfer.map(|b| b / 1e6), 2),
+                    opt(k.mb_per_s, 0),
+                    opt(k.failed_transfers, 0),
+                    opt(k.failed_notifications, 0)
                 );
             }
         }
