@@ -156,28 +156,7 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
         .spawn(move || supervise(&rec_opts, &rec_policy, retry, &restarts))?;
 
     let push_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let pusher = match &opts.push {
-        Some(p) => {
-            let (p, dir, cut) = (p.clone(), pol.dir.clone(), pol.cut_interval.clone());
-            let (aggregate, counts, stop) = (
-                opts.record.aggregate,
-                m.profile_pushes.clone(),
-                push_stop.clone(),
-            );
-            eprintln!(
-                "enginescope: agent: pushing CPU profiles to {}/ingest every {:.0} s as {}",
-                p.url.trim_end_matches('/'),
-                p.every.as_secs_f64(),
-                push::app_name(&p)
-            );
-            Some(
-                std::thread::Builder::new()
-                    .name("es-push".into())
-                    .spawn(move || push::run(p, dir, cut, aggregate, counts, stop))?,
-            )
-        }
-        None => None,
-    };
+    let pusher = spawn_pusher(opts, &m, &push_stop)?;
     let mut last_rss_rotation: Option<Instant> = None;
     let mut last_error = String::new();
     let mut backend = String::new();
@@ -205,35 +184,7 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
         }
         agg.update_process_gauge(&crate::procinfo::is_running);
         agg.tick();
-        let segs = list_segments(&pol.dir).unwrap_or_default();
-        m.segments.set(segs.len() as i64);
-        m.recording_bytes.set(
-            segs.iter()
-                .map(|s| s.bytes)
-                .sum::<u64>()
-                .min(i64::MAX as u64) as i64,
-        );
-        let st = self_stats();
-        m.rss.set(st.rss_bytes.min(i64::MAX as u64) as i64);
-        m.vsize.set(st.vsize_bytes.min(i64::MAX as u64) as i64);
-        let cpu_before = m.cpu.get();
-        if st.cpu_s > cpu_before {
-            m.cpu.inc_by(st.cpu_s - cpu_before);
-        }
-        m.open_fds.set(st.open_fds.min(i64::MAX as u64) as i64);
-        if opts.max_rss_bytes > 0
-            && st.rss_bytes > opts.max_rss_bytes
-            && last_rss_rotation.is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
-        {
-            // A new segment starts with empty frame and stack tables, here and in the follower.
-            pol.rotate_now.store(true, Ordering::SeqCst);
-            last_rss_rotation = Some(Instant::now());
-            eprintln!(
-                "enginescope: agent: resident memory {:.1} MB over the {:.1} MB cap: starting a new segment",
-                st.rss_bytes as f64 / 1e6,
-                opts.max_rss_bytes as f64 / 1e6
-            );
-        }
+        update_own_metrics(opts, &m, &mut last_rss_rotation);
         if finished {
             break;
         }
@@ -252,6 +203,70 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
     match recorder.join() {
         Ok(r) => r,
         Err(_) => anyhow::bail!("the recorder thread panicked"),
+    }
+}
+
+/// `--push`: the thread that pushes profiles until `stop` (None without `--push`).
+fn spawn_pusher(
+    opts: &AgentOptions,
+    m: &Metrics,
+    stop: &Arc<std::sync::atomic::AtomicBool>,
+) -> anyhow::Result<Option<std::thread::JoinHandle<()>>> {
+    let Some(p) = &opts.push else {
+        return Ok(None);
+    };
+    let pol = &opts.rotation;
+    let (p, dir, cut) = (p.clone(), pol.dir.clone(), pol.cut_interval.clone());
+    let (aggregate, counts, stop) = (
+        opts.record.aggregate,
+        m.profile_pushes.clone(),
+        stop.clone(),
+    );
+    eprintln!(
+        "enginescope: agent: pushing CPU profiles to {}/ingest every {:.0} s as {}",
+        p.url.trim_end_matches('/'),
+        p.every.as_secs_f64(),
+        push::app_name(&p)
+    );
+    Ok(Some(
+        std::thread::Builder::new()
+            .name("es-push".into())
+            .spawn(move || push::run(p, dir, cut, aggregate, counts, stop))?,
+    ))
+}
+
+/// The agent's own gauges (segments and their bytes, memory, CPU, descriptors), and a new
+/// segment early when resident memory passes `--max-memory-mb` (at most every 30 s).
+fn update_own_metrics(opts: &AgentOptions, m: &Metrics, last_rss_rotation: &mut Option<Instant>) {
+    let pol = &opts.rotation;
+    let segs = list_segments(&pol.dir).unwrap_or_default();
+    m.segments.set(segs.len() as i64);
+    m.recording_bytes.set(
+        segs.iter()
+            .map(|s| s.bytes)
+            .sum::<u64>()
+            .min(i64::MAX as u64) as i64,
+    );
+    let st = self_stats();
+    m.rss.set(st.rss_bytes.min(i64::MAX as u64) as i64);
+    m.vsize.set(st.vsize_bytes.min(i64::MAX as u64) as i64);
+    let cpu_before = m.cpu.get();
+    if st.cpu_s > cpu_before {
+        m.cpu.inc_by(st.cpu_s - cpu_before);
+    }
+    m.open_fds.set(st.open_fds.min(i64::MAX as u64) as i64);
+    if opts.max_rss_bytes > 0
+        && st.rss_bytes > opts.max_rss_bytes
+        && last_rss_rotation.is_none_or(|t| t.elapsed() >= Duration::from_secs(30))
+    {
+        // A new segment starts with empty frame and stack tables, here and in the follower.
+        pol.rotate_now.store(true, Ordering::SeqCst);
+        *last_rss_rotation = Some(Instant::now());
+        eprintln!(
+            "enginescope: agent: resident memory {:.1} MB over the {:.1} MB cap: starting a new segment",
+            st.rss_bytes as f64 / 1e6,
+            opts.max_rss_bytes as f64 / 1e6
+        );
     }
 }
 
