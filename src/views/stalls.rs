@@ -501,6 +501,29 @@ fn runs(
     out
 }
 
+/// Per stack: the innermost serialization frame, if any (looked up once per stack).
+struct Serialization<'a> {
+    rec: &'a Recording,
+    of: HashMap<u32, Option<&'a Frame>>,
+}
+
+impl<'a> Serialization<'a> {
+    fn new(rec: &'a Recording) -> Self {
+        Serialization {
+            rec,
+            of: HashMap::new(),
+        }
+    }
+
+    fn frame(&mut self, stack: u32) -> Option<&'a Frame> {
+        let rec = self.rec;
+        *self
+            .of
+            .entry(stack)
+            .or_insert_with(|| rec.stack_frames(stack).find(|f| is_serialization_frame(f)))
+    }
+}
+
 /// Stalls and serialization of the selected API servers.
 pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) -> ApiServerStalls {
     let period_ns = rec.meta.period().map_or(10_000_000, |p| p.ns());
@@ -508,16 +531,42 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
         threshold_ms: threshold_ns as f64 / 1e6,
         ..Default::default()
     };
-    // Per stack: whether serialization, and the innermost serialization frame.
-    let mut ser_of: HashMap<u32, Option<&Frame>> = HashMap::new();
-    let mut ser = |stack: u32| -> Option<&Frame> {
-        *ser_of
-            .entry(stack)
-            .or_insert_with(|| rec.stack_frames(stack).find(|f| is_serialization_frame(f)))
-    };
-    // The loop threads: an API server's main thread, and any thread seen running an asyncio
-    // event loop (a plain asyncio server, SGLang, a custom front-end, a vLLM API server
-    // recorded by PID).
+    let mut ser = Serialization::new(rec);
+    for (pid, tid) in event_loops(rec, sel) {
+        let (mut row, mut main) = cpu_and_serialization(rec, sel, pid, tid, &mut ser);
+        if sel.contains(pid, tid) {
+            main.sort_by_key(|s| s.t_ns);
+            let found = thread_stalls(
+                rec,
+                sel,
+                (pid, tid),
+                &main,
+                &mut ser,
+                threshold_ns,
+                period_ns,
+            );
+            for (st, dur) in found {
+                row.stalls += 1;
+                row.stalled_s += dur as f64 / 1e9;
+                row.longest_ms = row.longest_ms.max(dur as f64 / 1e6);
+                out.stalls.push(st);
+            }
+        }
+        out.servers.push(row);
+    }
+    out.stalls.sort_by(|a, b| {
+        b.duration_ms
+            .total_cmp(&a.duration_ms)
+            .then(a.start_s.total_cmp(&b.start_s))
+            .then(a.pid.cmp(&b.pid))
+    });
+    out
+}
+
+/// The loop threads: an API server's main thread, and any thread seen running an asyncio
+/// event loop (a plain asyncio server, SGLang, a custom front-end, a vLLM API server
+/// recorded by PID); sorted.
+fn event_loops(rec: &Recording, sel: &Selection) -> Vec<(i32, i32)> {
     let looping = loop_threads(rec, sel);
     let mut loops: Vec<(i32, i32)> = sel
         .pids()
@@ -532,174 +581,197 @@ pub fn api_server_stalls(rec: &Recording, sel: &Selection, threshold_ns: u64) ->
     );
     loops.sort_unstable();
     loops.dedup();
-    for (pid, tid) in loops {
-        let mut row = ApiServerRow {
-            pid,
-            main_tid: tid,
-            ..Default::default()
-        };
-        let (mut cpu, mut main_cpu, mut ser_ns) = (0u64, 0u64, 0u64);
-        let mut by_fn: BTreeMap<(&str, &str), u64> = BTreeMap::new();
-        let mut main: Vec<&Sample> = Vec::new();
-        for s in sel.samples(rec).filter(|s| s.pid == pid) {
-            let w = u64::from(s.weight_ns);
-            cpu += w;
-            if let Some(f) = ser(s.stack) {
-                ser_ns += w;
-                *by_fn
-                    .entry((f.function.as_str(), f.file.as_str()))
-                    .or_default() += w;
-            }
-            if s.tid == tid {
-                main_cpu += w;
-                main.push(s);
-            }
-        }
-        row.cpu_s = secs(cpu);
-        row.main_thread_cpu_s = secs(main_cpu);
-        row.serialization_s = secs(ser_ns);
-        row.serialization_share = if cpu == 0 {
-            0.0
-        } else {
-            ser_ns as f64 / cpu as f64
-        };
-        let mut top: Vec<((&str, &str), u64)> = by_fn.into_iter().collect();
-        top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        row.serialization_top = top
-            .into_iter()
-            .take(SERIALIZATION_TOP)
-            .map(|((function, file), ns)| SerializingFunction {
-                function: function.to_string(),
-                file: file.to_string(),
-                cpu_s: secs(ns),
-            })
-            .collect();
+    loops
+}
 
-        if sel.contains(pid, tid) {
-            main.sort_by_key(|s| s.t_ns);
-            let off_raw: Vec<&OffCpu> = sel
-                .offcpu(rec)
-                .filter(|o| o.pid == pid && o.tid == tid)
-                .collect();
-            let gil: Vec<(u64, u64)> = sel
-                .gil_waits(rec)
-                .filter(|g| g.pid == pid && g.tid == tid)
-                .map(|g| (g.start_ns, g.dur_ns))
-                .collect();
-            let mut idle_of: HashMap<u32, bool> = HashMap::new();
-            let mut idle_stack = |stack: u32| {
-                *idle_of
-                    .entry(stack)
-                    .or_insert_with(|| is_idle_stack(rec, stack))
-            };
-            let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
-            let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
-            // Exact off-CPU intervals: the BPF backend traced this thread's switches. Every
-            // switch is there unless events were lost: then on-CPU time between two samples is
-            // the callback's, however long (a descheduled virtual CPU takes no samples).
-            let exact = rec.meta.backend == "bpf" && !off.is_empty();
-            let max_gap_ns = if !exact {
-                0
-            } else if rec.counters.get(LOST_EVENTS_COUNTER).copied().unwrap_or(0) > 0 {
-                EXACT_MAX_GAP_NS
-            } else {
-                u64::MAX
-            };
-            let mut changes: Vec<&crate::record::TaskChange> = rec
-                .task_changes
-                .iter()
-                .filter(|c| c.pid == pid && c.tid == tid)
-                .collect();
-            changes.sort_by_key(|c| c.t_ns);
-            for run in runs(&main, &off, &idle, period_ns, max_gap_ns) {
-                let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
-                    continue;
-                };
-                let (a, z) = (main[first], main[last]);
-                let (mut begin, mut end) = (a.t_ns, z.t_ns + u64::from(z.weight_ns).max(1));
-                if exact {
-                    // Exact switches: from the wake-up after the idle wait before it to the
-                    // switch into the idle wait after it, if near enough (time on CPU there
-                    // went unsampled: a descheduled virtual CPU, seen for 90 ms). Unlike
-                    // between two samples of the run, where the callback runs on both sides,
-                    // an unsampled stretch at an end may have been spent in the loop's own
-                    // poll (the callback over, the virtual CPU descheduled before the thread
-                    // blocked: 119 ms seen after a 1 ms heartbeat), so these keep the limit.
-                    let prev = first.checked_sub(1).map_or(0, |i| main[i].t_ns);
-                    let next = main.get(last + 1).map_or(u64::MAX, |s| s.t_ns);
-                    let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, EXACT_MAX_GAP_NS);
-                    begin = b.unwrap_or(begin);
-                    end = e.unwrap_or(end);
-                }
-                let dur = end.saturating_sub(begin);
-                if dur <= threshold_ns {
-                    continue;
-                }
-                let mut stacks: BTreeMap<u32, u64> = BTreeMap::new();
-                let (mut w, mut ser_n) = (0u64, 0u64);
-                for &i in &run {
-                    let s = main[i];
-                    *stacks.entry(s.stack).or_default() += 1;
-                    w += u64::from(s.weight_ns);
-                    if ser(s.stack).is_some() {
-                        ser_n += 1;
-                    }
-                }
-                // Most frequent stack; ties to the lowest id (first interned).
-                let (dom, dom_n) = stacks
-                    .iter()
-                    .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
-                    .map_or((0, 0), |(&k, &n)| (k, n));
-                let n = run.len() as u64;
-                let inside = |why: Off| -> u64 {
-                    off.iter()
-                        .filter(|o| o.2 == why && o.0 < end)
-                        .map(|o| {
-                            o.0.saturating_add(o.1)
-                                .min(end)
-                                .saturating_sub(o.0.max(begin))
-                        })
-                        .sum()
-                };
-                out.stalls.push(Stall {
-                    pid,
-                    tid,
-                    start_s: secs(begin),
-                    duration_ms: dur as f64 / 1e6,
-                    samples: n,
-                    cpu_ms: w as f64 / 1e6,
-                    gil_wait_ms: (inside(Off::Gil) + inside(Off::PollGil)) as f64 / 1e6,
-                    blocked_ms: inside(Off::InCallback) as f64 / 1e6,
-                    serialization_share: ser_n as f64 / n as f64,
-                    dominant_stack: rec
-                        .stack_frames(dom)
-                        .take(STACK_FRAMES)
-                        .map(frame_label)
-                        .collect(),
-                    dominant_share: dom_n as f64 / n as f64,
-                    task: None,
-                    task_share: None,
-                });
-                if let Some((task, share)) = task_during(&changes, begin, end) {
-                    if let Some(last) = out.stalls.last_mut() {
-                        last.task = Some(task);
-                        last.task_share = Some(share);
-                    }
-                }
-                row.stalls += 1;
-                row.stalled_s += dur as f64 / 1e9;
-                row.longest_ms = row.longest_ms.max(dur as f64 / 1e6);
-            }
+/// The process's CPU and serialization figures (its row without stalls), and the loop
+/// thread's samples.
+fn cpu_and_serialization<'a>(
+    rec: &'a Recording,
+    sel: &'a Selection,
+    pid: i32,
+    tid: i32,
+    ser: &mut Serialization<'a>,
+) -> (ApiServerRow, Vec<&'a Sample>) {
+    let mut row = ApiServerRow {
+        pid,
+        main_tid: tid,
+        ..Default::default()
+    };
+    let (mut cpu, mut main_cpu, mut ser_ns) = (0u64, 0u64, 0u64);
+    let mut by_fn: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+    let mut main: Vec<&Sample> = Vec::new();
+    for s in sel.samples(rec).filter(|s| s.pid == pid) {
+        let w = u64::from(s.weight_ns);
+        cpu += w;
+        if let Some(f) = ser.frame(s.stack) {
+            ser_ns += w;
+            *by_fn
+                .entry((f.function.as_str(), f.file.as_str()))
+                .or_default() += w;
         }
-        out.servers.push(row);
+        if s.tid == tid {
+            main_cpu += w;
+            main.push(s);
+        }
     }
-    out.stalls.sort_by(|a, b| {
-        b.duration_ms
-            .total_cmp(&a.duration_ms)
-            .then(a.start_s.total_cmp(&b.start_s))
-            .then(a.pid.cmp(&b.pid))
-    });
+    row.cpu_s = secs(cpu);
+    row.main_thread_cpu_s = secs(main_cpu);
+    row.serialization_s = secs(ser_ns);
+    row.serialization_share = if cpu == 0 {
+        0.0
+    } else {
+        ser_ns as f64 / cpu as f64
+    };
+    let mut top: Vec<((&str, &str), u64)> = by_fn.into_iter().collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    row.serialization_top = top
+        .into_iter()
+        .take(SERIALIZATION_TOP)
+        .map(|((function, file), ns)| SerializingFunction {
+            function: function.to_string(),
+            file: file.to_string(),
+            cpu_s: secs(ns),
+        })
+        .collect();
+    (row, main)
+}
+
+/// The stalls of one loop thread, from its samples `main` (in time order), each with its
+/// duration in ns.
+fn thread_stalls<'a>(
+    rec: &'a Recording,
+    sel: &Selection,
+    (pid, tid): (i32, i32),
+    main: &[&'a Sample],
+    ser: &mut Serialization<'a>,
+    threshold_ns: u64,
+    period_ns: u64,
+) -> Vec<(Stall, u64)> {
+    let off_raw: Vec<&OffCpu> = sel
+        .offcpu(rec)
+        .filter(|o| o.pid == pid && o.tid == tid)
+        .collect();
+    let gil: Vec<(u64, u64)> = sel
+        .gil_waits(rec)
+        .filter(|g| g.pid == pid && g.tid == tid)
+        .map(|g| (g.start_ns, g.dur_ns))
+        .collect();
+    let mut idle_of: HashMap<u32, bool> = HashMap::new();
+    let mut idle_stack = |stack: u32| {
+        *idle_of
+            .entry(stack)
+            .or_insert_with(|| is_idle_stack(rec, stack))
+    };
+    let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
+    let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
+    // Exact off-CPU intervals: the BPF backend traced this thread's switches. Every switch is
+    // there unless events were lost: then on-CPU time between two samples is the callback's,
+    // however long (a descheduled virtual CPU takes no samples).
+    let exact = rec.meta.backend == "bpf" && !off.is_empty();
+    let max_gap_ns = if !exact {
+        0
+    } else if rec.counters.get(LOST_EVENTS_COUNTER).copied().unwrap_or(0) > 0 {
+        EXACT_MAX_GAP_NS
+    } else {
+        u64::MAX
+    };
+    let mut changes: Vec<&crate::record::TaskChange> = rec
+        .task_changes
+        .iter()
+        .filter(|c| c.pid == pid && c.tid == tid)
+        .collect();
+    changes.sort_by_key(|c| c.t_ns);
+    let mut out = Vec::new();
+    for run in runs(main, &off, &idle, period_ns, max_gap_ns) {
+        let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
+            continue;
+        };
+        let (a, z) = (main[first], main[last]);
+        let (mut begin, mut end) = (a.t_ns, z.t_ns + u64::from(z.weight_ns).max(1));
+        if exact {
+            // Exact switches: from the wake-up after the idle wait before it to the switch
+            // into the idle wait after it, if near enough (time on CPU there went unsampled: a
+            // descheduled virtual CPU, seen for 90 ms). Unlike between two samples of the run,
+            // where the callback runs on both sides, an unsampled stretch at an end may have
+            // been spent in the loop's own poll (the callback over, the virtual CPU
+            // descheduled before the thread blocked: 119 ms seen after a 1 ms heartbeat), so
+            // these keep the limit.
+            let prev = first.checked_sub(1).map_or(0, |i| main[i].t_ns);
+            let next = main.get(last + 1).map_or(u64::MAX, |s| s.t_ns);
+            let (b, e) = extent(&off, prev, a.t_ns, z.t_ns, next, EXACT_MAX_GAP_NS);
+            begin = b.unwrap_or(begin);
+            end = e.unwrap_or(end);
+        }
+        let dur = end.saturating_sub(begin);
+        if dur <= threshold_ns {
+            continue;
+        }
+        let mut st = stall_of_run(rec, (pid, tid), main, &run, ser, &off, (begin, end));
+        if let Some((task, share)) = task_during(&changes, begin, end) {
+            st.task = Some(task);
+            st.task_share = Some(share);
+        }
+        out.push((st, dur));
+    }
     out
+}
+
+/// One stall: the run of samples `run` (indexes into `main`) over `[begin, end)`.
+fn stall_of_run<'a>(
+    rec: &'a Recording,
+    (pid, tid): (i32, i32),
+    main: &[&'a Sample],
+    run: &[usize],
+    ser: &mut Serialization<'a>,
+    off: &[(u64, u64, Off)],
+    (begin, end): (u64, u64),
+) -> Stall {
+    let mut stacks: BTreeMap<u32, u64> = BTreeMap::new();
+    let (mut w, mut ser_n) = (0u64, 0u64);
+    for &i in run {
+        let s = main[i];
+        *stacks.entry(s.stack).or_default() += 1;
+        w += u64::from(s.weight_ns);
+        if ser.frame(s.stack).is_some() {
+            ser_n += 1;
+        }
+    }
+    // Most frequent stack; ties to the lowest id (first interned).
+    let (dom, dom_n) = stacks
+        .iter()
+        .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
+        .map_or((0, 0), |(&k, &n)| (k, n));
+    let n = run.len() as u64;
+    let inside = |why: Off| -> u64 {
+        off.iter()
+            .filter(|o| o.2 == why && o.0 < end)
+            .map(|o| {
+                o.0.saturating_add(o.1)
+                    .min(end)
+                    .saturating_sub(o.0.max(begin))
+            })
+            .sum()
+    };
+    Stall {
+        pid,
+        tid,
+        start_s: secs(begin),
+        duration_ms: end.saturating_sub(begin) as f64 / 1e6,
+        samples: n,
+        cpu_ms: w as f64 / 1e6,
+        gil_wait_ms: (inside(Off::Gil) + inside(Off::PollGil)) as f64 / 1e6,
+        blocked_ms: inside(Off::InCallback) as f64 / 1e6,
+        serialization_share: ser_n as f64 / n as f64,
+        dominant_stack: rec
+            .stack_frames(dom)
+            .take(STACK_FRAMES)
+            .map(frame_label)
+            .collect(),
+        dominant_share: dom_n as f64 / n as f64,
+        task: None,
+        task_share: None,
+    }
 }
 
 #[cfg(test)]
