@@ -237,6 +237,10 @@ impl Metrics {
             open_fds: Gauge::default(),
             start_time: Gauge::default(),
         };
+        // Shown at 0 from the start (with or without --push), so a rate over them is defined.
+        for kind in ["sent", "failed", "dropped"] {
+            m.profile_pushes.get_or_create(&KindLabels { kind: kind.into() });
+        }
         let mut r = Registry::default();
         let c = m.clone();
         let reg = &mut r;
