@@ -582,6 +582,28 @@ impl Report {
     /// The same content as Markdown: a thread table, then the top functions of each thread.
     pub fn to_markdown(&self) -> String {
         let mut s = String::new();
+        self.header_markdown(&mut s);
+        self.findings_markdown(&mut s);
+        self.links_markdown(&mut s);
+        self.engines_markdown(&mut s);
+        self.threads_markdown(&mut s);
+        self.timeline_markdown(&mut s);
+        self.latency_markdown(&mut s);
+        self.stalls_markdown(&mut s);
+        self.gil_markdown(&mut s);
+        self.gc_markdown(&mut s);
+        self.top_functions_markdown(&mut s);
+        if let Some(c) = &self.cost {
+            c.markdown(&mut s);
+        }
+        self.counters_markdown(&mut s);
+        s
+    }
+}
+
+impl Report {
+    /// The title and the recording's facts: when, where, what, its cost, the selection, totals.
+    fn header_markdown(&self, s: &mut String) {
         let r = &self.recording;
         let _ = writeln!(s, "# enginescope report\n");
         let _ = writeln!(
@@ -663,11 +685,10 @@ impl Report {
             // Stopped by an error (a full filesystem): its window ends there, and says so.
             let _ = writeln!(s, "\n> **Stopped early:** {}.", md(e));
         }
+    }
 
-        self.findings_markdown(&mut s);
-        self.links_markdown(&mut s);
-        self.engines_markdown(&mut s);
-
+    /// The "Threads" table.
+    fn threads_markdown(&self, s: &mut String) {
         let _ = writeln!(s, "\n## Threads\n");
         let _ = writeln!(
             s,
@@ -690,13 +711,10 @@ impl Report {
                 t.gc_share * 100.0
             );
         }
+    }
 
-        self.timeline_markdown(&mut s);
-        self.latency_markdown(&mut s);
-        self.stalls_markdown(&mut s);
-        self.gil_markdown(&mut s);
-        self.gc_markdown(&mut s);
-
+    /// One "Top functions" table per thread.
+    fn top_functions_markdown(&self, s: &mut String) {
         for t in &self.threads {
             let top: Vec<&FunctionRow> = self
                 .functions
@@ -728,10 +746,10 @@ impl Report {
                 );
             }
         }
+    }
 
-        if let Some(c) = &self.cost {
-            c.markdown(&mut s);
-        }
+    /// The recorder's counters.
+    fn counters_markdown(&self, s: &mut String) {
         if !self.counters.is_empty() {
             let _ = writeln!(s, "\n## Recorder counters\n");
             let _ = writeln!(s, "| counter | value |");
@@ -740,7 +758,6 @@ impl Report {
                 let _ = writeln!(s, "| {} | {v} |", md(k));
             }
         }
-        s
     }
 }
 
