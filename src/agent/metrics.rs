@@ -239,7 +239,9 @@ impl Metrics {
         };
         // Shown at 0 from the start (with or without --push), so a rate over them is defined.
         for kind in ["sent", "failed", "dropped"] {
-            m.profile_pushes.get_or_create(&KindLabels { kind: kind.into() });
+            let _ = m
+                .profile_pushes
+                .get_or_create(&KindLabels { kind: kind.into() });
         }
         let mut r = Registry::default();
         let c = m.clone();
