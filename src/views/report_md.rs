@@ -511,7 +511,14 @@ impl Report {
                 self.windows.len() - MD_WINDOWS
             );
         }
+        self.correlations_markdown(s);
+        if engines {
+            self.drops_markdown(s);
+        }
+    }
 
+    /// Which signals moved with throughput over the windows.
+    fn correlations_markdown(&self, s: &mut String) {
         // Only correlations over enough windows mean anything; with fewer, one line says so
         // instead of a table of r = ±1.00.
         let min_n = super::timeline::MIN_CORRELATION_WINDOWS;
@@ -564,46 +571,48 @@ impl Report {
                 );
             }
         }
-        if engines {
-            let _ = writeln!(s, "\n### Throughput drops\n");
-            match self.throughput_drops.first() {
-                None => {
+    }
+
+    /// The windows whose throughput fell, and what changed there.
+    fn drops_markdown(&self, s: &mut String) {
+        let _ = writeln!(s, "\n### Throughput drops\n");
+        match self.throughput_drops.first() {
+            None => {
+                let _ = writeln!(
+                    s,
+                    "No window's gen tok/s is more than {}% below the median window's.",
+                    self.throughput_drop_pct
+                );
+            }
+            Some(d0) => {
+                let _ = writeln!(
+                    s,
+                    "Windows with gen tok/s more than {}% below the median ({:.1} tok/s), \
+                     and the signals furthest from their own medians there.\n",
+                    self.throughput_drop_pct, d0.median_gen_tok_s
+                );
+                let _ = writeln!(s, "| window s | gen tok/s | below median | what changed |");
+                let _ = writeln!(s, "|---:|---:|---:|---|");
+                for d in &self.throughput_drops {
+                    let changed: Vec<String> = d
+                        .changed
+                        .iter()
+                        .map(|c| {
+                            format!(
+                                "{} {}: {:.2} (median {:.2})",
+                                c.signal, c.subject, c.value, c.median
+                            )
+                        })
+                        .collect();
                     let _ = writeln!(
                         s,
-                        "No window's gen tok/s is more than {}% below the median window's.",
-                        self.throughput_drop_pct
+                        "| {:.1}-{:.1} | {:.1} | {:.1}% | {} |",
+                        d.start_s,
+                        d.end_s,
+                        d.gen_tok_s,
+                        d.drop_pct,
+                        md(&changed.join("; "))
                     );
-                }
-                Some(d0) => {
-                    let _ = writeln!(
-                        s,
-                        "Windows with gen tok/s more than {}% below the median ({:.1} tok/s), \
-                         and the signals furthest from their own medians there.\n",
-                        self.throughput_drop_pct, d0.median_gen_tok_s
-                    );
-                    let _ = writeln!(s, "| window s | gen tok/s | below median | what changed |");
-                    let _ = writeln!(s, "|---:|---:|---:|---|");
-                    for d in &self.throughput_drops {
-                        let changed: Vec<String> = d
-                            .changed
-                            .iter()
-                            .map(|c| {
-                                format!(
-                                    "{} {}: {:.2} (median {:.2})",
-                                    c.signal, c.subject, c.value, c.median
-                                )
-                            })
-                            .collect();
-                        let _ = writeln!(
-                            s,
-                            "| {:.1}-{:.1} | {:.1} | {:.1}% | {} |",
-                            d.start_s,
-                            d.end_s,
-                            d.gen_tok_s,
-                            d.drop_pct,
-                            md(&changed.join("; "))
-                        );
-                    }
                 }
             }
         }
