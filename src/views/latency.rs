@@ -314,9 +314,50 @@ pub fn function_latency(
     windows: &Windows,
 ) -> Vec<FunctionLatencyRow> {
     let probes = probes_by_id(rec);
-    // One row per function and thread whatever the method over time: a probe switched to
-    // sampling mid-run is a second probe record on the same function, whose calls join the
-    // first's row (keyed by the first probe of that function in that process).
+    let cov = coverages(rec, windows.end_ns);
+    let g = gather_calls(rec, sel, &probes, &cov);
+    let ctx = RowContext {
+        rec,
+        windows,
+        probes: &probes,
+        first: first_watches(rec),
+        intervals: estimate_intervals(rec, &cov),
+        methods: &g.methods,
+        row_cov: &g.row_cov,
+    };
+    let mut rows: Vec<FunctionLatencyRow> = g
+        .by_key
+        .into_iter()
+        .filter_map(|(key, calls)| ctx.row(key, &calls))
+        .collect();
+    rows.sort_by(|a, b| {
+        b.calls
+            .cmp(&a.calls)
+            .then(a.probe.cmp(&b.probe))
+            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+    });
+    rows
+}
+
+/// The selected calls, by row: one row per function and thread whatever the method over time
+/// (a probe switched to sampling mid-run is a second probe record on the same function,
+/// whose calls join the first's row, keyed by the first probe of that function in that
+/// process).
+struct Gathered {
+    /// (end, duration, weight) per row.
+    by_key: BTreeMap<RowKey, Vec<WeightedCall>>,
+    /// The probes whose calls a row holds, in the order met.
+    methods: BTreeMap<RowKey, Vec<u32>>,
+    /// The share of the window a row's probe was watched (budgeted probes only).
+    row_cov: BTreeMap<RowKey, f64>,
+}
+
+fn gather_calls(
+    rec: &Recording,
+    sel: &Selection,
+    probes: &BTreeMap<u32, &ProbeInfo>,
+    cov: &BTreeMap<(u32, i32), Coverage>,
+) -> Gathered {
     let mut first_of: BTreeMap<(i32, &str, &str), u32> = BTreeMap::new();
     for p in &rec.probes {
         first_of
@@ -330,139 +371,156 @@ pub fn function_latency(
             .copied()
             .unwrap_or(probe)
     };
-    let cov = coverages(rec, windows.end_ns);
-    let first = first_watches(rec);
-    // (end, duration, weight) per row.
-    let mut by_key: BTreeMap<RowKey, Vec<WeightedCall>> = BTreeMap::new();
-    let mut methods: BTreeMap<(u32, i32, i32), Vec<u32>> = BTreeMap::new();
-    let mut row_cov: BTreeMap<(u32, i32, i32), f64> = BTreeMap::new();
-    let intervals = estimate_intervals(rec, &cov);
-    let strata = strata_of(&cov);
+    let strata = strata_of(cov);
+    let mut g = Gathered {
+        by_key: BTreeMap::new(),
+        methods: BTreeMap::new(),
+        row_cov: BTreeMap::new(),
+    };
     for c in rec.calls.iter().filter(|c| sel.contains(c.pid, c.tid)) {
         let key = (row_of(c.probe), c.pid, c.tid);
         let weight = match (cov.get(&(c.probe, c.tid)), strata.get(&(c.probe, c.tid))) {
             (Some(k), Some(st)) => {
-                row_cov.entry(key).or_insert_with(|| k.share());
+                g.row_cov.entry(key).or_insert_with(|| k.share());
                 st.weight(c.start_ns, c.dur_ns)
             }
             _ => 1.0,
         };
-        by_key.entry(key).or_default().push((
+        g.by_key.entry(key).or_default().push((
             c.start_ns.saturating_add(c.dur_ns),
             c.dur_ns,
             weight,
         ));
-        let m = methods.entry(key).or_default();
+        let m = g.methods.entry(key).or_default();
         if !m.contains(&c.probe) {
             m.push(c.probe);
         }
     }
-    let mut rows: Vec<FunctionLatencyRow> = by_key
-        .into_iter()
-        .filter_map(|((probe, pid, tid), calls)| {
-            let p = probes.get(&probe).copied();
-            // The methods that produced the row's calls, in probe order: `exact`, `sampled`,
-            // or `exact, then sampled` (a rate cap or a lost register switched it).
-            let mut used: Vec<&ProbeInfo> = methods
-                .get(&(probe, pid, tid))
-                .into_iter()
-                .flatten()
-                .filter_map(|id| probes.get(id).copied())
-                .collect();
-            used.sort_by_key(|p| p.id);
-            let mut method: Vec<&str> = Vec::new();
-            for u in &used {
-                if !method.contains(&u.method.as_str()) {
-                    method.push(u.method.as_str());
-                }
+    g
+}
+
+/// What every row is built from.
+struct RowContext<'a> {
+    rec: &'a Recording,
+    windows: &'a Windows,
+    probes: &'a BTreeMap<u32, &'a ProbeInfo>,
+    first: BTreeMap<(u32, i32), u64>,
+    intervals: BTreeMap<(u32, i32), Uncertainty>,
+    methods: &'a BTreeMap<RowKey, Vec<u32>>,
+    row_cov: &'a BTreeMap<RowKey, f64>,
+}
+
+impl RowContext<'_> {
+    /// One row from its calls; None without a call to take percentiles of.
+    fn row(&self, (probe, pid, tid): RowKey, calls: &[WeightedCall]) -> Option<FunctionLatencyRow> {
+        let windows = self.windows;
+        let p = self.probes.get(&probe).copied();
+        // The probes that produced the row's calls, in probe order.
+        let mut used: Vec<&ProbeInfo> = self
+            .methods
+            .get(&(probe, pid, tid))
+            .into_iter()
+            .flatten()
+            .filter_map(|id| self.probes.get(id).copied())
+            .collect();
+        used.sort_by_key(|p| p.id);
+        let coverage = self.row_cov.get(&(probe, pid, tid)).copied();
+        // Attached: the earliest of its probes' starts on this thread (the first watch of an
+        // exact probe, the attach of a sampled one).
+        let attached = used
+            .iter()
+            .map(|u| attached_ns(&self.first, u, tid))
+            .min()
+            .unwrap_or(0);
+        let late = late_share(attached, 0, windows.end_ns);
+        let method = method_label(&used, late, coverage, attached);
+        let resolution_ns = used.iter().map(|p| p.resolution_ns).max().unwrap_or(0);
+        let mut durs: Vec<u64> = calls.iter().map(|&(_, d, _)| d).collect();
+        let (latency_ms, n_calls, total_ns) = if coverage.is_some() {
+            let mut w: Vec<(u64, f64)> = calls.iter().map(|&(_, d, w)| (d, w)).collect();
+            let est: f64 = w.iter().map(|&(_, w)| w).sum();
+            let total: f64 = w.iter().map(|&(d, w)| d as f64 * w).sum();
+            (LatencyMs::of_weighted(&mut w)?, est, total as u64)
+        } else {
+            let l = LatencyMs::of(&mut durs)?;
+            (l, calls.len() as f64, durs.iter().sum())
+        };
+        let observed = windows.end_ns.saturating_sub(attached);
+        let mut per_window: Vec<Vec<u64>> = vec![Vec::new(); windows.count];
+        let mut per_window_w: Vec<f64> = vec![0.0; windows.count];
+        for &(end, d, w) in calls {
+            if let Some(i) = windows.index(end) {
+                per_window[i].push(d);
+                per_window_w[i] += w;
             }
-            let coverage = row_cov.get(&(probe, pid, tid)).copied();
-            // Attached: the earliest of its probes' starts on this thread (the first watch
-            // of an exact probe, the attach of a sampled one).
-            let attached = used
-                .iter()
-                .map(|u| attached_ns(&first, u, tid))
-                .min()
-                .unwrap_or(0);
-            let late = late_share(attached, 0, windows.end_ns);
-            let method = match (late, coverage) {
-                (Some(share), c) => late_method(&method.join(", then "), attached, share, c),
-                (None, Some(c)) => method
-                    .iter()
-                    .map(|m| {
-                        if *m == "exact" {
-                            format!("exact, {:.0}% of the window", c * 100.0)
-                        } else {
-                            m.to_string()
-                        }
-                    })
-                    .collect::<Vec<_>>()
-                    .join(", then "),
-                (None, None) => method.join(", then "),
-            };
-            let resolution_ns = used.iter().map(|p| p.resolution_ns).max().unwrap_or(0);
-            let mut durs: Vec<u64> = calls.iter().map(|&(_, d, _)| d).collect();
-            let (latency_ms, n_calls, total_ns) = if coverage.is_some() {
-                let mut w: Vec<(u64, f64)> = calls.iter().map(|&(_, d, w)| (d, w)).collect();
-                let est: f64 = w.iter().map(|&(_, w)| w).sum();
-                let total: f64 = w.iter().map(|&(d, w)| d as f64 * w).sum();
-                (LatencyMs::of_weighted(&mut w)?, est, total as u64)
+        }
+        Some(FunctionLatencyRow {
+            probe: p.map(|p| p.spec.clone()).unwrap_or_default(),
+            function: p.map(|p| p.function.clone()).unwrap_or_default(),
+            file: p.map(|p| p.file.clone()).unwrap_or_default(),
+            pid,
+            tid,
+            thread: self.rec.thread_name(pid, tid).to_string(),
+            calls: n_calls.round() as u64,
+            calls_per_s: if observed == 0 {
+                0.0
             } else {
-                let l = LatencyMs::of(&mut durs)?;
-                (l, calls.len() as f64, durs.iter().sum())
-            };
-            let observed = windows.end_ns.saturating_sub(attached);
-            let mut per_window: Vec<Vec<u64>> = vec![Vec::new(); windows.count];
-            let mut per_window_w: Vec<f64> = vec![0.0; windows.count];
-            for &(end, d, w) in &calls {
-                if let Some(i) = windows.index(end) {
-                    per_window[i].push(d);
-                    per_window_w[i] += w;
-                }
-            }
-            Some(FunctionLatencyRow {
-                probe: p.map(|p| p.spec.clone()).unwrap_or_default(),
-                function: p.map(|p| p.function.clone()).unwrap_or_default(),
-                file: p.map(|p| p.file.clone()).unwrap_or_default(),
-                pid,
-                tid,
-                thread: rec.thread_name(pid, tid).to_string(),
-                calls: n_calls.round() as u64,
-                calls_per_s: if observed == 0 {
-                    0.0
-                } else {
-                    n_calls / secs(observed)
-                },
-                total_s: secs(total_ns),
-                latency_ms,
-                method,
-                resolution_ms: ms(resolution_ns),
-                latency_series: per_window
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, d)| {
-                        let mut pt = window_point(windows, i, d);
-                        if coverage.is_some() {
-                            pt.calls = per_window_w[i].round() as u64;
-                        }
-                        pt
-                    })
-                    .collect(),
-                coverage,
-                calls_observed: coverage.map(|_| calls.len() as u64),
-                uncertainty: single_estimate(&intervals, used.iter().map(|u| (u.id, tid))),
-                from_s: late.map(|_| secs(attached)),
-                window_share: late,
-            })
+                n_calls / secs(observed)
+            },
+            total_s: secs(total_ns),
+            latency_ms,
+            method,
+            resolution_ms: ms(resolution_ns),
+            latency_series: per_window
+                .iter_mut()
+                .enumerate()
+                .map(|(i, d)| {
+                    let mut pt = window_point(windows, i, d);
+                    if coverage.is_some() {
+                        pt.calls = per_window_w[i].round() as u64;
+                    }
+                    pt
+                })
+                .collect(),
+            coverage,
+            calls_observed: coverage.map(|_| calls.len() as u64),
+            uncertainty: single_estimate(&self.intervals, used.iter().map(|u| (u.id, tid))),
+            from_s: late.map(|_| secs(attached)),
+            window_share: late,
         })
-        .collect();
-    rows.sort_by(|a, b| {
-        b.calls
-            .cmp(&a.calls)
-            .then(a.probe.cmp(&b.probe))
-            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
-    });
-    rows
+    }
+}
+
+/// The methods that produced a row's calls, in probe order: `exact`, `sampled`, or `exact,
+/// then sampled` (a rate cap or a lost register switched it); with the share of the window an
+/// exact probe was watched, or from when it attached when that was late.
+fn method_label(
+    used: &[&ProbeInfo],
+    late: Option<f64>,
+    coverage: Option<f64>,
+    attached: u64,
+) -> String {
+    let mut method: Vec<&str> = Vec::new();
+    for u in used {
+        if !method.contains(&u.method.as_str()) {
+            method.push(u.method.as_str());
+        }
+    }
+    match (late, coverage) {
+        (Some(share), c) => late_method(&method.join(", then "), attached, share, c),
+        (None, Some(c)) => method
+            .iter()
+            .map(|m| {
+                if *m == "exact" {
+                    format!("exact, {:.0}% of the window", c * 100.0)
+                } else {
+                    m.to_string()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", then "),
+        (None, None) => method.join(", then "),
+    }
 }
 
 /// The p50/p90 of one window's call durations.
