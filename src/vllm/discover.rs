@@ -463,57 +463,97 @@ pub fn discover_with(
     Ok(group(&procs, src, metrics_url_override))
 }
 
-/// Group a process table into engines.
-fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) -> Discovery {
-    let by_pid: HashMap<i32, &ProcEntry> = procs.iter().map(|p| (p.pid, p)).collect();
-    let titles: HashMap<i32, Title> = procs
-        .iter()
-        .filter_map(|p| Some((p.pid, title_of(p)?)))
-        .collect();
-    let is_core = |pid: i32| matches!(titles.get(&pid), Some(Title::EngineCore(_)));
-    let is_titled = |pid: i32| titles.contains_key(&pid);
-    // The parent of a titled process, when that parent is a real (untitled) process.
-    let root_above = |pid: i32| -> Option<i32> {
-        let ppid = by_pid.get(&pid)?.ppid;
-        (ppid > 1 && by_pid.contains_key(&ppid) && !is_titled(ppid)).then_some(ppid)
-    };
-    // The nearest engine core above a pid (bounded walk).
-    let core_above = |pid: i32| -> Option<i32> {
-        let mut cur = by_pid.get(&pid)?.ppid;
+/// The process table, indexed: by pid, and the vLLM titles found.
+struct Table<'a> {
+    by_pid: HashMap<i32, &'a ProcEntry>,
+    titles: HashMap<i32, Title>,
+}
+
+impl<'a> Table<'a> {
+    fn new(procs: &'a [ProcEntry]) -> Self {
+        Table {
+            by_pid: procs.iter().map(|p| (p.pid, p)).collect(),
+            titles: procs
+                .iter()
+                .filter_map(|p| Some((p.pid, title_of(p)?)))
+                .collect(),
+        }
+    }
+
+    fn is_core(&self, pid: i32) -> bool {
+        matches!(self.titles.get(&pid), Some(Title::EngineCore(_)))
+    }
+
+    fn is_titled(&self, pid: i32) -> bool {
+        self.titles.contains_key(&pid)
+    }
+
+    /// The parent of a titled process, when that parent is a real (untitled) process.
+    fn root_above(&self, pid: i32) -> Option<i32> {
+        let ppid = self.by_pid.get(&pid)?.ppid;
+        (ppid > 1 && self.by_pid.contains_key(&ppid) && !self.is_titled(ppid)).then_some(ppid)
+    }
+
+    /// The nearest engine core above a pid (bounded walk).
+    fn core_above(&self, pid: i32) -> Option<i32> {
+        let mut cur = self.by_pid.get(&pid)?.ppid;
         for _ in 0..MAX_ANCESTRY {
-            if is_core(cur) {
+            if self.is_core(cur) {
                 return Some(cur);
             }
-            cur = by_pid.get(&cur)?.ppid;
+            cur = self.by_pid.get(&cur)?.ppid;
         }
         None
-    };
-
-    // Engine anchors: roots (pid of the API server / script) or, for an orphaned engine core
-    // or worker, the process itself.
-    #[derive(Default)]
-    struct Group {
-        root: Option<i32>,
-        cores: BTreeSet<i32>,
-        workers: BTreeSet<i32>,
-        others: BTreeSet<i32>,
-        rust_frontends: BTreeSet<i32>,
     }
+}
+
+/// One engine's processes, before it is described.
+#[derive(Default)]
+struct Group {
+    root: Option<i32>,
+    cores: BTreeSet<i32>,
+    workers: BTreeSet<i32>,
+    others: BTreeSet<i32>,
+    rust_frontends: BTreeSet<i32>,
+}
+
+/// Group a process table into engines.
+fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) -> Discovery {
+    let t = Table::new(procs);
+    let mut d = Discovery::default();
+    let mut ordered: Vec<(i32, Group)> = groups(&t, procs).into_iter().collect();
+    ordered.sort_by_key(|(anchor, _)| *anchor);
+    for (i, (_, g)) in ordered.into_iter().enumerate() {
+        describe(&t, format!("engine{i}"), &g, src, &mut d);
+    }
+    d.processes.sort_by(|a, b| {
+        engine_number(&a.engine)
+            .cmp(&engine_number(&b.engine))
+            .then(a.pid.cmp(&b.pid))
+    });
+    apply_override(&mut d, url_override);
+    d.next_engine_index = d.engines.len() as u32;
+    d
+}
+
+/// The engines' process groups, by anchor: roots (pid of the API server / script) or, for an
+/// orphaned engine core or worker, the process itself.
+fn groups(t: &Table, procs: &[ProcEntry]) -> BTreeMap<i32, Group> {
     let mut groups: BTreeMap<i32, Group> = BTreeMap::new();
     let mut core_group: HashMap<i32, i32> = HashMap::new();
     for p in procs {
-        if !is_core(p.pid) {
+        if !t.is_core(p.pid) {
             continue;
         }
-        let anchor = root_above(p.pid).unwrap_or(p.pid);
+        let anchor = t.root_above(p.pid).unwrap_or(p.pid);
         let g = groups.entry(anchor).or_default();
-        g.root = root_above(p.pid);
+        g.root = t.root_above(p.pid);
         g.cores.insert(p.pid);
         core_group.insert(p.pid, anchor);
     }
     for p in procs {
-        match titles.get(&p.pid) {
-            Some(Title::Worker(_)) => match core_above(p.pid) {
+        match t.titles.get(&p.pid) {
+            Some(Title::Worker(_)) => match t.core_above(p.pid) {
                 Some(core) => {
                     if let Some(g) = core_group.get(&core).and_then(|a| groups.get_mut(a)) {
                         g.workers.insert(p.pid);
@@ -521,24 +561,20 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
                 }
                 // In-process engine core: workers are the root's children.
                 None => {
-                    let root = root_above(p.pid);
+                    let root = t.root_above(p.pid);
                     let g = groups.entry(root.unwrap_or(p.pid)).or_default();
                     g.root = g.root.or(root);
                     g.workers.insert(p.pid);
                 }
             },
             Some(Title::ApiServer(_)) | Some(Title::DpCoordinator) => {
-                if let Some(root) = root_above(p.pid) {
-                    if let Some(g) = groups.get_mut(&root) {
-                        g.others.insert(p.pid);
-                    }
+                if let Some(g) = t.root_above(p.pid).and_then(|r| groups.get_mut(&r)) {
+                    g.others.insert(p.pid);
                 }
             }
             None if is_rust_frontend_argv(&p.argv) => {
-                if let Some(root) = root_above(p.pid) {
-                    if let Some(g) = groups.get_mut(&root) {
-                        g.rust_frontends.insert(p.pid);
-                    }
+                if let Some(g) = t.root_above(p.pid).and_then(|r| groups.get_mut(&r)) {
+                    g.rust_frontends.insert(p.pid);
                 }
             }
             _ => {}
@@ -548,7 +584,7 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
     // (a shell that started an orphaned core) still counts, the parent is just not a root.
     for g in groups.values_mut() {
         if let Some(root) = g.root {
-            let Some(r) = by_pid.get(&root) else {
+            let Some(r) = t.by_pid.get(&root) else {
                 g.root = None;
                 continue;
             };
@@ -560,8 +596,7 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
     }
     // `vllm serve` before its engine core exists.
     for p in procs {
-        if is_vllm_server_argv(&p.argv) && !is_titled(p.pid) && !groups.contains_key(&p.pid) {
-            // Skip a `vllm serve` whose parent is already an engine root (not a root itself).
+        if is_vllm_server_argv(&p.argv) && !t.is_titled(p.pid) && !groups.contains_key(&p.pid) {
             groups.insert(
                 p.pid,
                 Group {
@@ -571,84 +606,76 @@ fn group(procs: &[ProcEntry], src: &dyn ProcSource, url_override: Option<&str>) 
             );
         }
     }
+    groups
+}
 
-    let mut d = Discovery::default();
-    let mut ordered: Vec<(i32, Group)> = groups.into_iter().collect();
-    ordered.sort_by_key(|(anchor, _)| *anchor);
-    for (i, (_, g)) in ordered.into_iter().enumerate() {
-        let id = format!("engine{i}");
-        let root = g.root.and_then(|r| by_pid.get(&r).copied());
-        let root_role = root.map(|r| {
-            if r.argv.iter().any(|a| a == "--headless") {
-                ROLE_HEADLESS
-            } else if is_vllm_server_argv(&r.argv) || is_generic_server_argv(&r.argv) {
-                ROLE_API_SERVER
-            } else {
-                ROLE_OFFLINE
-            }
-        });
-        let mut info = EngineInfo {
-            id: id.clone(),
-            engine_core_pids: g.cores.iter().copied().collect(),
-            worker_pids: g.workers.iter().copied().collect(),
-            ..Default::default()
-        };
-        let mut members: Vec<(i32, String)> = Vec::new();
-        // API servers of their own (`APIServer_0`, …): the root only launched them; the
-        // engine's API server is the first (their port and arguments are the root's).
-        let api_children: Vec<i32> = g
-            .others
-            .iter()
-            .copied()
-            .filter(|pid| matches!(titles.get(pid), Some(Title::ApiServer(_))))
-            .chain(g.rust_frontends.iter().copied())
-            .collect();
-        if let (Some(r), Some(role)) = (root, root_role) {
-            let launcher = role == ROLE_API_SERVER && !api_children.is_empty();
-            members.push((
-                r.pid,
-                if launcher { ROLE_SERVE_LAUNCHER } else { role }.to_string(),
-            ));
-            if role == ROLE_API_SERVER {
-                info.api_server_pid = api_children.first().copied().unwrap_or(r.pid);
-                if !api_children.is_empty() {
-                    info.api_server_pids = api_children.clone();
-                }
-                let (url, how) = metrics_url_for(r, src, &mut d.warnings);
-                info.metrics_url = url;
-                info.metrics_url_source = how.into();
-            }
+/// Add engine `id` of group `g` to `d`: its description and its processes with their roles.
+fn describe(t: &Table, id: String, g: &Group, src: &dyn ProcSource, d: &mut Discovery) {
+    let root = g.root.and_then(|r| t.by_pid.get(&r).copied());
+    let root_role = root.map(|r| {
+        if r.argv.iter().any(|a| a == "--headless") {
+            ROLE_HEADLESS
+        } else if is_vllm_server_argv(&r.argv) || is_generic_server_argv(&r.argv) {
+            ROLE_API_SERVER
+        } else {
+            ROLE_OFFLINE
         }
-        for pid in g.cores.iter().chain(&g.workers).chain(&g.others) {
-            if let Some(t) = titles.get(pid) {
-                members.push((*pid, t.role()));
-            }
-        }
-        for pid in &g.rust_frontends {
-            members.push((*pid, ROLE_RUST_FRONTEND.to_string()));
-        }
-        for (pid, role) in members {
-            let Some(p) = by_pid.get(&pid) else { continue };
-            d.roles.insert(pid, role.clone());
-            d.processes.push(EngineProcess {
-                pid,
-                ppid: p.ppid,
-                engine: id.clone(),
-                role,
-                cmdline: p.argv.join(" ").trim().to_string(),
-                threads: p.threads,
-            });
-        }
-        d.engines.push(info);
-    }
-    d.processes.sort_by(|a, b| {
-        engine_number(&a.engine)
-            .cmp(&engine_number(&b.engine))
-            .then(a.pid.cmp(&b.pid))
     });
-    apply_override(&mut d, url_override);
-    d.next_engine_index = d.engines.len() as u32;
-    d
+    let mut info = EngineInfo {
+        id: id.clone(),
+        engine_core_pids: g.cores.iter().copied().collect(),
+        worker_pids: g.workers.iter().copied().collect(),
+        ..Default::default()
+    };
+    let mut members: Vec<(i32, String)> = Vec::new();
+    // API servers of their own (`APIServer_0`, …): the root only launched them; the engine's
+    // API server is the first (their port and arguments are the root's).
+    let api_children: Vec<i32> = g
+        .others
+        .iter()
+        .copied()
+        .filter(|pid| matches!(t.titles.get(pid), Some(Title::ApiServer(_))))
+        .chain(g.rust_frontends.iter().copied())
+        .collect();
+    if let (Some(r), Some(role)) = (root, root_role) {
+        let launcher = role == ROLE_API_SERVER && !api_children.is_empty();
+        members.push((
+            r.pid,
+            if launcher { ROLE_SERVE_LAUNCHER } else { role }.to_string(),
+        ));
+        if role == ROLE_API_SERVER {
+            info.api_server_pid = api_children.first().copied().unwrap_or(r.pid);
+            if !api_children.is_empty() {
+                info.api_server_pids = api_children.clone();
+            }
+            let (url, how) = metrics_url_for(r, src, &mut d.warnings);
+            info.metrics_url = url;
+            info.metrics_url_source = how.into();
+        }
+    }
+    for pid in g.cores.iter().chain(&g.workers).chain(&g.others) {
+        if let Some(title) = t.titles.get(pid) {
+            members.push((*pid, title.role()));
+        }
+    }
+    for pid in &g.rust_frontends {
+        members.push((*pid, ROLE_RUST_FRONTEND.to_string()));
+    }
+    for (pid, role) in members {
+        let Some(p) = t.by_pid.get(&pid) else {
+            continue;
+        };
+        d.roles.insert(pid, role.clone());
+        d.processes.push(EngineProcess {
+            pid,
+            ppid: p.ppid,
+            engine: id.clone(),
+            role,
+            cmdline: p.argv.join(" ").trim().to_string(),
+            threads: p.threads,
+        });
+    }
+    d.engines.push(info);
 }
 
 fn apply_override(d: &mut Discovery, url_override: Option<&str>) {
