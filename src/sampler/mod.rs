@@ -206,7 +206,27 @@ pub fn record_rotating(
         Some(r) => r.dir.display().to_string(),
         None => opts.output.display().to_string(),
     };
-    let (mut writer, rotator) = output::open(&opts.output, rotation, &meta)?;
+    let (pipe, rotator) = open_pipeline(opts, rotation, &meta, &targets, discovery.as_ref())?;
+    let backend = source.name();
+    let mut rec = Recorder::new(opts, targets, pipe, source, rotator);
+    let result = rec
+        .start()
+        .and_then(|()| begin_window(&mut rec, &meta, discovery))
+        .and_then(|()| rec.run());
+    let end_ns = monotonic_ns();
+    finish(rec, result, end_ns, &written_to, backend)
+}
+
+/// The recording's writer (rotating or one file), aggregating when asked, with a process
+/// record per target, in a pipeline that starts before the window.
+fn open_pipeline(
+    opts: &RecordOptions,
+    rotation: Option<RotationPolicy>,
+    meta: &Meta,
+    targets: &Targets,
+    discovery: Option<&crate::vllm::discover::Discovery>,
+) -> anyhow::Result<(Pipeline, Option<output::Rotator>)> {
+    let (mut writer, rotator) = output::open(&opts.output, rotation, meta)?;
     if let Some(every) = opts.aggregate {
         writer.aggregate(crate::record::profile::AggregateOptions {
             interval_ns: every.as_nanos().min(u64::MAX as u128) as u64,
@@ -214,7 +234,7 @@ pub fn record_rotating(
             keep_series: crate::metrics::names::is_read,
         });
     }
-    let mut pipe = Pipeline::new(writer, start_ns, rate);
+    let mut pipe = Pipeline::new(writer, meta.start_mono_ns, meta.rate_hz);
     pipe.pre_window = true;
     for t in targets.iter() {
         pipe.writer.process(&ProcessInfo {
@@ -222,39 +242,51 @@ pub fn record_rotating(
             cmdline: t.cmdline.clone(),
             python_version: t.proc.version.to_string(),
             role: discovery
-                .as_ref()
                 .and_then(|d| d.roles.get(&t.pid).cloned())
                 .unwrap_or_default(),
         })?;
     }
-    let backend = source.name();
-    let mut rec = Recorder::new(opts, targets, pipe, source, rotator);
-    let begin = |rec: &mut Recorder| -> anyhow::Result<()> {
-        rec.warm_up()?;
-        // The window: from here, with the targets attached and their probes set.
-        let (mono, unix) = (monotonic_ns(), crate::sys::unix_now_s());
-        {
-            let _s = steps::step("window_header");
-            rec.pipe.writer.restart_meta(&Meta {
-                start_mono_ns: mono,
-                start_unix_s: unix,
-                ..meta.clone()
-            })?;
-        }
-        rec.begin_window(mono)?;
-        opts.window_begun
-            .store(true, std::sync::atomic::Ordering::Release);
-        if let Some(d) = discovery {
-            let _s = steps::step("scraper_start");
-            rec.engines = Some(engines::EngineSession::start(d, &mut rec.pipe, opts)?);
-        }
-        Ok(())
-    };
-    let result = rec
-        .start()
-        .and_then(|()| begin(&mut rec))
-        .and_then(|()| rec.run());
-    let end_ns = monotonic_ns();
+    Ok((pipe, rotator))
+}
+
+/// The window begins: after the warm-up, with the targets attached and their probes set; the
+/// header rewritten with its start, and the engines' scrapers started.
+fn begin_window(
+    rec: &mut Recorder,
+    meta: &Meta,
+    discovery: Option<crate::vllm::discover::Discovery>,
+) -> anyhow::Result<()> {
+    rec.warm_up()?;
+    let (mono, unix) = (monotonic_ns(), crate::sys::unix_now_s());
+    {
+        let _s = steps::step("window_header");
+        rec.pipe.writer.restart_meta(&Meta {
+            start_mono_ns: mono,
+            start_unix_s: unix,
+            ..meta.clone()
+        })?;
+    }
+    rec.begin_window(mono)?;
+    rec.opts
+        .window_begun
+        .store(true, std::sync::atomic::Ordering::Release);
+    if let Some(d) = discovery {
+        let _s = steps::step("scraper_start");
+        rec.engines = Some(engines::EngineSession::start(d, &mut rec.pipe, rec.opts)?);
+    }
+    Ok(())
+}
+
+/// The end: the recorder finished and its counters written, the source and scrapers
+/// dropped, the file ended; what `run` returned and the finish's errors (a full filesystem
+/// named by `written_to`) are the result's.
+fn finish(
+    mut rec: Recorder,
+    result: anyhow::Result<String>,
+    end_ns: u64,
+    written_to: &str,
+    backend: &'static str,
+) -> anyhow::Result<RecordSummary> {
     // run() leaves the thread normal.
     let _rt = RealtimeScope::enter();
     let finished = {
