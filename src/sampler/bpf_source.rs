@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use super::gc::GcTracing;
 use super::probes::Probes;
 use super::runtime_weight::RuntimeWeights;
 use super::source::Source;
@@ -16,7 +17,7 @@ use crate::bpf::{BpfSampler, EsThread};
 use crate::cpython::{Frame, PythonProcess};
 use crate::native::backlog::Backlog;
 use crate::native::RawNative;
-use crate::record::{flags, GcMethodInfo};
+use crate::record::flags;
 use crate::sys::monotonic_ns;
 
 /// What the BPF programs trace besides samples.
@@ -50,37 +51,11 @@ pub struct BpfSource {
     unparsed: u64,
     /// Samples' CPU time from the threads' scheduler runtime.
     weights: RuntimeWeights,
-    /// GC uprobes per interpreter binary (its device and inode), shared by the targets that
-    /// run it: set when the first of them is attached, removed when the last exits.
-    gc_uprobes: std::collections::HashMap<(u64, u64), SharedGcUprobes>,
-    /// GC methods chosen, to write at the next collect.
-    gc_methods_pending: Vec<GcMethodInfo>,
+    /// How each target's GC pauses are timed, and the uprobes that time them.
+    gc: GcTracing,
     /// The calibrated watchpoint trap cost, measured once something will trap (a probe, or a
     /// target's GC timed by a watchpoint), with its working-set figure when probes need it.
     trap_cost: Option<crate::bpf::TrapCost>,
-    /// Processes whose GC uprobes could not be attached (counter `gc_uprobe_attach_failures`).
-    gc_uprobe_failures: u64,
-    /// GC uprobe links still being closed by the helper when the recording ended (counter
-    /// `gc_uprobe_closes_after_end`).
-    gc_uprobe_closes_pending: u64,
-}
-
-/// How long the end of a recording waits for the helper's uprobe closes.
-const GC_UPROBE_CLOSE_WAIT: Duration = Duration::from_millis(300);
-
-/// The GC uprobes on one interpreter binary and the targets they time.
-struct SharedGcUprobes {
-    links: crate::bpf::GcUprobes,
-    /// The collector functions probed and how, for the method line.
-    names: String,
-    how: String,
-    users: std::collections::BTreeSet<i32>,
-}
-
-/// A file's device and inode (what a uprobe is set on, whatever path reaches it).
-fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
@@ -113,11 +88,8 @@ impl BpfSource {
             unparsed: 0,
             finish_wait_ns: 0,
             weights: RuntimeWeights::new(crate::record::Period::of_hz(rate_hz).ns()),
-            gc_uprobes: std::collections::HashMap::new(),
-            gc_methods_pending: Vec::new(),
+            gc: GcTracing::new(tracing.quiet),
             trap_cost: None,
-            gc_uprobe_failures: 0,
-            gc_uprobe_closes_pending: 0,
         })
     }
 
@@ -148,132 +120,10 @@ impl BpfSource {
         }
         let mut cfg = t.bpf_config(fl)?;
         if self.tracing.gc {
-            self.configure_gc(t, &mut cfg);
+            self.gc
+                .configure(&mut self.b, &mut self.probes, t, &mut cfg);
         }
         self.b.set_target(t.pid as u32, &cfg)
-    }
-
-    /// Exact GC pauses for `t`: a uprobe + uretprobe on the collector function where the
-    /// interpreter has its symbol (no debug register, ~0.5 us per hit), else a write
-    /// watchpoint on `gcstate->collecting` in every thread (one debug register per thread,
-    /// ~14 us per hit). `ENGINESCOPE_GC_METHOD=watchpoint` skips the uprobe (measurements).
-    fn configure_gc(&mut self, t: &Target, cfg: &mut abi::EsTarget) {
-        let forced = std::env::var("ENGINESCOPE_GC_METHOD").unwrap_or_default();
-        let why_not_uprobe = if forced == "watchpoint" {
-            "ENGINESCOPE_GC_METHOD=watchpoint".to_string()
-        } else {
-            match self.shared_gc_uprobes(t) {
-                Ok((names, how)) => {
-                    cfg.flags |= abi::TARGET_GC_UPROBE;
-                    let reason = format!("{how} in {}: no debug register", t.proc.binary.path);
-                    let line = format!(
-                        "GC pauses of process {}: exact, {how} (no debug register used)",
-                        t.pid
-                    );
-                    self.gc_method(t.pid, "uprobe", names, reason, &line);
-                    return;
-                }
-                Err(e) => e,
-            }
-        };
-        let tids: Vec<i32> = t.threads.keys().copied().collect();
-        match self
-            .probes
-            .watch_gc(&mut self.b, t.pid, cfg.gc_collecting_addr, &tids)
-        {
-            Ok(()) => {
-                cfg.flags |= abi::TARGET_GC;
-                let reason = format!(
-                    "write watchpoint on gcstate->collecting, one debug register per thread (no uprobe: {why_not_uprobe})"
-                );
-                let line = format!(
-                    "GC pauses of process {}: exact, write watchpoint on gcstate->collecting (one debug register per thread; no uprobe: {why_not_uprobe})",
-                    t.pid
-                );
-                self.gc_method(t.pid, "watchpoint", String::new(), reason, &line);
-            }
-            Err(e) => {
-                let reason = format!("no uprobe ({why_not_uprobe}) and no watchpoint ({e:#})");
-                let line = format!(
-                    "no exact GC pauses for process {}: {e:#} (no uprobe: {why_not_uprobe})",
-                    t.pid
-                );
-                self.gc_method(t.pid, "none", String::new(), reason, &line);
-            }
-        }
-    }
-
-    /// Time `t`'s GC pauses with the uprobes on its interpreter binary, set now unless another
-    /// target runs the same file; returns the functions probed and how, or why not.
-    fn shared_gc_uprobes(&mut self, t: &Target) -> Result<(String, String), String> {
-        let bin = &t.proc.binary;
-        let key = file_id(&bin.opened_from)
-            .ok_or_else(|| format!("cannot stat {}", bin.opened_from.display()))?;
-        if let Some(sh) = self.gc_uprobes.get_mut(&key) {
-            sh.users.insert(t.pid);
-            return Ok((sh.names.clone(), sh.how.clone()));
-        }
-        let o = &t.proc.offsets;
-        let cs = {
-            let _s = crate::sys::steps::step("gc_collectors_decode");
-            crate::cpython::binary::find_collectors(
-                bin,
-                t.proc.version.minor,
-                o.interp_gc.wrapping_add(o.gc_collecting),
-            )?
-        };
-        let _s = crate::sys::steps::step("gc_uprobes_attach");
-        let links = self.b.attach_gc_uprobes(&cs).map_err(|e| {
-            self.gc_uprobe_failures += 1;
-            format!("{e:#}")
-        })?;
-        let mut names: Vec<&str> = cs.iter().map(|c| c.name).collect();
-        names.dedup();
-        let names = names.join(", ");
-        let how = if cs
-            .iter()
-            .all(|c| matches!(c.site, crate::cpython::binary::CollectorSite::Call { .. }))
-        {
-            let past: Vec<String> = cs
-                .iter()
-                .filter(|c| c.enter_file_offset != c.file_offset)
-                .map(|c| format!("{}+{:#x}", c.name, c.enter_file_offset - c.file_offset))
-                .collect();
-            if past.is_empty() {
-                format!("uprobe + uretprobe on {names}")
-            } else {
-                format!(
-                    "uprobe + uretprobe on {names} (start probed at {}, past instructions the kernel would single-step)",
-                    past.join(", ")
-                )
-            }
-        } else {
-            format!("uprobes on the stores that set and clear gcstate->collecting in {names}")
-        };
-        self.gc_uprobes.insert(
-            key,
-            SharedGcUprobes {
-                links,
-                names: names.clone(),
-                how: how.clone(),
-                users: [t.pid].into(),
-            },
-        );
-        Ok((names, how))
-    }
-
-    /// Record the GC method chosen for `pid` (written at the next collect) and say it.
-    fn gc_method(&mut self, pid: i32, method: &str, function: String, reason: String, line: &str) {
-        if !self.tracing.quiet {
-            eprintln!("enginescope: {line}");
-        }
-        self.gc_methods_pending.push(GcMethodInfo {
-            pid,
-            method: method.into(),
-            function,
-            reason,
-            t_ns: 0,
-        });
     }
 
     /// Time a watchpoint hit here, once (`in_use`: with its working-set figure too), and
@@ -300,30 +150,14 @@ impl BpfSource {
         }
     }
 
-    /// Write the GC methods chosen since the last call and tell the pipeline which processes'
-    /// pauses come from uprobes.
+    /// Write the GC methods chosen since the last call; a GC watchpoint's pauses hold about
+    /// one trap, which the pipeline subtracts: time one now if nothing has (targets whose GC
+    /// is timed by uprobes never trap).
     fn flush_gc_methods(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
-        if self.gc_methods_pending.is_empty() {
-            return Ok(());
-        }
-        // A GC watchpoint's pauses hold about one trap, which the pipeline subtracts: time
-        // one now if nothing has (targets whose GC is timed by uprobes never trap).
-        if self
-            .gc_methods_pending
-            .iter()
-            .any(|g| g.method == "watchpoint")
-        {
+        if self.gc.needs_trap_cost() {
             self.calibrate_traps(pipe, false);
         }
-        let now = pipe.rel(monotonic_ns());
-        for mut g in std::mem::take(&mut self.gc_methods_pending) {
-            if g.method == "uprobe" {
-                pipe.gc_uprobe_pids.insert(g.pid);
-            }
-            g.t_ns = now;
-            pipe.writer.gc_method(&g)?;
-        }
-        Ok(())
+        self.gc.flush(pipe)
     }
 
     /// Offer code objects met for the first time to the probes.
@@ -793,7 +627,6 @@ impl Source for BpfSource {
             self.b.remove_target(pid as u32);
         }
         self.drain(targets, pipe, None)?;
-        let mut unused = Vec::new();
         for t in targets.iter().filter(|t| exited.contains(&t.pid)) {
             for &tid in t.threads.keys() {
                 self.b.remove_thread(tid as u32);
@@ -803,16 +636,7 @@ impl Source for BpfSource {
             if let Some(n) = self.native.as_mut() {
                 n.native.forget(t.pid);
             }
-            self.gc_uprobes.retain(|_, sh| {
-                sh.users.remove(&t.pid);
-                if sh.users.is_empty() {
-                    unused.push(std::mem::take(&mut sh.links));
-                }
-                !sh.users.is_empty()
-            });
-        }
-        for u in unused {
-            self.b.detach_gc_uprobes(u);
+            self.gc.process_gone(&mut self.b, t.pid);
         }
         Ok(())
     }
@@ -900,17 +724,7 @@ impl Source for BpfSource {
             let _s = crate::sys::steps::step("finish_probes");
             self.probes.close(Some(&mut self.b), pipe)
         };
-        let _s = crate::sys::steps::step("finish_gc_uprobes");
-        for (_, sh) in self.gc_uprobes.drain() {
-            self.b.detach_gc_uprobes(sh.links);
-        }
-        let left = self.b.wait_detached(GC_UPROBE_CLOSE_WAIT);
-        if left > 0 && !self.tracing.quiet {
-            eprintln!(
-                "enginescope: {left} GC uprobe link(s) are still being removed by the helper process (es-uprobe-close): the kernel waits for grace periods; they are gone within seconds, whatever happens to enginescope"
-            );
-        }
-        self.gc_uprobe_closes_pending = left as u64;
+        self.gc.finish(&mut self.b);
         drained.and(waited).and(closed)
     }
 
@@ -929,11 +743,7 @@ impl Source for BpfSource {
             "gc_watch_attach_failures".into(),
             self.probes.n.gc_attach_failures,
         );
-        out.insert("gc_uprobe_attach_failures".into(), self.gc_uprobe_failures);
-        out.insert(
-            "gc_uprobe_closes_after_end".into(),
-            self.gc_uprobe_closes_pending,
-        );
+        self.gc.counters(out);
         out.insert(
             "gc_uprobe_calls_without_collection".into(),
             pipe.written.gc_calls_without_collection,

@@ -9,6 +9,7 @@
 pub mod bpf_source;
 pub mod cost;
 pub mod engines;
+pub mod gc;
 pub mod memory;
 pub mod output;
 pub mod pipeline;
