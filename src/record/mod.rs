@@ -5,6 +5,8 @@ pub mod format;
 pub mod model;
 pub mod profile;
 pub mod rotate;
+#[cfg(test)]
+pub mod synth;
 
 pub use format::{read_recording, RecordingWriter};
 pub use model::*;

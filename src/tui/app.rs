@@ -712,8 +712,8 @@ impl Ui {
 pub(crate) mod tests {
     use super::*;
     use crate::metrics::maths;
+    use crate::record::synth::*;
     use crate::tui::model::{snapshot, Topology};
-    use crate::tui::testutil::*;
     use crate::tui::window::Window;
 
     pub fn three_threads() -> Snapshot {

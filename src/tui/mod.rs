@@ -21,8 +21,6 @@ pub mod plain;
 pub mod render;
 pub mod source;
 pub mod terminal;
-#[cfg(test)]
-mod testutil;
 pub mod window;
 
 use std::io::{IsTerminal, Write};
@@ -588,8 +586,8 @@ fn tui_loop(
 
 #[cfg(test)]
 mod tests {
-    use super::testutil::*;
     use super::*;
+    use crate::record::synth::*;
     use ratatui::backend::TestBackend;
 
     fn thread_cpu_ms() -> f64 {

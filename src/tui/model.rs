@@ -1022,8 +1022,8 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::synth::*;
     use crate::record::{MetricPoint, MetricSeries};
-    use crate::tui::testutil::*;
 
     fn approx(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9

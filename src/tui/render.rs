@@ -981,10 +981,10 @@ fn draw_help(f: &mut Frame, area: Rect, _app: &App) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::synth::*;
     use crate::record::{MetricPoint, MetricSeries};
     use crate::tui::app::NameFilter;
     use crate::tui::model::{snapshot, Topology};
-    use crate::tui::testutil::*;
     use crate::tui::window::Window;
     use ratatui::backend::TestBackend;
     use ratatui::Terminal;

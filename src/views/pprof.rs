@@ -579,47 +579,17 @@ pub fn decode(bytes: &[u8]) -> anyhow::Result<proto::Profile> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{Frame, GilWait, OffCpu, ThreadInfo};
+    use crate::record::synth::*;
 
     fn rec() -> Recording {
-        let mut r = Recording::default();
-        for (tid, name) in [(2, "waiter"), (3, "holder")] {
-            r.threads.push(ThreadInfo {
-                pid: 1,
-                tid,
-                name: name.into(),
-                t_ns: 0,
-                python_name: None,
-            });
-        }
-        r.frames = vec![Frame {
-            function: "blocked_here".into(),
-            file: "w.py".into(),
-            line: Some(7),
-        }];
-        r.stacks = vec![vec![0]];
-        // 100-300 ms blocked, 250-400 ms preempted.
-        for (start_ns, dur_ns, preempted) in [(100, 200, false), (250, 150, true)] {
-            r.offcpu.push(OffCpu {
-                pid: 1,
-                tid: 2,
-                start_ns: start_ns * 1_000_000,
-                dur_ns: dur_ns * 1_000_000,
-                stack: 0,
-                preempted,
-            });
-        }
-        r.gil_waits.push(GilWait {
-            pid: 1,
-            tid: 2,
-            start_ns: 150_000_000,
-            dur_ns: 100_000_000,
-            holder_tid: 3,
-            holder_stack: 0,
-            waiter_stack: 0,
-            switch_wait: false,
-        });
-        r
+        let mut r = Rec::new().thread(1, 2, "waiter").thread(1, 3, "holder");
+        let stack = r.stack(&["blocked_here"], "w.py");
+        // 100-300 ms blocked, 250-400 ms preempted; a GIL wait 150-250 ms behind tid 3.
+        r.offcpu_at((1, 2), 100 * MS, 200 * MS, stack, false);
+        r.offcpu_at((1, 2), 250 * MS, 150 * MS, stack, true);
+        r.gil_wait(1, 2, 150 * MS, 100 * MS, 3, 0);
+        r.waiting_at(stack);
+        r.0
     }
 
     fn label<'a>(p: &'a proto::Profile, s: &proto::Sample, key: &str) -> (&'a str, i64) {

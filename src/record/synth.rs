@@ -1,4 +1,5 @@
-//! Hand-built recordings with known answers, for the dashboard's unit and render tests.
+//! Hand-built recordings with known answers, for unit tests over the views, the dashboard
+//! and the agent: one builder instead of a `Recording` filled in field by field in each test.
 
 use crate::record::{
     flags, Frame, FunctionCall, GcPause, GilWait, OffCpu, ProbeInfo, ProcessInfo, Recording,
@@ -10,6 +11,12 @@ pub const S: u64 = 1_000_000_000;
 
 /// Builds a recording event by event.
 pub struct Rec(pub Recording);
+
+impl Default for Rec {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Rec {
     pub fn new() -> Self {
@@ -88,13 +95,25 @@ impl Rec {
     }
 
     pub fn offcpu(&mut self, pid: i32, tid: i32, start: u64, dur: u64) {
+        self.offcpu_at((pid, tid), start, dur, 0, false);
+    }
+
+    /// An off-CPU interval at `stack`, blocked or preempted.
+    pub fn offcpu_at(
+        &mut self,
+        (pid, tid): (i32, i32),
+        start: u64,
+        dur: u64,
+        stack: u32,
+        preempted: bool,
+    ) {
         self.0.offcpu.push(OffCpu {
             pid,
             tid,
             start_ns: start,
             dur_ns: dur,
-            stack: 0,
-            preempted: false,
+            stack,
+            preempted,
         });
     }
 
@@ -117,6 +136,13 @@ impl Rec {
             waiter_stack: 0,
             switch_wait: false,
         });
+    }
+
+    /// The last GIL wait added, waiting at `stack`.
+    pub fn waiting_at(&mut self, stack: u32) {
+        if let Some(g) = self.0.gil_waits.last_mut() {
+            g.waiter_stack = stack;
+        }
     }
 
     pub fn gc(&mut self, pid: i32, tid: i32, start: u64, dur: u64, generation: i8) {
