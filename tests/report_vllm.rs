@@ -702,7 +702,7 @@ fn markdown_sections_and_cli_flags() {
         "### Throughput drops",
         "| 10.0-12.0 | 50.0 | 33.3% | cpu_pct 20:20 MainThread: 50.00 (median 75.00);",
         "## Function latency",
-        "| EngineCore.step (core.py) | MainThread (tid 20, pid 20) | 10 | 0.50 | 5.000 | 9.000 | 10.000 | 10.000 | 5.500 | exact | 0.002 |",
+        "| EngineCore.step (core.py) | MainThread (tid 20) of EngineCore (pid 20) | 10 | 0.50 | 5.000 | 9.000 | 10.000 | 10.000 | 5.500 | exact | 0.002 |",
         "## API-server stalls",
         "| 10 | 0.400 | 0.400 | 75.0% | 1 | 0.300 | 300.0 |",
         "| 10 | 3.000 | 300.0 | 300 | 0.0 | 0.0 | 100.0% | JSONEncoder.encode (encoder.py:200) ← dumps (json/__init__.py:231) ← create_completion (api_server.py:50) | 100.0% |",

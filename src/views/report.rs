@@ -602,6 +602,15 @@ impl Report {
 }
 
 impl Report {
+    /// A process as the tables name it: its role (`worker_tp0`, `engine_core`) or executable.
+    pub fn process_name(&self, pid: i32) -> &str {
+        self.processes
+            .iter()
+            .rev()
+            .find(|p| p.pid == pid)
+            .map_or("process", |p| p.name.as_str())
+    }
+
     /// The title and the recording's facts: when, where, what, its cost, the selection, totals.
     fn header_markdown(&self, s: &mut String) {
         let r = &self.recording;
@@ -692,14 +701,15 @@ impl Report {
         let _ = writeln!(s, "\n## Threads\n");
         let _ = writeln!(
             s,
-            "| pid | tid | thread | CPU s | samples | Python s | native s | off-CPU s | GIL held | GC |"
+            "| pid | process | tid | thread | CPU s | samples | Python s | native s | off-CPU s | GIL held | GC |"
         );
-        let _ = writeln!(s, "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(s, "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
         for t in &self.threads {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.1}% | {:.1}% |",
+                "| {} | {} | {} | {} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.1}% | {:.1}% |",
                 t.pid,
+                md(self.process_name(t.pid)),
                 t.tid,
                 md(&t.name),
                 t.cpu_s,

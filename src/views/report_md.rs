@@ -644,14 +644,18 @@ impl Report {
                 ),
                 None => f.calls.to_string(),
             };
-            let _ = writeln!(
+            let _ =
+                writeln!(
                 s,
-                "| {} ({}) | {} (tid {}, pid {}) | {}{} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
+                "| {} ({}) | {} | {}{} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {:.3} |",
                 md(&f.function),
                 md(short_file(&f.file)),
-                md(if f.thread.is_empty() { "thread" } else { &f.thread }),
-                f.tid,
-                f.pid,
+                md(&super::findings::thread_label(
+                    if f.thread.is_empty() { "thread" } else { &f.thread },
+                    f.tid,
+                    self.process_name(f.pid),
+                    f.pid
+                )),
                 // Not every call seen: the count is a lower bound (sampled) or an estimate
                 // scaled from the share of the window an exact probe was watched.
                 if f.estimated() {
