@@ -587,17 +587,18 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
     assert!(!log.contains("panicked"), "{log}");
 }
 
-/// The `prometheus` binary (Debian package `prometheus`); under CI=true a missing one fails.
-fn prometheus_binary() -> Option<PathBuf> {
+/// A tool on PATH from Debian package `package` (scripts/test.sh installs it); under CI=true a
+/// missing one fails, else the test is skipped.
+fn tool_binary(name: &str, package: &str) -> Option<PathBuf> {
     let p = std::env::var_os("PATH")?;
     let found = std::env::split_paths(&p)
-        .map(|d| d.join("prometheus"))
+        .map(|d| d.join(name))
         .find(|p| p.is_file());
     if found.is_none() {
         if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("prometheus is missing (CI=true; scripts/test.sh installs it)");
+            panic!("{name} is missing (CI=true; scripts/test.sh installs {package})");
         }
-        eprintln!("SKIP: prometheus not installed (apt-get install prometheus)");
+        eprintln!("SKIP: {name} not installed (apt-get install {package})");
     }
     found
 }
@@ -725,7 +726,7 @@ fn mono_to_unix(mono_ns: u64) -> f64 {
 #[test]
 fn prometheus_scrapes_the_agent_and_answers_promql() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(prom_bin) = prometheus_binary() else {
+    let Some(prom_bin) = tool_binary("prometheus", "prometheus") else {
         return;
     };
     let i = interp("pyenv-3.12");
@@ -1046,7 +1047,7 @@ const SWITCH_WAIT: &str = "enginescope_thread_gil_switch_wait_seconds_total";
 
 fn gil_fight_series(names: &str) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(prom_bin) = prometheus_binary() else {
+    let Some(prom_bin) = tool_binary("prometheus", "prometheus") else {
         return;
     };
     let i = interp("pyenv-3.12");
@@ -1665,21 +1666,6 @@ fn agent_keeps_serving_through_a_full_disk_and_records_again() {
     drop(w);
 }
 
-/// `go` (Debian package `golang-go`, for `go tool pprof`); under CI=true a missing one fails.
-fn go_binary() -> Option<PathBuf> {
-    let p = std::env::var_os("PATH")?;
-    let found = std::env::split_paths(&p)
-        .map(|d| d.join("go"))
-        .find(|p| p.is_file());
-    if found.is_none() {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("go is missing (CI=true; scripts/test.sh installs golang-go)");
-        }
-        eprintln!("SKIP: go not installed (apt-get install golang-go)");
-    }
-    found
-}
-
 /// `go tool pprof -top` of `source` (a URL or a file): (total CPU s, the function with the
 /// most flat time), from its "Showing nodes accounting for …% of X total" line and first row.
 fn go_pprof_top(go: &Path, source: &str, index: &str, tmp: &Path) -> (f64, String) {
@@ -1739,7 +1725,9 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
     if !available(&i) {
         return;
     }
-    let Some(go) = go_binary() else { return };
+    let Some(go) = tool_binary("go", "golang-go") else {
+        return;
+    };
     let dir = tempfile::tempdir().unwrap();
     let w = start(&i, "cpu_bound.py", &["--threads", "2", "--duration", "120"]);
     let pid = w.pid.to_string();
