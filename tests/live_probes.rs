@@ -277,6 +277,10 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
         r.gc_methods.iter().map(|g| (g.pid, g.method.as_str())).collect::<Vec<_>>(),
     );
     let mut partial = 0;
+    // Under a budget: the probes whose traps, every call watched, cost over a quarter more than
+    // the budget (they must be watched part of the time), and those costing under it (they
+    // must be watched all of it). Which ones are which depends on this machine's trap cost.
+    let (mut over_budget, mut under_budget) = (Vec::new(), Vec::new());
     let mut functions = vec![
         (&producer, "MessageQueue.enqueue"),
         (&cons, "MessageQueue.dequeue"),
@@ -381,6 +385,24 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
                 "{label} {function}: its traps took {:.3}% of the window, over the budget {:.3}%",
                 took * 100.0,
                 b * 100.0
+            );
+            if full > 1.25 * b {
+                over_budget.push(function);
+            } else if full < b {
+                under_budget.push(function);
+            }
+        }
+        let watched_part = window_weights(&r, probe, tid, e0, e1).is_some_and(|(s, _)| s < 0.995);
+        if over_budget.contains(&function) {
+            assert!(
+                watched_part,
+                "{label} {function}: its traps cost over the budget watched all the time, yet it was"
+            );
+        }
+        if under_budget.contains(&function) {
+            assert!(
+                !watched_part,
+                "{label} {function}: its traps cost under the budget watched all the time, yet it was watched part of it"
             );
         }
         if let Some((share, wc)) =
@@ -580,17 +602,18 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
     if extra {
         check_gc(label, &r, &producer, w.pid);
     }
-    if budget.is_some() {
-        // The producer's and consumer's probes cost more than the budget watched all the time
-        // (the writer's one does not): they must have been watched part of the time.
+    if budget.is_some() && !over_budget.is_empty() {
+        // Each thread over its budget was re-sized (the test's threads run one probe each).
         assert!(
-            partial >= 2,
-            "{label}: --probe-budget left {partial} probes watched part of the time"
-        );
-        assert!(
-            r.counters.get("probe_budget_resizes").copied().unwrap_or(0) >= 2,
-            "{label}: {:?}",
+            r.counters.get("probe_budget_resizes").copied().unwrap_or(0)
+                >= over_budget.len() as u64,
+            "{label}: {:?} re-sizings for {over_budget:?}",
             r.counters.get("probe_budget_resizes")
+        );
+    }
+    if budget.is_some() {
+        eprintln!(
+            "{label}: over the budget watched all the time: {over_budget:?}; under it: {under_budget:?}; {partial} watched part of the time"
         );
     }
 }
@@ -778,9 +801,11 @@ fn rotating_probes_sid_315() {
 }
 
 // `--probe-budget 0.2`: the producer's and consumer's probes would cost ~0.4% of their
-// threads' time watched all the time (200 calls/s, two traps of ~10 µs each), so they are
-// watched part of it (idle turns in the rotation); the writer's stays under the budget and
-// exact throughout. Every timed call checked against its clocks, counts scaled within 5%,
+// threads' time watched all the time on a VM whose trap costs ~10 µs (200 calls/s, two traps
+// each), so they are watched part of it (idle turns in the rotation); where a trap costs 3 µs
+// (0.12%) they stay under it and are watched all the time, which the test then holds them to;
+// the writer's stays under the budget and exact throughout. (`forced_shares_*` watch part of
+// the time on any machine.) Every timed call checked against its clocks, counts scaled within 5%,
 // percentiles within what the subsample can show, and each thread's trap time within the
 // budget.
 #[test]
