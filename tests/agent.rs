@@ -1711,6 +1711,30 @@ fn go_pprof_top(go: &Path, source: &str, index: &str, tmp: &Path) -> (f64, Strin
     (total, function)
 }
 
+/// `cpu_bound.py` with two workers sharing the GIL, and an agent at 99 Hz (BPF) recording it
+/// into `dir`/segs with `extra` arguments, once the agent samples.
+fn two_workers_under_agent(i: &Interp, dir: &Path, extra: &[&str]) -> (Workload, Agent) {
+    let w = start(i, "cpu_bound.py", &["--threads", "2", "--duration", "120"]);
+    let pid = w.pid.to_string();
+    let segs = dir.join("segs");
+    let mut args = vec![
+        "--pid",
+        &pid,
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        segs.to_str().unwrap(),
+        "--rate",
+        "99",
+    ];
+    args.extend_from_slice(extra);
+    let mut agent = Agent::start(&args);
+    agent.wait_line("sampling started", Duration::from_secs(30));
+    (w, agent)
+}
+
 /// The agent's pull endpoint, as Alloy's `pyroscope.scrape`, Parca and `go tool pprof` read it
 /// (issue 24): a CPU profile of the N seconds after the request, whose total is the target's
 /// CPU time over those seconds (from /proc, 99 Hz sampling: within 10%), whose samples are the
@@ -1729,21 +1753,7 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
-    let w = start(&i, "cpu_bound.py", &["--threads", "2", "--duration", "120"]);
-    let pid = w.pid.to_string();
-    let mut agent = Agent::start(&[
-        "--pid",
-        &pid,
-        "--backend",
-        "bpf",
-        "--listen",
-        "127.0.0.1:0",
-        "--dir",
-        dir.path().join("segs").to_str().unwrap(),
-        "--rate",
-        "99",
-    ]);
-    agent.wait_line("sampling started", Duration::from_secs(30));
+    let (w, agent) = two_workers_under_agent(&i, dir.path(), &[]);
     let tmp = tempfile::tempdir().unwrap();
     // `go tool pprof` fetches its own window over HTTP beside ours (two at once are allowed).
     let url = format!("http://{}/debug/pprof/profile?seconds=4", agent.addr);
@@ -2028,30 +2038,21 @@ fn push_to_pyroscope_ingest_follows_the_protocol_and_survives_a_dead_backend() {
             }
         }
     });
-    let w = start(&i, "cpu_bound.py", &["--threads", "2", "--duration", "120"]);
-    let pid = w.pid.to_string();
     let url = format!("http://127.0.0.1:{port}");
-    let mut agent = Agent::start(&[
-        "--pid",
-        &pid,
-        "--backend",
-        "bpf",
-        "--listen",
-        "127.0.0.1:0",
-        "--dir",
-        dir.path().join("segs").to_str().unwrap(),
-        "--rate",
-        "99",
-        "--push",
-        &url,
-        "--push-every",
-        "1",
-        "--push-app",
-        "vllm",
-        "--push-label",
-        "engine=e0",
-    ]);
-    agent.wait_line("sampling started", Duration::from_secs(30));
+    let (w, agent) = two_workers_under_agent(
+        &i,
+        dir.path(),
+        &[
+            "--push",
+            &url,
+            "--push-every",
+            "1",
+            "--push-app",
+            "vllm",
+            "--push-label",
+            "engine=e0",
+        ],
+    );
     let cpu = common::cpu::CpuReadings::start(w.pid);
     let mut got = Vec::new();
     while got.len() < 6 {

@@ -123,12 +123,7 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
     );
     let served = exporter::Served {
         registry,
-        profiles: Some(profiles::Profiles::new(
-            &pol.dir,
-            profiles::max_seconds(pol),
-            opts.record.aggregate,
-            pol.cut_interval.clone(),
-        )),
+        profiles: Some(profiles::Profiles::of_agent(opts)),
     };
     let exporter = exporter::Exporter::spawn(listener, Arc::new(served), exporter::IO_TIMEOUT)?;
     // Segments already there belong to an earlier run: the follower starts after them.
@@ -215,13 +210,8 @@ fn spawn_pusher(
     let Some(p) = &opts.push else {
         return Ok(None);
     };
-    let pol = &opts.rotation;
-    let (p, dir, cut) = (p.clone(), pol.dir.clone(), pol.cut_interval.clone());
-    let (aggregate, counts, stop) = (
-        opts.record.aggregate,
-        m.profile_pushes.clone(),
-        stop.clone(),
-    );
+    let profiles = profiles::Profiles::of_agent(opts);
+    let (p, counts, stop) = (p.clone(), m.profile_pushes.clone(), stop.clone());
     eprintln!(
         "enginescope: agent: pushing CPU profiles to {}/ingest every {:.0} s as {}",
         p.url.trim_end_matches('/'),
@@ -231,7 +221,7 @@ fn spawn_pusher(
     Ok(Some(
         std::thread::Builder::new()
             .name("es-push".into())
-            .spawn(move || push::run(p, dir, cut, aggregate, counts, stop))?,
+            .spawn(move || push::run(p, profiles, counts, stop))?,
     ))
 }
 

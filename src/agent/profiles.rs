@@ -38,11 +38,11 @@ pub const MAX_AT_ONCE: usize = 2;
 pub const DEFAULT_SECONDS: u64 = 30;
 /// How long after an event the recorder has surely written it: it flushes every 200 ms
 /// (`sampler::recorder::FLUSH_EVERY`), and a drain may hold a batch as long.
-pub(crate) const FLUSHED_WITHIN: Duration = Duration::from_millis(600);
+const FLUSHED_WITHIN: Duration = Duration::from_millis(600);
 
 /// The longest window served: five minutes, and less than the segments kept by age (a window
 /// whose first segment is pruned while it is built would read short).
-pub fn max_seconds(pol: &crate::record::rotate::RotationPolicy) -> u64 {
+fn max_seconds(pol: &crate::record::rotate::RotationPolicy) -> u64 {
     let kept = pol
         .max_segment_age
         .as_secs()
@@ -67,6 +67,18 @@ pub struct Profiles {
 pub type Refusal = (&'static str, String);
 
 impl Profiles {
+    /// The agent's: its segments, their retention, its aggregation interval and its
+    /// recorder's interval cut.
+    pub fn of_agent(opts: &super::AgentOptions) -> Self {
+        let pol = &opts.rotation;
+        Profiles::new(
+            &pol.dir,
+            max_seconds(pol),
+            opts.record.aggregate,
+            pol.cut_interval.clone(),
+        )
+    }
+
     pub fn new(
         dir: &Path,
         max_seconds: u64,
@@ -121,23 +133,42 @@ impl Profiles {
     fn wait_and_build(&self, kind: pprof::Kind, seconds: u64) -> anyhow::Result<Vec<u8>> {
         let since = SystemTime::now();
         let t0 = crate::sys::monotonic_ns();
-        self.cut.store(true, Ordering::SeqCst);
+        self.edge();
         let span = Duration::from_secs(seconds);
         std::thread::sleep(span);
-        let t1 = t0 + span.as_nanos() as u64;
-        self.cut.store(true, Ordering::SeqCst);
-        std::thread::sleep(FLUSHED_WITHIN);
-        let unix0 = since
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as i64);
-        let how = how(self.aggregate);
-        let p = between(kind, &self.dir, since, t0, t1, unix0, &how)?;
+        self.edge();
+        let p = self.build(kind, since, t0, t0 + span.as_nanos() as u64)?;
         pprof::encode(&p)
+    }
+
+    /// A window's edge: the recorder ends its aggregation interval at its next check.
+    pub fn edge(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+    }
+
+    /// The profile of `[t0, t1)` (CLOCK_MONOTONIC ns), begun at `since` on the wall clock,
+    /// once the recorder has written it ([`FLUSHED_WITHIN`] after its end edge: this waits).
+    pub fn build(
+        &self,
+        kind: pprof::Kind,
+        since: SystemTime,
+        t0: u64,
+        t1: u64,
+    ) -> anyhow::Result<pprof::proto::Profile> {
+        std::thread::sleep(FLUSHED_WITHIN);
+        let how = how(self.aggregate);
+        between(kind, &self.dir, since, t0, t1, unix_ns(since), &how)
     }
 }
 
+/// `t` in ns since the epoch (0 before it).
+pub fn unix_ns(t: SystemTime) -> i64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
 /// What the profile's comment says of its window's ends.
-pub fn how(aggregate: Option<Duration>) -> String {
+fn how(aggregate: Option<Duration>) -> String {
     match aggregate {
         Some(a) => format!(
             "samples added up per interval (at most {:.0} s, cut at the window's ends within 0.2 s): a part of one straddling an end counts pro rata",

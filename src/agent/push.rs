@@ -12,7 +12,6 @@
 //! counter `enginescope_profile_pushes{kind="sent"|"failed"|"dropped"}` says what happened.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -53,13 +52,11 @@ struct Pending {
     body: Vec<u8>,
 }
 
-/// Push until `stop`; `dir` holds the agent's segments, `cut` ends the recorder's aggregation
-/// interval (see [`profiles`]).
+/// Push until `stop`, each window built from the agent's segments as the pull endpoint builds
+/// its own.
 pub fn run(
     opts: PushOptions,
-    dir: PathBuf,
-    cut: Arc<AtomicBool>,
-    aggregate: Option<Duration>,
+    profiles: profiles::Profiles,
     counts: Family<KindLabels, Counter>,
     stop: Arc<AtomicBool>,
 ) {
@@ -75,20 +72,16 @@ pub fn run(
     let mut kept: VecDeque<Pending> = VecDeque::new();
     let mut t0 = crate::sys::monotonic_ns();
     let mut since = SystemTime::now();
-    cut.store(true, Ordering::SeqCst);
+    profiles.edge();
     while !stop.load(Ordering::SeqCst) {
         if !sleep_unless(&stop, opts.every) {
             break;
         }
         let t1 = crate::sys::monotonic_ns();
         let until = SystemTime::now();
-        cut.store(true, Ordering::SeqCst);
-        if !sleep_unless(&stop, profiles::FLUSHED_WITHIN) {
-            break;
-        }
-        let how = profiles::how(aggregate);
-        let unix0 = unix_ns(since);
-        match profiles::between(pprof::Kind::Cpu, &dir, since, t0, t1, unix0, &how)
+        profiles.edge();
+        match profiles
+            .build(pprof::Kind::Cpu, since, t0, t1)
             .and_then(|p| pprof::encode(&p))
         {
             Ok(profile) => {
@@ -97,8 +90,8 @@ pub fn run(
                     count("dropped");
                 }
                 kept.push_back(Pending {
-                    from_s: unix_ns(since) as u64 / 1_000_000_000,
-                    until_s: (unix_ns(until) as u64).div_ceil(1_000_000_000),
+                    from_s: profiles::unix_ns(since) as u64 / 1_000_000_000,
+                    until_s: (profiles::unix_ns(until) as u64).div_ceil(1_000_000_000),
                     body: multipart(&profile),
                 });
             }
@@ -135,11 +128,6 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) -> bool {
         left -= s;
     }
     !stop.load(Ordering::SeqCst)
-}
-
-fn unix_ns(t: SystemTime) -> i64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }
 
 /// `APP.cpu{k=v,…}`, with `host` when not given.
