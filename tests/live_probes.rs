@@ -278,8 +278,10 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
     );
     let mut partial = 0;
     // Under a budget: the probes whose traps, every call watched, cost over a quarter more than
-    // the budget (they must be watched part of the time), and those costing under it (they
-    // must be watched all of it). Which ones are which depends on this machine's trap cost.
+    // the budget (they must be watched part of the time: the budget's own cost adds the
+    // watched context switches and a trap cost of at least this one), and those whose traps
+    // cost under it (printed: the switches may still take them over). Which ones are which
+    // depends on this machine's trap cost.
     let (mut over_budget, mut under_budget) = (Vec::new(), Vec::new());
     let mut functions = vec![
         (&producer, "MessageQueue.enqueue"),
@@ -392,22 +394,16 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
                 under_budget.push(function);
             }
         }
-        let watched_part = window_weights(&r, probe, tid, e0, e1).is_some_and(|(s, _)| s < 0.995);
+        // Watched for part of the window (registers rotated, or the budget's phases).
+        let part = window_weights(&r, probe, tid, e0, e1).filter(|(s, _)| *s < 0.995);
+        let watched_part = part.is_some();
         if over_budget.contains(&function) {
             assert!(
                 watched_part,
                 "{label} {function}: its traps cost over the budget watched all the time, yet it was"
             );
         }
-        if under_budget.contains(&function) {
-            assert!(
-                !watched_part,
-                "{label} {function}: its traps cost under the budget watched all the time, yet it was watched part of it"
-            );
-        }
-        if let Some((share, wc)) =
-            window_weights(&r, probe, tid, e0, e1).filter(|(s, _)| *s < 0.995)
-        {
+        if let Some((share, wc)) = part {
             partial += 1;
             // Watched for part of the window (registers rotated): counts scaled, percentiles
             // weighted. Each timed call was checked above against its own clocks; what is left
@@ -803,8 +799,8 @@ fn rotating_probes_sid_315() {
 // `--probe-budget 0.2`: the producer's and consumer's probes would cost ~0.4% of their
 // threads' time watched all the time on a VM whose trap costs ~10 µs (200 calls/s, two traps
 // each), so they are watched part of it (idle turns in the rotation); where a trap costs 3 µs
-// (0.12%) they stay under it and are watched all the time, which the test then holds them to;
-// the writer's stays under the budget and exact throughout. (`forced_shares_*` watch part of
+// (0.12%) their traps alone stay under it, and whether the watched context switches take them
+// over is the machine's; the writer's stays under the budget. (`forced_shares_*` watch part of
 // the time on any machine.) Every timed call checked against its clocks, counts scaled within 5%,
 // percentiles within what the subsample can show, and each thread's trap time within the
 // budget.
