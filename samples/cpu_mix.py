@@ -1,6 +1,6 @@
 """Ground truth for a sampling profiler: threads doing known work, timed in-process.
 
-Usage: cpu_mix.py --truth PATH --duration SECONDS [--ready-fifo PATH] [--go-fifo PATH]
+Usage: cpu_mix.py --truth PATH --duration SECONDS [--ready-fifo PATH] [--go-fifo PATH] [--paced]
 
 Threads (OS names set through /proc/self/task/TID/comm, so a profiler can report them):
 
@@ -16,6 +16,19 @@ Threads (OS names set through /proc/self/task/TID/comm, so a profiler can report
                message.
   mix-feeder   `feed_pipe()` sleeps 30-70 ms then writes one message into that pipe (about 17
                messages/s once GIL waits are counted).
+
+With --paced the four workers are replaced by one that keeps step with a clock, as a paced
+engine loop or a poller does:
+
+  mix-paced    woken every 5 ms on the monotonic clock (absolute deadlines, so its steps
+               never drift), runs `paced_a()` then `paced_b()`, 0.5 ms of thread CPU each, and
+               sleeps until the next deadline in its loop (`paced_loop`, unattributed): about
+               20% on-CPU, each function 10% of the wall clock and half of the CPU time.
+
+Its step is a multiple of a 1 kHz or 200 Hz sampling period, so a sampler on a fixed grid
+meets every step at the same point of it: one that samples at a drifting phase reports
+paced_a and paced_b at half of the thread's CPU each; one in lock step reports one of them,
+the sleep, or nothing. This is the workload that holds a sampler to that.
 
 Lengths are drawn uniformly from those ranges (seeded, --seed) so that no cycle is a multiple
 of a 10 ms or 1 ms sampling period: a fixed 7+3 ms cycle sampled at exactly 100 Hz would alias.
@@ -95,6 +108,8 @@ SLEEP_S = (0.070, 0.110)
 BURST_CPU_NS = (3 * MS, 7 * MS)
 HANDLE_CPU_NS = 2 * MS
 FEED_INTERVAL_S = (0.030, 0.070)
+PACED_STEP_NS = 5 * MS
+PACED_CPU_NS = MS // 2
 
 STOP = threading.Event()
 IDLE = threading.Event()  # never set: wait_for_work's Event.wait always times out
@@ -160,6 +175,24 @@ def handle(data, cpu_ns):
     while tcpu() < end:
         for i in range(100):
             x = (x * 7 + i) % 1000037
+    return x
+
+
+def paced_a(cpu_ns):
+    end = tcpu() + cpu_ns
+    x = 1
+    while tcpu() < end:
+        for i in range(20):
+            x = (x * 11 + i) % 1000039
+    return x
+
+
+def paced_b(cpu_ns):
+    end = tcpu() + cpu_ns
+    x = 1
+    while tcpu() < end:
+        for i in range(20):
+            x = (x * 19 + i) % 1000081
     return x
 
 
@@ -257,6 +290,27 @@ def feeder_loop(rec, fd):
     os.close(fd)
 
 
+def paced_loop(rec):
+    calls = rec.calls
+    ARRIVED.release()
+    deadline = mono()
+    while not STOP.is_set():
+        deadline += PACED_STEP_NS
+        t0 = mono(); c0 = tcpu()
+        paced_a(PACED_CPU_NS)
+        c1 = tcpu(); t1 = mono()
+        calls.append(("paced_a", t0, t1, c0, c1))
+        t0 = mono(); c0 = tcpu()
+        paced_b(PACED_CPU_NS)
+        c1 = tcpu(); t1 = mono()
+        calls.append(("paced_b", t0, t1, c0, c1))
+        left = deadline - mono()
+        if left > 0:
+            time.sleep(left / 1e9)
+        else:  # late (preempted): keep the step from now on
+            deadline = mono()
+
+
 def thread_main(rec, loop, args):
     set_comm(rec.name)
     rec.native_id = threading.get_native_id()
@@ -311,6 +365,7 @@ def main():
     ap.add_argument("--ready-fifo", help="also write READY into this FIFO (opened for writing)")
     ap.add_argument("--go-fifo", help="after READY, wait for a line from this FIFO before the window")
     ap.add_argument("--seed", default="1", help="seed of the call-length draws")
+    ap.add_argument("--paced", action="store_true", help="one worker in step with a 5 ms clock instead of the four")
     args = ap.parse_args()
 
     main_rec = Recorder("mix-main", args.seed)
@@ -319,12 +374,16 @@ def main():
     main_rec.clock = time.pthread_getcpuclockid(threading.get_ident())
 
     rfd, wfd = os.pipe()
-    specs = [
-        (Recorder("mix-cpu", args.seed), cpu_loop, ()),
-        (Recorder("mix-sleeper", args.seed), sleeper_loop, ()),
-        (Recorder("mix-io", args.seed), io_loop, (rfd,)),
-        (Recorder("mix-feeder", args.seed), feeder_loop, (wfd,)),
-    ]
+    if args.paced:
+        specs = [(Recorder("mix-paced", args.seed), paced_loop, ())]
+        os.close(wfd)
+    else:
+        specs = [
+            (Recorder("mix-cpu", args.seed), cpu_loop, ()),
+            (Recorder("mix-sleeper", args.seed), sleeper_loop, ()),
+            (Recorder("mix-io", args.seed), io_loop, (rfd,)),
+            (Recorder("mix-feeder", args.seed), feeder_loop, (wfd,)),
+        ]
     threads = []
     for rec, loop, largs in specs:
         t = threading.Thread(target=thread_main, args=(rec, loop, largs), name=rec.name, daemon=True)

@@ -334,3 +334,19 @@ pub mod steps {
         out
     }
 }
+
+/// xorshift64*: a draw reproducible from its state (the cost benchmark's arm order, the probe
+/// budget's on-phase lengths, the sampling clock's periods).
+pub fn next_random(state: &mut u64) -> u64 {
+    let mut x = (*state).max(1);
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+}
+
+/// A draw uniform in [0, 1) from [`next_random`].
+pub fn unit_random(state: &mut u64) -> f64 {
+    (next_random(state) >> 11) as f64 / (1u64 << 53) as f64
+}

@@ -40,11 +40,18 @@ fn stack_has(rec: &Recording, stack: u32, f: &str) -> bool {
 /// at 200 Hz gives ~1,200, where 3 standard errors are ±4 points (its on/off-CPU split is exact
 /// from schedstat and keeps the ±3 bound).
 fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
+    check_with(label, backend, rate, share_tol, &[]);
+}
+
+/// [`check`] of cpu_mix run with `extra` arguments.
+fn check_with(label: &str, backend: &str, rate: &str, share_tol: f64, extra: &[&str]) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let Some((r, truth)) = record_workload(&interp(label), "cpu_mix.py", WINDOW_S, backend, rate)
+    let Some((r, truth, kept)) =
+        record_workload_at(&interp(label), "cpu_mix.py", extra, WINDOW_S, backend, rate)
     else {
         return;
     };
+    let _ = std::fs::remove_file(kept);
 
     let t0 = r.meta.start_mono_ns;
     let win = Window {
@@ -171,6 +178,22 @@ crate::interpreter_tests!(check {
     ground_truth_bpf_sid_3_14_container: ("sid-3.14", "bpf", "1000", 0.02),
     ground_truth_bpf_pyenv_3_10: ("pyenv-3.10", "bpf", "1000", 0.02),
 });
+
+// A worker woken every 5 ms on the clock (cpu_mix --paced), 0.5 ms in paced_a then 0.5 ms in
+// paced_b: its step is a multiple of the sampling period, so a sampler on a fixed grid meets
+// each step at one point for the whole recording (at 1 kHz one sample a step, always in the
+// same function or in the sleep). The sampling clock's re-phasing must give each function its
+// half: the wall shares hold the same bound as cpu_mix's (the thread has ~1,200 samples at
+// 1 kHz, ~240 at 200 Hz, where 3 standard errors of a 0.1 wall share are about 3 points).
+#[test]
+fn paced_step_sampled_at_every_phase_bpf_1khz_pyenv_3_12() {
+    check_with("pyenv-3.12", "bpf", "1000", 0.02, &["--paced"]);
+}
+
+#[test]
+fn paced_step_sampled_at_every_phase_bpf_200hz_sid_3_15() {
+    check_with("sid-3.15", "bpf", "200", 0.035, &["--paced"]);
+}
 
 #[test]
 fn ground_truth_memory_backend_pyenv_3_12() {

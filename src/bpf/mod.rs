@@ -5,11 +5,11 @@
 //! exits, however it exits (SIGKILL included), the kernel detaches and frees all of it.
 
 pub mod abi;
+mod clock;
 pub mod closer;
 
 use anyhow::{anyhow, bail, Context};
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
-use aya::programs::perf_event::{PerfEventConfig, PerfEventScope, SamplePolicy, SoftwareEvent};
 use aya::programs::{BtfTracePoint, PerfEvent};
 use aya::{Btf, Ebpf, EbpfLoader};
 
@@ -64,6 +64,8 @@ pub struct BpfSampler {
     cpu_slots_refused: Option<String>,
     /// The slots being opened off the loop ([`CpuSlot::open_all`]).
     cpu_slots_coming: Option<std::sync::mpsc::Receiver<Result<Vec<CpuSlot>, String>>>,
+    /// The cpu-clock events that run `on_sample`, one per CPU.
+    clock: clock::SampleClock,
 }
 
 impl Drop for BpfSampler {
@@ -116,7 +118,7 @@ impl BpfSampler {
             .load(OBJECT)
             .map_err(|e| anyhow!("loading the BPF object failed: {e:#}"))?;
         let period_ns = 1_000_000_000u64 / rate_hz.max(1) as u64;
-        {
+        let clock = {
             let prog: &mut PerfEvent = bpf
                 .program_mut("on_sample")
                 .context("BPF object has no on_sample program")?
@@ -124,16 +126,11 @@ impl BpfSampler {
             prog.load()
                 .map_err(|e| anyhow!("verifier rejected on_sample: {e:#}"))?;
             let cpus = aya::util::online_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
-            for cpu in cpus {
-                prog.attach(
-                    PerfEventConfig::Software(SoftwareEvent::CpuClock),
-                    PerfEventScope::AllProcessesOneCpu { cpu },
-                    SamplePolicy::Period(period_ns),
-                    false,
-                )
-                .with_context(|| format!("opening a cpu-clock perf event on CPU {cpu}"))?;
-            }
-        }
+            // Our own events rather than aya's attach: their period is re-drawn while
+            // recording (clock.rs: a fixed grid keeps step with targets paced by timers).
+            let prog_fd = raw_fd(prog).context("on_sample is not loaded")?;
+            clock::SampleClock::open(prog_fd, &cpus, period_ns)?
+        };
         // GIL waits are timed from the switches too (a thread falling asleep in futex(2) on
         // the GIL, and its switch-in): no program runs on other system calls.
         if offcpu || gil {
@@ -181,6 +178,7 @@ impl BpfSampler {
             cpu_slots: Vec::new(),
             cpu_slots_refused: None,
             cpu_slots_coming: None,
+            clock,
         })
     }
 
@@ -803,7 +801,15 @@ impl BpfSampler {
             out.push(("bpf_prog_runs".into(), runs));
         }
         out.push(("gc_uprobe_links_closed_here".into(), self.closed_here));
+        out.push(("sampling_rephases".into(), self.clock.rephases));
+        out.push(("sampling_rephase_errors".into(), self.clock.rephase_errors));
         out
+    }
+
+    /// Give the sampling clock of each CPU whose turn has come a new period and phase
+    /// (clock.rs); the recording loop calls it every turn.
+    pub fn rephase_sampling(&mut self) {
+        self.clock.rephase(crate::sys::monotonic_ns());
     }
 
     /// Keep the object alive (programs and links are owned by it).

@@ -645,6 +645,7 @@ impl Source for BpfSource {
         if let Some(n) = self.native.as_mut() {
             n.native.apply_builtins();
         }
+        self.b.rephase_sampling();
         self.flush_gc_methods(pipe)?;
         self.drain(targets, pipe, Some(DRAIN_SLICE))?;
         self.consider_new_code(targets, pipe)?;

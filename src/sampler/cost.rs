@@ -19,6 +19,7 @@
 //! on less that part), and a null comparison (all off against all off) shows the interval the
 //! instrument reaches when nothing differs.
 
+use crate::sys::next_random;
 use std::time::Duration;
 
 use crate::bpf::abi::{OFF_GC, OFF_PROBE, OFF_SAMPLE, OFF_SWITCH};
@@ -183,17 +184,6 @@ pub struct Slice {
     pub comparison: usize,
     pub pair: usize,
     pub on: bool,
-}
-
-/// xorshift64*: the order of each pair's arms, reproducible from the seed (and the probe
-/// budget's on-phase lengths).
-pub(crate) fn next_random(state: &mut u64) -> u64 {
-    let mut x = (*state).max(1);
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    *state = x;
-    x.wrapping_mul(0x2545_F491_4F6C_DD1D)
 }
 
 impl CostPlan {
@@ -722,7 +712,7 @@ mod tests {
     #[test]
     fn the_interval_covers_the_truth() {
         let mut state = 7u64;
-        let mut uniform = || (next_random(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+        let mut uniform = || crate::sys::unit_random(&mut state);
         let mut covered = 0;
         let runs = 400;
         for run in 0..runs {

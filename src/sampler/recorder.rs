@@ -32,6 +32,20 @@ const WARM_MIN: Duration = Duration::from_millis(300);
 const WARM_QUIET: Duration = Duration::from_millis(200);
 /// And at this at the most: a probe found later carries its own start (coverage).
 const WARM_MAX: Duration = Duration::from_millis(1500);
+
+/// One turn of the recording loop: `period` drawn uniform within a quarter of it either
+/// way. A fixed turn keeps step with a target paced by a timer (a 5 ms step loop against a
+/// 20 ms turn): the memory source's stacks, and the warm-up's walks that find probed
+/// functions, would then always meet it at the same point of its step.
+fn turn(period: Duration, rng: &mut u64) -> Duration {
+    let u = crate::sys::unit_random(rng);
+    period.mul_f64(0.75 + 0.5 * u)
+}
+
+/// A seed for [`turn`]'s draws.
+fn turn_seed() -> u64 {
+    (monotonic_ns() ^ ((std::process::id() as u64) << 32)) | 1
+}
 pub struct Recorder<'a> {
     pub opts: &'a RecordOptions,
     pub targets: Targets,
@@ -133,6 +147,7 @@ impl<'a> Recorder<'a> {
         let mut changed = Instant::now();
         let mut last_threads = Instant::now();
         let period = self.source.period();
+        let mut rng = turn_seed();
         loop {
             let e = started.elapsed();
             if self.opts.stop.is_stopped()
@@ -141,7 +156,7 @@ impl<'a> Recorder<'a> {
             {
                 break;
             }
-            std::thread::sleep(period);
+            std::thread::sleep(turn(period, &mut rng));
             self.source.collect(&mut self.targets, &mut self.pipe)?;
             if last_threads.elapsed() >= THREADS_EVERY {
                 last_threads = Instant::now();
@@ -214,6 +229,7 @@ impl<'a> Recorder<'a> {
         let since = self.window_start.unwrap_or_else(Instant::now);
         let deadline = self.opts.duration.map(|d| since + d);
         let period = self.source.period();
+        let mut rng = turn_seed();
         let mut next = Instant::now();
         // Real-time only while the loop mostly sleeps: a loop that cannot keep up would take
         // its CPU from the target's threads, so past half of a second busy it runs as a
@@ -228,7 +244,7 @@ impl<'a> Recorder<'a> {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 return Ok("duration reached".into());
             }
-            next += period;
+            next += turn(period, &mut rng);
             let now = Instant::now();
             if next > now {
                 std::thread::sleep(next - now);

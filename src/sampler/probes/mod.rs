@@ -40,9 +40,9 @@ use crate::cpython::opcodes;
 use crate::cpython::{Frame, PythonProcess};
 use crate::record::model::{FunctionCall, ProbeInfo, ProbeWatch};
 
-use super::cost::next_random;
 use super::sink::Sink;
 use super::Pipeline;
+use crate::sys::next_random;
 
 mod calls;
 mod counters;

@@ -310,8 +310,8 @@ pub(super) fn phase_steps(ts: &[PhaseState], now: u64) -> Vec<(i32, PhaseStep)> 
 
 #[cfg(test)]
 mod tests {
-    use super::super::super::cost::next_random;
     use super::*;
+    use crate::sys::next_random;
 
     const MS: u64 = 1_000_000;
 
