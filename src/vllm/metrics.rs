@@ -110,7 +110,31 @@ pub struct LiveCheck {
     /// Of the families enginescope's summaries use, those absent under every spelling
     /// (`metrics::names::RELIED_ON`), by current name.
     pub missing: Vec<String>,
+    /// Of those, the engine's gauges that an engine with several API servers serves only
+    /// once it has published its first stats (Prometheus multiprocess mode writes a gauge
+    /// when it is first set): absent before the first request, not unreadable
+    /// ([`LiveCheck::several_api_servers`]). Left in `missing` too.
+    pub not_yet: Vec<String>,
     pub error: String,
+}
+
+impl LiveCheck {
+    /// An engine with several API servers (`--api-server-count N`) serves its gauges
+    /// (running, waiting, KV usage) only after its first stats: those of `missing` go to
+    /// `not_yet` as well, so that the check says they are to come rather than absent.
+    pub fn several_api_servers(&mut self) {
+        let gauges = [
+            crate::metrics::names::RUNNING.name,
+            crate::metrics::names::WAITING.name,
+            crate::metrics::names::KV_CACHE_USAGE.name,
+        ];
+        self.not_yet = self
+            .missing
+            .iter()
+            .filter(|m| gauges.contains(&m.as_str()))
+            .cloned()
+            .collect();
+    }
 }
 
 /// Check that `url` answers with `vllm:` metrics.

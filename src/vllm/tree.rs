@@ -22,7 +22,13 @@ pub fn run(json: bool, metrics_url: Option<&str>) -> anyhow::Result<String> {
     let checks: Vec<LiveCheck> = d
         .engines
         .iter()
-        .map(|e| check(&e.metrics_url, CHECK_TIMEOUT))
+        .map(|e| {
+            let mut c = check(&e.metrics_url, CHECK_TIMEOUT);
+            if e.api_server_pids.len() > 1 {
+                c.several_api_servers();
+            }
+            c
+        })
         .collect();
     if json {
         let out = Output {
@@ -103,11 +109,23 @@ pub fn render_text(d: &Discovery, checks: &[LiveCheck]) -> String {
                     "  live:    ok, {} vllm: series, {} names",
                     c.vllm_series, c.vllm_names
                 );
-                if c.missing.is_empty() {
-                    s.push('\n');
-                } else {
-                    let _ = writeln!(s, "; missing: {}", c.missing.join(", "));
+                let absent: Vec<&str> = c
+                    .missing
+                    .iter()
+                    .filter(|m| !c.not_yet.contains(m))
+                    .map(String::as_str)
+                    .collect();
+                if !absent.is_empty() {
+                    let _ = write!(s, "; missing: {}", absent.join(", "));
                 }
+                if !c.not_yet.is_empty() {
+                    let _ = write!(
+                        s,
+                        "; not served yet: {} (with several API servers vLLM serves its gauges once the engine has published stats, after the first request)",
+                        c.not_yet.join(", ")
+                    );
+                }
+                s.push('\n');
             } else if !e.metrics_url.is_empty() {
                 let _ = writeln!(s, "  live:    FAILED: {}", c.error);
             }
@@ -168,5 +186,29 @@ mod tests {
             \x20 live:    ok, 330 vllm: series, 90 names\n";
         assert_eq!(t, want);
         assert!(render_text(&Discovery::default(), &[]).starts_with("no vLLM engine found"));
+
+        // With several API servers the engine's gauges come after its first stats: said as
+        // such, apart from what is really absent.
+        let mut c = LiveCheck {
+            ok: true,
+            vllm_series: 325,
+            vllm_names: 67,
+            missing: vec![
+                "vllm:kv_cache_usage_perc".into(),
+                "vllm:num_requests_running".into(),
+                "vllm:time_to_first_token_seconds_bucket".into(),
+            ],
+            ..Default::default()
+        };
+        c.several_api_servers();
+        assert_eq!(
+            c.not_yet,
+            ["vllm:kv_cache_usage_perc", "vllm:num_requests_running"]
+        );
+        let t = render_text(&d, &[c]);
+        assert!(
+            t.contains("; missing: vllm:time_to_first_token_seconds_bucket; not served yet: vllm:kv_cache_usage_perc, vllm:num_requests_running (with several API servers"),
+            "{t}"
+        );
     }
 }
