@@ -179,6 +179,10 @@ def last_line(text):
 
 # --- measuring one run -------------------------------------------------------------------------
 
+# Seconds after a profiler's start from which its CPU counts as steady state.
+STEADY_AFTER_S = 2.0
+
+
 def proc_cpu_ticks(pid):
     """utime + stime of a live process, in clock ticks."""
     with open("/proc/%d/stat" % pid) as f:
@@ -241,6 +245,46 @@ class CpuLog(threading.Thread):
             except OSError:
                 return
             self.stop.wait(0.05)
+
+
+def tree_cpu_ticks(pid):
+    """utime + stime of a live process and every live descendant, in clock ticks (the
+    profiler runs under GNU time, and may fork helpers)."""
+    total, todo, seen = 0, [pid], set()
+    while todo and len(seen) < 256:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            total += proc_cpu_ticks(p)
+            for tid in os.listdir("/proc/%d/task" % p):
+                with open("/proc/%d/task/%s/children" % (p, tid)) as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+class ProfilerCpuLog(threading.Thread):
+    """Logs (CLOCK_MONOTONIC ns, CPU ticks of the profiler's process tree) every 100 ms until
+    stopped: its CPU in steady state, start-up and exit left out."""
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.log, self.stop = pid, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.log.append((time.monotonic_ns(), tree_cpu_ticks(self.pid)))
+            self.stop.wait(0.1)
+
+    def rate(self, a, b):
+        """CPU s/s between the first entry at or after a and the last at or before b (ns)."""
+        inside = [e for e in self.log if a <= e[0] <= b]
+        if len(inside) < 2 or inside[-1][0] - inside[0][0] < 1e9:
+            return None
+        (ta, ca), (tb, cb) = inside[0], inside[-1]
+        return (cb - ca) / CLK_TCK / ((tb - ta) / 1e9)
 
 
 def interp(series, t):
@@ -341,12 +385,21 @@ def run_once(args, config, workdir, index):
             if config.env:
                 env = dict(env or os.environ, **config.env)
             prof = spawn_measured(argv, log_path, rss_path, env)
+            plog = ProfilerCpuLog(prof.pid)
+            plog.start()
             # A profiler that hangs is killed once the target's window is over, plus 10 s.
             killer = threading.Timer(window + 10, prof.kill)
             killer.start()
             _, status, ru = os.wait4(prof.pid, 0)
             t_exit = time.monotonic_ns()
             killer.cancel()
+            plog.stop.set()
+            plog.join()
+            # Steady state: from STEADY_AFTER_S after the start to 0.3 s before the end the
+            # profiler was asked for (start-up and exit left out).
+            steady = plog.rate(t_spawn + int(STEADY_AFTER_S * 1e9), t_spawn + int((args.duration - 0.3) * 1e9))
+            if steady is not None:
+                rec["steady_cpu_per_s"] = steady
             prof.returncode = os.waitstatus_to_exitcode(status)
             with open(log_path, errors="replace") as f:
                 log_text = f.read()
@@ -622,6 +675,21 @@ def cpu_cost_summary(configs, records):
                                % (a, b, spread(ratios, 1, ".2f"), len(ratios), min(ratios), max(ratios)))
     if ratio_lines:
         lines += ["", "Measured CPU ratios, each round's pair of runs divided, median [IQR]:", ""] + ratio_lines
+    steady = {}
+    for r in records:
+        if "steady_cpu_per_s" in r:
+            steady.setdefault((r["tool"], r["rate"]), []).append(
+                r["steady_cpu_per_s"] + r.get("bpf_cpu_per_s", 0.0))
+    if steady:
+        lines += ["", "Steady state: the profiler's CPU from %g s after its start to 0.3 s before the end it was "
+                  "asked for (start-up and exit left out; ticks of its process tree), plus enginescope's BPF "
+                  "run time over the run, in s/s, median [IQR]; against enginescope's at the same rate:" % STEADY_AFTER_S, "",
+                  "| profiler | rate Hz | CPU s/s (steady, + BPF) | / enginescope's | runs |", "|---|---|---|---|---|"]
+        for (tool, rate), v in sorted(steady.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0])):
+            es = steady.get(("enginescope", rate))
+            ratio = "%.2f" % (statistics.median(v) / statistics.median(es)) if es and statistics.median(es) > 0 else "–"
+            lines.append("| %s | %s | %s | %s | %d |" % (tool, rate, spread(v), ratio, len(v)))
+
     return "\n".join(lines) + "\n"
 
 
