@@ -44,7 +44,7 @@ fn all_program_ids() -> Vec<u64> {
         .collect()
 }
 
-/// BPF link ids held by `pid` (aya attaches perf events and tracepoints through links).
+/// BPF link ids held by `pid` (aya attaches tracepoints and uprobes through links).
 fn links_held_by(pid: u32) -> Vec<u64> {
     let mut ids = Vec::new();
     for e in std::fs::read_dir(format!("/proc/{pid}/fdinfo"))
@@ -57,6 +57,17 @@ fn links_held_by(pid: u32) -> Vec<u64> {
         }
     }
     ids
+}
+
+/// Perf event descriptors held by `pid`.
+fn perf_events_held_by(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().contains("perf_event"))
+        })
+        .count()
 }
 
 fn all_link_ids() -> Vec<u64> {
@@ -218,10 +229,14 @@ fn check(how: &str) {
         "the recorder should hold on_sample and on_switch, held {held:?}"
     );
     let links = links_held_by(rec.id());
+    assert!(!links.is_empty(), "a link for sched_switch, got {links:?}");
+    // The sampling clock: a cpu-clock perf event per CPU running on_sample, set by ioctl
+    // (no link; src/bpf/clock.rs). Closing them, at any exit, releases the program (below).
     let cpus = std::thread::available_parallelism().unwrap().get();
+    let perf_events = perf_events_held_by(rec.id());
     assert!(
-        links.len() > cpus,
-        "one perf-event link per CPU plus sched_switch, got {links:?}"
+        perf_events >= cpus,
+        "one cpu-clock perf event per CPU ({cpus}), held {perf_events}"
     );
     assert!(links.iter().all(|id| all_link_ids().contains(id)));
     assert!(held.iter().all(|id| all_program_ids().contains(id)));
