@@ -1349,9 +1349,29 @@ fn kv_memory_wall_is_named() {
             (b.min(load_to) - a.max(load_from)).max(0.0)
         })
         .sum();
+    // The engine's figures per window, for a failure to be read.
+    let engine_windows: Vec<String> = report["windows"]
+        .as_array()
+        .map(|v| {
+            v.iter()
+                .map(|w| {
+                    let e = w["engines"]
+                        .as_array()
+                        .and_then(|es| es.iter().find(|e| e["id"] == id))
+                        .cloned()
+                        .unwrap_or_default();
+                    format!(
+                        "{}-{} s: running {} waiting {} kv {}",
+                        w["start_s"], w["end_s"], e["running"], e["waiting"], e["kv_usage"]
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    eprintln!("windows of {id}: {engine_windows:#?}");
     assert!(
         covered >= 0.5 * (load_to - load_from),
-        "kv_memory_wall findings of {id} cover {covered:.1} s of the load's {:.1} s: {walls:?}",
+        "kv_memory_wall findings of {id} cover {covered:.1} s of the load's {:.1} s: {walls:?}; windows {engine_windows:#?}",
         load_to - load_from
     );
 }
