@@ -76,7 +76,7 @@ impl SampleClock {
             rest: [0; 7],
         };
         let now = crate::sys::monotonic_ns();
-        let mut rng = (now ^ ((std::process::id() as u64) << 32)) | 1;
+        let mut rng = crate::sys::random_seed();
         let mut out = Vec::with_capacity(cpus.len());
         for &cpu in cpus {
             let fd = perf_event_open_on(&attr, -1, cpu as i32).map_err(|e| {

@@ -8,11 +8,9 @@
 //! and re-read. Lines are cached per (code, instruction offset).
 
 use std::collections::HashSet;
-
-/// A map keyed by what the recorder meets per event (foldhash: SipHash's cost per lookup was
-/// a fifth of the recorder's CPU at 1 kHz; seeded per process).
-type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
+
+use crate::sys::FastMap;
 
 use super::memory::MemorySource;
 use super::objects::{self, CodeInfo};

@@ -19,10 +19,10 @@
 //! on less that part), and a null comparison (all off against all off) shows the interval the
 //! instrument reaches when nothing differs.
 
-use crate::sys::next_random;
 use std::time::Duration;
 
 use crate::bpf::abi::{OFF_GC, OFF_PROBE, OFF_SAMPLE, OFF_SWITCH};
+use crate::sys::next_random;
 
 /// The asyncio task readers (user space only: not a BPF bit).
 pub const OFF_TASKS: u32 = 1 << 16;

@@ -42,10 +42,6 @@ fn turn(period: Duration, rng: &mut u64) -> Duration {
     period.mul_f64(0.75 + 0.5 * u)
 }
 
-/// A seed for [`turn`]'s draws.
-fn turn_seed() -> u64 {
-    (monotonic_ns() ^ ((std::process::id() as u64) << 32)) | 1
-}
 pub struct Recorder<'a> {
     pub opts: &'a RecordOptions,
     pub targets: Targets,
@@ -147,7 +143,7 @@ impl<'a> Recorder<'a> {
         let mut changed = Instant::now();
         let mut last_threads = Instant::now();
         let period = self.source.period();
-        let mut rng = turn_seed();
+        let mut rng = crate::sys::random_seed();
         loop {
             let e = started.elapsed();
             if self.opts.stop.is_stopped()
@@ -229,7 +225,7 @@ impl<'a> Recorder<'a> {
         let since = self.window_start.unwrap_or_else(Instant::now);
         let deadline = self.opts.duration.map(|d| since + d);
         let period = self.source.period();
-        let mut rng = turn_seed();
+        let mut rng = crate::sys::random_seed();
         let mut next = Instant::now();
         // Real-time only while the loop mostly sleeps: a loop that cannot keep up would take
         // its CPU from the target's threads, so past half of a second busy it runs as a

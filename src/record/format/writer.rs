@@ -3,12 +3,10 @@
 //! reserve that keeps a full disk from cutting the recording's end.
 
 use std::collections::HashMap;
-
-/// Maps looked up for every event (interned frames and stacks): foldhash, seeded per process
-/// (SipHash was a fifth of the recorder's CPU at 1 kHz).
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::io::{BufWriter, Write};
 use std::path::Path;
+
+use crate::sys::FastMap;
 
 use anyhow::Context;
 
