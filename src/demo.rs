@@ -289,11 +289,32 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
         stop: opts.stop.clone(),
         ..RecordOptions::new(Vec::new(), rec_path.clone())
     };
+    record_engine(ropts, engine, &go, &rec_path, live)?;
+    write_views(&rec_path, &out)?;
+    let rec = crate::record::read_recording(&rec_path)?;
+    print_findings(&rec, &truth)?;
+    if opts.fixed {
+        print_diff(opts, &out, &rec_path, &rec)?;
+    } else {
+        println!("\nNext: `enginescope demo --fixed` runs the same engine with the fixes and writes the diff.");
+    }
+    Ok(())
+}
+
+/// Record the engine: behind the live dashboard in a terminal, else for its whole window (which
+/// starts once the probes are attached) on a thread of its own.
+fn record_engine(
+    ropts: RecordOptions,
+    engine: Engine,
+    go: &Path,
+    rec_path: &Path,
+    live: bool,
+) -> anyhow::Result<()> {
     if live {
         println!(
             "   starting the live dashboard (q to quit; Tab switches views; Enter shows a thread)"
         );
-        go_when_probed(&go, None)?;
+        go_when_probed(go, None)?;
         crate::tui::run_record(ropts, false, Duration::from_secs(10))?;
         // The engine writes its truth when it stops.
         drop(engine);
@@ -307,7 +328,7 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
             .context("starting the recorder")?;
         // The engine's window starts once the probes are attached (they attach when the
         // sampler first meets each function), so the whole window is timed.
-        go_when_probed(&go, Some(&rec_path))?;
+        go_when_probed(go, Some(rec_path))?;
         let mut engine = engine;
         let status = engine.child.wait()?;
         ropts.stop.stop();
@@ -322,10 +343,14 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
             summary.samples, summary.offcpu_intervals, summary.bytes, summary.backend
         );
     }
-    write_views(&rec_path, &out)?;
-    let rec = crate::record::read_recording(&rec_path)?;
+    Ok(())
+}
+
+/// The report's findings, each with the engine's own figure where it times one, then the
+/// demo's comparison of every figure with the engine's truth files.
+fn print_findings(rec: &crate::record::Recording, truth: &Path) -> anyhow::Result<()> {
     let report =
-        crate::views::report::Report::build(&rec, &crate::views::filter::Selection::all(&rec));
+        crate::views::report::Report::build(rec, &crate::views::filter::Selection::all(rec));
     println!("\n== findings (report.md, from any recording; ranked by the share of time each explains), with the engine's own figure where it times one\n");
     if report.findings.is_empty() {
         println!("   none");
@@ -343,61 +368,68 @@ pub fn run(opts: &DemoOptions) -> anyhow::Result<()> {
             f.score * 100.0,
             f.verdict
         );
-        if let Some(own) = own_figure(f, &truth) {
+        if let Some(own) = own_figure(f, truth) {
             println!("   engine's own: {own}");
         }
     }
-    print!("{}", findings(&rec, &truth)?);
-    if opts.fixed {
-        let slow = opts.baseline.clone().unwrap_or_else(|| {
-            out.parent()
-                .unwrap_or(Path::new("."))
-                .join("enginescope-demo/demo.esrec")
-        });
-        if slow.exists() {
-            let args = crate::views::diff::DiffArgs {
-                a: slow.clone(),
-                b: rec_path.clone(),
-                format: crate::views::ReportFormat::Md,
-                output: Some(out.join("diff.md")),
-                flame: Some(out.join("diff-flame.svg")),
-                top: 20,
-                no_native: false,
-            };
-            crate::views::diff::run(&args)?;
-            println!(
-                "\n== diff against the slow run: {} (and {})",
-                out.join("diff.md").display(),
-                out.join("diff-flame.svg").display()
-            );
-            let before = crate::record::read_recording(&slow)?;
-            for f in crate::views::diff::finding_deltas(&before, &rec) {
-                if f.status == "unchanged" {
-                    continue;
-                }
-                let what = match &f.figure {
-                    Some(g) => format!(
-                        "{:.1} -> {:.1} {}",
-                        g.value.a.unwrap_or(0.0),
-                        g.value.b.unwrap_or(0.0),
-                        g.name
-                    ),
-                    None => format!(
-                        "{:.1}% -> {:.1}%",
-                        f.score_pct.a.unwrap_or(0.0),
-                        f.score_pct.b.unwrap_or(0.0)
-                    ),
-                };
-                println!(
-                    "   {:<9} {} {}/{} {}: {what}",
-                    f.status, f.kind, f.process, f.thread, f.function
-                );
+    print!("{}", findings(rec, truth)?);
+    Ok(())
+}
+
+/// The fixed run against the slow one (`--baseline`, else the default output beside): `diff`'s
+/// files, and which findings appeared, vanished or changed.
+fn print_diff(
+    opts: &DemoOptions,
+    out: &Path,
+    rec_path: &Path,
+    rec: &crate::record::Recording,
+) -> anyhow::Result<()> {
+    let slow = opts.baseline.clone().unwrap_or_else(|| {
+        out.parent()
+            .unwrap_or(Path::new("."))
+            .join("enginescope-demo/demo.esrec")
+    });
+    if slow.exists() {
+        let args = crate::views::diff::DiffArgs {
+            a: slow.clone(),
+            b: rec_path.to_path_buf(),
+            format: crate::views::ReportFormat::Md,
+            output: Some(out.join("diff.md")),
+            flame: Some(out.join("diff-flame.svg")),
+            top: 20,
+            no_native: false,
+        };
+        crate::views::diff::run(&args)?;
+        println!(
+            "\n== diff against the slow run: {} (and {})",
+            out.join("diff.md").display(),
+            out.join("diff-flame.svg").display()
+        );
+        let before = crate::record::read_recording(&slow)?;
+        for f in crate::views::diff::finding_deltas(&before, rec) {
+            if f.status == "unchanged" {
+                continue;
             }
-        } else {
-            println!("\n(run `enginescope demo` first, then `enginescope demo --fixed` again, to get the diff)");
+            let what = match &f.figure {
+                Some(g) => format!(
+                    "{:.1} -> {:.1} {}",
+                    g.value.a.unwrap_or(0.0),
+                    g.value.b.unwrap_or(0.0),
+                    g.name
+                ),
+                None => format!(
+                    "{:.1}% -> {:.1}%",
+                    f.score_pct.a.unwrap_or(0.0),
+                    f.score_pct.b.unwrap_or(0.0)
+                ),
+            };
+            println!(
+                "   {:<9} {} {}/{} {}: {what}",
+                f.status, f.kind, f.process, f.thread, f.function
+            );
         }
     } else {
-        println!("\nNext: `enginescope demo --fixed` runs the same engine with the fixes and writes the diff.");
+        println!("\n(run `enginescope demo` first, then `enginescope demo --fixed` again, to get the diff)");
     }
     Ok(())
 }

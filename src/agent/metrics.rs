@@ -244,146 +244,154 @@ impl Metrics {
                 .get_or_create(&KindLabels { kind: kind.into() });
         }
         let mut r = Registry::default();
-        let c = m.clone();
-        let reg = &mut r;
-        reg.register(
-            "enginescope_thread_cpu_seconds",
-            "CPU time of Python threads, from samples (each stands for one sampling period)",
-            c.thread_cpu,
-        );
-        reg.register(
-            "enginescope_thread_gil_held_seconds",
-            "CPU time during which the thread held the GIL, from samples",
-            c.thread_gil_held,
-        );
-        reg.register(
+        register_targets(&mut r, m.clone());
+        register_agent(&mut r, m.clone());
+        (m, r)
+    }
+}
+
+/// The families of what the targets did: threads, functions, GC, probe calls.
+fn register_targets(reg: &mut Registry, c: Metrics) {
+    reg.register(
+        "enginescope_thread_cpu_seconds",
+        "CPU time of Python threads, from samples (each stands for one sampling period)",
+        c.thread_cpu,
+    );
+    reg.register(
+        "enginescope_thread_gil_held_seconds",
+        "CPU time during which the thread held the GIL, from samples",
+        c.thread_gil_held,
+    );
+    reg.register(
             "enginescope_thread_gil_wait_seconds",
             "Time threads spent blocked waiting for the GIL (exact: futex waits, counted when each wait ends; a forced switch's handshake, the dropping thread waiting for the taker, is not a wait)",
             c.thread_gil_wait,
         );
-        reg.register(
+    reg.register(
             "enginescope_thread_gil_switch_wait_seconds",
             "Time threads spent in forced-switch handshakes: asked to drop the GIL, the dropping thread waits until the taker has it (exact: futex waits on the switch condition, counted when each ends); report's and top's switch-wait column",
             c.thread_gil_switch_wait,
         );
-        reg.register(
+    reg.register(
             "enginescope_thread_offcpu_seconds",
             "Time threads spent off CPU, blocked or preempted (exact: sched_switch, counted when each interval ends)",
             c.thread_offcpu,
         );
-        reg.register(
+    reg.register(
             "enginescope_function_cpu_seconds",
             "CPU time by the innermost Python function (self time), from samples; top functions, the rest in function=\"_other\"",
             c.function_cpu,
         );
-        reg.register("enginescope_samples", "On-CPU samples recorded", c.samples);
-        reg.register(
+    reg.register("enginescope_samples", "On-CPU samples recorded", c.samples);
+    reg.register(
             "enginescope_gc_pause_seconds",
             "Garbage-collection pauses by generation (exact: uprobes on the collector, or a watchpoint on its state; generation=\"-1\" when unknown)",
             c.gc_pause,
         );
-        reg.register(
-            "enginescope_gc_collected_objects",
-            "Objects freed by garbage collections",
-            c.gc_collected,
-        );
-        reg.register(
+    reg.register(
+        "enginescope_gc_collected_objects",
+        "Objects freed by garbage collections",
+        c.gc_collected,
+    );
+    reg.register(
             "enginescope_probe_call_duration_seconds",
             "Duration of calls of probed functions (method=\"exact\": every call, from hardware breakpoints; \"sampled\": runs seen across samples)",
             c.probe_duration,
         );
-        reg.register(
+}
+
+/// The families of the agent itself: what it lost or failed, what it keeps on disk, its process.
+fn register_agent(reg: &mut Registry, c: Metrics) {
+    reg.register(
             "enginescope_samples_lost",
             "Events (samples, context switches, GIL and GC edges) dropped because the kernel ring buffer was full",
             c.samples_lost,
         );
-        reg.register(
+    reg.register(
             "enginescope_recorder_errors",
             "Failure paths of the recorder (stack reads, unresolved frames, watchpoint attaches), by kind",
             c.recorder_errors,
         );
-        reg.register(
+    reg.register(
             "enginescope_probe_errors",
             "Probe failures: attach_failed (no free debug register on a thread), unfinished (call left without a return), unmatched_return, ambiguous_edge (direction of a reference-count write inferred)",
             c.probe_errors,
         );
-        reg.register(
-            "enginescope_probes_switched_to_sampling",
-            "Exact probes switched to the sampled method for their call rate",
-            c.probes_demoted,
-        );
-        reg.register(
-            "enginescope_scrape_errors",
-            "Failed scrapes of an engine's /metrics",
-            c.scrape_errors,
-        );
-        reg.register(
-            "enginescope_processes",
-            "Target processes being recorded",
-            c.processes,
-        );
-        reg.register(
+    reg.register(
+        "enginescope_probes_switched_to_sampling",
+        "Exact probes switched to the sampled method for their call rate",
+        c.probes_demoted,
+    );
+    reg.register(
+        "enginescope_scrape_errors",
+        "Failed scrapes of an engine's /metrics",
+        c.scrape_errors,
+    );
+    reg.register(
+        "enginescope_processes",
+        "Target processes being recorded",
+        c.processes,
+    );
+    reg.register(
             "enginescope_label_sets_aggregated",
             "Events added into an aggregate series (thread or function \"_other\") for lack of room under the cardinality cap",
             c.aggregated,
         );
-        reg.register(
-            "enginescope_recording_segments",
-            "Recording segments on disk",
-            c.segments,
-        );
-        reg.register(
-            "enginescope_recording_bytes",
-            "Bytes of recording segments on disk",
-            c.recording_bytes,
-        );
-        reg.register(
-            "enginescope_recording_rotations",
-            "Recording segments started after the first",
-            c.rotations,
-        );
-        reg.register(
-            "enginescope_recorder_restarts",
-            "Times the recorder started again (targets gone, an error, or no engine yet)",
-            c.recorder_restarts,
-        );
-        reg.register(
+    reg.register(
+        "enginescope_recording_segments",
+        "Recording segments on disk",
+        c.segments,
+    );
+    reg.register(
+        "enginescope_recording_bytes",
+        "Bytes of recording segments on disk",
+        c.recording_bytes,
+    );
+    reg.register(
+        "enginescope_recording_rotations",
+        "Recording segments started after the first",
+        c.rotations,
+    );
+    reg.register(
+        "enginescope_recorder_restarts",
+        "Times the recorder started again (targets gone, an error, or no engine yet)",
+        c.recorder_restarts,
+    );
+    reg.register(
             "enginescope_profile_pushes",
             "CPU profiles pushed to --push (sent), not accepted and kept to retry (failed), or given up (dropped)",
             c.profile_pushes,
         );
-        reg.register(
-            "enginescope_info",
-            "The agent's version and backend",
-            c.info,
-        );
-        reg.register(
-            "process_resident_memory_bytes",
-            "Resident memory of the agent",
-            c.rss,
-        );
-        reg.register(
-            "process_virtual_memory_bytes",
-            "Virtual memory of the agent",
-            c.vsize,
-        );
-        reg.register(
-            "process_cpu_seconds",
-            "CPU time of the agent (user and system)",
-            c.cpu,
-        );
-        reg.register(
-            "process_open_fds",
-            "Open file descriptors of the agent",
-            c.open_fds,
-        );
-        reg.register(
-            "process_start_time_seconds",
-            "Start time of the agent, seconds since the Unix epoch",
-            c.start_time,
-        );
-        (m, r)
-    }
+    reg.register(
+        "enginescope_info",
+        "The agent's version and backend",
+        c.info,
+    );
+    reg.register(
+        "process_resident_memory_bytes",
+        "Resident memory of the agent",
+        c.rss,
+    );
+    reg.register(
+        "process_virtual_memory_bytes",
+        "Virtual memory of the agent",
+        c.vsize,
+    );
+    reg.register(
+        "process_cpu_seconds",
+        "CPU time of the agent (user and system)",
+        c.cpu,
+    );
+    reg.register(
+        "process_open_fds",
+        "Open file descriptors of the agent",
+        c.open_fds,
+    );
+    reg.register(
+        "process_start_time_seconds",
+        "Start time of the agent, seconds since the Unix epoch",
+        c.start_time,
+    );
 }
 
 /// Cut a label value to a bounded length (on a character boundary).

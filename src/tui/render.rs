@@ -468,6 +468,16 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
         Constraint::Length(9),
     ])
     .areas(area);
+    draw_detail_summary(f, summary, p, t);
+    draw_detail_functions(f, funcs, t);
+    let [blame, gc] =
+        Layout::horizontal([Constraint::Percentage(62), Constraint::Percentage(38)]).areas(bottom);
+    draw_detail_blame(f, blame, t);
+    draw_detail_gc(f, gc, p);
+}
+
+/// The detail view's first lines: the thread, its shares of the window, its CPU history.
+fn draw_detail_summary(f: &mut Frame, area: Rect, p: &ProcessRow, t: &ThreadRow) {
     let s = &t.stats;
     let h: Vec<f64> = t.cpu_history.iter().map(|&v| v as f64).collect();
     let lines = vec![
@@ -498,11 +508,14 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
     ];
     f.render_widget(
         Paragraph::new(lines).block(Block::new().borders(Borders::TOP)),
-        summary,
+        area,
     );
+}
 
+/// The detail view's two function tables: self time and total time.
+fn draw_detail_functions(f: &mut Frame, area: Rect, t: &ThreadRow) {
     let [left, right] =
-        Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(funcs);
+        Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(area);
     let fn_table = |title: &str, rows: Vec<TRow<'static>>, head: [&'static str; 3]| {
         Table::new(
             rows,
@@ -553,9 +566,11 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
         ),
         right,
     );
+}
 
-    let [blame, gc] =
-        Layout::horizontal([Constraint::Percentage(62), Constraint::Percentage(38)]).areas(bottom);
+/// The detail view's GIL blame: who held the GIL while the thread waited.
+fn draw_detail_blame(f: &mut Frame, area: Rect, t: &ThreadRow) {
+    let s = &t.stats;
     let blame_rows: Vec<TRow> = t
         .blame
         .iter()
@@ -583,7 +598,7 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
         f.render_widget(
             Paragraph::new("no GIL waits in the window")
                 .block(Block::bordered().title(blame_title)),
-            blame,
+            area,
         );
     } else {
         f.render_widget(
@@ -602,10 +617,13 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
                     .style(Style::new().bold().underlined()),
             )
             .block(Block::bordered().title(blame_title)),
-            blame,
+            area,
         );
     }
+}
 
+/// The detail view's GC pauses of the thread's process.
+fn draw_detail_gc(f: &mut Frame, area: Rect, p: &ProcessRow) {
     let gc_rows: Vec<TRow> =
         p.gc.iter()
             .map(|g| {
@@ -626,7 +644,7 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
     if gc_rows.is_empty() {
         f.render_widget(
             Paragraph::new("no collections in the window").block(Block::bordered().title(gc_title)),
-            gc,
+            area,
         );
     } else {
         f.render_widget(
@@ -645,7 +663,7 @@ fn draw_detail(f: &mut Frame, area: Rect, app: &App) {
                     .style(Style::new().bold().underlined()),
             )
             .block(Block::bordered().title(gc_title)),
-            gc,
+            area,
         );
     }
 }

@@ -428,8 +428,14 @@ mod tests {
         assert_eq!(r.thread_name(7, 8), "main");
         assert!(r.end.is_some());
 
+        reads_cut_or_in_pieces(&path, &r);
+    }
+
+    /// A recording's file cut anywhere still reads, up to its last whole record; fed in pieces
+    /// of any size, the incremental reader ends with the same recording as `r`.
+    fn reads_cut_or_in_pieces(path: &Path, r: &Recording) {
         // Cut the file anywhere: it still reads, up to the last whole record.
-        let bytes = std::fs::read(&path).unwrap();
+        let bytes = std::fs::read(path).unwrap();
         for cut in [bytes.len() - 1, bytes.len() - 30, bytes.len() / 2] {
             let r = parse_recording(&bytes[..cut]).unwrap();
             assert!(r.truncated || r.end.is_none());
@@ -670,6 +676,107 @@ mod tests {
         }
     }
 
+    /// The events of `aggregated_events_read_back_with_exact_sums_and_counts`, raw or aggregated
+    /// in 100 ms intervals; the file's size in bytes.
+    fn write_mixed_events(path: &Path, agg: bool) -> u64 {
+        let meta = Meta::default();
+        let ms = 1_000_000u64;
+        let mut w = RecordingWriter::create(path, &meta).unwrap();
+        if agg {
+            w.aggregate(agg_opts(100 * ms));
+        }
+        w.process(&ProcessInfo {
+            pid: 7,
+            role: "api_server".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        w.process(&ProcessInfo {
+            pid: 8,
+            role: "engine_core".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        w.probe(&ProbeInfo {
+            id: 0,
+            pid: 8,
+            function: "step".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        w.task_change(&TaskChange {
+            t_ns: 0,
+            pid: 8,
+            tid: 11,
+            task: Some(crate::record::RunningTask {
+                name: "t".into(),
+                coro: "c".into(),
+                chain: vec![],
+            }),
+            prev_seen_ns: None,
+        })
+        .unwrap();
+        let a = w.intern_stack(&[frame("a", 1)]).unwrap();
+        let b = w.intern_stack(&[frame("b", 2), frame("a", 1)]).unwrap();
+        let mut seed = 7u64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for i in 0..2000u64 {
+            let t = i * ms / 2;
+            w.profile_tick(t).unwrap();
+            let (pid, tid) = [(7, 7), (7, 12), (8, 8), (8, 9), (8, 11)][(i % 5) as usize];
+            let stack = if rnd() % 3 == 0 { a } else { b };
+            w.sample(&Sample {
+                t_ns: t,
+                pid,
+                tid,
+                stack,
+                flags: (rnd() % 2) as u8,
+                weight_ns: 10_000_000 + (rnd() % 1000) as u32,
+            })
+            .unwrap();
+            // Now and then a long block (an event loop's idle wait) of (7, 7) and (8, 11).
+            let long = i % 50 == 0 || i % 50 == 4;
+            w.offcpu(&OffCpu {
+                pid,
+                tid,
+                start_ns: t,
+                dur_ns: if long { 5 * ms } else { rnd() % 300_000 },
+                stack,
+                preempted: rnd() % 4 == 0,
+            })
+            .unwrap();
+            w.gil_wait(&GilWait {
+                pid,
+                tid,
+                start_ns: t,
+                dur_ns: rnd() % 100_000,
+                holder_tid: 9,
+                holder_stack: a,
+                waiter_stack: stack,
+                switch_wait: false,
+            })
+            .unwrap();
+            w.call(&FunctionCall {
+                start_ns: t,
+                dur_ns: 1000 + rnd() % 50_000_000,
+                pid,
+                tid,
+                probe: 0,
+            })
+            .unwrap();
+        }
+        w.finish(&EndInfo {
+            duration_ns: 1000 * ms,
+            reason: "done".into(),
+        })
+        .unwrap()
+    }
+
     /// The same events written raw and aggregated: per-thread sums and counts of samples,
     /// off-CPU intervals, GIL waits and calls read back equal; every call duration within the
     /// bucket bound (so every quantile too); the API server's main thread (its event loop)
@@ -678,107 +785,10 @@ mod tests {
     fn aggregated_events_read_back_with_exact_sums_and_counts() {
         use std::collections::BTreeMap;
         let dir = tempfile::tempdir().unwrap();
-        let meta = Meta::default();
         let ms = 1_000_000u64;
-        let write = |path: &Path, agg: bool| {
-            let mut w = RecordingWriter::create(path, &meta).unwrap();
-            if agg {
-                w.aggregate(agg_opts(100 * ms));
-            }
-            w.process(&ProcessInfo {
-                pid: 7,
-                role: "api_server".into(),
-                ..Default::default()
-            })
-            .unwrap();
-            w.process(&ProcessInfo {
-                pid: 8,
-                role: "engine_core".into(),
-                ..Default::default()
-            })
-            .unwrap();
-            w.probe(&ProbeInfo {
-                id: 0,
-                pid: 8,
-                function: "step".into(),
-                ..Default::default()
-            })
-            .unwrap();
-            w.task_change(&TaskChange {
-                t_ns: 0,
-                pid: 8,
-                tid: 11,
-                task: Some(crate::record::RunningTask {
-                    name: "t".into(),
-                    coro: "c".into(),
-                    chain: vec![],
-                }),
-                prev_seen_ns: None,
-            })
-            .unwrap();
-            let a = w.intern_stack(&[frame("a", 1)]).unwrap();
-            let b = w.intern_stack(&[frame("b", 2), frame("a", 1)]).unwrap();
-            let mut seed = 7u64;
-            let mut rnd = move || {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                seed
-            };
-            for i in 0..2000u64 {
-                let t = i * ms / 2;
-                w.profile_tick(t).unwrap();
-                let (pid, tid) = [(7, 7), (7, 12), (8, 8), (8, 9), (8, 11)][(i % 5) as usize];
-                let stack = if rnd() % 3 == 0 { a } else { b };
-                w.sample(&Sample {
-                    t_ns: t,
-                    pid,
-                    tid,
-                    stack,
-                    flags: (rnd() % 2) as u8,
-                    weight_ns: 10_000_000 + (rnd() % 1000) as u32,
-                })
-                .unwrap();
-                // Now and then a long block (an event loop's idle wait) of (7, 7) and (8, 11).
-                let long = i % 50 == 0 || i % 50 == 4;
-                w.offcpu(&OffCpu {
-                    pid,
-                    tid,
-                    start_ns: t,
-                    dur_ns: if long { 5 * ms } else { rnd() % 300_000 },
-                    stack,
-                    preempted: rnd() % 4 == 0,
-                })
-                .unwrap();
-                w.gil_wait(&GilWait {
-                    pid,
-                    tid,
-                    start_ns: t,
-                    dur_ns: rnd() % 100_000,
-                    holder_tid: 9,
-                    holder_stack: a,
-                    waiter_stack: stack,
-                    switch_wait: false,
-                })
-                .unwrap();
-                w.call(&FunctionCall {
-                    start_ns: t,
-                    dur_ns: 1000 + rnd() % 50_000_000,
-                    pid,
-                    tid,
-                    probe: 0,
-                })
-                .unwrap();
-            }
-            w.finish(&EndInfo {
-                duration_ns: 1000 * ms,
-                reason: "done".into(),
-            })
-            .unwrap()
-        };
         let (raw_path, agg_path) = (dir.path().join("raw.esrec"), dir.path().join("agg.esrec"));
-        let raw_bytes = write(&raw_path, false);
-        let agg_bytes = write(&agg_path, true);
+        let raw_bytes = write_mixed_events(&raw_path, false);
+        let agg_bytes = write_mixed_events(&agg_path, true);
         let raw = read_recording(&raw_path).unwrap();
         let agg = read_recording(&agg_path).unwrap();
         assert!(raw.profile_intervals.is_empty());
