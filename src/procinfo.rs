@@ -203,14 +203,6 @@ pub fn is_running(pid: i32) -> bool {
     !matches!(state, "Z" | "X" | "x")
 }
 
-/// Whether `pid` lives in a PID namespace other than ours.
-pub fn in_other_pid_namespace(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| parse_nspid(&s))
-        .is_some_and(|v| v.len() > 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

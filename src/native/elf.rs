@@ -378,12 +378,6 @@ impl ElfModule {
             text_segment: None,
         }
     }
-
-    /// Short display name: `_pickle` for `_pickle.cpython-311-x86_64-linux-gnu.so`,
-    /// `libtorch_cpu` for `libtorch_cpu.so`, `python3.13` for the executable.
-    pub fn short_name(&self) -> String {
-        short_module_name(&self.path)
-    }
 }
 
 /// The largest function (address range, svma) listed in an `.eh_frame_hdr` search table,

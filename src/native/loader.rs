@@ -306,12 +306,4 @@ impl ProcessNative {
     pub fn frame(&self, addr: FrameAddress) -> (Frame, NativeFrameInfo, bool) {
         name_frame(&self.raw_frame(addr), true)
     }
-
-    /// Whether any module has a known evaluation loop (mixed stacks can be merged); reads
-    /// the symbol tables not yet read.
-    pub fn has_eval_loop(&self) -> bool {
-        self.mapped
-            .iter()
-            .any(|m| !m.module.load_symbols().eval_ranges.is_empty())
-    }
 }

@@ -110,12 +110,6 @@ pub fn prepare_native(rec: &mut Recording, hide: bool) {
     }
 }
 
-/// Whether a frame label is a native or kernel frame's (`[module] function`) rather than a
-/// Python frame's or a synthetic leaf's (`[native]`).
-pub fn is_native_label(label: &str) -> bool {
-    label.starts_with('[') && label.find("] ").is_some()
-}
-
 /// Render one export format.
 pub fn export(rec: &Recording, sel: &Selection, format: ExportFormat) -> anyhow::Result<Vec<u8>> {
     match format {

@@ -861,7 +861,4 @@ impl RecordingWriter {
     pub fn bytes_written(&self) -> u64 {
         self.bytes
     }
-    pub fn samples_written(&self) -> u64 {
-        self.samples
-    }
 }

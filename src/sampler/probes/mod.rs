@@ -302,10 +302,6 @@ impl<H: Watch> Probes<H> {
         self.active.len() + self.regs.values().map(|r| r.want.len()).sum::<usize>()
     }
 
-    pub fn infos(&self) -> impl Iterator<Item = &ProbeInfo> {
-        self.active.iter().map(|a| &a.info)
-    }
-
     /// A code object seen for the first time in process `proc`, in a stack of thread `tid`:
     /// probe it if a spec matches. `b` is the BPF sampler when there is one.
     #[allow(clippy::too_many_arguments)]
