@@ -75,9 +75,10 @@ static __always_inline int is_off(__u32 part)
 #define ES_SLOT_SAMPLE 0
 #define ES_SLOT_SWITCH 1
 #define ES_SLOT_SYSCALL 2
+#define ES_SLOT_WAKE 3
 struct {
     __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-    __uint(max_entries, 3);
+    __uint(max_entries, 4);
     __type(key, __u32);
     __type(value, struct es_event);
 } scratch SEC(".maps");
@@ -119,7 +120,7 @@ struct walk_buf {
 /* One per event buffer slot (a sample can interrupt a program that walks with IRQs on). */
 struct {
     __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-    __uint(max_entries, 3);
+    __uint(max_entries, 4);
     __type(key, __u32);
     __type(value, struct walk_buf);
 } walk_bufs SEC(".maps");
@@ -693,6 +694,12 @@ static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u
 #define ES_FUTEX_WAIT_BITSET 9
 #define ES_FUTEX_WAIT_REQUEUE_PI 11
 #define ES_FUTEX_LOCK_PI2 13
+#define ES_FUTEX_WAKE 1
+#define ES_FUTEX_REQUEUE 3
+#define ES_FUTEX_CMP_REQUEUE 4
+#define ES_FUTEX_WAKE_OP 5
+#define ES_FUTEX_UNLOCK_PI 7
+#define ES_FUTEX_WAKE_BITSET 10
 
 /* The system call the current task is in and its first two arguments, from the user
  * registers the kernel saved at entry (x86-64 struct pt_regs: si at 104, di at 112, orig_ax at
@@ -861,6 +868,67 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
             submit_header(ES_EV_GIL_WAIT_END, 0, next_tgid, tid);
         }
     }
+    return 0;
+}
+
+/* A thread of a target wakes another thread of the same process from a futex wait (sched_waking
+ * runs in the waker's context: its memory is the current address space): what ended the
+ * sleeper's off-CPU interval, and what the waker was running when it did (the function that
+ * held the lock it released, or that notified the condition). Only wakes made inside a futex
+ * wake call of a known thread: a timer's expiry or an I/O completion runs in whatever task an
+ * interrupt met, which is not the waker. Wakes of a thread waiting for the GIL are left to the
+ * GIL's own blame (its holder is read when the wait begins). */
+SEC("tp_btf/sched_waking")
+int BPF_PROG(on_waking, struct task_struct *p)
+{
+    __u32 tgid = BPF_CORE_READ(p, tgid);
+    __u64 cur = bpf_get_current_pid_tgid();
+    if ((__u32)(cur >> 32) != tgid || is_off(ES_OFF_SWITCH))
+        return 0;
+    const struct es_target *t = bpf_map_lookup_elem(&targets, &tgid);
+    if (!t || !(t->flags & ES_TARGET_OFFCPU))
+        return 0;
+    __u32 wakee = BPF_CORE_READ(p, pid), waker = (__u32)cur;
+    if (wakee == waker || bpf_map_lookup_elem(&gil_waiting, &wakee))
+        return 0;
+    struct es_thread *wt = bpf_map_lookup_elem(&threads, &wakee);
+    if (!wt || wt->tgid != tgid)
+        return 0;
+    struct es_thread *ht = bpf_map_lookup_elem(&threads, &waker);
+    if (!ht || ht->tgid != tgid || !ht->tstate)
+        return 0;
+    struct es_syscall sc = {};
+    if (!current_syscall(&sc) || sc.nr != ES_NR_FUTEX)
+        return 0;
+    switch (sc.si & ES_FUTEX_CMD_MASK) {
+    case ES_FUTEX_WAKE:
+    case ES_FUTEX_REQUEUE:
+    case ES_FUTEX_CMP_REQUEUE:
+    case ES_FUTEX_WAKE_OP:
+    case ES_FUTEX_UNLOCK_PI:
+    case ES_FUTEX_WAKE_BITSET:
+        break;
+    default:
+        return 0;
+    }
+    /* A wake on the GIL's own words (a thread dropping the GIL) is not a lock of the program's. */
+    if (t->gil_addr && sc.di - t->gil_addr < t->gil_size)
+        return 0;
+    count(ES_C_WAKES);
+    __u32 slot = ES_SLOT_WAKE;
+    struct es_event *ev = bpf_map_lookup_elem(&scratch, &slot);
+    if (!ev)
+        return 0;
+    ev->h.kind = ES_EV_WAKE;
+    ev->h.tgid = tgid;
+    ev->h.tid = wakee;
+    ev->h.cpu = bpf_get_smp_processor_id();
+    ev->h.time_ns = bpf_ktime_get_ns();
+    ev->h.ip = waker;
+    ev->h.nframes = 0;
+    struct es_walk_id id = {};
+    ev->h.flags = walk_stack(t, ht->tstate, ev, slot, &id) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    submit(ev);
     return 0;
 }
 

@@ -106,6 +106,10 @@ enum es_event_kind {
                                * bytes; sent right before the SAMPLE / SWITCH_OUT record of the
                                * same thread with the same time_ns (targets with
                                * ES_TARGET_KSTACK / ES_TARGET_USTACK only) */
+    ES_EV_WAKE = 9,           /* a thread of the target woke another of its threads from a futex
+                               * wait that is not the GIL's (a lock released, a condition
+                               * notified): tid = the woken thread, ip = the waker's tid,
+                               * frames = the waker's Python stack */
 };
 
 #define ES_EV_SWITCH_WAIT 128 /* on GIL_WAIT_START: the wait is the forced-switch handshake */
@@ -202,6 +206,7 @@ enum es_counter {
     ES_C_GC_RETURN_UNPAIRED, /* collector return without an entry (attached mid-collection) */
     ES_C_GC_NESTED,          /* collector entered while it runs on that thread (not a pause) */
     ES_C_SAME_STACK,         /* switch-outs sent without frames: the stack last walked */
+    ES_C_WAKES,              /* wake-ups of a target thread by another of its threads (futex) */
     ES_C_COUNT,
 };
 

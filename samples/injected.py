@@ -1,7 +1,7 @@
 """One injected problem, with the truth a finding is held to (issue 23: findings over any
 recording, checked on workloads that time themselves).
 
-Usage: injected.py --problem {spin,serialize,none} --truth PATH --duration SECONDS
+Usage: injected.py --problem {spin,serialize,lock,none} --truth PATH --duration SECONDS
                    [--go-fifo PATH]
 
 Problems (threads named through /proc/self/task/TID/comm, so a profiler reports them):
@@ -17,6 +17,14 @@ Problems (threads named through /proc/self/task/TID/comm, so a profiler reports 
              `JSONEncoder.iterencode` frames around the C encoder), then sleeps 0.5-3.5 ms
              (random: a fixed period would alias with the sampler's). Truth:
              the sender's CPU time inside json.dumps over the window.
+  lock       `flusher` takes STORE_LOCK in `flush_store()` and holds it across `write_out()`, a
+             blocking call (a 6 ms sleep standing for a disk or network write, the GIL
+             released), then sleeps 1-3 ms without it; `handler` handles results: ~0.3 ms of
+             Python in `prepare()`, then `record_result()` appends to the store under the same
+             lock, then sleeps 0.2 ms (the next result's arrival). The handler spends most of its time asleep on the lock. Truth: the handler's
+             wall time inside `STORE_LOCK.acquire()` over the window (perf counter around
+             each acquire), the number of acquires that waited (> 0.1 ms), and the flusher's
+             time holding the lock and inside write_out().
   none       `compute` does arithmetic in `crunch()` in slices of 5 ms with 5 ms sleeps between;
              `idle` sleeps. Nothing to find: no thread waits for another, no GC to speak of, no
              polling, no serialization.
@@ -28,7 +36,8 @@ seconds (monotonic clock), then the threads stop and the truth is written.
 Truth JSON: {"pid", "python", "problem", "window": {"start_mono_ns", "end_mono_ns"},
   "threads": {name: native tid}, "window_cpu_s": {name: thread CPU over the window},
   and per problem: spin: "poll_cpu_s", "poll_calls", "items"; serialize: "dumps_cpu_s",
-  "dumps_calls", "steps"; none: "crunch_cpu_s"}.
+  "dumps_calls", "steps"; lock: "acquire_wait_s", "acquires", "acquires_waited", "held_s",
+  "write_out_s"; none: "crunch_cpu_s"}.
 """
 
 import argparse
@@ -156,6 +165,59 @@ def sender(me):
         time.sleep(rng.uniform(0.0005, 0.0035))
 
 
+# ---- lock ----
+STORE_LOCK = threading.Lock()
+STORE = collections.deque(maxlen=4096)
+
+
+def write_out():
+    time.sleep(0.006)
+
+
+def flush_store(me):
+    with STORE_LOCK:
+        w = mono()
+        write_out()
+        x = mono()
+        STORE.clear()
+        me.calls.append((w, (mono() - w, x - w)))
+
+
+def flusher(me):
+    rng = random.Random(11)
+    while not STOP.is_set():
+        flush_store(me)
+        time.sleep(rng.uniform(0.001, 0.003))
+
+
+def prepare(i):
+    s = 0
+    for k in range(1500):
+        s += k ^ i
+    return s
+
+
+def record_result(me, i):
+    t = time.perf_counter_ns()
+    STORE_LOCK.acquire()
+    waited = time.perf_counter_ns() - t
+    try:
+        STORE.append(i)
+    finally:
+        STORE_LOCK.release()
+    me.calls.append((mono(), waited))
+
+
+def handler(me):
+    i = 0
+    while not STOP.is_set():
+        record_result(me, prepare(i))
+        i += 1
+        # Results arrive: a short sleep, which also lets the flusher take the GIL back at once
+        # after its own sleeps (no GIL contention to speak of beside the lock's).
+        time.sleep(0.0002)
+
+
 # ---- none ----
 def crunch(ms):
     end = mono() + ms * 1_000_000
@@ -182,6 +244,7 @@ def idle(me):
 PROBLEMS = {
     "spin": [("producer", producer), ("reader", reader)],
     "serialize": [("sender", sender)],
+    "lock": [("flusher", flusher), ("handler", handler)],
     "none": [("compute", compute), ("idle", idle)],
 }
 
@@ -239,6 +302,14 @@ def main():
         doc["poll_cpu_s"], doc["poll_calls"] = timed("reader")
     elif args.problem == "serialize":
         doc["dumps_cpu_s"], doc["dumps_calls"] = timed("sender")
+    elif args.problem == "lock":
+        waits = [c for (w, c) in by["handler"].calls if in_window(w)]
+        doc["acquire_wait_s"] = sum(waits) / 1e9
+        doc["acquires"] = len(waits)
+        doc["acquires_waited"] = sum(1 for c in waits if c > 100_000)
+        held = [c for (w, c) in by["flusher"].calls if in_window(w)]
+        doc["held_s"] = sum(h for h, _ in held) / 1e9
+        doc["write_out_s"] = sum(x for _, x in held) / 1e9
     else:
         doc["crunch_cpu_s"], _ = timed("compute")
     with open(args.truth, "w") as f:

@@ -155,3 +155,55 @@ fn serialize_sid_314() {
 fn none_pyenv_312() {
     none("pyenv-3.12");
 }
+
+fn lock(label: &str) {
+    let Some((report, truth)) = run(label, "lock") else {
+        return;
+    };
+    let f = first(&report, "lock_contention", "handler", "record_result");
+    let e = &f["evidence"];
+    assert_eq!(e["waker"], "flusher", "{label}: the waker: {f}");
+    assert!(
+        e["waker_function"]
+            .as_str()
+            .is_some_and(|x| x.contains("flush_store")),
+        "{label}: the function that held the lock: {f}"
+    );
+    assert!(
+        e["waker_during"][0]["function"]
+            .as_str()
+            .is_some_and(|x| x.contains("write_out")),
+        "{label}: the call the lock was held across: {f}"
+    );
+    within(
+        label,
+        "lock wait s",
+        e["wait_s"].as_f64().unwrap(),
+        truth["acquire_wait_s"].as_f64().unwrap(),
+        0.10,
+    );
+    within(
+        label,
+        "waits",
+        e["waits"].as_f64().unwrap(),
+        truth["acquires_waited"].as_f64().unwrap(),
+        0.10,
+    );
+    within(
+        label,
+        "the waker's time in write_out during the waits, against its time holding the lock",
+        e["waker_during"][0]["s"].as_f64().unwrap(),
+        truth["write_out_s"].as_f64().unwrap(),
+        0.15,
+    );
+}
+
+#[test]
+fn lock_pyenv_312() {
+    lock("pyenv-3.12");
+}
+
+#[test]
+fn lock_sid_314() {
+    lock("sid-3.14");
+}

@@ -126,6 +126,7 @@ pub mod kind {
     pub const GC_EDGE: u8 = 6;
     pub const PROBE_HIT: u8 = 7;
     pub const NATIVE_STACK: u8 = 8;
+    pub const WAKE: u8 = 9;
 }
 
 pub mod ev {
@@ -172,6 +173,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_gc_return_unpaired",
     "bpf_gc_nested_calls",
     "bpf_same_stack_switch_outs",
+    "bpf_wakes",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).

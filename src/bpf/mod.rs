@@ -142,6 +142,17 @@ impl BpfSampler {
                 .map_err(|e| anyhow!("verifier rejected on_switch: {e:#}"))?;
             prog.attach().context("attaching to sched_switch")?;
         }
+        // What ended a sleep: a wake from another thread of the process (a lock released, a
+        // condition notified), with the waker's stack.
+        if offcpu {
+            let prog: &mut BtfTracePoint = bpf
+                .program_mut("on_waking")
+                .context("BPF object has no on_waking program")?
+                .try_into()?;
+            prog.load("sched_waking", &btf)
+                .map_err(|e| anyhow!("verifier rejected on_waking: {e:#}"))?;
+            prog.attach().context("attaching to sched_waking")?;
+        }
         drop(btf);
         // The parsed BTF was the largest allocation; hand its pages back to the kernel.
         // SAFETY: malloc_trim only releases free heap memory.

@@ -172,6 +172,21 @@ pub struct GilWait {
     pub switch_wait: bool,
 }
 
+/// A thread woken from a futex wait (not the GIL's) by another thread of its process: a lock
+/// released, a condition notified, a semaphore raised. It ends the woken thread's off-CPU
+/// interval that holds `t_ns` (its switch-in follows). Exact from the kernel (`sched_waking`
+/// inside the waker's futex call), with the waker's Python stack at that moment: the function
+/// that held the lock or made the event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wake {
+    pub t_ns: u64,
+    pub pid: i32,
+    /// The woken thread.
+    pub tid: i32,
+    pub waker_tid: i32,
+    pub waker_stack: u32,
+}
+
 /// One garbage collection: from `collecting = 1` to `collecting = 0`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GcPause {
@@ -389,6 +404,8 @@ pub struct Recording {
     pub samples: Vec<Sample>,
     pub offcpu: Vec<OffCpu>,
     pub gil_waits: Vec<GilWait>,
+    /// Wake-ups between threads of a process (record 26; absent in older files).
+    pub wakes: Vec<Wake>,
     pub gc_pauses: Vec<GcPause>,
     /// Engines (vLLM-aware recordings); the latest description of each id wins in views.
     pub engines: Vec<EngineInfo>,
@@ -497,6 +514,13 @@ impl Recording {
                 }
                 None => false,
             });
+        self.wakes.retain_mut(|w| match clip(w.t_ns, 0) {
+            Some((s, _)) => {
+                w.t_ns = s;
+                true
+            }
+            None => false,
+        });
         // Pauses and calls are whole events: kept when they start inside the range.
         self.gc_pauses.retain(|g| inside(g.start_ns));
         for g in &mut self.gc_pauses {

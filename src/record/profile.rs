@@ -264,6 +264,7 @@ pub fn write_aggregated(
         S(&'a super::Sample),
         O(&'a super::OffCpu),
         G(&'a super::GilWait),
+        W(&'a super::Wake),
         P(&'a super::GcPause),
         C(&'a super::FunctionCall),
         M(&'a super::MetricPoint),
@@ -279,6 +280,7 @@ pub fn write_aggregated(
             .iter()
             .map(|g| (g.start_ns + g.dur_ns, Ev::G(g))),
     );
+    evs.extend(rec.wakes.iter().map(|w| (w.t_ns, Ev::W(w))));
     evs.extend(
         rec.gc_pauses
             .iter()
@@ -294,6 +296,7 @@ pub fn write_aggregated(
             Ev::S(s) => w.sample(s)?,
             Ev::O(o) => w.offcpu(o)?,
             Ev::G(g) => w.gil_wait(g)?,
+            Ev::W(x) => w.wake(x)?,
             Ev::P(g) => w.gc_pause(g)?,
             Ev::C(c) => w.call(c)?,
             Ev::M(m) => w.metric(m)?,

@@ -3,7 +3,7 @@
 
 use crate::record::{
     flags, Frame, FunctionCall, GcPause, GilWait, OffCpu, ProbeInfo, ProcessInfo, Recording,
-    Sample, ThreadInfo,
+    Sample, ThreadInfo, Wake,
 };
 
 pub const MS: u64 = 1_000_000;
@@ -52,8 +52,14 @@ impl Rec {
 
     /// A stack of functions (innermost first) in `file`; returns its id.
     pub fn stack(&mut self, functions: &[&str], file: &str) -> u32 {
+        let frames: Vec<(&str, &str)> = functions.iter().map(|f| (*f, file)).collect();
+        self.stack_in(&frames)
+    }
+
+    /// A stack of (function, file) frames, innermost first; returns its id.
+    pub fn stack_in(&mut self, frames: &[(&str, &str)]) -> u32 {
         let mut ids = Vec::new();
-        for f in functions {
+        for (f, file) in frames {
             let frame = Frame {
                 function: f.to_string(),
                 file: file.to_string(),
@@ -114,6 +120,17 @@ impl Rec {
             dur_ns: dur,
             stack,
             preempted,
+        });
+    }
+
+    /// Thread `tid` woken at `t` by `waker_tid`, which was running `waker_stack`.
+    pub fn wake(&mut self, (pid, tid): (i32, i32), t: u64, waker_tid: i32, waker_stack: u32) {
+        self.0.wakes.push(Wake {
+            t_ns: t,
+            pid,
+            tid,
+            waker_tid,
+            waker_stack,
         });
     }
 

@@ -350,6 +350,10 @@ enum Body {
         python: Vec<Frame>,
     },
     GilWaitEnd,
+    Wake {
+        waker_tid: i32,
+        python: Vec<Frame>,
+    },
     GcEdge(i64, abi::GcStats),
     ProbeHit(u64, abi::ProbeFrame),
 }
@@ -432,6 +436,14 @@ fn prepare(
             }
         }
         kind::GIL_WAIT_END => Body::GilWaitEnd,
+        kind::WAKE => {
+            // The frames are the waker's stack (h.ip its tid, from the kernel).
+            let waker_tid = h.ip as i32;
+            Body::Wake {
+                waker_tid,
+                python: t.resolve(waker_tid, frames),
+            }
+        }
         kind::GC_EDGE => Body::GcEdge(h.ip as i64, abi::parse_gc_stats(bytes)?),
         _ => return None,
     };
@@ -499,6 +511,10 @@ fn apply(
             Ok(())
         }
         Body::GilWaitEnd => pipe.gil_wait_end(pid, tid, time_ns).map(|_| ()),
+        Body::Wake { waker_tid, python } => {
+            let s = pipe.writer.intern_stack(&python)?;
+            pipe.wake(pid, tid, time_ns, waker_tid, s)
+        }
         Body::GcEdge(value, st) => {
             if !pipe.gc_uprobe_pids.contains(&pid) {
                 probes.note_trap(tid, time_ns);

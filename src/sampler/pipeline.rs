@@ -45,6 +45,8 @@ pub struct Written {
     pub samples: u64,
     pub offcpu: u64,
     pub gil_waits: u64,
+    /// Wake-ups of a thread by another of its process (futex, not the GIL).
+    pub wakes: u64,
     pub gc_pauses: u64,
     /// Collector calls (uprobe method) in which no generation's `collections` counter moved
     /// (3.13's `gc_collect_main` with nothing to collect): not pauses.
@@ -321,6 +323,29 @@ impl<W: Sink> Pipeline<W> {
                 switch_wait,
             },
         );
+    }
+
+    /// Thread `tid` woken by `waker_tid` of the same process, which was running `waker_stack`.
+    pub fn wake(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        waker_tid: i32,
+        waker_stack: u32,
+    ) -> anyhow::Result<()> {
+        if self.pre_window {
+            return Ok(());
+        }
+        self.written.wakes += 1;
+        let t_ns = self.rel(t_ns);
+        self.writer.wake(&crate::record::Wake {
+            t_ns,
+            pid,
+            tid,
+            waker_tid,
+            waker_stack,
+        })
     }
 
     /// Returns false when no wait was open (the recorder attached during it).

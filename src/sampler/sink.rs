@@ -4,13 +4,14 @@
 
 use crate::record::{
     FunctionCall, GcMethodInfo, GcPause, GilWait, OffCpu, ProbeInfo, ProbeWatch, RecordingWriter,
-    Sample,
+    Sample, Wake,
 };
 
 pub trait Sink {
     fn sample(&mut self, s: &Sample) -> anyhow::Result<()>;
     fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()>;
     fn gil_wait(&mut self, w: &GilWait) -> anyhow::Result<()>;
+    fn wake(&mut self, w: &Wake) -> anyhow::Result<()>;
     fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()>;
     fn probe(&mut self, p: &ProbeInfo) -> anyhow::Result<()>;
     fn call(&mut self, c: &FunctionCall) -> anyhow::Result<()>;
@@ -27,6 +28,9 @@ impl Sink for RecordingWriter {
     }
     fn gil_wait(&mut self, w: &GilWait) -> anyhow::Result<()> {
         RecordingWriter::gil_wait(self, w)
+    }
+    fn wake(&mut self, w: &Wake) -> anyhow::Result<()> {
+        RecordingWriter::wake(self, w)
     }
     fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {
         RecordingWriter::gc_pause(self, g)
@@ -51,6 +55,7 @@ pub enum Event {
     Sample(Sample),
     OffCpu(OffCpu),
     GilWait(GilWait),
+    Wake(Wake),
     GcPause(GcPause),
     Probe(ProbeInfo),
     Call(FunctionCall),
@@ -70,6 +75,10 @@ impl Sink for Vec<Event> {
     }
     fn gil_wait(&mut self, w: &GilWait) -> anyhow::Result<()> {
         self.push(Event::GilWait(*w));
+        Ok(())
+    }
+    fn wake(&mut self, w: &Wake) -> anyhow::Result<()> {
+        self.push(Event::Wake(*w));
         Ok(())
     }
     fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {

@@ -106,6 +106,11 @@ pub const GROWTH_MIN_R: f64 = 0.7;
 /// ...and growth over the running range of at least this share of the mean latency.
 pub const GROWTH_MIN_RISE: f64 = 0.2;
 
+/// A thread asleep on a lock another thread released, this share of the recording or more.
+pub const LOCK_MIN_SHARE: f64 = 0.05;
+/// ... over at least this many waits.
+pub const LOCK_MIN_WAITS: u64 = 10;
+
 /// Function names (last part of the qualified name, or a part of it) that poll.
 const POLLING: &[&str] = &[
     "acquire_read",
@@ -148,6 +153,7 @@ pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
     gc_pressure(rec, sel, r, dur_ns, &mut out);
     serialization(rec, sel, r, &mut out);
     busy_spin(rec, sel, r, &mut out);
+    lock_contention(rec, r, &mut out);
     per_request_growth(rec, sel, r, &mut out);
     step_anatomy(rec, r, &anatomies, &mut out);
     for s in &r.api_server_stalls.servers {
@@ -711,6 +717,68 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
             .into_iter()
             .collect(),
             see: format!("Top functions: {} (tid {}, pid {})", t.name, t.tid, t.pid),
+        });
+    }
+}
+
+fn lock_contention(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
+    for w in r.waits.iter().filter(|w| w.kind == "lock") {
+        if w.share < LOCK_MIN_SHARE || w.waits < LOCK_MIN_WAITS {
+            continue;
+        }
+        let mean_ms = w.wait_s * 1e3 / w.waits as f64;
+        let across = match w.waker_during.first() {
+            Some(d) if d.off_cpu => format!(
+                ", which held it across {} (off CPU in it {:.3} s of those waits)",
+                d.function, d.s
+            ),
+            Some(d) => format!(
+                ", which held it across {} (on CPU in it {:.3} s of those waits)",
+                d.function, d.s
+            ),
+            None => String::new(),
+        };
+        let verdict = format!(
+            "{} sleeps on a lock in {} {} of the recording ({} waits, mean {mean_ms:.2} ms, max {:.1} ms), released by {} (tid {}) leaving {}{across}",
+            who(rec, &w.thread, w.pid, w.tid),
+            w.function,
+            pct(w.share),
+            w.waits,
+            w.max_wait_ms,
+            w.waker,
+            w.waker_tid,
+            w.waker_function,
+        );
+        let during: Vec<Value> = w
+            .waker_during
+            .iter()
+            .map(|d| json!({"function": d.function, "off_cpu": d.off_cpu, "s": d.s}))
+            .collect();
+        out.push(Finding {
+            kind: "lock_contention".into(),
+            score: w.share.min(1.0),
+            pid: w.pid,
+            tid: Some(w.tid),
+            thread: w.thread.clone(),
+            function: w.function.clone(),
+            verdict,
+            evidence: [
+                ("wait_s".to_string(), json!(w.wait_s)),
+                ("waits".to_string(), json!(w.waits)),
+                ("mean_ms".to_string(), json!(mean_ms)),
+                ("max_ms".to_string(), json!(w.max_wait_ms)),
+                ("waker_tid".to_string(), json!(w.waker_tid)),
+                ("waker".to_string(), json!(w.waker)),
+                ("waker_function".to_string(), json!(w.waker_function)),
+                ("waker_during".to_string(), Value::Array(during)),
+                (
+                    "waker_offcpu_share".to_string(),
+                    json!(w.waker_offcpu_share),
+                ),
+            ]
+            .into_iter()
+            .collect(),
+            see: super::waits::HEADING.into(),
         });
     }
 }

@@ -24,6 +24,7 @@ mod report_md;
 pub mod speedscope;
 pub mod stalls;
 pub mod timeline;
+pub mod waits;
 pub mod windows;
 
 use std::io::Write;

@@ -28,6 +28,8 @@ pub const SCHEMA: &str = "enginescope.report/1";
 
 /// Functions per thread in the Markdown rendering.
 pub const MD_TOP_FUNCTIONS: usize = 15;
+/// Rows of the "Waits on other threads" table in Markdown (all of them in the JSON).
+const MD_WAITS: usize = 12;
 /// Holder functions kept per (waiter, holder) pair in `gil_blocking_pairs[].holder_top`.
 pub const HOLDER_TOP: usize = 5;
 /// (waiter, holder) rows in the Markdown "who blocks whom" table.
@@ -130,6 +132,10 @@ pub struct Report {
     pub gil_blocking: Vec<GilBlockingRow>,
     /// The same waits by (waiter, holder), most wait first, with the holder's top functions.
     pub gil_blocking_pairs: Vec<GilPairRow>,
+    /// Time threads slept until another thread of their process woke them (locks, conditions),
+    /// by waker and what each side ran (`views::waits`); absent without wake-ups recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waits: Vec<super::waits::WaitRow>,
     /// Garbage collections run by the selected threads.
     pub gc: GcSummary,
     /// Recorder health counters, copied from the recording.
@@ -553,6 +559,7 @@ impl Report {
             ),
             gil_blocking,
             gil_blocking_pairs,
+            waits: super::waits::waits(rec, sel),
             gc,
             counters: rec.counters.clone(),
             cost: super::cost::RecordingCost::from_counters(
@@ -591,6 +598,7 @@ impl Report {
         self.latency_markdown(&mut s);
         self.stalls_markdown(&mut s);
         self.gil_markdown(&mut s);
+        self.waits_markdown(&mut s);
         self.gc_markdown(&mut s);
         self.top_functions_markdown(&mut s);
         if let Some(c) = &self.cost {
@@ -878,6 +886,64 @@ impl Report {
                 s,
                 "\n{} more (waiter, holder) pairs in the JSON report.",
                 self.gil_blocking_pairs.len() - MD_GIL_PAIRS
+            );
+        }
+    }
+
+    /// The "Waits on other threads" section: absent without wake-ups recorded.
+    fn waits_markdown(&self, s: &mut String) {
+        if self.waits.is_empty() {
+            return;
+        }
+        let _ = writeln!(s, "\n## {}\n", super::waits::HEADING);
+        let _ = writeln!(
+            s,
+            "Time each thread slept until another thread of its process woke it (a lock released, \
+             a condition notified: the kernel's wake-up inside the waker's futex call), by where it \
+             waited and what the waker was running when it let it go; `lock`: the thread blocked \
+             in its own code, `event`: in the standard library's wait for work. The last column is \
+             what the waker did while the thread waited.\n"
+        );
+        let _ = writeln!(
+            s,
+            "| waiter | waited in | kind | woken by | waker was leaving | waits | wait s | % of recording | max ms | waker during the waits |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---:|---:|---:|---:|---|");
+        for w in self.waits.iter().take(MD_WAITS) {
+            let during: Vec<String> = w
+                .waker_during
+                .iter()
+                .map(|d| {
+                    format!(
+                        "{} {} {:.3} s",
+                        d.function,
+                        if d.off_cpu { "(off CPU)" } else { "(on CPU)" },
+                        d.s
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                s,
+                "| {} (tid {}) | {} | {} | {} (tid {}) | {} | {} | {:.3} | {:.1}% | {:.1} | {} |",
+                md(&w.thread),
+                w.tid,
+                md(&w.function),
+                w.kind,
+                md(&w.waker),
+                w.waker_tid,
+                md(&w.waker_function),
+                w.waits,
+                w.wait_s,
+                w.share * 100.0,
+                w.max_wait_ms,
+                md(&during.join("; "))
+            );
+        }
+        if self.waits.len() > MD_WAITS {
+            let _ = writeln!(
+                s,
+                "\n{} more rows in the JSON report (`waits[]`).",
+                self.waits.len() - MD_WAITS
             );
         }
     }

@@ -8,7 +8,7 @@ use anyhow::bail;
 
 use super::{put_str, put_varint, tag, unzigzag, zigzag, Cur};
 use crate::record::model::{
-    FunctionCall, GcPause, GilWait, MetricPoint, NativeFrameInfo, OffCpu, ProbeWatch,
+    FunctionCall, GcPause, GilWait, MetricPoint, NativeFrameInfo, OffCpu, ProbeWatch, Wake,
 };
 use crate::record::profile::{CallKey, GilKey, OffCpuKey, SampleKey};
 
@@ -190,6 +190,27 @@ impl Layout for GilWait {
             holder_stack: c.varint()? as u32,
             waiter_stack: c.varint()? as u32,
             switch_wait: c.u8()? != 0,
+        })
+    }
+}
+
+/// Record 26.
+impl Layout for Wake {
+    const TAG: u8 = tag::WAKE;
+    fn put(&self, out: &mut Vec<u8>) {
+        put_varint(out, self.t_ns);
+        put_i32(out, self.pid);
+        put_i32(out, self.tid);
+        put_i32(out, self.waker_tid);
+        put_varint(out, u64::from(self.waker_stack));
+    }
+    fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
+        Ok(Wake {
+            t_ns: c.varint()?,
+            pid: c.i32()?,
+            tid: c.i32()?,
+            waker_tid: c.i32()?,
+            waker_stack: c.varint()? as u32,
         })
     }
 }
@@ -535,6 +556,13 @@ mod tests {
             holder_stack: 9,
             waiter_stack: 10,
             switch_wait: true,
+        });
+        roundtrip(Wake {
+            t_ns: 11,
+            pid: 7,
+            tid: 8,
+            waker_tid: 9,
+            waker_stack: 12,
         });
         roundtrip(GcPause {
             start_ns: 1,

@@ -49,6 +49,7 @@ mod tag {
     pub const OFFCPU_SUM: u8 = 23;
     pub const GIL_WAIT_SUM: u8 = 24;
     pub const CALL_HIST: u8 = 25;
+    pub const WAKE: u8 = 26;
 }
 
 /// The most events one aggregated record may stand for (a reader expands them): far above

@@ -170,6 +170,11 @@ impl RecordingReader {
                 self.known_stacks(&[g.holder_stack, g.waiter_stack], "a GIL wait")?;
                 self.recording.gil_waits.push(g);
             }
+            tag::WAKE => {
+                let w = Wake::get(c)?;
+                self.known_stacks(&[w.waker_stack], "a wake-up")?;
+                self.recording.wakes.push(w);
+            }
             tag::GC_PAUSE => r.gc_pauses.push(GcPause::get(c)?),
             tag::METRIC => {
                 let m = MetricPoint::get(c)?;

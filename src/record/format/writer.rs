@@ -684,6 +684,16 @@ impl RecordingWriter {
         self.put(g)
     }
 
+    /// A wake-up between threads of a process. Aggregated files keep those of threads whose
+    /// events stay raw (event loops) only: the others' off-CPU intervals are sums, with nothing
+    /// to end.
+    pub fn wake(&mut self, w: &Wake) -> anyhow::Result<()> {
+        if self.profile.as_ref().is_some_and(|p| !p.raw(w.pid, w.tid)) {
+            return Ok(());
+        }
+        self.put(w)
+    }
+
     pub fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {
         self.put(g)
     }
