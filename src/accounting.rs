@@ -225,7 +225,13 @@ pub struct Sums {
     pub gc: HashMap<(i32, i8), TimeCount>,
     /// (probe, caller thread) -> calls that ended in the span.
     pub calls: HashMap<(u32, ThreadKey), TimeCount>,
+    /// (waiter, where it waited, waker tid, what the waker left) -> sleep on a lock another
+    /// thread released (`views::waits`' `lock` kind; the live window's only).
+    pub lock_waits: HashMap<LockKey, TimeCount>,
 }
+
+/// A lock wait's (waiter, its innermost function, waker tid, the waker's function).
+pub type LockKey = (ThreadKey, Option<FnId>, i32, Option<FnId>);
 
 fn sub_from<K: Copy + Eq + std::hash::Hash, V: Acc>(total: &mut HashMap<K, V>, m: &HashMap<K, V>) {
     for (k, v) in m {
@@ -291,6 +297,14 @@ impl Sums {
     }
 
     /// A probed call (counted where it ended).
+    /// `ns` of a lock wait (of `count` waits) under `key`.
+    pub fn add_lock_wait(&mut self, key: LockKey, ns: u64, count: u64) {
+        self.lock_waits
+            .entry(key)
+            .or_default()
+            .add(&TimeCount { ns, count });
+    }
+
     pub fn add_call(&mut self, c: &FunctionCall) {
         self.calls
             .entry((c.probe, (c.pid, c.tid)))
@@ -309,6 +323,7 @@ impl Sums {
         sub_from(&mut self.blame, &o.blame);
         sub_from(&mut self.gc, &o.gc);
         sub_from(&mut self.calls, &o.calls);
+        sub_from(&mut self.lock_waits, &o.lock_waits);
     }
 
     /// Per-function sums of every stack in `stacks`, into `functions`.
@@ -423,6 +438,24 @@ impl FunctionTable {
             .get(stack as usize)?
             .first()
             .and_then(|&f| self.frame_fn.get(f as usize).copied())
+    }
+
+    /// The innermost Python function of a stack whose (function, file) `keep` accepts.
+    pub fn innermost_where(
+        &self,
+        rec: &Recording,
+        stack: u32,
+        keep: impl Fn(&str, &str) -> bool,
+    ) -> Option<FnId> {
+        rec.stacks
+            .get(stack as usize)?
+            .iter()
+            .filter(|&&f| rec.frame_kind(f) == 0)
+            .filter_map(|&f| self.frame_fn.get(f as usize).copied())
+            .find(|&id| {
+                let (function, file) = self.name(id);
+                keep(function, file)
+            })
     }
 
     /// What the holder of a GIL wait was running when it began.

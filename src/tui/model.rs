@@ -237,8 +237,11 @@ pub struct Snapshot {
     /// What the recording has cost its targets so far (from its counters, over the time
     /// since it began: [`crate::views::cost`]).
     pub cost: Option<crate::views::cost::RecordingCost>,
+    /// Sleeps on a lock another thread of the process released, over the window
+    /// (`views::waits`' `lock` kind), most first.
+    pub lock_waits: Vec<LockWaitRow>,
     /// What costs the targets their time over the window, highest score first
-    /// ([`window_findings`]: the report's GIL, GC and polling kinds, same thresholds).
+    /// ([`window_findings`]: the report's GIL, GC, polling and lock kinds, same thresholds).
     pub findings: Vec<crate::views::findings::Finding>,
     /// Probe rows of earlier windows for the processes with none in this one ([`Recall`]).
     pub recalled: Vec<Recalled>,
@@ -449,6 +452,7 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
         // The counters come every few seconds and add up from the start: over the time
         // they cover, not the window.
         cost: crate::views::cost::RecordingCost::from_counters(&rec.counters, w.now_ns()),
+        lock_waits: lock_wait_rows(w, &names),
         findings: Vec::new(),
         recalled: Vec::new(),
     };
@@ -457,6 +461,53 @@ pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
 }
 
 /// The latest name of every thread (its newest thread record).
+/// A thread's sleeps on a lock that one other thread released, over the window.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LockWaitRow {
+    pub pid: i32,
+    pub tid: i32,
+    pub thread: String,
+    /// Where it waited (its innermost Python function).
+    pub function: String,
+    pub waker_tid: i32,
+    pub waker: String,
+    /// What the waker was leaving when it released the lock.
+    pub waker_function: String,
+    pub wait_ns: u64,
+    pub waits: u64,
+}
+
+fn lock_wait_rows(w: &Window, names: &ThreadNames) -> Vec<LockWaitRow> {
+    let name = |f: Option<crate::accounting::FnId>| {
+        f.map(|f| w.fns.name(f).0.to_string())
+            .unwrap_or_else(|| "<no Python frame>".into())
+    };
+    let mut rows: Vec<LockWaitRow> = w
+        .totals
+        .lock_waits
+        .iter()
+        .map(
+            |(&((pid, tid), waiter, waker_tid, waker), tc)| LockWaitRow {
+                pid,
+                tid,
+                thread: names.of(pid, tid),
+                function: name(waiter),
+                waker_tid,
+                waker: names.of(pid, waker_tid),
+                waker_function: name(waker),
+                wait_ns: tc.ns,
+                waits: tc.count,
+            },
+        )
+        .collect();
+    rows.sort_by(|a, b| {
+        b.wait_ns
+            .cmp(&a.wait_ns)
+            .then((a.pid, a.tid, a.waker_tid).cmp(&(b.pid, b.tid, b.waker_tid)))
+    });
+    rows
+}
+
 struct ThreadNames<'a>(HashMap<ThreadKey, &'a str>);
 
 impl<'a> ThreadNames<'a> {
@@ -1015,6 +1066,44 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
             });
         }
     }
+    for l in &s.lock_waits {
+        let share = l.wait_ns as f64 / 1e9 / wall_s;
+        if share < fd::LOCK_MIN_SHARE || l.waits < fd::LOCK_MIN_WAITS {
+            continue;
+        }
+        let process = s
+            .processes()
+            .find(|p| p.pid == l.pid)
+            .map(|p| p.name.clone())
+            .unwrap_or_default();
+        out.push(Finding {
+            kind: "lock_contention".into(),
+            score: share.min(1.0),
+            pid: l.pid,
+            tid: Some(l.tid),
+            thread: l.thread.clone(),
+            function: l.function.clone(),
+            verdict: format!(
+                "{} sleeps on a lock in {} {:.1}% of the window ({} waits), released by {} (tid {}) leaving {}",
+                fd::thread_label(&l.thread, l.tid, &process, l.pid),
+                l.function,
+                share * 100.0,
+                l.waits,
+                l.waker,
+                l.waker_tid,
+                l.waker_function
+            ),
+            evidence: [
+                ("wait_s".to_string(), json!(l.wait_ns as f64 / 1e9)),
+                ("waits".to_string(), json!(l.waits)),
+                ("waker_tid".to_string(), json!(l.waker_tid)),
+                ("waker_function".to_string(), json!(l.waker_function)),
+            ]
+            .into_iter()
+            .collect(),
+            see: crate::views::waits::HEADING.into(),
+        });
+    }
     fd::rank(&mut out);
     out
 }
@@ -1037,6 +1126,50 @@ mod tests {
         let mut w = window();
         w.update(rec, now);
         snapshot(&w, rec, &Topology::default())
+    }
+
+    /// The live window's lock waits are the report's, and the same finding leads.
+    #[test]
+    fn lock_waits_in_the_window_are_the_reports() {
+        let rec = crate::views::waits::tests::lock_fight(500);
+        // The window holds the whole recording (waits that began before a window are not
+        // its waits).
+        let window = || Window::new(20 * S, 40, 20 * S);
+        let mut w = window();
+        w.update(&rec, 10 * S);
+        let snap = snapshot(&w, &rec, &Topology::default());
+        let sel = crate::views::Selection::all(&rec);
+        let report: Vec<_> = crate::views::waits::waits(&rec, &sel)
+            .into_iter()
+            .filter(|w| w.kind == "lock")
+            .collect();
+        assert_eq!(snap.lock_waits.len(), 1, "{:#?}", snap.lock_waits);
+        let (l, r) = (&snap.lock_waits[0], &report[0]);
+        assert_eq!(
+            (
+                l.tid,
+                l.function.as_str(),
+                l.waker_tid,
+                l.waker_function.as_str()
+            ),
+            (
+                r.tid,
+                r.function.as_str(),
+                r.waker_tid,
+                r.waker_function.as_str()
+            )
+        );
+        assert_eq!(l.waits, r.waits);
+        assert!((l.wait_ns as f64 / 1e9 - r.wait_s).abs() < 1e-6);
+        let f = &snap.findings[0];
+        assert_eq!((f.kind.as_str(), f.tid), ("lock_contention", Some(2)));
+        // A window that updates often (live): the same sums.
+        let mut w = window();
+        for t in (1..=100).map(|i| i * S / 10) {
+            w.update(&rec, t);
+        }
+        let live = snapshot(&w, &rec, &Topology::default());
+        assert_eq!(live.lock_waits, snap.lock_waits);
     }
 
     /// An API server's loop stalls in the window: what `report` finds over the same span,

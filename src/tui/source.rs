@@ -93,6 +93,7 @@ struct Orders {
     samples: Vec<usize>,
     offcpu: Vec<usize>,
     gil_waits: Vec<usize>,
+    wakes: Vec<usize>,
     gc_pauses: Vec<usize>,
     calls: Vec<usize>,
     metrics: Vec<usize>,
@@ -108,6 +109,7 @@ struct Counts {
     samples: usize,
     offcpu: usize,
     gil_waits: usize,
+    wakes: usize,
     gc_pauses: usize,
     calls: usize,
     metrics: usize,
@@ -125,6 +127,7 @@ impl Replay {
             samples: order(&full.samples, |s| s.t_ns),
             offcpu: order(&full.offcpu, |o| end(o.start_ns, o.dur_ns)),
             gil_waits: order(&full.gil_waits, |g| end(g.start_ns, g.dur_ns)),
+            wakes: order(&full.wakes, |w| w.t_ns),
             gc_pauses: order(&full.gc_pauses, |g| end(g.start_ns, g.dur_ns)),
             calls: order(&full.calls, |c| end(c.start_ns, c.dur_ns)),
             metrics: order(&full.metrics, |m| m.t_ns),
@@ -182,6 +185,7 @@ impl Replay {
             gc_pauses: skip(&o.gc_pauses, &|i| {
                 end(f.gc_pauses[i].start_ns, f.gc_pauses[i].dur_ns)
             }),
+            wakes: skip(&o.wakes, &|i| f.wakes[i].t_ns),
             calls: skip(&o.calls, &|i| end(f.calls[i].start_ns, f.calls[i].dur_ns)),
             metrics: skip(&o.metrics, &|i| f.metrics[i].t_ns),
             ..Counts::default()
@@ -222,6 +226,7 @@ impl Replay {
         stage!(gil_waits, |e: &crate::record::GilWait| end(
             e.start_ns, e.dur_ns
         ));
+        stage!(wakes, |e: &crate::record::Wake| e.t_ns);
         stage!(gc_pauses, |e: &crate::record::GcPause| end(
             e.start_ns, e.dur_ns
         ));

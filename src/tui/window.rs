@@ -17,9 +17,10 @@
 use std::collections::{HashMap, VecDeque};
 
 pub use crate::accounting::{
-    Acc, FnAcc, FnId, FunctionTable, Holder, StackKey, Sums, ThreadAcc, ThreadKey, TimeCount,
+    Acc, FnAcc, FnId, FunctionTable, Holder, LockKey, StackKey, Sums, ThreadAcc, ThreadKey,
+    TimeCount,
 };
-use crate::record::{FunctionCall, GcPause, GilWait, MetricPoint, OffCpu, Recording, Sample};
+use crate::record::{FunctionCall, GcPause, GilWait, MetricPoint, OffCpu, Recording, Sample, Wake};
 
 /// One bucket's sums (crate::accounting: what each event contributes). `functions` stays
 /// empty: a bucket keeps its on-CPU time by stack, one map update per sample, and the window's
@@ -42,7 +43,12 @@ pub struct Cursors {
     pub gc_pauses: usize,
     pub calls: usize,
     pub metrics: usize,
+    pub wakes: usize,
 }
+
+/// Most wake-ups kept per woken thread until the off-CPU interval each ends arrives (a bound
+/// on memory; they are also dropped once older than the window).
+const WAKES_KEPT: usize = 1 << 16;
 
 /// An event that ends after `now`, kept until `now` reaches its end.
 #[derive(Debug, Clone, Copy)]
@@ -91,6 +97,9 @@ pub struct Window {
     pub last_seen: HashMap<ThreadKey, u64>,
     pub cursors: Cursors,
     pending: Vec<Pending>,
+    /// Per woken thread: its wake-ups not yet matched with the off-CPU interval each ends
+    /// (`views::waits`), oldest first.
+    wakes: HashMap<ThreadKey, VecDeque<Wake>>,
     /// On-CPU time per (thread, stack) that entered (+) or left (-) the window since the
     /// per-function totals were last brought up to date: a stack seen a thousand times in a
     /// tick is expanded into its functions once.
@@ -116,6 +125,7 @@ impl Window {
             last_seen: HashMap::new(),
             cursors: Cursors::default(),
             pending: Vec::new(),
+            wakes: HashMap::new(),
             stack_delta: HashMap::new(),
         }
     }
@@ -329,12 +339,45 @@ impl Window {
         }
     }
 
-    fn ingest_offcpu(&mut self, o: &OffCpu) {
+    fn ingest_offcpu(&mut self, rec: &Recording, o: &OffCpu) {
         let key = (o.pid, o.tid);
-        self.seen(key, o.start_ns.saturating_add(o.dur_ns));
-        for (b, ns) in self.split(o.start_ns, o.dur_ns) {
+        let end = o.start_ns.saturating_add(o.dur_ns);
+        self.seen(key, end);
+        let lock = if o.preempted {
+            None
+        } else {
+            self.lock_wait(rec, o, end)
+        };
+        let first = self.start_ns() <= o.start_ns;
+        for (i, (b, ns)) in self.split(o.start_ns, o.dur_ns).into_iter().enumerate() {
             self.add(b, |s| s.add_offcpu(o, ns));
+            if let Some(k) = lock {
+                // Counted once, in its first bucket, when it began in the window.
+                let count = u64::from(i == 0 && first);
+                self.add(b, |s| s.add_lock_wait(k, ns, count));
+            }
         }
+    }
+
+    /// The lock wait a blocked interval was, if a wake-up of its thread by another ends it and
+    /// it waited in the thread's own code (`views::waits`); drops the thread's older wake-ups.
+    fn lock_wait(&mut self, rec: &Recording, o: &OffCpu, end: u64) -> Option<LockKey> {
+        let ws = self.wakes.get_mut(&(o.pid, o.tid))?;
+        while ws.front().is_some_and(|w| w.t_ns < o.start_ns) {
+            ws.pop_front();
+        }
+        let i = ws.partition_point(|w| w.t_ns <= end).checked_sub(1)?;
+        let w = ws[i];
+        ws.drain(..=i);
+        let waiter = self.fns.innermost_where(rec, o.stack, |_, _| true);
+        let (function, file) = waiter.map(|f| self.fns.name(f)).unwrap_or(("", ""));
+        if crate::views::waits::is_event_wait(function, file) {
+            return None;
+        }
+        let waker = self.fns.innermost_where(rec, w.waker_stack, |_, file| {
+            !crate::views::waits::is_wait_machinery(file)
+        });
+        Some(((o.pid, o.tid), waiter, w.waker_tid, waker))
     }
 
     fn ingest_gil(&mut self, rec: &Recording, g: &GilWait) {
@@ -392,7 +435,7 @@ impl Window {
     fn ingest(&mut self, rec: &Recording, e: Pending) {
         match e {
             Pending::Sample(s) => self.ingest_sample(&s),
-            Pending::OffCpu(o) => self.ingest_offcpu(&o),
+            Pending::OffCpu(o) => self.ingest_offcpu(rec, &o),
             Pending::Gil(g) => self.ingest_gil(rec, &g),
             Pending::Gc(g) => self.ingest_gc(&g),
             Pending::Call(c) => self.ingest_call(&c),
@@ -417,6 +460,22 @@ impl Window {
             self.offer(rec, e);
         }
         let c = self.cursors;
+        // Wake-ups first: each ends an off-CPU interval written after it. Those older than the
+        // window end no interval it counts.
+        let old = self.start_ns().saturating_sub(self.bucket_ns);
+        self.wakes.retain(|_, q| {
+            while q.front().is_some_and(|w| w.t_ns < old) {
+                q.pop_front();
+            }
+            !q.is_empty()
+        });
+        for w in rec.wakes.get(c.wakes..).unwrap_or(&[]) {
+            let q = self.wakes.entry((w.pid, w.tid)).or_default();
+            q.push_back(*w);
+            if q.len() > WAKES_KEPT {
+                q.pop_front();
+            }
+        }
         for s in rec.samples.get(c.samples..).unwrap_or(&[]) {
             self.offer(rec, Pending::Sample(*s));
         }
@@ -443,6 +502,7 @@ impl Window {
             gc_pauses: rec.gc_pauses.len(),
             calls: rec.calls.len(),
             metrics: rec.metrics.len(),
+            wakes: rec.wakes.len(),
         };
     }
 
@@ -469,6 +529,7 @@ impl Window {
         drop_prefix(&mut rec.gil_waits, &mut c.gil_waits, |g| {
             g.start_ns.saturating_add(g.dur_ns) < cutoff
         });
+        drop_prefix(&mut rec.wakes, &mut c.wakes, |w| w.t_ns < cutoff);
         drop_prefix(&mut rec.gc_pauses, &mut c.gc_pauses, |g| {
             g.start_ns.saturating_add(g.dur_ns) < cutoff
         });

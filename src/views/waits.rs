@@ -82,6 +82,15 @@ pub fn is_event_wait(function: &str, file: &str) -> bool {
     stdlib_wait || file.contains("concurrent/futures/")
 }
 
+/// A file of the standard library's locks, conditions and queues (`threading.py`, `queue.py`):
+/// a waker's frames there are how it woke the thread, not what it was doing.
+pub fn is_wait_machinery(file: &str) -> bool {
+    matches!(
+        file.rsplit('/').next().unwrap_or(file),
+        "threading.py" | "queue.py"
+    )
+}
+
 /// The innermost Python frame of a stack: (function, file).
 fn innermost(rec: &Recording, stack: u32) -> (String, String) {
     innermost_where(rec, stack, |_| true)
@@ -91,12 +100,7 @@ fn innermost(rec: &Recording, stack: u32) -> (String, String) {
 /// released a lock or notified a condition (`Queue.put`'s caller rather than
 /// `Condition.notify`).
 fn innermost_user(rec: &Recording, stack: u32) -> (String, String) {
-    let user = innermost_where(rec, stack, |file| {
-        !matches!(
-            file.rsplit('/').next().unwrap_or(file),
-            "threading.py" | "queue.py"
-        )
-    });
+    let user = innermost_where(rec, stack, |file| !is_wait_machinery(file));
     if user.1.is_empty() {
         innermost(rec, stack)
     } else {
@@ -261,7 +265,7 @@ pub fn waits(rec: &Recording, sel: &Selection) -> Vec<WaitRow> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::record::synth::{Rec, MS, S};
     use crate::record::EndInfo;
@@ -269,7 +273,7 @@ mod tests {
     /// A 10 s recording: `handler` (tid 2) sleeps `n` times 6 ms on a lock in `record_result`,
     /// each sleep ended by `flusher` (tid 3) leaving `flush_store`, during which the flusher
     /// was off CPU in `write_out`; `consumer` (tid 4) waits in `Condition.wait` for work.
-    fn lock_fight(n: u64) -> Recording {
+    pub(crate) fn lock_fight(n: u64) -> Recording {
         let mut r = Rec::new()
             .process(1, "python3 app.py", "")
             .thread(1, 2, "handler")
