@@ -1580,6 +1580,20 @@ fn tensor_parallel_workers_named_and_probed_by_rank() {
             "{name}'s execute_model row in the Markdown report"
         );
     }
+    // top, replaying the recording (plain output without a terminal): a row per rank.
+    let top = Command::new(env!("CARGO_BIN_EXE_enginescope"))
+        .args(["top", "--replay", &out_s])
+        .stdin(Stdio::null())
+        .output()
+        .expect("top --replay");
+    let top = String::from_utf8_lossy(&top.stdout);
+    for (name, worker) in &roles {
+        assert!(
+            top.lines()
+                .any(|l| l.starts_with(&format!("{name} (pid {worker})"))),
+            "{name}'s row in top's plain output"
+        );
+    }
     let svg = dir.path().join("tp2.svg");
     let flame = common::enginescope(&["flame", &out_s, "-o", &svg.to_string_lossy()]);
     assert!(flame.status.success(), "flame: {flame:?}");
