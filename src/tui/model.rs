@@ -961,10 +961,33 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
     if wall_s <= 0.0 {
         return out;
     }
+    // The threads that ran an engine's step in the window (its EngineCore's step, its
+    // workers' execute_model), as the report's step anatomy finds them.
+    let step_threads: Vec<(i32, i32)> = s
+        .latency
+        .iter()
+        .filter(|l| {
+            l.calls > 0
+                && [
+                    "EngineCore.step",
+                    "EngineCore.step_with_batch_queue",
+                    "Worker.execute_model",
+                ]
+                .iter()
+                .any(|f| l.function.ends_with(f))
+        })
+        .map(|l| (l.pid, l.tid))
+        .collect();
     for p in s.processes() {
         for t in &p.threads {
             let st = &t.stats;
             if st.gil_wait >= fd::GIL_MIN_SHARE && st.gil_waits >= fd::GIL_MIN_WAITS {
+                // As in the report: a thread of an engine process off its step loop that keeps
+                // up (idle more than KEEPS_UP_IDLE) delays what it hands on, not the steps.
+                let off_step = step_threads.iter().any(|&(pid, _)| pid == t.pid)
+                    && !step_threads.contains(&(t.pid, t.tid));
+                let idle = (1.0 - st.cpu - st.gil_wait).max(0.0);
+                let keeps_up = off_step && idle > fd::KEEPS_UP_IDLE;
                 let holder = t
                     .blame
                     .iter()
@@ -984,9 +1007,19 @@ pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
                         h.function
                     ));
                 }
+                if keeps_up {
+                    verdict.push_str(&format!(
+                        "; off the engine's step loop and idle {:.1}% of the window, it keeps up",
+                        idle * 100.0
+                    ));
+                }
                 out.push(Finding {
                     kind: "gil_contention".into(),
-                    score: st.gil_wait.min(1.0),
+                    score: if keeps_up {
+                        fd::MIN_SCORE
+                    } else {
+                        st.gil_wait.min(1.0)
+                    },
                     pid: t.pid,
                     tid: Some(t.tid),
                     thread: t.name.clone(),
