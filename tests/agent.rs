@@ -1666,6 +1666,24 @@ fn agent_keeps_serving_through_a_full_disk_and_records_again() {
     drop(w);
 }
 
+/// A CPU profile's function with the most flat (innermost) time, and the flat time of each.
+fn flat_top(p: &enginescope::views::pprof::proto::Profile) -> (String, BTreeMap<String, i64>) {
+    let s = |i: i64| p.string_table[i as usize].as_str();
+    let mut flat: BTreeMap<String, i64> = BTreeMap::new();
+    for smp in &p.sample {
+        let leaf = smp.location_id[0];
+        let loc = p.location.iter().find(|l| l.id == leaf).unwrap();
+        let f = p
+            .function
+            .iter()
+            .find(|f| f.id == loc.line[0].function_id)
+            .unwrap();
+        *flat.entry(s(f.name).to_string()).or_default() += smp.value[1];
+    }
+    let top = flat.iter().max_by_key(|(_, v)| **v).unwrap().0.clone();
+    (top, flat)
+}
+
 /// `go tool pprof -top` of `source` (a URL or a file): (total CPU s, the function with the
 /// most flat time), from its "Showing nodes accounting for …% of X total" line and first row.
 fn go_pprof_top(go: &Path, source: &str, index: &str, tmp: &Path) -> (f64, String) {
@@ -1786,7 +1804,6 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
         "profile's CPU {total_s:.3} s against the process's {truth:.3} s over the same 4 s"
     );
     let s = |i: i64| p.string_table[i as usize].as_str();
-    let mut flat: BTreeMap<String, i64> = BTreeMap::new();
     // The workers run the work; the main thread wakes every 0.1 s to note progress.
     let mut workers = 0;
     for smp in &p.sample {
@@ -1795,20 +1812,12 @@ fn pprof_endpoint_serves_the_window_that_go_tool_pprof_reads() {
         if s(label("thread_name").str).starts_with("cpu-worker") {
             workers += smp.value[1];
         }
-        let leaf = smp.location_id[0];
-        let loc = p.location.iter().find(|l| l.id == leaf).unwrap();
-        let f = p
-            .function
-            .iter()
-            .find(|f| f.id == loc.line[0].function_id)
-            .unwrap();
-        *flat.entry(s(f.name).to_string()).or_default() += smp.value[1];
     }
     assert!(
         workers as f64 >= 0.95 * total as f64,
         "{workers} of {total} ns"
     );
-    let top = flat.iter().max_by_key(|(_, v)| **v).unwrap().0.clone();
+    let (top, flat) = flat_top(&p);
     assert!(
         ["mix", "score", "tokenize", "parse", "handle_request"].contains(&top.as_str()),
         "top function {top} is not the workload's: {flat:?}"
@@ -2076,8 +2085,9 @@ fn push_to_pyroscope_ingest_follows_the_protocol_and_survives_a_dead_backend() {
             "{}",
             r.content_type
         );
-        let p = enginescope::views::pprof::decode(&profile_part(&r.content_type, &r.body)).unwrap();
-        got.push((from, until, p));
+        let part = profile_part(&r.content_type, &r.body);
+        let p = enginescope::views::pprof::decode(&part).unwrap();
+        got.push((from, until, p, part));
     }
     // End to end: each profile begins where the one before ended.
     for w2 in got.windows(2) {
@@ -2112,6 +2122,23 @@ fn push_to_pyroscope_ingest_follows_the_protocol_and_survives_a_dead_backend() {
         (pushed - truth).abs() <= 0.1 * truth,
         "pushed {pushed:.3} s against {truth:.3} s"
     );
+    // What Pyroscope stores is what `go tool pprof` reads from the pushed bytes: the same
+    // total and top function as the profile decoded here.
+    if let Some(go) = tool_binary("go", "golang-go") {
+        let tmp = tempfile::tempdir().unwrap();
+        let (p, part) = (&got[5].2, &got[5].3);
+        let file = tmp.path().join("pushed.pb.gz");
+        std::fs::write(&file, part).unwrap();
+        let (go_total, go_top) = go_pprof_top(&go, file.to_str().unwrap(), "cpu", tmp.path());
+        let total_s = p.sample.iter().map(|s| s.value[1]).sum::<i64>() as f64 / 1e9;
+        let (top, flat) = flat_top(p);
+        eprintln!("pushed profile: {total_s:.3} s, top {top}; go tool pprof: {go_total:.3} s, top {go_top}");
+        assert!(
+            (go_total - total_s).abs() <= 0.01,
+            "{go_total} vs {total_s}"
+        );
+        assert_eq!(go_top, top, "{flat:?}");
+    }
     // The backend dies: failed, then dropped past four kept; the agent serves on.
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = std::net::TcpStream::connect(("127.0.0.1", port));
