@@ -134,24 +134,12 @@ impl BpfSampler {
         // GIL waits are timed from the switches too (a thread falling asleep in futex(2) on
         // the GIL, and its switch-in): no program runs on other system calls.
         if offcpu || gil {
-            let prog: &mut BtfTracePoint = bpf
-                .program_mut("on_switch")
-                .context("BPF object has no on_switch program")?
-                .try_into()?;
-            prog.load("sched_switch", &btf)
-                .map_err(|e| anyhow!("verifier rejected on_switch: {e:#}"))?;
-            prog.attach().context("attaching to sched_switch")?;
+            attach_tp_btf(&mut bpf, "on_switch", "sched_switch", &btf)?;
         }
         // What ended a sleep: a wake from another thread of the process (a lock released, a
         // condition notified), with the waker's stack.
         if offcpu {
-            let prog: &mut BtfTracePoint = bpf
-                .program_mut("on_waking")
-                .context("BPF object has no on_waking program")?
-                .try_into()?;
-            prog.load("sched_waking", &btf)
-                .map_err(|e| anyhow!("verifier rejected on_waking: {e:#}"))?;
-            prog.attach().context("attaching to sched_waking")?;
+            attach_tp_btf(&mut bpf, "on_waking", "sched_waking", &btf)?;
         }
         drop(btf);
         // The parsed BTF was the largest allocation; hand its pages back to the kernel.
@@ -1233,6 +1221,19 @@ struct PerfEventAttr {
     bp_addr: u64,
     bp_len: u64,
     rest: [u64; 7],
+}
+
+/// Load BPF program `program` for the BTF tracepoint `tracepoint` and attach it.
+fn attach_tp_btf(bpf: &mut Ebpf, program: &str, tracepoint: &str, btf: &Btf) -> anyhow::Result<()> {
+    let prog: &mut BtfTracePoint = bpf
+        .program_mut(program)
+        .with_context(|| format!("BPF object has no {program} program"))?
+        .try_into()?;
+    prog.load(tracepoint, btf)
+        .map_err(|e| anyhow!("verifier rejected {program}: {e:#}"))?;
+    prog.attach()
+        .with_context(|| format!("attaching to {tracepoint}"))?;
+    Ok(())
 }
 
 const PERF_TYPE_BREAKPOINT: u32 = 5;
