@@ -459,6 +459,17 @@ impl Recording {
             .filter_map(|&f| self.frames.get(f as usize))
     }
 
+    /// The Python frames of a stack, innermost first (its native and kernel frames passed
+    /// over).
+    pub fn python_frames(&self, stack: u32) -> impl Iterator<Item = &Frame> {
+        self.stacks
+            .get(stack as usize)
+            .into_iter()
+            .flatten()
+            .filter(|&&id| self.frame_kind(id) == 0)
+            .filter_map(|&id| self.frames.get(id as usize))
+    }
+
     /// Latest known name of a thread: its Python name where it has one, else its OS name.
     pub fn thread_name(&self, pid: i32, tid: i32) -> &str {
         self.threads

@@ -466,14 +466,7 @@ fn gc_pressure(rec: &Recording, sel: &Selection, r: &Report, dur_ns: u64, out: &
                 continue;
             }
             // Native and kernel frames (the collector's own) are passed over.
-            let python = rec
-                .stacks
-                .get(s.stack as usize)
-                .into_iter()
-                .flatten()
-                .filter(|&&id| rec.frame_kind(id) == 0)
-                .filter_map(|&id| rec.frames.get(id as usize))
-                .find(|f| !f.function.is_empty());
+            let python = rec.python_frames(s.stack).find(|f| !f.function.is_empty());
             if let Some(f) = python {
                 *interrupted.entry(f.function.as_str()).or_default() += u64::from(s.weight_ns);
             }

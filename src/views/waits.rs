@@ -109,12 +109,7 @@ fn innermost_user(rec: &Recording, stack: u32) -> (String, String) {
 }
 
 fn innermost_where(rec: &Recording, stack: u32, keep: impl Fn(&str) -> bool) -> (String, String) {
-    rec.stacks
-        .get(stack as usize)
-        .into_iter()
-        .flatten()
-        .filter(|&&id| rec.frame_kind(id) == 0)
-        .filter_map(|&id| rec.frames.get(id as usize))
+    rec.python_frames(stack)
         .find(|f| keep(&f.file))
         .map(|f| (f.function.clone(), f.file.clone()))
         .unwrap_or_else(|| ("<no Python frame>".into(), String::new()))
