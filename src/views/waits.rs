@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 use super::Selection;
-use crate::record::{Recording, Wake};
+use crate::record::{OffCpu, Recording, Sample, Wake};
 
 /// The report's section (Markdown heading).
 pub const HEADING: &str = "Waits on other threads";
@@ -115,11 +115,39 @@ fn innermost_where(rec: &Recording, stack: u32, keep: impl Fn(&str) -> bool) -> 
         .unwrap_or_else(|| ("<no Python frame>".into(), String::new()))
 }
 
+/// One thread's samples and off-CPU intervals.
+#[derive(Default)]
+struct ThreadEvents<'r> {
+    samples: Vec<&'r Sample>,
+    offcpu: Vec<&'r OffCpu>,
+}
+
+/// The samples and off-CPU intervals of each of `threads`, in one pass over the recording.
+fn events_of<'r>(
+    rec: &'r Recording,
+    threads: impl IntoIterator<Item = (i32, i32)>,
+) -> HashMap<(i32, i32), ThreadEvents<'r>> {
+    let mut by: HashMap<(i32, i32), ThreadEvents> = threads
+        .into_iter()
+        .map(|k| (k, ThreadEvents::default()))
+        .collect();
+    for s in &rec.samples {
+        if let Some(e) = by.get_mut(&(s.pid, s.tid)) {
+            e.samples.push(s);
+        }
+    }
+    for o in &rec.offcpu {
+        if let Some(e) = by.get_mut(&(o.pid, o.tid)) {
+            e.offcpu.push(o);
+        }
+    }
+    by
+}
+
 /// What a thread ran over a set of intervals: ns by (function, file, off CPU).
 fn activity(
     rec: &Recording,
-    pid: i32,
-    tid: i32,
+    ev: &ThreadEvents,
     spans: &[(u64, u64)],
 ) -> (BTreeMap<(String, String, bool), u64>, u64) {
     let mut by: BTreeMap<(String, String, bool), u64> = BTreeMap::new();
@@ -128,13 +156,13 @@ fn activity(
         let i = spans.partition_point(|&(s, _)| s <= t);
         i > 0 && t < spans[i - 1].1
     };
-    for s in rec.samples.iter().filter(|s| s.pid == pid && s.tid == tid) {
+    for s in &ev.samples {
         if inside(s.t_ns) {
             let (f, file) = innermost(rec, s.stack);
             *by.entry((f, file, false)).or_default() += u64::from(s.weight_ns);
         }
     }
-    for o in rec.offcpu.iter().filter(|o| o.pid == pid && o.tid == tid) {
+    for o in &ev.offcpu {
         let (a, b) = (o.start_ns, o.start_ns.saturating_add(o.dur_ns));
         let first = spans.partition_point(|&(_, e)| e <= a);
         let mut ov = 0u64;
@@ -204,13 +232,17 @@ pub fn waits(rec: &Recording, sel: &Selection) -> Vec<WaitRow> {
         a.max_ns = a.max_ns.max(d);
         a.spans.push((o.start_ns, end));
     }
+    // What each waker ran meanwhile, from its own events only.
+    let by_waker = events_of(rec, acc.keys().map(|k| (k.0, k.4)));
+    let none = ThreadEvents::default();
     let mut rows: Vec<WaitRow> = acc
         .into_iter()
         .map(
             |((pid, tid, function, file, waker_tid, waker_function, waker_file), a)| {
                 let mut spans = a.spans;
                 spans.sort_unstable();
-                let (by, off_ns) = activity(rec, pid, waker_tid, &spans);
+                let ev = by_waker.get(&(pid, waker_tid)).unwrap_or(&none);
+                let (by, off_ns) = activity(rec, ev, &spans);
                 let mut during: Vec<DuringRow> = by
                     .into_iter()
                     .map(|((function, file, off_cpu), ns)| DuringRow {
