@@ -720,17 +720,14 @@ fn lock_contention(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
             continue;
         }
         let mean_ms = w.wait_s * 1e3 / w.waits as f64;
-        let across = match w.waker_during.first() {
-            Some(d) if d.off_cpu => format!(
-                ", which held it across {} (off CPU in it {:.3} s of those waits)",
-                d.function, d.s
-            ),
-            Some(d) => format!(
-                ", which held it across {} (on CPU in it {:.3} s of those waits)",
-                d.function, d.s
-            ),
-            None => String::new(),
-        };
+        let across = w.waker_during.first().map_or(String::new(), |d| {
+            format!(
+                ", which held it across {} ({} CPU in it {:.3} s of those waits)",
+                d.function,
+                if d.off_cpu { "off" } else { "on" },
+                d.s
+            )
+        });
         let verdict = format!(
             "{} sleeps on a lock in {} {} of the recording ({} waits, mean {mean_ms:.2} ms, max {:.1} ms), released by {} (tid {}) leaving {}{across}",
             who(rec, &w.thread, w.pid, w.tid),
