@@ -1330,10 +1330,14 @@ fn kv_memory_wall_is_named() {
         .map(|v| v.iter().filter(|f| f["kind"] == "kv_memory_wall").collect())
         .unwrap_or_default();
     eprintln!("findings: {walls:?}");
-    let rec_start = enginescope::record::read_recording(&out_path)
-        .expect("read the recording")
-        .meta
-        .start_mono_ns;
+    let rec = enginescope::record::read_recording(&out_path).expect("read the recording");
+    let rec_start = rec.meta.start_mono_ns;
+    // The engine's scrape times (s): a slow /metrics answer leaves a gap the windows bridge.
+    let scrape_s: Vec<String> = MetricIndex::new(&rec)
+        .scrape_times(id)
+        .iter()
+        .map(|&t| format!("{:.1}", t as f64 / 1e9))
+        .collect();
     let load_from = load_end
         .saturating_sub(25_000_000_000)
         .saturating_sub(rec_start) as f64
@@ -1368,10 +1372,11 @@ fn kv_memory_wall_is_named() {
                 .collect()
         })
         .unwrap_or_default();
-    eprintln!("windows of {id}: {engine_windows:#?}");
+    eprintln!("windows of {id}: {engine_windows:#?}; scrapes at {scrape_s:?} s");
     assert!(
         covered >= 0.5 * (load_to - load_from),
-        "kv_memory_wall findings of {id} cover {covered:.1} s of the load's {:.1} s: {walls:?}; windows {engine_windows:#?}",
+        "kv_memory_wall findings of {id} cover {covered:.1} s of the load's {:.1} s \
+         ({load_from:.1}-{load_to:.1} s): {walls:?}; windows {engine_windows:#?}; scrapes at {scrape_s:?}",
         load_to - load_from
     );
 }

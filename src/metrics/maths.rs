@@ -59,6 +59,38 @@ pub fn series_increase(pts: &[(u64, f64)], t0: u64, t1: u64) -> (f64, u64) {
     (inc, covered)
 }
 
+/// The time-weighted mean of one gauge series over `[t0, t1)`, linear between consecutive
+/// points (as a counter's increase is spread between them), over the part of the range that
+/// pairs of points cover: a range that falls between two scrapes (a slow answer) gets the
+/// line between them, not nothing. A range no pair covers gets the mean of the points inside
+/// it (a lone scrape), or None. Returns the mean and the ns it covers.
+pub fn series_mean(pts: &[(u64, f64)], t0: u64, t1: u64) -> Option<(f64, u64)> {
+    let (mut area, mut covered) = (0.0, 0u64);
+    let first = pts.partition_point(|p| p.0 < t0).saturating_sub(1);
+    for w in pts[first..].windows(2) {
+        let ((ta, va), (tb, vb)) = (w[0], w[1]);
+        if ta >= t1 {
+            break;
+        }
+        let (lo, hi) = (ta.max(t0), tb.min(t1));
+        if tb <= ta || hi <= lo || !va.is_finite() || !vb.is_finite() {
+            continue;
+        }
+        let at = |t: u64| va + (vb - va) * (t - ta) as f64 / (tb - ta) as f64;
+        area += (at(lo) + at(hi)) / 2.0 * (hi - lo) as f64;
+        covered += hi - lo;
+    }
+    if covered > 0 {
+        return Some((area / covered as f64, covered));
+    }
+    mean_max(
+        pts.iter()
+            .filter(|p| (t0..t1).contains(&p.0) && p.1.is_finite())
+            .map(|p| p.1),
+    )
+    .map(|(mean, _)| (mean, 0))
+}
+
 /// Per-second rate of a counter between consecutive points, at the later point's time.
 pub fn rates(points: &[(u64, f64)]) -> Vec<(u64, f64)> {
     points
@@ -334,6 +366,29 @@ mod tests {
         // Failed scrapes leave gaps: the increase spans the scrapes that succeeded.
         let gaps = [(0, 0.0), (5 * S, 500.0), (6 * S, 600.0)];
         assert_eq!(series_increase(&gaps, 0, 6 * S), (600.0, 6 * S));
+    }
+
+    #[test]
+    fn gauge_mean_is_time_weighted_and_bridges_slow_scrapes() {
+        // 2 for 1 s, then a ramp 2 -> 6 over 2 s: mean over 0..3 s is (2 + 2 * 4) / 3.
+        let pts = [(0, 2.0), (S, 2.0), (3 * S, 6.0)];
+        let (m, c) = series_mean(&pts, 0, 3 * S).unwrap();
+        assert!(close(m, 10.0 / 3.0), "{m}");
+        assert_eq!(c, 3 * S);
+        // A range inside one interval (no point in it) gets the line there: 1.5..2.5 s.
+        let (m, c) = series_mean(&pts, S + S / 2, 2 * S + S / 2).unwrap();
+        assert!(close(m, 4.0), "{m}");
+        assert_eq!(c, S);
+        // Past the last scrape: the covered part only; wholly past it, nothing.
+        let (m, c) = series_mean(&pts, 2 * S, 10 * S).unwrap();
+        assert!(close(m, 5.0), "{m}");
+        assert_eq!(c, S);
+        assert_eq!(series_mean(&pts, 4 * S, 10 * S), None);
+        // A lone scrape in the range: its value, covering nothing.
+        assert_eq!(series_mean(&[(5 * S, 7.0)], 4 * S, 6 * S), Some((7.0, 0)));
+        // A NaN pair is skipped.
+        let nan = [(0, 1.0), (S, f64::NAN), (2 * S, 3.0), (3 * S, 3.0)];
+        assert_eq!(series_mean(&nan, 0, 3 * S), Some((3.0, S)));
     }
 
     #[test]

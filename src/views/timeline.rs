@@ -151,17 +151,15 @@ pub struct Timeline {
     pub throughput_drops: Vec<ThroughputDrop>,
 }
 
-/// Mean of gauge points by window.
+/// A gauge's time-weighted mean by window, linear between scrapes (`maths::series_mean`): a
+/// window a slow scrape left without a point of its own gets the line between its neighbours,
+/// as a counter's rate does.
 fn gauge_by_window(points: &[(u64, f64)], w: &Windows) -> Vec<Option<f64>> {
-    let mut acc = vec![(0.0, 0u32); w.count];
-    for &(t, v) in points {
-        if let Some(i) = w.index(t) {
-            acc[i].0 += v;
-            acc[i].1 += 1;
-        }
-    }
-    acc.into_iter()
-        .map(|(s, n)| (n > 0).then(|| s / f64::from(n)))
+    (0..w.count)
+        .map(|i| {
+            let (t0, t1) = w.bounds(i);
+            crate::metrics::maths::series_mean(points, t0, t1).map(|(m, _)| m)
+        })
         .collect()
 }
 
