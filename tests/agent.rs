@@ -8,212 +8,19 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::agent::*;
 use common::*;
 use enginescope::record::{read_recording, Recording};
 use serde_json::Value;
 
 /// One live test at a time: each loads the 2-core machine and measures against truth.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// A running `enginescope agent`; killed on drop.
-struct Agent {
-    child: Child,
-    lines: Receiver<String>,
-    log: String,
-    addr: String,
-}
-
-impl Agent {
-    fn start(args: &[&str]) -> Agent {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
-            .arg("agent")
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn enginescope agent");
-        let stderr = BufReader::new(child.stderr.take().unwrap());
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in stderr.lines() {
-                let Ok(l) = l else { break };
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut a = Agent {
-            child,
-            lines,
-            log: String::new(),
-            addr: String::new(),
-        };
-        let l = a.wait_line("serving metrics on http://", Duration::from_secs(30));
-        a.addr = l
-            .split("http://")
-            .nth(1)
-            .and_then(|r| r.split('/').next())
-            .unwrap()
-            .to_string();
-        a
-    }
-
-    /// Wait for a stderr line containing `needle`.
-    fn wait_line(&mut self, needle: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push_str(&l);
-                    self.log.push('\n');
-                    if l.contains(needle) {
-                        return l;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!("no line with {needle:?} within {within:?}:\n{}", self.log)
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!("agent exited before {needle:?}:\n{}", self.log)
-                }
-            }
-        }
-    }
-
-    fn drain_log(&mut self) {
-        while let Ok(l) = self.lines.try_recv() {
-            self.log.push_str(&l);
-            self.log.push('\n');
-        }
-    }
-
-    fn metrics(&self) -> String {
-        http_get(&format!("http://{}/metrics", self.addr)).expect("GET /metrics")
-    }
-
-    /// SIGINT, then wait (bounded) for a clean exit.
-    fn stop(mut self) -> String {
-        // SAFETY: kill(2) on the agent we started.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                self.drain_log();
-                assert!(st.success(), "agent exit {st:?}:\n{}", self.log);
-                return std::mem::take(&mut self.log);
-            }
-            assert!(
-                Instant::now() < deadline,
-                "agent did not stop on SIGINT:\n{}",
-                self.log
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn http_get(url: &str) -> Result<String, String> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(10)))
-        .http_status_as_error(false)
-        .build()
-        .into();
-    let mut r = agent.get(url).call().map_err(|e| e.to_string())?;
-    let status = r.status().as_u16();
-    let body = r.body_mut().read_to_string().map_err(|e| e.to_string())?;
-    if status != 200 {
-        return Err(format!("{url}: HTTP {status}: {body}"));
-    }
-    Ok(body)
-}
-
-/// One exposed sample: name, labels, value.
-#[derive(Debug, Clone)]
-struct Exposed {
-    name: String,
-    labels: BTreeMap<String, String>,
-    value: f64,
-}
-
-/// Parse the Prometheus text format (as the agent writes it: no timestamps).
-fn parse_exposition(text: &str) -> Vec<Exposed> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        if line.starts_with('#') || line.trim().is_empty() {
-            continue;
-        }
-        let Some((series, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(value) = value.parse::<f64>() else {
-            continue;
-        };
-        let (name, labels) = match series.split_once('{') {
-            None => (series.to_string(), BTreeMap::new()),
-            Some((n, rest)) => {
-                let body = rest.strip_suffix('}').unwrap_or(rest);
-                let mut labels = BTreeMap::new();
-                let mut chars = body.chars().peekable();
-                loop {
-                    let key: String = chars.by_ref().take_while(|&c| c != '=').collect();
-                    if key.is_empty() {
-                        break;
-                    }
-                    assert_eq!(chars.next(), Some('"'));
-                    let mut v = String::new();
-                    while let Some(c) = chars.next() {
-                        match c {
-                            '\\' => {
-                                if let Some(e) = chars.next() {
-                                    v.push(if e == 'n' { '\n' } else { e });
-                                }
-                            }
-                            '"' => break,
-                            c => v.push(c),
-                        }
-                    }
-                    labels.insert(key.trim_start_matches(',').to_string(), v);
-                    if chars.peek() == Some(&',') {
-                        chars.next();
-                    }
-                }
-                (n.to_string(), labels)
-            }
-        };
-        out.push(Exposed {
-            name,
-            labels,
-            value,
-        });
-    }
-    out
-}
-
-/// Sum of the samples named `name` whose labels include every pair of `want`.
-fn sum_of(exp: &[Exposed], name: &str, want: &[(&str, &str)]) -> f64 {
-    exp.iter()
-        .filter(|e| e.name == name)
-        .filter(|e| {
-            want.iter()
-                .all(|(k, v)| e.labels.get(*k).map(String::as_str) == Some(*v))
-        })
-        .map(|e| e.value)
-        .sum()
-}
 
 /// Records of raw samples, off-CPU intervals and GIL waits (tags 6, 7, 10) in a recording.
 fn raw_event_records(path: &Path) -> usize {
@@ -1437,7 +1244,15 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let max_threads = 8usize;
     // Only this engine: other vLLM-like processes on the machine are not ours to count.
     let engine_pid = fleet.pid.to_string();
+    // The push backend: slow for the first half (it takes each connection and never answers,
+    // so every push runs to its timeout), dead for the second (connections refused).
+    let backend = BlackHole::start();
+    let push_url = format!("http://{}", backend.addr);
     let mut agent = Agent::start(&[
+        "--push",
+        &push_url,
+        "--push-every",
+        "1",
         "--vllm",
         "--exact-probes",
         "--engine-pid",
@@ -1481,8 +1296,13 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let mut last_exp = Vec::new();
     let mut holds: Vec<Held> = Vec::new();
     let mut k = 0u64;
+    let mut backend = Some(backend);
     while t0.elapsed() < Duration::from_secs(secs) {
         k += 1;
+        if t0.elapsed() >= Duration::from_secs(secs / 2) {
+            // The backend dies: its held connections close, new ones are refused.
+            backend = None;
+        }
         // One sample a second (the pace of the measurement, not a wait for readiness).
         std::thread::sleep(Duration::from_secs(1));
         rss.push(status_kb(pid, "RssAnon").expect("agent alive") as f64 / 1024.0);
@@ -1511,6 +1331,15 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
         "enginescope_label_sets_aggregated_total",
         &[("kind", "thread")],
     );
+    let pushes = |kind: &str| {
+        sum_of(
+            &last_exp,
+            "enginescope_profile_pushes_total",
+            &[("kind", kind)],
+        )
+    };
+    let (sent, failed, dropped) = (pushes("sent"), pushes("failed"), pushes("dropped"));
+    drop(backend);
     // Warm-up: the allocator reaches its working set in the first ~20 s of churn.
     let warm = (rss.len() * 4 / 10).max(5);
     let after = &rss[warm..];
@@ -1519,7 +1348,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let hi = after.iter().cloned().fold(f64::MIN, f64::max);
     let lo = after.iter().cloned().fold(f64::MAX, f64::min);
     let figures = format!(
-        "soak {secs} s: agent heap (RssAnon) {:.1} MiB at start, {first:.1} MiB after warm-up ({warm} s), {last:.1} MiB at the end (min {lo:.1}, max {hi:.1}); VmRSS {:.1} → {:.1} MiB; disk max {max_disk} bytes (cap {disk_cap}), max {max_segments} segments; {rotations} rotations; {restarts} recorder restarts; {attached} processes attached; max {max_thread_series} thread series (cap {max_threads}); {aggregated} events into thread=\"_other\"",
+        "soak {secs} s: agent heap (RssAnon) {:.1} MiB at start, {first:.1} MiB after warm-up ({warm} s), {last:.1} MiB at the end (min {lo:.1}, max {hi:.1}); VmRSS {:.1} → {:.1} MiB; disk max {max_disk} bytes (cap {disk_cap}), max {max_segments} segments; {rotations} rotations; {restarts} recorder restarts; {attached} processes attached; max {max_thread_series} thread series (cap {max_threads}); {aggregated} events into thread=\"_other\"; profile pushes to a slow then dead backend: {sent} sent, {failed} failed, {dropped} dropped",
         rss[0],
         vmrss[0],
         vmrss[vmrss.len() - 1]
@@ -1595,6 +1424,51 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     assert!(rotations as u64 >= secs / 4, "{figures}");
     // Processes exiting while they are attached never stop the recorder.
     assert_eq!(restarts, 0.0, "{figures}\n{log}");
+    // The backend never took a profile: pushes failed, and the oldest kept were dropped
+    // (a push a second, at most 4 kept) while the memory stayed as above.
+    assert!(sent == 0.0 && failed >= 2.0 && dropped >= 1.0, "{figures}");
+}
+
+/// A push backend that takes connections and never answers (holding them until dropped):
+/// a slow Pyroscope. Dropped, it closes them and its port refuses new ones.
+struct BlackHole {
+    addr: std::net::SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BlackHole {
+    fn start() -> BlackHole {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !s.load(Ordering::SeqCst) {
+                match l.accept() {
+                    Ok((c, _)) => held.push(c),
+                    // Polled: the listener must notice `stop` without a connection coming.
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        });
+        BlackHole {
+            addr,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// The agent's directory fills (a 600 KiB tmpfs, 300 KiB of it a ballast file, 999 Hz raw

@@ -1609,6 +1609,62 @@ fn tensor_parallel_workers_named_and_probed_by_rank() {
             "{name} (pid {worker}) in the flamegraph"
         );
     }
+    // The agent on the same engine: each worker's series carry its rank as their role (CPU
+    // by thread, and the default probe of execute_model timing that worker's calls).
+    let agent_dir = dir.path().join("agent");
+    let mut agent = common::agent::Agent::start(&[
+        "--vllm",
+        "--exact-probes",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        &agent_dir.to_string_lossy(),
+        "--profile-seconds",
+        "1",
+        "--poll",
+        "0.5",
+    ]);
+    agent.wait_line("sampling started", Duration::from_secs(60));
+    let res = run_load(srv.port, 8, 64, 8);
+    assert!(res["requests_done"].as_f64().unwrap_or(0.0) > 0.0, "{res}");
+    let of_role = |exp: &[common::agent::Exposed], metric: &str, role: &str| -> f64 {
+        exp.iter()
+            .filter(|e| e.name == metric)
+            .filter(|e| e.labels.get("role").map(String::as_str) == Some(role))
+            .filter(|e| {
+                !metric.contains("probe")
+                    || e.labels
+                        .get("function")
+                        .is_some_and(|f| f.contains("execute_model"))
+            })
+            .map(|e| e.value)
+            .sum()
+    };
+    // The load has ended; the agent exports a profile interval after it (1 s, polled every
+    // 0.5 s): read /metrics until both ranks show, within a bound.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (cpu, calls) = loop {
+        let exp = common::agent::parse_exposition(&agent.metrics());
+        let cpu: Vec<f64> = roles
+            .iter()
+            .map(|(name, _)| of_role(&exp, "enginescope_thread_cpu_seconds_total", name))
+            .collect();
+        let calls: Vec<f64> = roles
+            .iter()
+            .map(|(name, _)| of_role(&exp, "enginescope_probe_call_duration_seconds_count", name))
+            .collect();
+        let all = cpu.iter().chain(&calls).all(|&v| v > 0.0);
+        if all || std::time::Instant::now() >= deadline {
+            break (cpu, calls);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let log = agent.stop();
+    eprintln!("agent by rank {roles:?}: CPU s {cpu:?}, execute_model calls {calls:?}");
+    assert!(
+        cpu.iter().chain(&calls).all(|&v| v > 0.0),
+        "the agent's series by rank {roles:?}: CPU s {cpu:?}, execute_model calls {calls:?}\n{log}"
+    );
 }
 
 /// The screen's row that contains `text` (the header and findings lines aside).

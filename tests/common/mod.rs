@@ -3,6 +3,7 @@
 //! namespaces). Workloads signal readiness themselves (a READY line); nothing here sleeps.
 #![allow(dead_code)]
 
+pub mod agent;
 pub mod cpu;
 pub mod probe_truth;
 pub mod tmux;
