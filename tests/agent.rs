@@ -1207,6 +1207,145 @@ fn held(pid: u32) -> Held {
     h
 }
 
+/// A vLLM-shaped engine (server, engine core, worker) killed and started again under the agent
+/// (`ES_RESTARTS` times, 100 by default): every new engine followed (the recorder goes on
+/// without an engine and attaches the next one's processes), every old one released: descriptors, perf events, BPF links,
+/// threads, BPF hash entries and the heap at the end as after the first ten.
+#[test]
+fn engine_restarted_again_and_again_is_followed_and_released() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = interp("pyenv-3.12");
+    if !available(&i) {
+        return;
+    }
+    let restarts: usize = std::env::var("ES_RESTARTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100)
+        .max(60);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("segs");
+    // No engine yet: the agent tries every half second until one appears.
+    let mut agent = Agent::start(&[
+        "--vllm",
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        dir.to_str().unwrap(),
+        "--rate",
+        "49",
+        "--retry-seconds",
+        "0.5",
+        "--segment-mb",
+        "1",
+        "--disk-mb",
+        "4",
+        // What a segment and an idle series hold is bounded by their age: short ones here, so
+        // that what is left to grow is what the engines' comings and goings leave behind.
+        "--segment-seconds",
+        "10",
+        "--series-idle-minutes",
+        "0.1",
+    ]);
+    let pid = agent.child.id();
+    let port = free_port().to_string();
+    let mut readings: Vec<(usize, Held, f64)> = Vec::new();
+    let mut servers = Vec::new();
+    let t0 = Instant::now();
+    for k in 1..=restarts {
+        let engine = start(
+            &i,
+            "fleet_churn.py",
+            &[
+                "serve",
+                "--port",
+                &port,
+                "--workers",
+                "1",
+                "--worker-life",
+                "1000",
+                "--threads-per-s",
+                "2",
+                "--duration",
+                "120",
+            ],
+        );
+        if k == 1 {
+            agent.wait_line("sampling started", Duration::from_secs(30));
+        } else {
+            // The recorder goes on without an engine; rediscovery attaches the new one's
+            // server, engine core and worker.
+            for _ in 0..3 {
+                agent.wait_line("attached to new engine process", Duration::from_secs(30));
+            }
+        }
+        servers.push(engine.pid);
+        if k % 10 == 0 {
+            let rss = status_kb(pid, "RssAnon").expect("agent alive") as f64 / 1024.0;
+            readings.push((k, held(pid), rss));
+        }
+        // The whole engine dies at once (its children die with their parent).
+        drop(engine);
+        for _ in 0..3 {
+            agent.wait_line("exited", Duration::from_secs(30));
+        }
+    }
+    agent.drain_log();
+    let restarted = agent.log.matches("recorder stopped after").count();
+    let secs = t0.elapsed().as_secs_f64();
+    let last_seg = segments(&dir).last().cloned().expect("a segment");
+    let log = agent.stop();
+    assert!(!log.contains("panicked"), "{log}");
+    let figures = format!(
+        "{restarts} restarts in {secs:.0} s; (restart, fds, perf events, BPF links, threads, BPF hash entries, heap MiB): {:?}",
+        readings
+            .iter()
+            .map(|(k, h, rss)| {
+                (*k, h.fds, h.perf_events, h.bpf_links, h.threads, h.map_entries, (rss * 10.0).round() / 10.0)
+            })
+            .collect::<Vec<_>>()
+    );
+    eprintln!("{figures}");
+    // Followed: the last engine's server is in the last segment the agent wrote.
+    let r = read_recording(&last_seg).unwrap();
+    let last_server = *servers.last().unwrap();
+    assert!(
+        r.processes.iter().any(|p| p.pid == last_server),
+        "the last engine ({last_server}) in {}: {figures}",
+        last_seg.display()
+    );
+    // The recorder went on through every restart (its BPF programs loaded once).
+    assert_eq!(restarted, 0, "{figures}\n{log}");
+    // Released: what the agent holds with the last engines as with the first (restarts
+    // 10-30 against the last three readings). A reading may catch the old engine's readers
+    // still ending (a process's worth of threads and descriptors for a moment): the least of
+    // each three is what stays.
+    let least = |v: &[(usize, Held, f64)], f: fn(&Held) -> usize| {
+        v.iter().map(|r| f(&r.1)).min().unwrap_or(0)
+    };
+    let (head, tail) = (&readings[..3], &readings[readings.len() - 3..]);
+    for (what, f, slack) in [
+        ("descriptors", (|h: &Held| h.fds) as fn(&Held) -> usize, 0),
+        ("perf events", |h: &Held| h.perf_events, 0),
+        ("BPF links", |h: &Held| h.bpf_links, 0),
+        ("threads", |h: &Held| h.threads, 0),
+        ("BPF hash entries", |h: &Held| h.map_entries, 4),
+    ] {
+        assert!(
+            least(tail, f) <= least(head, f) + slack,
+            "{what} grow as engines restart: {figures}"
+        );
+    }
+    // The heap after warm-up (a segment's tables and an idle series live 10 s here).
+    let (first, last) = (&readings[2], readings.last().unwrap());
+    assert!(
+        last.2 - first.2 <= 2.0,
+        "the heap grows as engines restart: {figures}"
+    );
+}
+
 #[test]
 fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -952,6 +952,44 @@ fn serve_discovery_and_scraped_throughput() {
         (tm / im - 1.0).abs() <= 0.10,
         "TPOT mean {tm} ms vs ITL mean {im} ms"
     );
+    // Where TTFT and E2E go (vLLM's request decomposition): each finished request observed
+    // once in every part, and the parts add up as vLLM times them from one request's
+    // timestamps: prefill + decode = inference; queue + inference = E2E less the API
+    // server's own part (arrival, tokenising and hand-off before the engine queued it).
+    let [queue, prefill, decode, inference] = [
+        &names::QUEUE_TIME,
+        &names::PREFILL_TIME,
+        &names::DECODE_TIME,
+        &names::INFERENCE_TIME,
+    ]
+    .map(latency);
+    eprintln!("queue {queue:?}\nprefill {prefill:?}\ndecode {decode:?}\ninference {inference:?}");
+    let mean = |q: &enginescope::metrics::maths::LatencyQuantiles| q.mean.expect("a mean");
+    for (what, q) in [
+        ("queue", &queue),
+        ("prefill", &prefill),
+        ("decode", &decode),
+        ("inference", &inference),
+    ] {
+        assert_eq!(q.count, e2e.count, "{what} observations vs E2E's");
+    }
+    let (pd, inf) = (mean(&prefill) + mean(&decode), mean(&inference));
+    assert!(
+        (pd / inf - 1.0).abs() <= 0.02,
+        "prefill + decode {pd:.2} ms vs inference {inf:.2} ms"
+    );
+    let (qi, e2e_mean) = (mean(&queue) + inf, mean(&e2e));
+    assert!(
+        qi <= e2e_mean * 1.001 && qi >= 0.8 * e2e_mean,
+        "queue + inference {qi:.2} ms vs E2E {e2e_mean:.2} ms"
+    );
+    for k in ["queue_ms", "prefill_ms", "decode_ms", "inference_ms"] {
+        assert!(
+            eng[k]["count"].as_f64().is_some_and(|c| c > 0.0) && eng[k]["p50"].is_number(),
+            "the report's {k}: {}",
+            eng[k]
+        );
+    }
     let max_in = |f| {
         ix.gauge(&e.id, f)
             .into_iter()

@@ -279,21 +279,28 @@ fn supervise(
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             sampler::record_rotating(opts, Some(policy.clone()))
         }));
-        let msg = match run {
-            Ok(Ok(s)) => format!(
-                "recorder stopped after {:.1} s ({} samples)",
-                s.duration_s, s.samples
+        let (msg, recorded) = match run {
+            Ok(Ok(s)) => (
+                format!(
+                    "recorder stopped after {:.1} s ({} samples)",
+                    s.duration_s, s.samples
+                ),
+                true,
             ),
-            Ok(Err(e)) => format!("recorder: {e:#}"),
-            Err(_) => "the recorder panicked (a bug; please report it with the lines above)".into(),
+            Ok(Err(e)) => (format!("recorder: {e:#}"), false),
+            Err(_) => (
+                "the recorder panicked (a bug; please report it with the lines above)".into(),
+                false,
+            ),
         };
         if opts.stop.is_stopped() {
             break;
         }
-        // The same failure again (no engine yet) is said once.
-        if msg != last_msg {
+        // The same failure again (no engine yet) is said once; every recording that ended
+        // (its engine gone) is said.
+        if recorded || msg != last_msg {
             eprintln!(
-                "enginescope: agent: {msg}; trying again every {:.0} s",
+                "enginescope: agent: {msg}; trying again every {} s",
                 retry.as_secs_f64()
             );
             last_msg = msg;

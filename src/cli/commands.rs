@@ -466,6 +466,10 @@ pub struct AgentCmd {
     /// Seconds between updates of the metrics from the recording.
     #[arg(long, default_value_t = 1.0)]
     poll: f64,
+    /// Seconds between tries to record again after the recorder stopped (no engine yet, every
+    /// engine gone, the disk full).
+    #[arg(long, default_value_t = 5.0)]
+    retry_seconds: f64,
     /// Seconds of each aggregated interval: samples, off-CPU intervals, GIL waits and probed
     /// calls are stored added up per thread and stack (calls as histograms) once per
     /// interval, the exported counters advance then too (docs/deployment.md).
@@ -583,7 +587,7 @@ impl AgentCmd {
                 probes: cap(self.max_probes),
                 idle_ticks,
             },
-            retry: Duration::from_secs(5),
+            retry: Duration::from_secs_f64(pos(self.retry_seconds, "--retry-seconds")?),
             push,
         })
     }
