@@ -120,6 +120,24 @@ fn aggregated_recordings_report_what_the_raw_ones_do() {
         assert!(!strip(&jr).is_empty());
         assert_eq!(strip(&jr), strip(&ja), "{name}: per-function time");
         assert_eq!(jr["totals"], ja["totals"], "{name}: totals");
+        // Collections (record 27): by generation the same count, objects freed and total
+        // time, the longest pause within the bucket bound.
+        for g in ["0", "1", "2"] {
+            let (a, b) = (&jr["gc"]["by_generation"][g], &ja["gc"]["by_generation"][g]);
+            assert_eq!(a["pauses"], b["pauses"], "{name}: gen {g} pauses");
+            assert_eq!(a["collected"], b["collected"], "{name}: gen {g} collected");
+            let (ta, tb) = (a["total_s"].as_f64(), b["total_s"].as_f64());
+            assert!(
+                ta.zip(tb).is_none_or(|(x, y)| close(x, y, 1e-9)),
+                "{name}: gen {g} GC time: raw {ta:?}, aggregated {tb:?}"
+            );
+            let (ma, mb) = (a["max_ms"].as_f64(), b["max_ms"].as_f64());
+            assert!(
+                ma.zip(mb)
+                    .is_none_or(|(x, y)| (x - y).abs() <= 2.0 * MAX_REL_ERROR * x + 1e-6),
+                "{name}: gen {g} longest pause: raw {ma:?}, aggregated {mb:?}"
+            );
+        }
         let lat = jr["function_latency"]
             .as_array()
             .cloned()

@@ -5,8 +5,9 @@
 //! Over each interval (`--profile-seconds`, 10 s by default) the writer adds events up by key:
 //! samples by (thread, stack, flags) into a count and a CPU-time sum, off-CPU intervals by
 //! (thread, stack, preempted) and GIL waits by (thread, holder, holder's stack, waiter's stack,
-//! switch wait) into a count and a duration sum, and probed calls by (thread, probe) into a
-//! count, a duration sum and a histogram of log-linear buckets ([`bucket`]). At the interval's
+//! switch wait) into a count and a duration sum, and probed calls by (thread, probe) and GC
+//! pauses by (thread, generation) into a count, a duration sum and a histogram of log-linear
+//! buckets ([`bucket`]; pauses read back scaled to their exact sum, [`hist_durations`]). At the interval's
 //! end it writes one interval record and one record per key. Sums and counts are exact (the
 //! per-thread CPU, GIL held, GIL wait, off-CPU and GC figures, the flamegraphs and the per-stack
 //! off-CPU time read the same as from raw events); what is lost is each event's own time within
@@ -120,6 +121,49 @@ pub struct CallKey {
     pub probe: u32,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GcKey {
+    pub pid: i32,
+    pub tid: i32,
+    /// -1: unknown.
+    pub generation: i8,
+}
+
+/// Collections of one generation on one thread over an interval: the pauses' count, exact
+/// sum and histogram (as a probe's calls), and the objects they freed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcHist {
+    pub count: u64,
+    pub sum_ns: u64,
+    /// Objects freed by the pauses that know it; -1 when none does.
+    pub collected: i64,
+    /// (bucket, count), buckets ascending.
+    pub buckets: Vec<(u32, u64)>,
+}
+
+/// Durations of `count` events read back from a histogram whose exact sum is `sum_ns`: each
+/// its bucket's value, scaled so that they add up to the sum exactly (the last takes what
+/// rounding leaves), so that per-thread GC time reads as from raw events.
+pub fn hist_durations(buckets: &[(u32, u64)], sum_ns: u64) -> Vec<u64> {
+    let vals: Vec<u64> = buckets
+        .iter()
+        .flat_map(|&(b, n)| std::iter::repeat_n(bucket_value(b), n as usize))
+        .collect();
+    let approx: u128 = vals.iter().map(|&v| u128::from(v)).sum();
+    if approx == 0 {
+        return vals;
+    }
+    let mut out: Vec<u64> = vals
+        .iter()
+        .map(|&v| (u128::from(v) * u128::from(sum_ns) / approx) as u64)
+        .collect();
+    let given: u64 = out.iter().sum();
+    if let Some(last) = out.last_mut() {
+        *last = last.saturating_add(sum_ns.saturating_sub(given));
+    }
+    out
+}
+
 /// Calls of one probe on one thread over an interval: count, exact sum, and the histogram.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallHist {
@@ -127,6 +171,15 @@ pub struct CallHist {
     pub sum_ns: u64,
     /// (bucket, count), buckets ascending.
     pub buckets: Vec<(u32, u64)>,
+}
+
+/// One key's collections so far: buckets, exact sum, objects freed (None: unknown in every
+/// pause).
+#[derive(Default)]
+pub struct GcAcc {
+    buckets: HashMap<u32, u64>,
+    sum_ns: u64,
+    collected: Option<i64>,
 }
 
 /// Events of the current interval, added up by key.
@@ -137,6 +190,7 @@ pub struct Accumulator {
     pub gil: HashMap<GilKey, CountSum>,
     pub calls: HashMap<CallKey, HashMap<u32, u64>>,
     pub call_sums: HashMap<CallKey, u64>,
+    pub gc: HashMap<GcKey, GcAcc>,
 }
 
 impl Accumulator {
@@ -145,6 +199,7 @@ impl Accumulator {
             && self.offcpu.is_empty()
             && self.gil.is_empty()
             && self.calls.is_empty()
+            && self.gc.is_empty()
     }
     pub fn sample(&mut self, k: SampleKey, weight_ns: u64) {
         self.samples.entry(k).or_default().add(weight_ns);
@@ -164,6 +219,39 @@ impl Accumulator {
             .or_default() += 1;
         let s = self.call_sums.entry(k).or_default();
         *s = s.saturating_add(dur_ns);
+    }
+
+    pub fn gc_pause(&mut self, k: GcKey, dur_ns: u64, collected: i64) {
+        let e = self.gc.entry(k).or_default();
+        *e.buckets.entry(bucket(dur_ns)).or_default() += 1;
+        e.sum_ns = e.sum_ns.saturating_add(dur_ns);
+        if collected >= 0 {
+            e.collected = Some(e.collected.unwrap_or(0).saturating_add(collected));
+        }
+    }
+
+    /// The collections added up, keys in order.
+    pub fn gc_hists(&self) -> Vec<(GcKey, GcHist)> {
+        let mut out: Vec<(GcKey, GcHist)> = self
+            .gc
+            .iter()
+            .map(|(k, a)| {
+                let mut buckets: Vec<(u32, u64)> =
+                    a.buckets.iter().map(|(&b, &n)| (b, n)).collect();
+                buckets.sort_unstable();
+                (
+                    *k,
+                    GcHist {
+                        count: buckets.iter().map(|b| b.1).sum(),
+                        sum_ns: a.sum_ns,
+                        collected: a.collected.unwrap_or(-1),
+                        buckets,
+                    },
+                )
+            })
+            .collect();
+        out.sort_unstable_by_key(|(k, _)| *k);
+        out
     }
 
     /// The calls added up, keys in order.
@@ -314,6 +402,40 @@ pub fn write_aggregated(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gc_pauses_read_back_add_up_to_their_exact_sum() {
+        let mut a = Accumulator::default();
+        let k = GcKey {
+            pid: 1,
+            tid: 1,
+            generation: 0,
+        };
+        let pauses = [1_000u64, 1_234, 50_000, 999_999, 7];
+        for (i, &p) in pauses.iter().enumerate() {
+            a.gc_pause(k, p, if i == 0 { -1 } else { 10 });
+        }
+        let (_, h) = a.gc_hists().remove(0);
+        assert_eq!(
+            (h.count, h.sum_ns, h.collected),
+            (5, pauses.iter().sum(), 40)
+        );
+        let back = hist_durations(&h.buckets, h.sum_ns);
+        assert_eq!(back.iter().sum::<u64>(), h.sum_ns);
+        // Each within its bucket's bound and the scaling's (together under 2/64).
+        let mut sorted = pauses;
+        sorted.sort_unstable();
+        for (b, p) in back.iter().zip(sorted) {
+            assert!(
+                (*b as f64 - p as f64).abs() <= 2.0 * MAX_REL_ERROR * p as f64 + 1.0,
+                "{b} vs {p}"
+            );
+        }
+        // No pause knows what it freed: unknown.
+        let mut a = Accumulator::default();
+        a.gc_pause(k, 5, -1);
+        assert_eq!(a.gc_hists()[0].1.collected, -1);
+    }
 
     #[test]
     fn buckets_are_monotone_and_their_midpoints_within_the_bound() {

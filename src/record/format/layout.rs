@@ -10,7 +10,7 @@ use super::{put_str, put_varint, tag, unzigzag, zigzag, Cur};
 use crate::record::model::{
     FunctionCall, GcPause, GilWait, MetricPoint, NativeFrameInfo, OffCpu, ProbeWatch, Wake,
 };
-use crate::record::profile::{CallKey, GilKey, OffCpuKey, SampleKey};
+use crate::record::profile::{CallKey, GcKey, GilKey, OffCpuKey, SampleKey};
 
 /// One record type's payload.
 pub(super) trait Layout: Sized {
@@ -447,13 +447,7 @@ impl Layout for CallHistRec {
         put_varint(out, u64::from(k.probe));
         put_varint(out, self.count);
         put_varint(out, self.sum_ns);
-        put_varint(out, self.buckets.len() as u64);
-        let mut prev = 0u32;
-        for &(b, n) in &self.buckets {
-            put_varint(out, u64::from(b.wrapping_sub(prev)));
-            put_varint(out, n);
-            prev = b;
-        }
+        put_buckets(out, &self.buckets);
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
         let key = CallKey {
@@ -463,24 +457,80 @@ impl Layout for CallHistRec {
         };
         let count = c.varint()?;
         let sum_ns = c.varint()?;
-        let n = c.varint()?;
-        if n > c.b.len() as u64 {
-            bail!("bad aggregated call record");
-        }
-        let mut buckets = Vec::with_capacity(n as usize);
-        let mut b = 0u64;
-        for _ in 0..n {
-            b = b
-                .checked_add(c.varint()?)
-                .filter(|&b| b <= u64::from(u32::MAX))
-                .ok_or_else(|| anyhow::anyhow!("bucket out of range"))?;
-            buckets.push((b as u32, c.varint()?));
-        }
+        let buckets = get_buckets(c, "call")?;
         Ok(CallHistRec {
             key,
             count,
             sum_ns,
             buckets,
+        })
+    }
+}
+
+/// Buckets ascending, each written as the step from the one before, with their counts.
+fn put_buckets(out: &mut Vec<u8>, buckets: &[(u32, u64)]) {
+    put_varint(out, buckets.len() as u64);
+    let mut prev = 0u32;
+    for &(b, n) in buckets {
+        put_varint(out, u64::from(b.wrapping_sub(prev)));
+        put_varint(out, n);
+        prev = b;
+    }
+}
+
+fn get_buckets(c: &mut Cur<'_>, what: &str) -> anyhow::Result<Vec<(u32, u64)>> {
+    let n = c.varint()?;
+    if n > c.b.len() as u64 {
+        bail!("bad aggregated {what} record");
+    }
+    let mut buckets = Vec::with_capacity(n as usize);
+    let mut b = 0u64;
+    for _ in 0..n {
+        b = b
+            .checked_add(c.varint()?)
+            .filter(|&b| b <= u64::from(u32::MAX))
+            .ok_or_else(|| anyhow::anyhow!("bucket out of range"))?;
+        buckets.push((b as u32, c.varint()?));
+    }
+    Ok(buckets)
+}
+
+/// Record 27: one thread's collections of one generation over the interval, as a histogram of
+/// pause durations (the buckets of record 25), with their exact sum and the objects freed.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct GcHistRec {
+    pub key: GcKey,
+    pub count: u64,
+    pub sum_ns: u64,
+    /// -1: unknown.
+    pub collected: i64,
+    pub buckets: Vec<(u32, u64)>,
+}
+
+impl Layout for GcHistRec {
+    const TAG: u8 = tag::GC_HIST;
+    fn put(&self, out: &mut Vec<u8>) {
+        let k = &self.key;
+        put_i32(out, k.pid);
+        put_i32(out, k.tid);
+        put_varint(out, zigzag(i64::from(k.generation)));
+        put_varint(out, self.count);
+        put_varint(out, self.sum_ns);
+        put_varint(out, zigzag(self.collected));
+        put_buckets(out, &self.buckets);
+    }
+    fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
+        let key = GcKey {
+            pid: c.i32()?,
+            tid: c.i32()?,
+            generation: i8::try_from(unzigzag(c.varint()?)).unwrap_or(-1),
+        };
+        Ok(GcHistRec {
+            key,
+            count: c.varint()?,
+            sum_ns: c.varint()?,
+            collected: unzigzag(c.varint()?),
+            buckets: get_buckets(c, "GC")?,
         })
     }
 }
@@ -635,6 +685,17 @@ mod tests {
             count: 9,
             sum_ns: 1000,
             buckets: vec![(4, 2), (10, 3), (u32::MAX, 4)],
+        });
+        roundtrip(GcHistRec {
+            key: GcKey {
+                pid: 1,
+                tid: 2,
+                generation: -1,
+            },
+            count: 5,
+            sum_ns: 123_456,
+            collected: -1,
+            buckets: vec![(40, 2), (300, 3)],
         });
     }
 

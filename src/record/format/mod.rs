@@ -50,6 +50,7 @@ mod tag {
     pub const GIL_WAIT_SUM: u8 = 24;
     pub const CALL_HIST: u8 = 25;
     pub const WAKE: u8 = 26;
+    pub const GC_HIST: u8 = 27;
 }
 
 /// The most events one aggregated record may stand for (a reader expands them): far above

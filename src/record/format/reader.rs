@@ -7,8 +7,8 @@ use std::path::Path;
 use anyhow::{bail, Context};
 
 use super::layout::{
-    CallHistRec, FrameRec, GilWaitSumRec, IntervalRec, Layout, OffCpuSumRec, SampleRec, SamplesRec,
-    StackRec,
+    CallHistRec, FrameRec, GcHistRec, GilWaitSumRec, IntervalRec, Layout, OffCpuSumRec, SampleRec,
+    SamplesRec, StackRec,
 };
 use super::{aggregated_count, tag, Cur, MAGIC, VERSION};
 use crate::record::model::*;
@@ -205,6 +205,7 @@ impl RecordingReader {
             tag::OFFCPU_SUM => self.offcpu_sum(OffCpuSumRec::get(c)?)?,
             tag::GIL_WAIT_SUM => self.gil_wait_sum(GilWaitSumRec::get(c)?)?,
             tag::CALL_HIST => self.call_hist(CallHistRec::get(c)?)?,
+            tag::GC_HIST => self.gc_hist(GcHistRec::get(c)?)?,
             // Unknown tags are skipped: newer writers may add record kinds.
             _ => {}
         }
@@ -330,6 +331,30 @@ impl RecordingReader {
                 holder_stack: a.key.holder_stack,
                 waiter_stack: a.key.waiter_stack,
                 switch_wait: a.key.switch_wait,
+            });
+        }
+        Ok(())
+    }
+
+    fn gc_hist(&mut self, a: GcHistRec) -> anyhow::Result<()> {
+        let (start, end) = self.interval("GC pauses")?;
+        let count = aggregated_count(a.count)?;
+        if a.buckets.iter().try_fold(0u64, |t, b| t.checked_add(b.1)) != Some(count) {
+            bail!("aggregated GC pauses: buckets hold other than the count");
+        }
+        let durs = profile::hist_durations(&a.buckets, a.sum_ns);
+        for (i, dur_ns) in (0u64..).zip(durs) {
+            self.recording.gc_pauses.push(GcPause {
+                pid: a.key.pid,
+                tid: a.key.tid,
+                start_ns: profile::ended_by(start, end, count, i, dur_ns),
+                dur_ns,
+                generation: a.key.generation,
+                collected: if a.collected < 0 {
+                    -1
+                } else {
+                    profile::part(a.collected as u64, count, i) as i64
+                },
             });
         }
         Ok(())

@@ -11,13 +11,13 @@ use crate::sys::FastMap;
 use anyhow::Context;
 
 use super::layout::{
-    CallHistRec, FrameRec, GilWaitSumRec, IntervalRec, Layout, OffCpuSumRec, SampleRec, SamplesRec,
-    StackRec,
+    CallHistRec, FrameRec, GcHistRec, GilWaitSumRec, IntervalRec, Layout, OffCpuSumRec, SampleRec,
+    SamplesRec, StackRec,
 };
 use super::{tag, MAGIC, VERSION};
 use crate::record::model::*;
 use crate::record::profile::{
-    self, Accumulator, AggregateOptions, CallKey, GilKey, OffCpuKey, SampleKey,
+    self, Accumulator, AggregateOptions, CallKey, GcKey, GilKey, OffCpuKey, SampleKey,
 };
 
 /// Spaces after the header's JSON, for [`RecordingWriter::restart_meta`].
@@ -289,6 +289,15 @@ impl RecordingWriter {
                 key: k,
                 count: h.count,
                 sum_ns: h.sum_ns,
+                buckets: h.buckets,
+            })?;
+        }
+        for (k, h) in acc.gc_hists() {
+            self.put(&GcHistRec {
+                key: k,
+                count: h.count,
+                sum_ns: h.sum_ns,
+                collected: h.collected,
                 buckets: h.buckets,
             })?;
         }
@@ -694,7 +703,22 @@ impl RecordingWriter {
         self.put(w)
     }
 
+    /// A collection: added up by thread and generation in an aggregating writer (a gen-0
+    /// collection every few milliseconds is most of a busy engine's records otherwise), raw
+    /// on threads whose events stay raw.
     pub fn gc_pause(&mut self, g: &GcPause) -> anyhow::Result<()> {
+        if let Some(p) = self.profile.as_mut().filter(|p| !p.raw(g.pid, g.tid)) {
+            p.acc.gc_pause(
+                GcKey {
+                    pid: g.pid,
+                    tid: g.tid,
+                    generation: g.generation,
+                },
+                g.dur_ns,
+                g.collected,
+            );
+            return Ok(());
+        }
         self.put(g)
     }
 
