@@ -210,10 +210,20 @@ impl Selection {
     /// The part of `[start_ns, start_ns + dur_ns)` inside the time range, ns (all of it
     /// without one).
     pub fn clip(&self, start_ns: u64, dur_ns: u64) -> u64 {
+        let (s, e) = self.clip_span(start_ns, dur_ns);
+        e - s
+    }
+
+    /// The part of `[start_ns, start_ns + dur_ns)` inside the time range, as `(start, end)`
+    /// (all of it without one; empty, `start == end`, where none of it is).
+    pub fn clip_span(&self, start_ns: u64, dur_ns: u64) -> (u64, u64) {
         let end = start_ns.saturating_add(dur_ns);
         match self.during {
-            None => dur_ns,
-            Some((a, b)) => end.min(b).saturating_sub(start_ns.max(a)),
+            None => (start_ns, end),
+            Some((a, b)) => {
+                let s = start_ns.max(a);
+                (s, end.min(b).max(s))
+            }
         }
     }
 

@@ -226,11 +226,12 @@ pub fn waits(rec: &Recording, sel: &Selection) -> Vec<WaitRow> {
         let a = acc
             .entry((o.pid, o.tid, f, file, w.waker_tid, wf, wfile))
             .or_default();
-        let d = sel.clip(o.start_ns, o.dur_ns);
+        // Within the time range: the wait's time and what the waker ran meanwhile alike.
+        let (s, e) = sel.clip_span(o.start_ns, o.dur_ns);
         a.waits += 1;
-        a.ns += d;
-        a.max_ns = a.max_ns.max(d);
-        a.spans.push((o.start_ns, end));
+        a.ns += e - s;
+        a.max_ns = a.max_ns.max(e - s);
+        a.spans.push((s, e));
     }
     // What each waker ran meanwhile, from its own events only.
     let by_waker = events_of(rec, acc.keys().map(|k| (k.0, k.4)));
@@ -364,6 +365,26 @@ pub(crate) mod tests {
         assert_eq!(ev.waker_function, "flush_store");
         // The preempted intervals with a wake inside are not waits.
         assert!(rows.iter().all(|w| w.tid != 3), "{rows:#?}");
+    }
+
+    #[test]
+    fn a_time_range_cuts_the_wait_and_what_the_waker_ran_alike() {
+        let rec = lock_fight(500);
+        // From 4 ms: half of the first wait (1 to 7.05 ms), none of the later ones.
+        let sel = Selection::all(&rec).during(4 * MS, 10 * MS);
+        let rows = waits(&rec, &sel);
+        let w = rows
+            .iter()
+            .find(|w| w.kind == "lock")
+            .expect("the lock row");
+        assert_eq!(w.waits, 1);
+        assert!((w.wait_s - 3.05e-3).abs() < 1e-12, "{}", w.wait_s);
+        // The flusher was off CPU in write_out from 4 to 7 ms of it.
+        assert!(
+            (w.waker_during[0].s - 3e-3).abs() < 1e-12,
+            "{:?}",
+            w.waker_during
+        );
     }
 
     #[test]
