@@ -1207,10 +1207,19 @@ fn held(pid: u32) -> Held {
     h
 }
 
+/// A number from the environment (a longer run than CI's, by hand), else `default`.
+fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// A vLLM-shaped engine (server, engine core, worker) killed and started again under the agent
 /// (`ES_RESTARTS` times, 100 by default): every new engine followed (the recorder goes on
-/// without an engine and attaches the next one's processes), every old one released: descriptors, perf events, BPF links,
-/// threads, BPF hash entries and the heap at the end as after the first ten.
+/// without an engine and attaches the next one's processes), every old one released:
+/// descriptors, perf events, BPF links, threads, BPF hash entries and the heap at the end as
+/// after the first ten.
 #[test]
 fn engine_restarted_again_and_again_is_followed_and_released() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -1218,11 +1227,7 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
     if !available(&i) {
         return;
     }
-    let restarts: usize = std::env::var("ES_RESTARTS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100)
-        .max(60);
+    let restarts: usize = env_number("ES_RESTARTS", 100).max(60);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("segs");
     // No engine yet: the agent tries every half second until one appears.
@@ -1353,11 +1358,7 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
     if !available(&i) {
         return;
     }
-    let secs: u64 = std::env::var("ES_SOAK_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(55)
-        .max(30);
+    let secs: u64 = env_number("ES_SOAK_SECONDS", 55).max(30);
     let port = free_port().to_string();
     let duration = (secs + 120).to_string();
     let fleet = start(
