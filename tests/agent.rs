@@ -737,7 +737,7 @@ fn prometheus_scrapes_the_agent_and_answers_promql() {
             stored == served,
             format!("gen {g}: Prometheus {stored} pauses = agent {served}"),
         );
-        let in_window = recs
+        let starts: Vec<u64> = recs
             .iter()
             .flat_map(|r| {
                 r.gc_pauses
@@ -745,14 +745,23 @@ fn prometheus_scrapes_the_agent_and_answers_promql() {
                     .filter(|p| p.pid == gcw.pid && p.generation == g as i8)
                     .map(move |p| r.meta.start_mono_ns + p.start_ns)
             })
-            .filter(|t| (ga..gb).contains(t))
+            .collect();
+        let in_window = starts.iter().filter(|t| (ga..gb).contains(*t)).count() as f64;
+        // Pauses read back from an aggregated interval (0.25 s) are spread over it, as calls
+        // are: those of the intervals at the window's edges may fall on the wrong side.
+        let near_edge = starts
+            .iter()
+            .filter(|t| t.abs_diff(ga) < 250_000_000 || t.abs_diff(gb) < 250_000_000)
             .count() as f64;
         let want = t_gc["by_generation"][g.to_string()]["pauses"]
             .as_f64()
             .unwrap_or(0.0);
         check(
-            (in_window - want).abs() <= (0.01 * want).max(1.0) && served >= in_window,
-            format!("gen {g}: {in_window} pauses in the window (truth {want}), {served} in all"),
+            (in_window - want).abs() <= (0.01 * want).max(1.0) + near_edge && served >= in_window,
+            format!(
+                "gen {g}: {in_window} pauses in the window (truth {want}, {near_edge} within \
+                 an interval of its edges), {served} in all"
+            ),
         );
     }
     let mix_pid = mix.pid;
