@@ -7,8 +7,8 @@
 //! (thread, stack, preempted) and GIL waits by (thread, holder, holder's stack, waiter's stack,
 //! switch wait) into a count and a duration sum, and probed calls by (thread, probe) and GC
 //! pauses by (thread, generation) into a count, a duration sum and a histogram of log-linear
-//! buckets ([`bucket`]; pauses read back scaled to their exact sum, [`hist_durations`]). At the interval's
-//! end it writes one interval record and one record per key. Sums and counts are exact (the
+//! buckets ([`bucket`]; pauses read back scaled to their exact sum, [`hist_durations`]). At
+//! the interval's end it writes one interval record and one record per key. Sums and counts are exact (the
 //! per-thread CPU, GIL held, GIL wait, off-CPU and GC figures, the flamegraphs and the per-stack
 //! off-CPU time read the same as from raw events); what is lost is each event's own time within
 //! the interval and, for calls, the exact duration: a call's duration is known to within its
@@ -129,16 +129,13 @@ pub struct GcKey {
     pub generation: i8,
 }
 
-/// Collections of one generation on one thread over an interval: the pauses' count, exact
-/// sum and histogram (as a probe's calls), and the objects they freed.
+/// Collections of one generation on one thread over an interval: the pauses' durations (as a
+/// probe's calls), and the objects they freed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcHist {
-    pub count: u64,
-    pub sum_ns: u64,
+    pub pauses: DurationHist,
     /// Objects freed by the pauses that know it; -1 when none does.
     pub collected: i64,
-    /// (bucket, count), buckets ascending.
-    pub buckets: Vec<(u32, u64)>,
 }
 
 /// Durations of `count` events read back from a histogram whose exact sum is `sum_ns`: each
@@ -164,22 +161,53 @@ pub fn hist_durations(buckets: &[(u32, u64)], sum_ns: u64) -> Vec<u64> {
     out
 }
 
-/// Calls of one probe on one thread over an interval: count, exact sum, and the histogram.
+/// Durations over an interval (a probe's calls on one thread, a thread's collections of one
+/// generation): count, exact sum, and the histogram.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct CallHist {
+pub struct DurationHist {
     pub count: u64,
     pub sum_ns: u64,
     /// (bucket, count), buckets ascending.
     pub buckets: Vec<(u32, u64)>,
 }
 
-/// One key's collections so far: buckets, exact sum, objects freed (None: unknown in every
-/// pause).
+/// Durations added up so far: per [`bucket`] the count, and the exact sum.
 #[derive(Default)]
-pub struct GcAcc {
+pub struct Durations {
     buckets: HashMap<u32, u64>,
     sum_ns: u64,
+}
+
+impl Durations {
+    fn add(&mut self, ns: u64) {
+        *self.buckets.entry(bucket(ns)).or_default() += 1;
+        self.sum_ns = self.sum_ns.saturating_add(ns);
+    }
+
+    fn hist(&self) -> DurationHist {
+        let mut buckets: Vec<(u32, u64)> = self.buckets.iter().map(|(&b, &n)| (b, n)).collect();
+        buckets.sort_unstable();
+        DurationHist {
+            count: buckets.iter().map(|b| b.1).sum(),
+            sum_ns: self.sum_ns,
+            buckets,
+        }
+    }
+}
+
+/// One key's collections so far: their durations, and the objects freed (None: unknown in
+/// every pause).
+#[derive(Default)]
+pub struct GcAcc {
+    pauses: Durations,
     collected: Option<i64>,
+}
+
+/// Each key's figure (`f` of its value), keys in order.
+fn by_key<K: Copy + Ord, V, H>(m: &HashMap<K, V>, f: impl Fn(&V) -> H) -> Vec<(K, H)> {
+    let mut out: Vec<(K, H)> = m.iter().map(|(k, v)| (*k, f(v))).collect();
+    out.sort_unstable_by_key(|(k, _)| *k);
+    out
 }
 
 /// Events of the current interval, added up by key.
@@ -188,8 +216,7 @@ pub struct Accumulator {
     pub samples: HashMap<SampleKey, CountSum>,
     pub offcpu: HashMap<OffCpuKey, CountSum>,
     pub gil: HashMap<GilKey, CountSum>,
-    pub calls: HashMap<CallKey, HashMap<u32, u64>>,
-    pub call_sums: HashMap<CallKey, u64>,
+    pub calls: HashMap<CallKey, Durations>,
     pub gc: HashMap<GcKey, GcAcc>,
 }
 
@@ -211,20 +238,12 @@ impl Accumulator {
         self.gil.entry(k).or_default().add(dur_ns);
     }
     pub fn call(&mut self, k: CallKey, dur_ns: u64) {
-        *self
-            .calls
-            .entry(k)
-            .or_default()
-            .entry(bucket(dur_ns))
-            .or_default() += 1;
-        let s = self.call_sums.entry(k).or_default();
-        *s = s.saturating_add(dur_ns);
+        self.calls.entry(k).or_default().add(dur_ns);
     }
 
     pub fn gc_pause(&mut self, k: GcKey, dur_ns: u64, collected: i64) {
         let e = self.gc.entry(k).or_default();
-        *e.buckets.entry(bucket(dur_ns)).or_default() += 1;
-        e.sum_ns = e.sum_ns.saturating_add(dur_ns);
+        e.pauses.add(dur_ns);
         if collected >= 0 {
             e.collected = Some(e.collected.unwrap_or(0).saturating_add(collected));
         }
@@ -232,48 +251,15 @@ impl Accumulator {
 
     /// The collections added up, keys in order.
     pub fn gc_hists(&self) -> Vec<(GcKey, GcHist)> {
-        let mut out: Vec<(GcKey, GcHist)> = self
-            .gc
-            .iter()
-            .map(|(k, a)| {
-                let mut buckets: Vec<(u32, u64)> =
-                    a.buckets.iter().map(|(&b, &n)| (b, n)).collect();
-                buckets.sort_unstable();
-                (
-                    *k,
-                    GcHist {
-                        count: buckets.iter().map(|b| b.1).sum(),
-                        sum_ns: a.sum_ns,
-                        collected: a.collected.unwrap_or(-1),
-                        buckets,
-                    },
-                )
-            })
-            .collect();
-        out.sort_unstable_by_key(|(k, _)| *k);
-        out
+        by_key(&self.gc, |a| GcHist {
+            pauses: a.pauses.hist(),
+            collected: a.collected.unwrap_or(-1),
+        })
     }
 
     /// The calls added up, keys in order.
-    pub fn call_hists(&self) -> Vec<(CallKey, CallHist)> {
-        let mut out: Vec<(CallKey, CallHist)> = self
-            .calls
-            .iter()
-            .map(|(k, b)| {
-                let mut buckets: Vec<(u32, u64)> = b.iter().map(|(&b, &n)| (b, n)).collect();
-                buckets.sort_unstable();
-                (
-                    *k,
-                    CallHist {
-                        count: buckets.iter().map(|b| b.1).sum(),
-                        sum_ns: self.call_sums.get(k).copied().unwrap_or(0),
-                        buckets,
-                    },
-                )
-            })
-            .collect();
-        out.sort_unstable_by_key(|(k, _)| *k);
-        out
+    pub fn call_hists(&self) -> Vec<(CallKey, DurationHist)> {
+        by_key(&self.calls, Durations::hist)
     }
 }
 
@@ -415,11 +401,14 @@ mod tests {
         for (i, &p) in pauses.iter().enumerate() {
             a.gc_pause(k, p, if i == 0 { -1 } else { 10 });
         }
-        let (_, h) = a.gc_hists().remove(0);
-        assert_eq!(
-            (h.count, h.sum_ns, h.collected),
-            (5, pauses.iter().sum(), 40)
-        );
+        let (
+            _,
+            GcHist {
+                pauses: h,
+                collected,
+            },
+        ) = a.gc_hists().remove(0);
+        assert_eq!((h.count, h.sum_ns, collected), (5, pauses.iter().sum(), 40));
         let back = hist_durations(&h.buckets, h.sum_ns);
         assert_eq!(back.iter().sum::<u64>(), h.sum_ns);
         // Each within its bucket's bound and the scaling's (together under 2/64).

@@ -295,10 +295,10 @@ impl RecordingWriter {
         for (k, h) in acc.gc_hists() {
             self.put(&GcHistRec {
                 key: k,
-                count: h.count,
-                sum_ns: h.sum_ns,
+                count: h.pauses.count,
+                sum_ns: h.pauses.sum_ns,
                 collected: h.collected,
-                buckets: h.buckets,
+                buckets: h.pauses.buckets,
             })?;
         }
         Ok(())
