@@ -88,18 +88,6 @@ fn totals(recs: &[Recording], a: u64, b: u64) -> Totals {
     t
 }
 
-/// Poll `cond` until it holds or `within` passes; the last value either way.
-fn poll_until<T>(within: Duration, every: Duration, mut f: impl FnMut() -> (bool, T)) -> T {
-    let deadline = Instant::now() + within;
-    loop {
-        let (ok, v) = f();
-        if ok || Instant::now() >= deadline {
-            return v;
-        }
-        std::thread::sleep(every);
-    }
-}
-
 /// cpu_mix under the agent with segments of 1.5 s: the exported per-thread CPU and off-CPU
 /// counters equal the segments' sums exactly (nothing lost or counted twice across
 /// rotations), the segments' in-window figures match the truth (on/off-CPU within 3 points of
@@ -1307,7 +1295,7 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
         }
     }
     agent.drain_log();
-    let restarted = agent.log.matches("recorder stopped after").count();
+    let restarted = agent.err.log.matches("recorder stopped after").count();
     let secs = t0.elapsed().as_secs_f64();
     let last_seg = segments(&dir).last().cloned().expect("a segment");
     let log = agent.stop();
@@ -1472,7 +1460,11 @@ fn soak_memory_and_disk_stay_flat_while_processes_and_threads_churn() {
         }
     }
     agent.drain_log();
-    let attached = agent.log.matches("attached to new engine process").count();
+    let attached = agent
+        .err
+        .log
+        .matches("attached to new engine process")
+        .count();
     let rotations = sum_of(&last_exp, "enginescope_recording_rotations_total", &[]);
     let restarts = sum_of(&last_exp, "enginescope_recorder_restarts_total", &[]);
     let aggregated = sum_of(

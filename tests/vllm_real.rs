@@ -160,8 +160,7 @@ struct Server {
 /// starts (its engine core and worker appear later).
 struct MemoryRecorder {
     child: ChildGuard,
-    lines: std::sync::mpsc::Receiver<String>,
-    log: String,
+    err: common::StderrLines,
     path: PathBuf,
 }
 
@@ -180,19 +179,10 @@ impl MemoryRecorder {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn record --vllm --backend memory");
-        let err = BufReader::new(child.stderr.take().unwrap());
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in err.lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let err = common::StderrLines::follow(&mut child);
         let mut r = MemoryRecorder {
             child: ChildGuard(Some(child)),
-            lines,
-            log: String::new(),
+            err,
             path: path.to_path_buf(),
         };
         r.wait_line(|l| l.contains("sampling started"), Duration::from_secs(60));
@@ -201,26 +191,15 @@ impl MemoryRecorder {
 
     /// Wait for a line of the recorder's stderr (bounded: the recorder says it or has failed).
     fn wait_line(&mut self, want: impl Fn(&str) -> bool, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push_str(&l);
-                    self.log.push('\n');
-                    if want(&l) {
-                        return l;
-                    }
-                }
-                Err(e) => panic!("memory recorder: {e:?} waiting; its log:\n{}", self.log),
-            }
-        }
+        self.err.wait(want, within).unwrap_or_else(|e| {
+            panic!("memory recorder: {e:?} waiting; its log:\n{}", self.err.log)
+        })
     }
 
     /// Wait until the recorder says it attached each of `pids` (rediscovery runs every 2 s).
     fn wait_attached(&mut self, pids: &[i32]) {
         let mut left: std::collections::BTreeSet<i32> = pids.iter().copied().collect();
-        for l in self.log.lines() {
+        for l in self.err.log.lines() {
             if let Some(p) = l.rsplit(' ').next().and_then(|p| p.parse().ok()) {
                 if l.contains("attached to new engine process") {
                     left.remove(&p);
@@ -268,14 +247,11 @@ impl MemoryRecorder {
         // SAFETY: SIGINT to the recorder we started; it finishes the file and exits.
         unsafe { libc::kill(pid, libc::SIGINT) };
         let status = self.child.0.take().unwrap().wait().expect("recorder exit");
-        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(5)) {
-            self.log.push_str(&l);
-            self.log.push('\n');
-        }
+        self.err.read_to_end();
         assert!(
             status.success(),
             "record --backend memory failed:\n{}",
-            self.log
+            self.err.log
         );
         let rec = enginescope::record::read_recording(&self.path).expect("memory recording");
         let base = rec.meta.start_mono_ns;
@@ -1665,38 +1641,41 @@ fn tensor_parallel_workers_named_and_probed_by_rank() {
     agent.wait_line("sampling started", Duration::from_secs(60));
     let res = run_load(srv.port, 8, 64, 8);
     assert!(res["requests_done"].as_f64().unwrap_or(0.0) > 0.0, "{res}");
-    let of_role = |exp: &[common::agent::Exposed], metric: &str, role: &str| -> f64 {
+    // The default probe's calls on a rank (its function label holds `execute_model`).
+    let execute_model_calls = |exp: &[common::agent::Exposed], role: &str| -> f64 {
         exp.iter()
-            .filter(|e| e.name == metric)
+            .filter(|e| e.name == "enginescope_probe_call_duration_seconds_count")
             .filter(|e| e.labels.get("role").map(String::as_str) == Some(role))
             .filter(|e| {
-                !metric.contains("probe")
-                    || e.labels
-                        .get("function")
-                        .is_some_and(|f| f.contains("execute_model"))
+                e.labels
+                    .get("function")
+                    .is_some_and(|f| f.contains("execute_model"))
             })
             .map(|e| e.value)
             .sum()
     };
     // The load has ended; the agent exports a profile interval after it (1 s, polled every
     // 0.5 s): read /metrics until both ranks show, within a bound.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let (cpu, calls) = loop {
-        let exp = common::agent::parse_exposition(&agent.metrics());
-        let cpu: Vec<f64> = roles
-            .iter()
-            .map(|(name, _)| of_role(&exp, "enginescope_thread_cpu_seconds_total", name))
-            .collect();
-        let calls: Vec<f64> = roles
-            .iter()
-            .map(|(name, _)| of_role(&exp, "enginescope_probe_call_duration_seconds_count", name))
-            .collect();
-        let all = cpu.iter().chain(&calls).all(|&v| v > 0.0);
-        if all || std::time::Instant::now() >= deadline {
-            break (cpu, calls);
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let (cpu, calls) =
+        common::agent::poll_until(Duration::from_secs(20), Duration::from_millis(500), || {
+            let exp = common::agent::parse_exposition(&agent.metrics());
+            let cpu: Vec<f64> = roles
+                .iter()
+                .map(|(name, _)| {
+                    common::agent::sum_of(
+                        &exp,
+                        "enginescope_thread_cpu_seconds_total",
+                        &[("role", name)],
+                    )
+                })
+                .collect();
+            let calls: Vec<f64> = roles
+                .iter()
+                .map(|(name, _)| execute_model_calls(&exp, name))
+                .collect();
+            let all = cpu.iter().chain(&calls).all(|&v| v > 0.0);
+            (all, (cpu, calls))
+        });
     let log = agent.stop();
     eprintln!("agent by rank {roles:?}: CPU s {cpu:?}, execute_model calls {calls:?}");
     assert!(

@@ -2,16 +2,15 @@
 //! parsed, stopped cleanly (killed if the test fails first).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 /// A running `enginescope agent`; killed on drop.
 pub struct Agent {
     pub child: Child,
-    lines: Receiver<String>,
-    pub log: String,
+    /// Its stderr, and what it said so far (`err.log`).
+    pub err: super::StderrLines,
     pub addr: String,
 }
 
@@ -24,20 +23,10 @@ impl Agent {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn enginescope agent");
-        let stderr = BufReader::new(child.stderr.take().unwrap());
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in stderr.lines() {
-                let Ok(l) = l else { break };
-                if tx.send(l).is_err() {
-                    break;
-                }
-            }
-        });
+        let err = super::StderrLines::follow(&mut child);
         let mut a = Agent {
             child,
-            lines,
-            log: String::new(),
+            err,
             addr: String::new(),
         };
         let l = a.wait_line("serving metrics on http://", Duration::from_secs(30));
@@ -52,32 +41,22 @@ impl Agent {
 
     /// Wait for a stderr line containing `needle`.
     pub fn wait_line(&mut self, needle: &str, within: Duration) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.log.push_str(&l);
-                    self.log.push('\n');
-                    if l.contains(needle) {
-                        return l;
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    panic!("no line with {needle:?} within {within:?}:\n{}", self.log)
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    panic!("agent exited before {needle:?}:\n{}", self.log)
-                }
+        match self.err.wait(|l| l.contains(needle), within) {
+            Ok(l) => l,
+            Err(RecvTimeoutError::Timeout) => {
+                panic!(
+                    "no line with {needle:?} within {within:?}:\n{}",
+                    self.err.log
+                )
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                panic!("agent exited before {needle:?}:\n{}", self.err.log)
             }
         }
     }
 
     pub fn drain_log(&mut self) {
-        while let Ok(l) = self.lines.try_recv() {
-            self.log.push_str(&l);
-            self.log.push('\n');
-        }
+        self.err.drain();
     }
 
     pub fn metrics(&self) -> String {
@@ -92,13 +71,13 @@ impl Agent {
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
                 self.drain_log();
-                assert!(st.success(), "agent exit {st:?}:\n{}", self.log);
-                return std::mem::take(&mut self.log);
+                assert!(st.success(), "agent exit {st:?}:\n{}", self.err.log);
+                return std::mem::take(&mut self.err.log);
             }
             assert!(
                 Instant::now() < deadline,
                 "agent did not stop on SIGINT:\n{}",
-                self.log
+                self.err.log
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -199,4 +178,17 @@ pub fn sum_of(exp: &[Exposed], name: &str, want: &[(&str, &str)]) -> f64 {
         })
         .map(|e| e.value)
         .sum()
+}
+
+/// Poll `f` until it holds or `within` passes (a value the agent exports once per interval);
+/// the last value either way.
+pub fn poll_until<T>(within: Duration, every: Duration, mut f: impl FnMut() -> (bool, T)) -> T {
+    let deadline = Instant::now() + within;
+    loop {
+        let (ok, v) = f();
+        if ok || Instant::now() >= deadline {
+            return v;
+        }
+        std::thread::sleep(every);
+    }
 }

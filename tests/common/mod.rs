@@ -528,3 +528,65 @@ impl Drop for TinyFs {
             .status();
     }
 }
+
+/// A child's stderr read line by line on a thread of its own, and every line read so far.
+pub struct StderrLines {
+    rx: std::sync::mpsc::Receiver<String>,
+    pub log: String,
+}
+
+impl StderrLines {
+    /// Follow `child`'s stderr (piped).
+    pub fn follow(child: &mut Child) -> StderrLines {
+        let err = BufReader::new(child.stderr.take().expect("stderr piped"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in err.lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        StderrLines {
+            rx,
+            log: String::new(),
+        }
+    }
+
+    fn keep(&mut self, l: &str) {
+        self.log.push_str(l);
+        self.log.push('\n');
+    }
+
+    /// Lines until one `want` accepts (returned), or Err when `within` passes or the child
+    /// closes its stderr first; every line read is kept in `log`.
+    pub fn wait(
+        &mut self,
+        want: impl Fn(&str) -> bool,
+        within: std::time::Duration,
+    ) -> Result<String, std::sync::mpsc::RecvTimeoutError> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            let l = self.rx.recv_timeout(left)?;
+            self.keep(&l);
+            if want(&l) {
+                return Ok(l);
+            }
+        }
+    }
+
+    /// Keep the lines already read, without waiting.
+    pub fn drain(&mut self) {
+        while let Ok(l) = self.rx.try_recv() {
+            self.keep(&l);
+        }
+    }
+
+    /// Keep lines until the child closes its stderr (or says nothing for 5 s).
+    pub fn read_to_end(&mut self) {
+        while let Ok(l) = self.rx.recv_timeout(std::time::Duration::from_secs(5)) {
+            self.keep(&l);
+        }
+    }
+}
