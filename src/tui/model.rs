@@ -8,12 +8,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use super::window::{Holder, ThreadKey, Window};
 use crate::metrics::{maths, names, Family};
 use crate::record::{EngineInfo, Recording};
+use crate::views::findings::{self as fd, Finding};
 use crate::views::gil::{GIL_FREE, RELEASING, UNKNOWN_FUNCTION};
+use serde_json::json;
 
 /// Functions kept per thread and list.
-pub const TOP_FUNCTIONS: usize = 20;
+pub(crate) const TOP_FUNCTIONS: usize = 20;
 /// Holders kept per waiting thread.
-pub const TOP_BLAME: usize = 10;
+pub(crate) const TOP_BLAME: usize = 10;
 
 /// Roles and engines known from outside the recording: the hook for `top --vllm`, whose
 /// discovery knows which process is the API server, an EngineCore or a worker before the
@@ -189,7 +191,7 @@ impl MetricView {
     /// A gauge's mean and largest value over the window (its scrapes in it): on a closed-loop
     /// load `requests running` flips between 0 and its limit from one scrape to the next, so
     /// the last value alone says little.
-    pub fn window_mean_max(&self) -> Option<(f64, f64)> {
+    pub(crate) fn window_mean_max(&self) -> Option<(f64, f64)> {
         let n = self.history.len();
         (n > 0).then(|| {
             let mean = self.history.iter().sum::<f64>() / n as f64;
@@ -259,7 +261,7 @@ pub struct Recalled {
 /// EngineCore and its two workers' main threads share one budget), and the line would lose
 /// its step or model-run figure every other window.
 #[derive(Debug, Default)]
-pub struct Recall {
+pub(crate) struct Recall {
     last: BTreeMap<(i32, String), (LatencyRow, u64)>,
 }
 
@@ -422,7 +424,7 @@ fn metric_view(
 /// Compute what the dashboard shows from the window (already updated to the recording).
 /// A run of an event loop's callbacks longer than this is a stall (`report --stall-ms`'s
 /// default).
-pub const LOOP_STALL_NS: u64 = 100_000_000;
+pub(crate) const LOOP_STALL_NS: u64 = 100_000_000;
 
 pub fn snapshot(w: &Window, rec: &Recording, topo: &Topology) -> Snapshot {
     let wall = w.wall_ns();
@@ -951,194 +953,213 @@ fn engine_metrics(w: &Window, rec: &Recording, engines: &[EngineInfo]) -> Vec<En
 
 /// The findings of a window, from its rows (the shared accounting's sums), with the report's
 /// thresholds ([`crate::views::findings`]): GIL contention (with the holder the thread waited
-/// on most and what it ran), GC pressure per process (by generation), and busy-spinning
-/// pollers. The report's other kinds need the recording's calls and stacks.
-pub fn window_findings(s: &Snapshot) -> Vec<crate::views::findings::Finding> {
-    use crate::views::findings::{self as fd, Finding};
-    use serde_json::json;
+/// on most and what it ran), GC pressure per process (by generation), busy-spinning pollers
+/// and lock contention. The report's other kinds need the recording's calls and stacks.
+pub fn window_findings(s: &Snapshot) -> Vec<Finding> {
     let wall_s = s.wall_ns as f64 / 1e9;
-    let mut out = Vec::new();
     if wall_s <= 0.0 {
-        return out;
+        return Vec::new();
     }
-    // The threads that ran an engine's step in the window (its EngineCore's step, its
-    // workers' execute_model), as the report's step anatomy finds them.
-    let step_threads: Vec<(i32, i32)> = s
-        .latency
-        .iter()
-        .filter(|l| {
-            l.calls > 0
-                && [
-                    "EngineCore.step",
-                    "EngineCore.step_with_batch_queue",
-                    "Worker.execute_model",
-                ]
-                .iter()
-                .any(|f| l.function.ends_with(f))
-        })
-        .map(|l| (l.pid, l.tid))
-        .collect();
+    let step_threads = step_threads(s);
+    let mut out = Vec::new();
     for p in s.processes() {
         for t in &p.threads {
-            let st = &t.stats;
-            if st.gil_wait >= fd::GIL_MIN_SHARE && st.gil_waits >= fd::GIL_MIN_WAITS {
-                // As in the report: a thread of an engine process off its step loop that keeps
-                // up (idle more than KEEPS_UP_IDLE) delays what it hands on, not the steps.
-                let off_step = step_threads.iter().any(|&(pid, _)| pid == t.pid)
-                    && !step_threads.contains(&(t.pid, t.tid));
-                let idle = (1.0 - st.cpu - st.gil_wait).max(0.0);
-                let keeps_up = off_step && idle > fd::KEEPS_UP_IDLE;
-                let holder = t
-                    .blame
-                    .iter()
-                    .find(|b| b.holder_tid != 0 && b.holder_tid != t.tid);
-                let mut verdict = format!(
-                    "{} waits for the GIL {:.1}% of the window ({} waits)",
-                    fd::thread_label(&t.name, t.tid, &p.name, t.pid),
-                    st.gil_wait * 100.0,
-                    st.gil_waits
-                );
-                if let Some(h) = holder {
-                    verdict.push_str(&format!(
-                        ", {:.1}% of it behind {} (tid {}) running {}",
-                        h.share * 100.0,
-                        h.holder,
-                        h.holder_tid,
-                        h.function
-                    ));
-                }
-                if keeps_up {
-                    verdict.push_str(&format!(
-                        "; off the engine's step loop and idle {:.1}% of the window, it keeps up",
-                        idle * 100.0
-                    ));
-                }
-                out.push(Finding {
-                    kind: "gil_contention".into(),
-                    score: if keeps_up {
-                        fd::MIN_SCORE
-                    } else {
-                        st.gil_wait.min(1.0)
-                    },
-                    pid: t.pid,
-                    tid: Some(t.tid),
-                    thread: t.name.clone(),
-                    function: holder.map(|h| h.function.clone()).unwrap_or_default(),
-                    verdict,
-                    evidence: [
-                        ("gil_wait_share".to_string(), json!(st.gil_wait)),
-                        ("waits".to_string(), json!(st.gil_waits)),
-                    ]
-                    .into_iter()
-                    .collect(),
-                    see: "Who blocks whom".into(),
-                });
-            }
-            // The polling function with the largest share of the thread's CPU.
-            let poller = t
-                .top_total
-                .iter()
-                .filter(|f| fd::is_polling(&f.function))
-                .max_by(|a, b| a.total_share.total_cmp(&b.total_share));
-            if let Some(poller) = poller.filter(|f| {
-                st.cpu >= fd::SPIN_MIN_CPU_SHARE
-                    && f.total_share >= fd::SPIN_MIN_POLL_SHARE
-                    && st.samples >= fd::SPIN_MIN_SAMPLES
-            }) {
-                let (f, polling) = (poller.function.clone(), poller.total_share);
-                out.push(Finding {
-                    kind: "busy_spin".into(),
-                    score: (st.cpu * polling).min(1.0),
-                    pid: t.pid,
-                    tid: Some(t.tid),
-                    thread: t.name.clone(),
-                    verdict: format!(
-                        "{} is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
-                        fd::thread_label(&t.name, t.tid, &p.name, t.pid),
-                        st.cpu * 100.0,
-                        polling * 100.0
-                    ),
-                    function: f,
-                    evidence: Default::default(),
-                    see: format!("Top functions: {} (tid {}, pid {})", t.name, t.tid, t.pid),
-                });
-            }
+            out.extend(gil_finding(p, t, &step_threads));
+            out.extend(spin_finding(p, t));
         }
-        let gc_ns: u64 = p.gc.iter().map(|g| g.total_ns).sum();
-        let pauses: u64 = p.gc.iter().map(|g| g.pauses).sum();
-        let share = gc_ns as f64 / 1e9 / wall_s;
-        if share >= fd::GC_MIN_SHARE && pauses >= fd::GC_MIN_PAUSES {
-            let gens: Vec<String> =
-                p.gc.iter()
-                    .rev()
-                    .filter(|g| g.pauses > 0)
-                    .map(|g| fd::generation_pauses(g.generation, g.pauses, g.total_ns, g.max_ns))
-                    .collect();
-            out.push(Finding {
-                kind: "gc_pressure".into(),
-                score: share.min(1.0),
-                pid: p.pid,
-                tid: None,
-                thread: String::new(),
-                function: String::new(),
-                verdict: format!(
-                    "{} (pid {}) collects garbage {:.1}% of the window ({} pauses; {})",
-                    p.name,
-                    p.pid,
-                    share * 100.0,
-                    pauses,
-                    gens.join(", ")
-                ),
-                evidence: [
-                    ("gc_s".to_string(), json!(gc_ns as f64 / 1e9)),
-                    ("pauses".to_string(), json!(pauses)),
-                ]
-                .into_iter()
-                .collect(),
-                see: "GC".into(),
-            });
-        }
+        out.extend(gc_finding(p, wall_s));
     }
-    for l in &s.lock_waits {
-        let share = l.wait_ns as f64 / 1e9 / wall_s;
-        if share < fd::LOCK_MIN_SHARE || l.waits < fd::LOCK_MIN_WAITS {
-            continue;
-        }
-        let process = s
-            .processes()
-            .find(|p| p.pid == l.pid)
-            .map(|p| p.name.clone())
-            .unwrap_or_default();
-        out.push(Finding {
-            kind: "lock_contention".into(),
-            score: share.min(1.0),
-            pid: l.pid,
-            tid: Some(l.tid),
-            thread: l.thread.clone(),
-            function: l.function.clone(),
-            verdict: format!(
-                "{} sleeps on a lock in {} {:.1}% of the window ({} waits), released by {} (tid {}) leaving {}",
-                fd::thread_label(&l.thread, l.tid, &process, l.pid),
-                l.function,
-                share * 100.0,
-                l.waits,
-                l.waker,
-                l.waker_tid,
-                l.waker_function
-            ),
-            evidence: [
-                ("wait_s".to_string(), json!(l.wait_ns as f64 / 1e9)),
-                ("waits".to_string(), json!(l.waits)),
-                ("waker_tid".to_string(), json!(l.waker_tid)),
-                ("waker_function".to_string(), json!(l.waker_function)),
-            ]
-            .into_iter()
-            .collect(),
-            see: crate::views::waits::HEADING.into(),
-        });
-    }
+    out.extend(
+        s.lock_waits
+            .iter()
+            .filter_map(|l| lock_finding(s, l, wall_s)),
+    );
     fd::rank(&mut out);
     out
+}
+
+/// The threads that ran an engine's step in the window (its EngineCore's step, its workers'
+/// execute_model), as the report's step anatomy finds them.
+fn step_threads(s: &Snapshot) -> Vec<(i32, i32)> {
+    s.latency
+        .iter()
+        .filter(|l| l.calls > 0 && crate::vllm::probes::is_headline(&l.function))
+        .map(|l| (l.pid, l.tid))
+        .collect()
+}
+
+/// A thread that waits for the GIL a large share of the window, with the holder it waited on
+/// most and what that holder ran.
+fn gil_finding(p: &ProcessRow, t: &ThreadRow, step_threads: &[(i32, i32)]) -> Option<Finding> {
+    let st = &t.stats;
+    if st.gil_wait < fd::GIL_MIN_SHARE || st.gil_waits < fd::GIL_MIN_WAITS {
+        return None;
+    }
+    // As in the report: a thread of an engine process off its step loop that keeps up (idle
+    // more than KEEPS_UP_IDLE) delays what it hands on, not the steps.
+    let off_step = step_threads.iter().any(|&(pid, _)| pid == t.pid)
+        && !step_threads.contains(&(t.pid, t.tid));
+    let idle = (1.0 - st.cpu - st.gil_wait).max(0.0);
+    let keeps_up = off_step && idle > fd::KEEPS_UP_IDLE;
+    let holder = t
+        .blame
+        .iter()
+        .find(|b| b.holder_tid != 0 && b.holder_tid != t.tid);
+    let mut verdict = format!(
+        "{} waits for the GIL {:.1}% of the window ({} waits)",
+        fd::thread_label(&t.name, t.tid, &p.name, t.pid),
+        st.gil_wait * 100.0,
+        st.gil_waits
+    );
+    if let Some(h) = holder {
+        verdict.push_str(&format!(
+            ", {:.1}% of it behind {} (tid {}) running {}",
+            h.share * 100.0,
+            h.holder,
+            h.holder_tid,
+            h.function
+        ));
+    }
+    if keeps_up {
+        verdict.push_str(&format!(
+            "; off the engine's step loop and idle {:.1}% of the window, it keeps up",
+            idle * 100.0
+        ));
+    }
+    Some(Finding {
+        kind: "gil_contention".into(),
+        score: if keeps_up {
+            fd::MIN_SCORE
+        } else {
+            st.gil_wait.min(1.0)
+        },
+        pid: t.pid,
+        tid: Some(t.tid),
+        thread: t.name.clone(),
+        function: holder.map(|h| h.function.clone()).unwrap_or_default(),
+        verdict,
+        evidence: [
+            ("gil_wait_share".to_string(), json!(st.gil_wait)),
+            ("waits".to_string(), json!(st.gil_waits)),
+        ]
+        .into_iter()
+        .collect(),
+        see: "Who blocks whom".into(),
+    })
+}
+
+/// A thread on CPU most of the window, most of it in a polling function (the one with the
+/// largest share of its CPU).
+fn spin_finding(p: &ProcessRow, t: &ThreadRow) -> Option<Finding> {
+    let st = &t.stats;
+    let poller = t
+        .top_total
+        .iter()
+        .filter(|f| fd::is_polling(&f.function))
+        .max_by(|a, b| a.total_share.total_cmp(&b.total_share))?;
+    if st.cpu < fd::SPIN_MIN_CPU_SHARE
+        || poller.total_share < fd::SPIN_MIN_POLL_SHARE
+        || st.samples < fd::SPIN_MIN_SAMPLES
+    {
+        return None;
+    }
+    let (f, polling) = (poller.function.clone(), poller.total_share);
+    Some(Finding {
+        kind: "busy_spin".into(),
+        score: (st.cpu * polling).min(1.0),
+        pid: t.pid,
+        tid: Some(t.tid),
+        thread: t.name.clone(),
+        verdict: format!(
+            "{} is on CPU {:.1}% of the window, {:.1}% of it polling in {f}",
+            fd::thread_label(&t.name, t.tid, &p.name, t.pid),
+            st.cpu * 100.0,
+            polling * 100.0
+        ),
+        function: f,
+        evidence: Default::default(),
+        see: format!("Top functions: {} (tid {}, pid {})", t.name, t.tid, t.pid),
+    })
+}
+
+/// A process whose collections take a share of the window, by generation.
+fn gc_finding(p: &ProcessRow, wall_s: f64) -> Option<Finding> {
+    let gc_ns: u64 = p.gc.iter().map(|g| g.total_ns).sum();
+    let pauses: u64 = p.gc.iter().map(|g| g.pauses).sum();
+    let share = gc_ns as f64 / 1e9 / wall_s;
+    if share < fd::GC_MIN_SHARE || pauses < fd::GC_MIN_PAUSES {
+        return None;
+    }
+    let gens: Vec<String> =
+        p.gc.iter()
+            .rev()
+            .filter(|g| g.pauses > 0)
+            .map(|g| fd::generation_pauses(g.generation, g.pauses, g.total_ns, g.max_ns))
+            .collect();
+    Some(Finding {
+        kind: "gc_pressure".into(),
+        score: share.min(1.0),
+        pid: p.pid,
+        tid: None,
+        thread: String::new(),
+        function: String::new(),
+        verdict: format!(
+            "{} (pid {}) collects garbage {:.1}% of the window ({} pauses; {})",
+            p.name,
+            p.pid,
+            share * 100.0,
+            pauses,
+            gens.join(", ")
+        ),
+        evidence: [
+            ("gc_s".to_string(), json!(gc_ns as f64 / 1e9)),
+            ("pauses".to_string(), json!(pauses)),
+        ]
+        .into_iter()
+        .collect(),
+        see: "GC".into(),
+    })
+}
+
+/// A thread that sleeps on a lock a share of the window, with the thread that woke it and what
+/// that thread was leaving.
+fn lock_finding(s: &Snapshot, l: &LockWaitRow, wall_s: f64) -> Option<Finding> {
+    let share = l.wait_ns as f64 / 1e9 / wall_s;
+    if share < fd::LOCK_MIN_SHARE || l.waits < fd::LOCK_MIN_WAITS {
+        return None;
+    }
+    let process = s
+        .processes()
+        .find(|p| p.pid == l.pid)
+        .map(|p| p.name.clone())
+        .unwrap_or_default();
+    Some(Finding {
+        kind: "lock_contention".into(),
+        score: share.min(1.0),
+        pid: l.pid,
+        tid: Some(l.tid),
+        thread: l.thread.clone(),
+        function: l.function.clone(),
+        verdict: format!(
+            "{} sleeps on a lock in {} {:.1}% of the window ({} waits), released by {} (tid {}) leaving {}",
+            fd::thread_label(&l.thread, l.tid, &process, l.pid),
+            l.function,
+            share * 100.0,
+            l.waits,
+            l.waker,
+            l.waker_tid,
+            l.waker_function
+        ),
+        evidence: [
+            ("wait_s".to_string(), json!(l.wait_ns as f64 / 1e9)),
+            ("waits".to_string(), json!(l.waits)),
+            ("waker_tid".to_string(), json!(l.waker_tid)),
+            ("waker_function".to_string(), json!(l.waker_function)),
+        ]
+        .into_iter()
+        .collect(),
+        see: crate::views::waits::HEADING.into(),
+    })
 }
 
 #[cfg(test)]

@@ -19,38 +19,38 @@ mod writer;
 pub use reader::{parse_recording, read_recording, RecordingReader};
 pub use writer::{DiskFull, RecordingWriter, StackCarry, RESERVE, RESERVE_TAIL};
 
-pub const MAGIC: &[u8; 6] = b"ESREC\0";
-pub const VERSION: u16 = 1;
+pub(crate) const MAGIC: &[u8; 6] = b"ESREC\0";
+pub(crate) const VERSION: u16 = 1;
 
 mod tag {
-    pub const META: u8 = 1;
-    pub const PROCESS: u8 = 2;
+    pub(crate) const META: u8 = 1;
+    pub(crate) const PROCESS: u8 = 2;
     pub const THREAD: u8 = 3;
-    pub const FRAME: u8 = 4;
-    pub const STACK: u8 = 5;
-    pub const SAMPLE: u8 = 6;
+    pub(crate) const FRAME: u8 = 4;
+    pub(crate) const STACK: u8 = 5;
+    pub(crate) const SAMPLE: u8 = 6;
     pub const OFFCPU: u8 = 7;
-    pub const COUNTERS: u8 = 8;
-    pub const END: u8 = 9;
-    pub const GIL_WAIT: u8 = 10;
-    pub const GC_PAUSE: u8 = 11;
-    pub const ENGINE: u8 = 12;
-    pub const SERIES: u8 = 13;
-    pub const METRIC: u8 = 14;
-    pub const SCRAPE_ERROR: u8 = 15;
-    pub const PROBE: u8 = 16;
-    pub const CALL: u8 = 17;
-    pub const TASK: u8 = 18;
-    pub const GC_METHOD: u8 = 19;
-    pub const PROBE_WATCH: u8 = 20;
+    pub(crate) const COUNTERS: u8 = 8;
+    pub(crate) const END: u8 = 9;
+    pub(crate) const GIL_WAIT: u8 = 10;
+    pub(crate) const GC_PAUSE: u8 = 11;
+    pub(crate) const ENGINE: u8 = 12;
+    pub(crate) const SERIES: u8 = 13;
+    pub(crate) const METRIC: u8 = 14;
+    pub(crate) const SCRAPE_ERROR: u8 = 15;
+    pub(crate) const PROBE: u8 = 16;
+    pub(crate) const CALL: u8 = 17;
+    pub(crate) const TASK: u8 = 18;
+    pub(crate) const GC_METHOD: u8 = 19;
+    pub(crate) const PROBE_WATCH: u8 = 20;
     /// Aggregated events (`record::profile`): an interval, then what it added up.
-    pub const INTERVAL: u8 = 21;
-    pub const SAMPLES: u8 = 22;
-    pub const OFFCPU_SUM: u8 = 23;
-    pub const GIL_WAIT_SUM: u8 = 24;
-    pub const CALL_HIST: u8 = 25;
-    pub const WAKE: u8 = 26;
-    pub const GC_HIST: u8 = 27;
+    pub(crate) const INTERVAL: u8 = 21;
+    pub(crate) const SAMPLES: u8 = 22;
+    pub(crate) const OFFCPU_SUM: u8 = 23;
+    pub(crate) const GIL_WAIT_SUM: u8 = 24;
+    pub(crate) const CALL_HIST: u8 = 25;
+    pub(crate) const WAKE: u8 = 26;
+    pub(crate) const GC_HIST: u8 = 27;
 }
 
 /// The most events one aggregated record may stand for (a reader expands them): far above
@@ -460,15 +460,26 @@ mod tests {
         );
     }
 
-    #[test]
-    fn rotation_makes_standalone_segments() {
-        let dir = tempfile::tempdir().unwrap();
-        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
-        let meta = Meta {
-            rate_hz: 99,
+    fn ser(id: u32, engine: &str, name: &str) -> MetricSeries {
+        MetricSeries {
+            id,
+            engine: engine.into(),
+            name: name.into(),
             ..Default::default()
-        };
-        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        }
+    }
+
+    fn point(series: u32, value: f64) -> MetricPoint {
+        MetricPoint {
+            t_ns: 5,
+            series,
+            value,
+        }
+    }
+
+    /// The first segment of the rotation test: processes 7 and 8 (8 gone by the rotation),
+    /// a renamed thread and one that exits, three engines, a series and a probe of each engine.
+    fn write_first_segment(w: &mut RecordingWriter) {
         for pid in [7, 8] {
             w.process(&ProcessInfo {
                 pid,
@@ -502,19 +513,8 @@ mod tests {
             .unwrap();
         }
         // Series under the scraper's ids: engine e1 (process 8) will be gone at the rotation.
-        let ser = |id: u32, engine: &str, name: &str| MetricSeries {
-            id,
-            engine: engine.into(),
-            name: name.into(),
-            ..Default::default()
-        };
         w.series(&ser(0, "e1", "vllm:gone")).unwrap();
         w.series(&ser(1, "e0", "vllm:x")).unwrap();
-        let point = |series: u32, value: f64| MetricPoint {
-            t_ns: 5,
-            series,
-            value,
-        };
         w.metric(&point(1, 1.0)).unwrap();
         // Probes under the sampler's ids; process 8's will be gone at the rotation.
         for (id, pid) in [(0, 8), (1, 7)] {
@@ -527,6 +527,18 @@ mod tests {
             })
             .unwrap();
         }
+    }
+
+    #[test]
+    fn rotation_makes_standalone_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
+        let meta = Meta {
+            rate_hz: 99,
+            ..Default::default()
+        };
+        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        write_first_segment(&mut w);
         let deep = w
             .intern_stack(&[frame("leaf", 1), frame("mid", 2), frame("main", 3)])
             .unwrap();
@@ -641,7 +653,13 @@ mod tests {
             "sample times restart with the segment"
         );
         assert!(r2.end.is_some());
-        // Not a rotating writer: refused.
+    }
+
+    #[test]
+    fn only_a_rotating_writer_rotates() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = Meta::default();
+        let alive = |_: i32, _: Option<i32>| true;
         let mut plain = RecordingWriter::create(&dir.path().join("c.esrec"), &meta).unwrap();
         assert!(plain
             .rotate(
