@@ -60,7 +60,7 @@ pub struct ThreadAcc {
 
 impl ThreadAcc {
     /// What one sample contributes.
-    pub fn of_sample(s: &Sample) -> Self {
+    pub(crate) fn of_sample(s: &Sample) -> Self {
         let w = u64::from(s.weight_ns);
         let part = |flag: u8| if s.flags & flag != 0 { w } else { 0 };
         ThreadAcc {
@@ -74,7 +74,7 @@ impl ThreadAcc {
     }
 
     /// What `ns` of an off-CPU interval contributes.
-    pub fn of_offcpu(o: &OffCpu, ns: u64) -> Self {
+    pub(crate) fn of_offcpu(o: &OffCpu, ns: u64) -> Self {
         ThreadAcc {
             off_ns: ns,
             off_preempted_ns: if o.preempted { ns } else { 0 },
@@ -83,7 +83,7 @@ impl ThreadAcc {
     }
 
     /// What `ns` of a GIL wait contributes, `count` 1 where the wait is counted.
-    pub fn of_gil_wait(g: &GilWait, ns: u64, count: u64) -> Self {
+    pub(crate) fn of_gil_wait(g: &GilWait, ns: u64, count: u64) -> Self {
         if g.switch_wait {
             ThreadAcc {
                 switch_wait_ns: ns,
@@ -99,7 +99,7 @@ impl ThreadAcc {
     }
 
     /// What `ns` of a GC pause contributes, `count` 1 where the pause is counted.
-    pub fn of_gc_pause(ns: u64, count: u64) -> Self {
+    pub(crate) fn of_gc_pause(ns: u64, count: u64) -> Self {
         ThreadAcc {
             gc_ns: ns,
             gc_pauses: count,
@@ -246,7 +246,7 @@ fn sub_from<K: Copy + Eq + std::hash::Hash, V: Acc>(total: &mut HashMap<K, V>, m
 
 impl Sums {
     /// A sample (always wholly in the span it is added to).
-    pub fn add_sample(&mut self, s: &Sample) {
+    pub(crate) fn add_sample(&mut self, s: &Sample) {
         let key = (s.pid, s.tid);
         self.threads
             .entry(key)
@@ -262,7 +262,7 @@ impl Sums {
     }
 
     /// `ns` of an off-CPU interval.
-    pub fn add_offcpu(&mut self, o: &OffCpu, ns: u64) {
+    pub(crate) fn add_offcpu(&mut self, o: &OffCpu, ns: u64) {
         self.threads
             .entry((o.pid, o.tid))
             .or_default()
@@ -270,7 +270,7 @@ impl Sums {
     }
 
     /// `ns` of a GIL wait whose holder ran `holder`, `count` 1 where it is counted.
-    pub fn add_gil_wait(&mut self, g: &GilWait, holder: Holder, ns: u64, count: u64) {
+    pub(crate) fn add_gil_wait(&mut self, g: &GilWait, holder: Holder, ns: u64, count: u64) {
         let key = (g.pid, g.tid);
         self.threads
             .entry(key)
@@ -285,7 +285,7 @@ impl Sums {
     }
 
     /// `ns` of a GC pause, `count` 1 where it is counted.
-    pub fn add_gc_pause(&mut self, g: &GcPause, ns: u64, count: u64) {
+    pub(crate) fn add_gc_pause(&mut self, g: &GcPause, ns: u64, count: u64) {
         self.threads
             .entry((g.pid, g.tid))
             .or_default()
@@ -298,14 +298,14 @@ impl Sums {
 
     /// A probed call (counted where it ended).
     /// `ns` of a lock wait (of `count` waits) under `key`.
-    pub fn add_lock_wait(&mut self, key: LockKey, ns: u64, count: u64) {
+    pub(crate) fn add_lock_wait(&mut self, key: LockKey, ns: u64, count: u64) {
         self.lock_waits
             .entry(key)
             .or_default()
             .add(&TimeCount { ns, count });
     }
 
-    pub fn add_call(&mut self, c: &FunctionCall) {
+    pub(crate) fn add_call(&mut self, c: &FunctionCall) {
         self.calls
             .entry((c.probe, (c.pid, c.tid)))
             .or_default()
@@ -327,7 +327,7 @@ impl Sums {
     }
 
     /// Per-function sums of every stack in `stacks`, into `functions`.
-    pub fn expand_stacks(&mut self, rec: &Recording, table: &mut FunctionTable) {
+    pub(crate) fn expand_stacks(&mut self, rec: &Recording, table: &mut FunctionTable) {
         for (&(key, stack, native), &tc) in &self.stacks {
             table.expand(rec, stack, native, tc, |f, acc| {
                 self.functions.entry((key, f)).or_default().add(&acc);
@@ -400,7 +400,7 @@ impl FunctionTable {
     }
 
     /// What `tc` of on-CPU time on `stack` gives each of its functions: `each(function, sums)`.
-    pub fn expand(
+    pub(crate) fn expand(
         &mut self,
         rec: &Recording,
         stack: u32,
@@ -441,7 +441,7 @@ impl FunctionTable {
     }
 
     /// The innermost Python function of a stack whose (function, file) `keep` accepts.
-    pub fn innermost_where(
+    pub(crate) fn innermost_where(
         &self,
         rec: &Recording,
         stack: u32,

@@ -110,7 +110,7 @@ impl Drop for Engine {
 }
 
 /// pyenv's newest 3.12 (what the fresh machines of this project have), else `python3`.
-pub fn default_python() -> String {
+pub(crate) fn default_python() -> String {
     let root = std::env::var("PYENV_ROOT")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
@@ -526,13 +526,13 @@ fn read_truth(dir: &Path, role: &str) -> Option<serde_json::Value> {
 /// The sample engine's load: requests in flight up and down, each level held 0.625 s: one
 /// sweep takes 7.5 s, half the engine's window, so each half of a recording holds about one
 /// (`diff` takes a recording's noise from the difference of its halves).
-pub const RAMP: &str = "8,16,24,32,40,48,64,48,40,32,24,16:0.625";
+pub(crate) const RAMP: &str = "8,16,24,32,40,48,64,48,40,32,24,16:0.625";
 
 /// The engine's own figure for a finding about the bundled engine, from its truth files: the
 /// worker's GIL fight (its `execute_model` and the writer's `_evict_to_fit` as its timers saw
 /// them), the EngineCore's GC (its `gc.callbacks`), a MessageQueue call's growth per request
 /// (its CPU time per record handled, least squares over the window's calls).
-pub fn own_figure(f: &crate::views::findings::Finding, truth_dir: &Path) -> Option<String> {
+pub(crate) fn own_figure(f: &crate::views::findings::Finding, truth_dir: &Path) -> Option<String> {
     let role = ["worker", "engine_core"].into_iter().find_map(|r| {
         read_truth(truth_dir, r).filter(|t| t["pid"].as_i64() == Some(f.pid as i64))
     })?;

@@ -93,7 +93,7 @@ pub fn report(p: Option<&PythonProcess>, as_json: bool) -> String {
 }
 
 /// The BPF part of `doctor --pid`: whether the sampler loads here and what it sees in 0.5 s.
-pub fn bpf_check(pid: i32) -> String {
+pub(crate) fn bpf_check(pid: i32) -> String {
     let mut out = String::from("bpf sampler:\n");
     if let Some(why) = crate::bpf::unavailable_reason() {
         let _ = writeln!(

@@ -6,7 +6,7 @@ use crate::cpython::{PythonProcess, Snapshot};
 
 /// The `python` block of `dump --json` (docs/dump-json.md).
 #[derive(Debug, serde::Serialize)]
-pub struct PythonInfo {
+pub(crate) struct PythonInfo {
     pub version: String,
     pub binary: String,
     pub shared_libpython: bool,
@@ -18,7 +18,7 @@ pub struct PythonInfo {
 
 /// `dump --json` output (schema version 1, docs/dump-json.md).
 #[derive(Debug, serde::Serialize)]
-pub struct DumpJson<'a> {
+pub(crate) struct DumpJson<'a> {
     pub schema: u32,
     pub pid: i32,
     pub python: PythonInfo,
@@ -27,7 +27,7 @@ pub struct DumpJson<'a> {
     pub elapsed_ms: f64,
 }
 
-pub fn python_info(p: &PythonProcess) -> PythonInfo {
+pub(crate) fn python_info(p: &PythonProcess) -> PythonInfo {
     PythonInfo {
         version: p.version.to_string(),
         binary: p.binary.path.clone(),
@@ -39,7 +39,7 @@ pub fn python_info(p: &PythonProcess) -> PythonInfo {
     }
 }
 
-pub fn to_json(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
+pub(crate) fn to_json(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
     let d = DumpJson {
         schema: 1,
         pid: p.pid,
@@ -52,7 +52,7 @@ pub fn to_json(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
 }
 
 /// Human-readable dump, py-spy-like: one block per thread, innermost frame first.
-pub fn to_text(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
+pub(crate) fn to_text(p: &PythonProcess, s: &Snapshot, elapsed_ms: f64) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,

@@ -117,15 +117,16 @@ impl Coverage {
 
     /// As [`Self::weight`], for a call that began at `start_ns`, with the share taken locally
     /// ([`Strata::weight`]). Weighing many calls of one coverage, cut it once with
-    /// [`Self::strata`].
-    pub fn weight_at(&self, start_ns: u64, dur_ns: u64) -> f64 {
+    /// [`Self::strata`] (what the views do; this one is the tests' reference).
+    #[cfg(test)]
+    pub(crate) fn weight_at(&self, start_ns: u64, dur_ns: u64) -> f64 {
         self.strata().weight(start_ns, dur_ns)
     }
 
     /// The span cut into strata of consecutive watched intervals, each at least
     /// [`STRATUM_NS`] long (the first from the first interval's start, the last to the span's
     /// end).
-    pub fn strata(&self) -> Strata {
+    pub(crate) fn strata(&self) -> Strata {
         let mut iv = self.intervals.clone();
         iv.sort_unstable();
         let Some(&(first, _)) = iv.first() else {
@@ -195,7 +196,7 @@ impl Strata {
 /// constant: `--probe-budget` re-sizes a thread's on-phases every two seconds or more, from
 /// the traps of the last window, so the share watched follows the thread's call rate (less of
 /// it watched while it calls more); a count scaled by the whole span's share would then be low.
-pub const STRATUM_NS: u64 = 2_000_000_000;
+pub(crate) const STRATUM_NS: u64 = 2_000_000_000;
 
 /// 95% intervals of a row estimated from part of the window (an exact probe watched in
 /// phases, or taking turns for its thread's debug registers).

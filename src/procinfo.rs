@@ -14,7 +14,7 @@ pub struct TaskInfo {
 }
 
 /// Parse the `NSpid:` line of `/proc/.../status`: host id first, innermost last.
-pub fn parse_nspid(status: &str) -> Option<Vec<i32>> {
+pub(crate) fn parse_nspid(status: &str) -> Option<Vec<i32>> {
     let line = status.lines().find(|l| l.starts_with("NSpid:"))?;
     let ids: Option<Vec<i32>> = line["NSpid:".len()..]
         .split_whitespace()
@@ -30,7 +30,7 @@ pub fn tasks(pid: i32) -> std::io::Result<Vec<TaskInfo>> {
 }
 
 /// How long a thread's name, once read, stands before it is read again.
-pub const COMM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const COMM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The threads of one process, listed again at each call, each thread's namespace id read
 /// once (`status`: it never changes) and its name at most every [`COMM_EVERY`] (threads name
@@ -38,7 +38,7 @@ pub const COMM_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// and as many `comm` files a second, each a walk through the target's task and signal
 /// structures; a listing now opens only the files of threads it has not met.
 #[derive(Debug, Default)]
-pub struct TaskCache {
+pub(crate) struct TaskCache {
     known: HashMap<i32, (i32, String, std::time::Instant)>,
     /// When the caller last read what depends on the thread list (the interpreter's own list
     /// of thread states), and the OS threads then: [`TaskCache::list_due`].
@@ -47,7 +47,7 @@ pub struct TaskCache {
 
 /// How long what was read for a thread list stands while the process's OS threads stay the
 /// same ([`TaskCache::list_due`]).
-pub const LIST_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const LIST_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl TaskCache {
     /// The threads of `pid` now (sorted by host tid).
@@ -104,14 +104,14 @@ impl TaskCache {
     /// are not those of the last [`TaskCache::list_read`], or that was [`LIST_EVERY`] ago or
     /// more (a Python thread is born with an OS thread, bar a native thread's first
     /// `PyGILState_Ensure`, found at the next read).
-    pub fn list_due(&self, tasks: &[TaskInfo]) -> bool {
+    pub(crate) fn list_due(&self, tasks: &[TaskInfo]) -> bool {
         !self.list_read.as_ref().is_some_and(|(at, tids)| {
             at.elapsed() < LIST_EVERY && tids.iter().copied().eq(tasks.iter().map(|t| t.host_tid))
         })
     }
 
     /// What depends on `tasks` was read now.
-    pub fn list_read(&mut self, tasks: &[TaskInfo]) {
+    pub(crate) fn list_read(&mut self, tasks: &[TaskInfo]) {
         self.list_read = Some((
             std::time::Instant::now(),
             tasks.iter().map(|t| t.host_tid).collect(),
@@ -120,7 +120,7 @@ impl TaskCache {
 }
 
 /// Map namespace tid → task.
-pub fn by_ns_tid(tasks: &[TaskInfo]) -> HashMap<i32, &TaskInfo> {
+pub(crate) fn by_ns_tid(tasks: &[TaskInfo]) -> HashMap<i32, &TaskInfo> {
     tasks.iter().map(|t| (t.ns_tid, t)).collect()
 }
 
@@ -139,7 +139,7 @@ pub fn cmdline(pid: i32) -> String {
 
 /// A name for `pid` in messages: its command line, else its `comm` (a process caught between
 /// `execve` and the kernel filling in its arguments has an empty command line), else `?`.
-pub fn describe(pid: i32) -> String {
+pub(crate) fn describe(pid: i32) -> String {
     let cmd = cmdline(pid);
     if !cmd.is_empty() {
         return cmd;
@@ -168,7 +168,7 @@ pub fn ppid(pid: i32) -> i32 {
 }
 
 /// Whether `pid` is `root` or one of its descendants (bounded walk up the parents).
-pub fn descends_from(pid: i32, root: i32) -> bool {
+pub(crate) fn descends_from(pid: i32, root: i32) -> bool {
     let mut p = pid;
     for _ in 0..64 {
         if p == root {
@@ -186,13 +186,13 @@ pub fn descends_from(pid: i32, root: i32) -> bool {
 /// The process's auxiliary vector (/proc/PID/auxv): fixed for the life of one program image
 /// and new at every `exec` (the stack's and loader's addresses are randomized), so two
 /// readings that differ mean the process exec'd in between. None when unreadable.
-pub fn image_id(pid: i32) -> Option<Vec<u8>> {
+pub(crate) fn image_id(pid: i32) -> Option<Vec<u8>> {
     std::fs::read(format!("/proc/{pid}/auxv"))
         .ok()
         .filter(|b| !b.is_empty())
 }
 
-pub fn is_running(pid: i32) -> bool {
+pub(crate) fn is_running(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };

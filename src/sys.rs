@@ -12,7 +12,7 @@ pub fn monotonic_ns() -> u64 {
 
 /// CPU time of the calling thread, ns (`CLOCK_THREAD_CPUTIME_ID`): what it ran, not what it
 /// waited on the run queue.
-pub fn thread_cpu_ns() -> u64 {
+pub(crate) fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID)
 }
 
@@ -35,7 +35,7 @@ fn clock_ns(clock: libc::clockid_t) -> u64 {
 /// between batches and its batches are bounded, and the kernel's real-time throttling keeps 5%
 /// of each CPU for normal tasks whatever it does. `ENGINESCOPE_NO_REALTIME=1` leaves the
 /// thread as it is. Err (no CAP_SYS_NICE, a container without real-time runtime) says why.
-pub fn realtime_this_thread() -> Result<(), String> {
+pub(crate) fn realtime_this_thread() -> Result<(), String> {
     if std::env::var_os("ENGINESCOPE_NO_REALTIME").is_some() {
         return Err("ENGINESCOPE_NO_REALTIME is set".into());
     }
@@ -52,7 +52,7 @@ pub fn realtime_this_thread() -> Result<(), String> {
 }
 
 /// The CPU affinity of thread `tid` (0 = the calling thread).
-pub fn affinity(tid: i32) -> std::io::Result<libc::cpu_set_t> {
+pub(crate) fn affinity(tid: i32) -> std::io::Result<libc::cpu_set_t> {
     // SAFETY: cpu_set_t is plain data; all zeros is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     // SAFETY: sched_getaffinity writes at most `size_of::<cpu_set_t>()` bytes into `set`.
@@ -66,7 +66,7 @@ pub fn affinity(tid: i32) -> std::io::Result<libc::cpu_set_t> {
 }
 
 /// Set the CPU affinity of thread `tid` (0 = the calling thread).
-pub fn set_affinity(tid: i32, set: &libc::cpu_set_t) -> std::io::Result<()> {
+pub(crate) fn set_affinity(tid: i32, set: &libc::cpu_set_t) -> std::io::Result<()> {
     // SAFETY: sched_setaffinity reads `size_of::<cpu_set_t>()` bytes of `set`.
     let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), set) };
     if rc == 0 {
@@ -77,7 +77,7 @@ pub fn set_affinity(tid: i32, set: &libc::cpu_set_t) -> std::io::Result<()> {
 }
 
 /// Pin thread `tid` (0 = the calling thread) to CPU `cpu`.
-pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
+pub(crate) fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
     // SAFETY: cpu_set_t is plain data; all zeros is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
@@ -89,7 +89,7 @@ pub fn pin(tid: i32, cpu: usize) -> std::io::Result<()> {
 }
 
 /// Back to `SCHED_OTHER` (see [`realtime_this_thread`]).
-pub fn normal_this_thread() {
+pub(crate) fn normal_this_thread() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler on the calling thread (0) with a valid sched_param; a
     // thread may always lower its own policy.
@@ -97,14 +97,14 @@ pub fn normal_this_thread() {
 }
 
 /// Whether the calling thread runs `SCHED_FIFO` (see [`realtime_this_thread`]).
-pub fn is_realtime_this_thread() -> bool {
+pub(crate) fn is_realtime_this_thread() -> bool {
     // SAFETY: sched_getscheduler on the calling thread has no preconditions.
     let policy = unsafe { libc::sched_getscheduler(0) } & !libc::SCHED_RESET_ON_FORK;
     policy == libc::SCHED_FIFO
 }
 
 /// Seconds since the Unix epoch (0.0 if the clock is before it).
-pub fn unix_now_s() -> f64 {
+pub(crate) fn unix_now_s() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
@@ -178,7 +178,7 @@ impl StopToken {
         self.0.store(true, Ordering::SeqCst);
     }
 
-    pub fn is_stopped(&self) -> bool {
+    pub(crate) fn is_stopped(&self) -> bool {
         self.0.load(Ordering::SeqCst)
     }
 }
@@ -196,7 +196,7 @@ extern "C" fn on_signal(_: libc::c_int) {
 /// Stop cleanly (finish the file) on SIGINT and SIGTERM: returns the token those signals
 /// stop. For the binary (`main`) only: a library must not take a process's signals. The
 /// handlers are installed once; later calls return the same token.
-pub fn stop_on_signals() -> StopToken {
+pub(crate) fn stop_on_signals() -> StopToken {
     let t = SIGNALLED.get_or_init(StopToken::new).clone();
     static INSTALLED: std::sync::Once = std::sync::Once::new();
     INSTALLED.call_once(|| {
@@ -233,12 +233,12 @@ impl Schedstat {
     }
 
     /// Thread `tid`'s counters now (None when it is gone or schedstats are not built in).
-    pub fn of_thread(tid: i32) -> Option<Schedstat> {
+    pub(crate) fn of_thread(tid: i32) -> Option<Schedstat> {
         Self::read(&format!("/proc/{tid}/schedstat"))
     }
 
     /// Thread `tid` of process `pid`: its counters now.
-    pub fn of_task(pid: i32, tid: i32) -> Option<Schedstat> {
+    pub(crate) fn of_task(pid: i32, tid: i32) -> Option<Schedstat> {
         Self::read(&format!("/proc/{pid}/task/{tid}/schedstat"))
     }
 
@@ -337,7 +337,7 @@ pub mod steps {
 
 /// xorshift64*: a draw reproducible from its state (the cost benchmark's arm order, the probe
 /// budget's on-phase lengths, the sampling clock's periods).
-pub fn next_random(state: &mut u64) -> u64 {
+pub(crate) fn next_random(state: &mut u64) -> u64 {
     let mut x = (*state).max(1);
     x ^= x >> 12;
     x ^= x << 25;
@@ -347,16 +347,16 @@ pub fn next_random(state: &mut u64) -> u64 {
 }
 
 /// A seed for [`next_random`] that differs between processes and runs (the clock and the pid).
-pub fn random_seed() -> u64 {
+pub(crate) fn random_seed() -> u64 {
     (monotonic_ns() ^ ((std::process::id() as u64) << 32)) | 1
 }
 
 /// A map looked up for every event the recorder handles (code objects, lines, interned
 /// frames and stacks): foldhash, seeded per process; SipHash's cost per lookup was a fifth of
 /// the recorder's CPU at 1 kHz (docs/benchmarks.md).
-pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// A draw uniform in [0, 1) from [`next_random`].
-pub fn unit_random(state: &mut u64) -> f64 {
+pub(crate) fn unit_random(state: &mut u64) -> f64 {
     (next_random(state) >> 11) as f64 / (1u64 << 53) as f64
 }

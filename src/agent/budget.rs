@@ -66,7 +66,7 @@ impl Activity {
 
 /// See the module documentation.
 #[derive(Debug)]
-pub struct Budget<K> {
+pub(crate) struct Budget<K> {
     cfg: BudgetConfig,
     kept: HashMap<K, Activity>,
     waiting: HashMap<K, Activity>,
@@ -88,7 +88,7 @@ impl<K: Clone + Eq + Hash> Budget<K> {
 
     /// Note `activity` for `key`; true when the key has its own series (use it), false when
     /// its activity goes to the aggregate.
-    pub fn admit(&mut self, key: &K, activity: f64) -> bool {
+    pub(crate) fn admit(&mut self, key: &K, activity: f64) -> bool {
         let activity = if activity.is_finite() {
             activity.max(0.0)
         } else {
@@ -128,11 +128,13 @@ impl<K: Clone + Eq + Hash> Budget<K> {
     }
 
     /// Whether `key` has a series of its own now.
+    #[cfg(test)]
     pub fn is_kept(&self, key: &K) -> bool {
         self.kept.contains_key(key)
     }
 
-    pub fn kept_len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn kept_len(&self) -> usize {
         self.kept.len()
     }
 

@@ -41,7 +41,7 @@ const MAX_HEAD: usize = 8 << 10;
 /// Connections served at once; more are answered `503 Service Unavailable`.
 pub const MAX_CONNECTIONS: usize = 16;
 /// Read and write timeout of a connection.
-pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(5);
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -132,7 +132,7 @@ fn parse_head(head: &str) -> Option<(&str, &str, &str)> {
 }
 
 /// The response to one request: (status line, content type, body).
-pub fn respond(
+pub(crate) fn respond(
     method: &str,
     path: &str,
     accept: &str,

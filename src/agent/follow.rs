@@ -25,7 +25,7 @@ struct Open {
 }
 
 /// See the module documentation.
-pub struct Follower {
+pub(crate) struct Follower {
     dir: PathBuf,
     /// Segments that were there before the agent started (another run's): not followed.
     old: HashSet<PathBuf>,
@@ -59,7 +59,8 @@ impl Follower {
     }
 
     /// The segment being followed.
-    pub fn current(&self) -> Option<&Path> {
+    #[cfg(test)]
+    pub(crate) fn current(&self) -> Option<&Path> {
         self.current.as_ref().map(|o| o.path.as_path())
     }
 

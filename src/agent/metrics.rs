@@ -21,9 +21,9 @@ use crate::accounting::ThreadAcc;
 use crate::record::Recording;
 
 /// Label value of the aggregate series of keys without a series of their own.
-pub const OTHER: &str = "_other";
+pub(crate) const OTHER: &str = "_other";
 /// Function label of samples with no Python frame (a thread in native code only).
-pub const NO_PYTHON: &str = "(no Python frame)";
+pub(crate) const NO_PYTHON: &str = "(no Python frame)";
 /// Longest label value kept (longer ones are cut).
 const MAX_LABEL_LEN: usize = 120;
 /// Most same-named threads of one process told apart by a `#N` suffix.
@@ -551,7 +551,7 @@ impl Aggregator {
     /// A new segment begins: its tables are read afresh. `same_run`: it continues the previous
     /// segment's recorder run (a rotation), so the recorder's counters continue too; otherwise
     /// they start again from zero.
-    pub fn begin_segment(&mut self, same_run: bool) {
+    pub(crate) fn begin_segment(&mut self, same_run: bool) {
         self.seg = SegmentTables::default();
         if !same_run {
             self.last_counters.clear();
@@ -872,7 +872,7 @@ impl Aggregator {
     }
 
     /// Processes of the current segment that still run, by engine and role.
-    pub fn update_process_gauge(&mut self, alive: &dyn Fn(i32) -> bool) {
+    pub(crate) fn update_process_gauge(&mut self, alive: &dyn Fn(i32) -> bool) {
         let mut counts: HashMap<ProcessLabels, i64> = HashMap::new();
         let pids: Vec<i32> = self.seg.roles.keys().copied().collect();
         for pid in pids {

@@ -52,7 +52,7 @@ pub struct AgentOptions {
 
 /// The agent's own resource use, from `/proc/self`.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct SelfStats {
+pub(crate) struct SelfStats {
     pub rss_bytes: u64,
     pub vsize_bytes: u64,
     pub cpu_s: f64,
@@ -60,7 +60,7 @@ pub struct SelfStats {
 }
 
 /// Read [`SelfStats`] (fields that cannot be read stay 0).
-pub fn self_stats() -> SelfStats {
+pub(crate) fn self_stats() -> SelfStats {
     let mut s = SelfStats::default();
     if let Ok(st) = std::fs::read_to_string("/proc/self/status") {
         for l in st.lines() {

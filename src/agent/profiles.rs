@@ -33,9 +33,9 @@ use crate::views::pprof;
 use crate::views::Selection;
 
 /// Profiles built at once.
-pub const MAX_AT_ONCE: usize = 2;
+pub(crate) const MAX_AT_ONCE: usize = 2;
 /// The seconds a request without `seconds=` waits (Go's default).
-pub const DEFAULT_SECONDS: u64 = 30;
+pub(crate) const DEFAULT_SECONDS: u64 = 30;
 /// How long after an event the recorder has surely written it: it flushes every 200 ms
 /// (`sampler::recorder::FLUSH_EVERY`), and a drain may hold a batch as long.
 const FLUSHED_WITHIN: Duration = Duration::from_millis(600);
@@ -64,12 +64,12 @@ pub struct Profiles {
 }
 
 /// Why a request was not answered with a profile: (status line, message).
-pub type Refusal = (&'static str, String);
+pub(crate) type Refusal = (&'static str, String);
 
 impl Profiles {
     /// The agent's: its segments, their retention, its aggregation interval and its
     /// recorder's interval cut.
-    pub fn of_agent(opts: &super::AgentOptions) -> Self {
+    pub(crate) fn of_agent(opts: &super::AgentOptions) -> Self {
         let pol = &opts.rotation;
         Profiles::new(
             &pol.dir,
@@ -162,7 +162,7 @@ impl Profiles {
 }
 
 /// `t` in ns since the epoch (0 before it).
-pub fn unix_ns(t: SystemTime) -> i64 {
+pub(crate) fn unix_ns(t: SystemTime) -> i64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }

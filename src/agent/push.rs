@@ -24,7 +24,7 @@ use super::profiles;
 use crate::views::pprof;
 
 /// Profiles kept while the backend does not take them.
-pub const MAX_KEPT: usize = 4;
+pub(crate) const MAX_KEPT: usize = 4;
 /// Most time one push may take.
 const TIMEOUT: Duration = Duration::from_secs(10);
 /// What separates the multipart body's parts (never inside a gzipped profile's bytes as a
@@ -131,7 +131,7 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) -> bool {
 }
 
 /// `APP.cpu{k=v,…}`, with `host` when not given.
-pub fn app_name(opts: &PushOptions) -> String {
+pub(crate) fn app_name(opts: &PushOptions) -> String {
     let mut labels = opts.labels.clone();
     if !labels.iter().any(|(k, _)| k == "host") {
         labels.push(("host".into(), crate::sys::hostname()));

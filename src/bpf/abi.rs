@@ -55,11 +55,11 @@ pub struct EsTarget {
     pub gc_ring_slots: [u32; 3],
 }
 
-pub const TARGET_OFFCPU: u32 = 1;
-pub const TARGET_GIL: u32 = 2;
-pub const TARGET_GC: u32 = 4;
+pub(crate) const TARGET_OFFCPU: u32 = 1;
+pub(crate) const TARGET_GIL: u32 = 2;
+pub(crate) const TARGET_GC: u32 = 4;
 /// GC pauses from a uprobe + uretprobe on the collector function (`ES_TARGET_GC_UPROBE`).
-pub const TARGET_GC_UPROBE: u32 = 32;
+pub(crate) const TARGET_GC_UPROBE: u32 = 32;
 
 /// Bits of the `control` map's value (`ES_OFF_*`): parts switched off, each program returning
 /// at its first instruction (`record --measure-cost`'s off arms).
@@ -67,8 +67,8 @@ pub const OFF_SAMPLE: u32 = 1;
 pub const OFF_SWITCH: u32 = 2;
 pub const OFF_GC: u32 = 4;
 pub const OFF_PROBE: u32 = 8;
-pub const TARGET_KSTACK: u32 = 8;
-pub const TARGET_USTACK: u32 = 16;
+pub(crate) const TARGET_KSTACK: u32 = 8;
+pub(crate) const TARGET_USTACK: u32 = 16;
 
 /// `struct es_thread`.
 #[repr(C)]
@@ -118,15 +118,15 @@ pub struct EsEventHeader {
 }
 
 pub mod kind {
-    pub const SAMPLE: u8 = 1;
-    pub const SWITCH_OUT: u8 = 2;
-    pub const SWITCH_IN: u8 = 3;
-    pub const GIL_WAIT_START: u8 = 4;
-    pub const GIL_WAIT_END: u8 = 5;
-    pub const GC_EDGE: u8 = 6;
-    pub const PROBE_HIT: u8 = 7;
-    pub const NATIVE_STACK: u8 = 8;
-    pub const WAKE: u8 = 9;
+    pub(crate) const SAMPLE: u8 = 1;
+    pub(crate) const SWITCH_OUT: u8 = 2;
+    pub(crate) const SWITCH_IN: u8 = 3;
+    pub(crate) const GIL_WAIT_START: u8 = 4;
+    pub(crate) const GIL_WAIT_END: u8 = 5;
+    pub(crate) const GC_EDGE: u8 = 6;
+    pub(crate) const PROBE_HIT: u8 = 7;
+    pub(crate) const NATIVE_STACK: u8 = 8;
+    pub(crate) const WAKE: u8 = 9;
 }
 
 pub mod ev {
@@ -135,12 +135,12 @@ pub mod ev {
     pub const NATIVE: u8 = 4;
     pub const KERNEL: u8 = 8;
     pub const PARTIAL: u8 = 16;
-    pub const NO_TSTATE: u8 = 32;
-    pub const TRUNCATED: u8 = 64;
-    pub const PREEMPTED: u8 = 128;
+    pub(crate) const NO_TSTATE: u8 = 32;
+    pub(crate) const TRUNCATED: u8 = 64;
+    pub(crate) const PREEMPTED: u8 = 128;
     /// On SWITCH_OUT (same bit as KERNEL, which only SAMPLE uses): no frames were sent; the
     /// thread's stack is the one its last walked sample or switch-out carried.
-    pub const SAME_STACK: u8 = 8;
+    pub(crate) const SAME_STACK: u8 = 8;
     /// On GIL_WAIT_START (same bit as PREEMPTED, which only SWITCH_OUT uses).
     pub const SWITCH_WAIT: u8 = 128;
 }
@@ -212,7 +212,7 @@ impl NativeStack<'_> {
 }
 
 /// Parse a NATIVE_STACK record; `None` when malformed.
-pub fn parse_native(bytes: &[u8]) -> Option<NativeStack<'_>> {
+pub(crate) fn parse_native(bytes: &[u8]) -> Option<NativeStack<'_>> {
     let u64_at = |o: usize| -> Option<u64> {
         Some(u64::from_le_bytes(bytes.get(o..o + 8)?.try_into().ok()?))
     };
@@ -293,7 +293,7 @@ impl Default for GcStats {
 pub const GC_EDGE_SIZE: usize = std::mem::size_of::<EsEventHeader>() + 56;
 
 /// The statistics part of a GC_EDGE record.
-pub fn parse_gc_stats(bytes: &[u8]) -> Option<GcStats> {
+pub(crate) fn parse_gc_stats(bytes: &[u8]) -> Option<GcStats> {
     let h = std::mem::size_of::<EsEventHeader>();
     let b = bytes.get(h..h + 56)?;
     let at = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
@@ -315,7 +315,7 @@ pub struct ProbeFrame {
 }
 
 /// The frame facts of a PROBE_HIT record.
-pub fn parse_probe_frame(bytes: &[u8]) -> Option<ProbeFrame> {
+pub(crate) fn parse_probe_frame(bytes: &[u8]) -> Option<ProbeFrame> {
     let h = std::mem::size_of::<EsEventHeader>();
     let b = bytes.get(h..h + 32)?;
     let at = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
@@ -328,7 +328,7 @@ pub fn parse_probe_frame(bytes: &[u8]) -> Option<ProbeFrame> {
 }
 
 /// Parse one ring-buffer record: header and frames. `None` for a malformed record.
-pub fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
+pub(crate) fn parse_event(bytes: &[u8]) -> Option<(EsEventHeader, Vec<EsFrame>)> {
     let hsize = std::mem::size_of::<EsEventHeader>();
     if bytes.len() < hsize {
         return None;

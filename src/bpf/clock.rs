@@ -29,12 +29,12 @@ const PERF_COUNT_SW_CPU_CLOCK: u64 = 0;
 /// `_IOW('$', 4, __u64)`.
 const PERF_EVENT_IOC_PERIOD: libc::c_ulong = 0x4008_2404;
 /// The drawn rate's spread around the asked rate (a fraction of it, each way).
-pub const DITHER: f64 = 0.25;
+pub(crate) const DITHER: f64 = 0.25;
 /// Periods between two re-phasings of one CPU's clock, on average.
-pub const REPHASE_PERIODS: u64 = 32;
+pub(crate) const REPHASE_PERIODS: u64 = 32;
 /// The shortest time between two re-phasings of one CPU's clock (each costs an
 /// inter-processor call to that CPU).
-pub const REPHASE_MIN_NS: u64 = 20_000_000;
+pub(crate) const REPHASE_MIN_NS: u64 = 20_000_000;
 /// The kernel's floor for a cpu-clock period (`perf_swevent_start_hrtimer`).
 const MIN_PERIOD_NS: u64 = 10_000;
 

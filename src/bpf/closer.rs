@@ -28,7 +28,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 /// The helper process and our end of its socket.
-pub struct UprobeCloser {
+pub(crate) struct UprobeCloser {
     sock: OwnedFd,
     child: libc::pid_t,
     next_token: u64,
@@ -79,7 +79,7 @@ impl UprobeCloser {
     /// Give the helper a copy of `fd` to close. The caller closes its own copies after this
     /// returns (the copy in flight holds the file until the helper has it), so the helper's
     /// close is the last one.
-    pub fn hand_over(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
+    pub(crate) fn hand_over(&mut self, fd: BorrowedFd<'_>) -> io::Result<()> {
         let token = self.next_token;
         self.next_token += 1;
         let mut data = token.to_ne_bytes();
@@ -167,6 +167,7 @@ impl UprobeCloser {
     }
 
     /// The helper's process id.
+    #[cfg(test)]
     pub fn pid(&self) -> i32 {
         self.child
     }

@@ -19,7 +19,7 @@ pub use abi::{EsEventHeader, EsFrame, EsTarget, EsThread};
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/sampler.bpf.o"));
 
 /// Why BPF cannot be used here, in words a user can act on.
-pub fn unavailable_reason() -> Option<String> {
+pub(crate) fn unavailable_reason() -> Option<String> {
     let facts = crate::sys::machine_facts();
     if facts.euid != 0 && !(facts.cap_bpf && facts.cap_perfmon) {
         return Some("not root and no CAP_BPF+CAP_PERFMON (run with sudo, or `setcap cap_bpf,cap_perfmon,cap_sys_ptrace+ep enginescope`)".into());
@@ -34,7 +34,7 @@ pub fn unavailable_reason() -> Option<String> {
 }
 
 /// A loaded and attached sampler.
-pub struct BpfSampler {
+pub(crate) struct BpfSampler {
     bpf: Ebpf,
     ring: RingBuf<MapData>,
     targets: BpfHashMap<MapData, u32, EsTarget>,
@@ -77,7 +77,7 @@ impl Drop for BpfSampler {
 /// What one watchpoint hit costs the thread that takes it, ns
 /// ([`BpfSampler::watchpoint_costs_ns`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TrapCost {
+pub(crate) struct TrapCost {
     /// The trap alone (what a GC pause timed between two hits includes).
     pub hot: u64,
     /// The trap and the cache lines it costs code working on its own data (what a probed
@@ -94,13 +94,13 @@ impl BpfSampler {
 
     /// As [`start`](Self::start); with `gil`, also time the waits of targets' threads on
     /// their GILs (a thread falling asleep in futex(2) on the GIL, to its switch-in).
-    pub fn start_with(rate_hz: u32, offcpu: bool, gil: bool) -> anyhow::Result<Self> {
+    pub(crate) fn start_with(rate_hz: u32, offcpu: bool, gil: bool) -> anyhow::Result<Self> {
         Self::start_sized(rate_hz, offcpu, gil, None)
     }
 
     /// As [`start_with`](Self::start_with), with a ring buffer of `ring_bytes` (a power of two)
     /// instead of the object's 8 MiB: native stacks send ~17 KiB per event.
-    pub fn start_sized(
+    pub(crate) fn start_sized(
         rate_hz: u32,
         offcpu: bool,
         gil: bool,
@@ -229,7 +229,7 @@ impl BpfSampler {
     /// Set a write watchpoint on the 8 bytes at `addr` (a probed code object's `ob_refcnt` in
     /// the target) for thread `tid` only, running `on_probe_hit` on each write. One debug
     /// register per thread; the kernel refuses (ENOSPC) when the thread has none left.
-    pub fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
+    pub(crate) fn watch_refcount(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
         let addr = probe_address(addr);
         self.hold_sched_hooks();
         let prog_fd =
@@ -265,7 +265,7 @@ impl BpfSampler {
     /// The most watchpoints [`watch_refcount_cpus`](Self::watch_refcount_cpus) sets at once:
     /// each reserves a debug register on every CPU, and threads watched on their own (every
     /// call of a thread whose probes are cheap, a GC watchpoint) need one of the four too.
-    pub const CPU_SLOTS: usize = 3;
+    pub(crate) const CPU_SLOTS: usize = 3;
 
     /// Set a write watchpoint on the 8 bytes at `addr` on every CPU ([`CpuSlot`]), running
     /// `on_probe_hit` on each write by any thread: for a thread whose probes are watched in
@@ -275,7 +275,7 @@ impl BpfSampler {
     /// ([`take_cpu_slots`](Self::take_cpu_slots)). Err while they are being opened, when none
     /// is free, or when the kernel refused them: the caller sets a thread's watchpoint
     /// instead.
-    pub fn watch_refcount_cpus(&mut self, addr: u64) -> anyhow::Result<Breakpoint> {
+    pub(crate) fn watch_refcount_cpus(&mut self, addr: u64) -> anyhow::Result<Breakpoint> {
         use std::sync::atomic::Ordering;
         let addr = probe_address(addr);
         self.take_cpu_slots()?;
@@ -356,7 +356,7 @@ impl BpfSampler {
     /// helper thread that closes it ([`Switcher`]), or closed here if it cannot be started.
     /// One set on every CPU is disabled here (an IPI to each CPU), so that its slot is free
     /// for the next setting.
-    pub fn unwatch_refcount(&mut self, w: Breakpoint) {
+    pub(crate) fn unwatch_refcount(&mut self, w: Breakpoint) {
         if w.on_every_cpu() {
             drop(w);
             return;
@@ -376,7 +376,7 @@ impl BpfSampler {
     /// `tid` only, running `on_gc_write` on each write. Per-thread watchpoints take one debug
     /// register in each watched thread, however many processes are watched (a CPU-wide one
     /// takes one on every CPU per process, which leaves none for probes with 3+ targets).
-    pub fn watch_gc_thread(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
+    pub(crate) fn watch_gc_thread(&mut self, tid: i32, addr: u64) -> anyhow::Result<Breakpoint> {
         self.hold_sched_hooks();
         let prog = self.gc_write_program()?;
         Breakpoint::write(prog, tid, addr, 4)
@@ -397,7 +397,7 @@ impl BpfSampler {
     /// over a fleet whose workers come and go). Owned by this process's file descriptors: the
     /// kernel removes them, and the return trampolines of calls still inside the collector
     /// return normally, when enginescope exits however it exits. All or nothing.
-    pub fn attach_gc_uprobes(
+    pub(crate) fn attach_gc_uprobes(
         &mut self,
         collectors: &[crate::cpython::binary::Collector],
     ) -> anyhow::Result<GcUprobes> {
@@ -472,7 +472,7 @@ impl BpfSampler {
     /// enginescope during a close of its own would leave the probe in every process of that
     /// interpreter), or where that fails closed on a short-lived thread of ours. Either way
     /// [`wait_detached`](Self::wait_detached) waits for them.
-    pub fn detach_gc_uprobes(&mut self, u: GcUprobes) {
+    pub(crate) fn detach_gc_uprobes(&mut self, u: GcUprobes) {
         let mut taken = Vec::with_capacity(u.links.len());
         for (name, l) in u.links {
             if let Some(prog) = self.bpf.program_mut(name) {
@@ -527,7 +527,7 @@ impl BpfSampler {
     /// enginescope (that is the helper's purpose), and each waits for kernel grace periods
     /// (0.1 s on an idle machine, seconds under load), which a user who stops a recording
     /// should not wait for. Returns how many links were still being closed.
-    pub fn wait_detached(&mut self, wait: std::time::Duration) -> usize {
+    pub(crate) fn wait_detached(&mut self, wait: std::time::Duration) -> usize {
         for h in self.detaching.drain(..) {
             let _ = h.join();
         }
@@ -541,7 +541,7 @@ impl BpfSampler {
     }
 
     /// Remove a watchpoint set by [`watch_gc_thread`](Self::watch_gc_thread).
-    pub fn unwatch_gc_thread(&mut self, w: Breakpoint) {
+    pub(crate) fn unwatch_gc_thread(&mut self, w: Breakpoint) {
         drop(w);
     }
 
@@ -554,7 +554,7 @@ impl BpfSampler {
     /// a real vLLM on an Intel VM the throughput each trap cost was about twice `hot`).
     /// Without `in_use`, `in_use` is `hot`: its runs pass over a working set between writes
     /// and cost the calling thread ~50-100 ms of CPU, which only the probe budget needs.
-    pub fn watchpoint_costs_ns(&mut self, in_use: bool) -> anyhow::Result<TrapCost> {
+    pub(crate) fn watchpoint_costs_ns(&mut self, in_use: bool) -> anyhow::Result<TrapCost> {
         self.hold_sched_hooks();
         static mut PROBE: u32 = 0;
         // Batches of writes timed on this thread's CPU clock (time the thread spends
@@ -623,7 +623,7 @@ impl BpfSampler {
     /// Measured on this thread and a helper, both pinned to the CPU this thread is on,
     /// yielding to each other in batches; the cheapest batch of each kind is kept (time
     /// another task took on that CPU is not switch cost). The threads' affinity is restored.
-    pub fn watched_switch_cost_ns(&mut self) -> anyhow::Result<SwitchCost> {
+    pub(crate) fn watched_switch_cost_ns(&mut self) -> anyhow::Result<SwitchCost> {
         self.hold_sched_hooks();
         use std::sync::atomic::{AtomicBool, Ordering};
         use std::sync::Arc;
@@ -717,17 +717,17 @@ impl BpfSampler {
         result
     }
 
-    pub fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {
+    pub(crate) fn set_target(&mut self, tgid: u32, t: &EsTarget) -> anyhow::Result<()> {
         self.targets
             .insert(tgid, *t, 0)
             .context("updating the targets map")
     }
 
-    pub fn remove_target(&mut self, tgid: u32) {
+    pub(crate) fn remove_target(&mut self, tgid: u32) {
         let _ = self.targets.remove(&tgid);
     }
 
-    pub fn set_thread(&mut self, tid: u32, t: &EsThread) -> anyhow::Result<()> {
+    pub(crate) fn set_thread(&mut self, tid: u32, t: &EsThread) -> anyhow::Result<()> {
         self.threads
             .insert(tid, *t, 0)
             .context("updating the threads map")
@@ -735,7 +735,7 @@ impl BpfSampler {
 
     /// Set how much user stack the kernel copies for thread `tid` (0 = all); nothing for a
     /// thread not in the map (gone).
-    pub fn set_thread_window(&mut self, tid: u32, window: u32) -> anyhow::Result<()> {
+    pub(crate) fn set_thread_window(&mut self, tid: u32, window: u32) -> anyhow::Result<()> {
         let Ok(mut t) = self.threads.get(&tid, 0) else {
             return Ok(());
         };
@@ -746,7 +746,7 @@ impl BpfSampler {
         self.set_thread(tid, &t)
     }
 
-    pub fn remove_thread(&mut self, tid: u32) {
+    pub(crate) fn remove_thread(&mut self, tid: u32) {
         let _ = self.threads.remove(&tid);
     }
 
@@ -763,7 +763,7 @@ impl BpfSampler {
 
     /// Switch off the parts in `mask` (`abi::OFF_*`; 0 = everything on): each of their
     /// programs returns at its first instruction from now on.
-    pub fn set_off(&mut self, mask: u32) -> anyhow::Result<()> {
+    pub(crate) fn set_off(&mut self, mask: u32) -> anyhow::Result<()> {
         self.control
             .set(0, mask, 0)
             .context("writing the BPF control map")
@@ -807,13 +807,8 @@ impl BpfSampler {
 
     /// Give the sampling clock of each CPU whose turn has come a new period and phase
     /// (clock.rs); the recording loop calls it every turn.
-    pub fn rephase_sampling(&mut self) {
+    pub(crate) fn rephase_sampling(&mut self) {
         self.clock.rephase(crate::sys::monotonic_ns());
-    }
-
-    /// Keep the object alive (programs and links are owned by it).
-    pub fn object(&self) -> &Ebpf {
-        &self.bpf
     }
 }
 
@@ -883,7 +878,7 @@ fn link_fds() -> std::collections::HashMap<u32, std::os::fd::RawFd> {
 
 /// The uprobes and uretprobes timing GC pauses in one interpreter binary.
 #[derive(Default)]
-pub struct GcUprobes {
+pub(crate) struct GcUprobes {
     links: Vec<(&'static str, aya::programs::uprobe::UProbeLinkId)>,
 }
 
@@ -899,7 +894,7 @@ pub struct SwitchCost {
 
 impl SwitchCost {
     /// Holding `regs` of them (between one and four, linearly; none costs nothing).
-    pub fn with_regs(&self, regs: usize) -> u64 {
+    pub(crate) fn with_regs(&self, regs: usize) -> u64 {
         match regs {
             0 => 0,
             r => {
@@ -937,7 +932,7 @@ enum BreakpointKind {
 impl Breakpoint {
     /// Whether it is set on every CPU ([`BpfSampler::watch_refcount_cpus`]), not on one
     /// thread: the thread pays no debug-register reload at its context switches.
-    pub fn on_every_cpu(&self) -> bool {
+    pub(crate) fn on_every_cpu(&self) -> bool {
         matches!(self._kind, BreakpointKind::Cpus { .. })
     }
 }

@@ -11,7 +11,7 @@ use crate::sampler::{Backend, RecordOptions};
 
 /// The highest `--rate` any backend takes (the BPF backend's perf events; the memory backend
 /// samples at most [`crate::sampler::memory::MAX_RATE_HZ`] and says so).
-pub const MAX_RATE_HZ: u32 = 20_000;
+pub(crate) const MAX_RATE_HZ: u32 = 20_000;
 
 /// A struct of one flattened group with a command's own defaults: clap keeps a default's
 /// text in one static per field, so a const-generic group would give every command the first
@@ -130,7 +130,7 @@ pub struct TraceArgs {
 }
 
 /// `--probe-budget`'s default, percent: [`crate::sampler::DEFAULT_PROBE_BUDGET`].
-pub const DEFAULT_PROBE_BUDGET_PCT: f64 = crate::sampler::DEFAULT_PROBE_BUDGET * 100.0;
+pub(crate) const DEFAULT_PROBE_BUDGET_PCT: f64 = crate::sampler::DEFAULT_PROBE_BUDGET * 100.0;
 
 /// The functions to time and what that may cost, as [`record_options`] takes it.
 #[derive(Debug, Clone)]

@@ -41,7 +41,7 @@ use super::symbols::RawFrame;
 use super::threading::{dict_items, garbage, object, read_u64_int, Attrs};
 
 /// Most loops with a running task we read per interpreter.
-pub const MAX_LOOPS: usize = 256;
+pub(crate) const MAX_LOOPS: usize = 256;
 /// Most coroutine frames of an await chain.
 pub const MAX_CHAIN: usize = 64;
 /// `PyTypeObject.tp_name` (after `PyObject_VAR_HEAD`), every version.
@@ -50,11 +50,11 @@ const TYPE_NAME: u64 = 24;
 const MAX_TYPE_NAME: usize = 128;
 /// `co_flags` bits of coroutine code: `async def` (CO_COROUTINE), `@types.coroutine`
 /// generators (CO_ITERABLE_COROUTINE), async generators (CO_ASYNC_GENERATOR).
-pub const CO_COROUTINE_FLAGS: u32 = 0x80 | 0x100 | 0x200;
+pub(crate) const CO_COROUTINE_FLAGS: u32 = 0x80 | 0x100 | 0x200;
 
 /// Offsets in a C task, a coroutine and a code object.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TaskLayout {
+pub(crate) struct TaskLayout {
     /// `TaskObj.task_coro`.
     pub task_coro: u64,
     /// `TaskObj.task_name`.
@@ -68,7 +68,7 @@ pub struct TaskLayout {
 impl TaskLayout {
     /// The layout of a minor version (3.14+: the default build's, which the `.AsyncioDebug`
     /// section, when found, overrides for the task fields).
-    pub fn for_version(minor: u8) -> Option<TaskLayout> {
+    pub(crate) fn for_version(minor: u8) -> Option<TaskLayout> {
         let (task_coro, task_name, coro_qualname, code_flags) = match minor {
             // FutureObj_HEAD ends with fut_cancel_msg, dict, weakreflist, _PyErr_StackItem
             // fut_cancelled_exc_state (16 bytes); then task_fut_waiter, task_coro, task_name.
@@ -137,7 +137,7 @@ pub fn parse_asyncio_debug(b: &[u8]) -> Option<AsyncioDebug> {
 
 /// The `.AsyncioDebug` section of the files process `pid` maps (the interpreter, or an
 /// `_asyncio` extension module).
-pub fn find_asyncio_debug(pid: i32) -> Option<AsyncioDebug> {
+pub(crate) fn find_asyncio_debug(pid: i32) -> Option<AsyncioDebug> {
     use object::{Object, ObjectSection};
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
     let mut seen = std::collections::HashSet::new();
@@ -172,7 +172,7 @@ pub use crate::record::RunningTask;
 
 /// What `_current_tasks` holds (3.10–3.13).
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct CurrentTasks {
+pub(crate) struct CurrentTasks {
     /// Task by the thread ident of its loop (`loop._thread_id`).
     pub by_ident: HashMap<u64, u64>,
     /// `(loop, task)` of loops without a readable `_thread_id` (uvloop).
@@ -234,12 +234,12 @@ fn type_name(mem: &dyn MemorySource, obj: u64) -> Result<String, ObjectError> {
 /// While the `.AsyncioDebug` section (3.14+) or `asyncio.tasks._current_tasks` (3.10–3.13) is
 /// not found, it is looked for again at most this often (each look reads `/proc/PID/maps` and
 /// ELF section headers, or walks `sys.modules`): a loop started later is found within it.
-pub const DEBUG_LOOKUP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const DEBUG_LOOKUP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl AsyncioTasks {
     /// 3.14+: find the `.AsyncioDebug` offsets of process `pid` if not known yet (at most every
     /// [`DEBUG_LOOKUP_EVERY`]).
-    pub fn find_debug(&mut self, pid: i32) {
+    pub(crate) fn find_debug(&mut self, pid: i32) {
         if self.debug.is_some()
             || self
                 .debug_looked
@@ -255,7 +255,7 @@ impl AsyncioTasks {
     /// `interp`'s `asyncio.tasks._current_tasks`: by thread ident for loops with a `_thread_id`
     /// attribute (asyncio's own), and the `(loop, task)` pairs of loops without one (uvloop),
     /// for [`Self::running_loops`] to place. Empty when asyncio is not imported or nothing runs.
-    pub fn current_by_ident(
+    pub(crate) fn current_by_ident(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -312,7 +312,7 @@ impl AsyncioTasks {
     /// (dict at 112); 3.13 keeps it in `_PyThreadStateImpl.asyncio_running_loop`, which moved
     /// between patch releases (304 in 3.13.0, 312 in 3.13.18): both words are returned. The
     /// caller compares them with a loop of `_current_tasks`, so a wrong guess matches nothing.
-    pub fn running_loops(
+    pub(crate) fn running_loops(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -371,7 +371,7 @@ impl AsyncioTasks {
     }
 
     /// 3.14+: the task a thread state is running (0: none).
-    pub fn current_of_tstate(&self, mem: &dyn MemorySource, tstate: u64) -> Option<u64> {
+    pub(crate) fn current_of_tstate(&self, mem: &dyn MemorySource, tstate: u64) -> Option<u64> {
         let d = self.debug?;
         mem.read_u64(tstate.checked_add(d.tstate_running_task)?)
             .ok()
@@ -379,7 +379,7 @@ impl AsyncioTasks {
     }
 
     /// The name and coroutine qualname of a task object.
-    pub fn describe(
+    pub(crate) fn describe(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -436,7 +436,7 @@ impl AsyncioTasks {
 /// The coroutine frames among `frames` (innermost first, as walked), outermost first, at most
 /// [`MAX_CHAIN`]: those whose code has a [`CO_COROUTINE_FLAGS`] bit. A frame whose flags
 /// cannot be read is left out.
-pub fn coroutine_frames(
+pub(crate) fn coroutine_frames(
     mem: &dyn MemorySource,
     layout: &TaskLayout,
     frames: &[RawFrame],

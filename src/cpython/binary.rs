@@ -193,7 +193,7 @@ const API_WINDOW: usize = 1024;
 /// &gcstate->collecting, &expected, 1)` at `[interp + collecting_disp]`. Measured on sid
 /// 3.13.18, 3.14.10, 3.15.2: that callee is the only code that sets it, and a uprobe +
 /// uretprobe there spans what the symbol path's does.
-pub fn collector_from_api(
+pub(crate) fn collector_from_api(
     bin: &InterpreterBinary,
     name: &'static str,
     collecting_disp: u64,
@@ -422,7 +422,7 @@ const MAX_FLAG_FUNCTION: u64 = 16 << 10;
 /// interpreter state: the code reaches it from `tstate->interp`). Each function must show at
 /// least one set and one clear through the same base register, else it is left out; a
 /// required one left out means no uprobes at all (the watchpoint instead).
-pub fn find_flag_stores(
+pub(crate) fn find_flag_stores(
     bin: &InterpreterBinary,
     minor: u8,
     collecting_disp: u64,
@@ -531,7 +531,7 @@ pub fn flag_stores(bytes: &[u8], addr: u64, disp: u64) -> Option<(Vec<u64>, Vec<
 
 /// File offset of virtual address `vaddr` in an ELF image: inside the executable PT_LOAD
 /// segment that maps it.
-pub fn file_offset_of<'data, R: object::ReadRef<'data>>(data: R, vaddr: u64) -> Option<u64> {
+pub(crate) fn file_offset_of<'data, R: object::ReadRef<'data>>(data: R, vaddr: u64) -> Option<u64> {
     let file = object::File::parse(data).ok()?;
     file.segments().find_map(|seg| {
         let (off, size) = seg.file_range();
@@ -542,7 +542,7 @@ pub fn file_offset_of<'data, R: object::ReadRef<'data>>(data: R, vaddr: u64) -> 
 
 /// Open a mapped file the way that works from the host whatever the target's mount namespace:
 /// `/proc/PID/map_files/START-END`, then `/proc/PID/root/PATH`, then `PATH`.
-pub fn open_mapped_file(
+pub(crate) fn open_mapped_file(
     pid: i32,
     m: &Mapping,
 ) -> Option<(PathBuf, object::ReadCache<std::fs::File>)> {

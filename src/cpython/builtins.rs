@@ -47,13 +47,13 @@ const MODULEDEF_METHODS: u64 = 64;
 const DICT_MA_USED: u64 = 16;
 
 /// Most method entries read from one type's `tp_methods` (CPython's largest, `str`, has ~50).
-pub const MAX_METHODS: u64 = 1024;
+pub(crate) const MAX_METHODS: u64 = 1024;
 /// Longest C name read (`ml_name`, `tp_name`).
-pub const MAX_NAME: usize = 128;
+pub(crate) const MAX_NAME: usize = 128;
 /// Most function names kept per process.
 pub const MAX_FUNCTIONS: usize = 1 << 18;
 /// Most modules of `sys.modules` read per scan.
-pub const MAX_MODULES: usize = 1 << 14;
+pub(crate) const MAX_MODULES: usize = 1 << 14;
 
 /// What an object's type makes it, for the scan.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -183,10 +183,12 @@ impl FakeMemory {
         self
     }
     /// Write a little-endian u64 at `addr`, which must lie inside a mapped region.
-    pub fn put_u64(&mut self, addr: u64, v: u64) {
+    #[cfg(test)]
+    pub(crate) fn put_u64(&mut self, addr: u64, v: u64) {
         self.put(addr, &v.to_le_bytes());
     }
-    pub fn put_u32(&mut self, addr: u64, v: u32) {
+    #[cfg(test)]
+    pub(crate) fn put_u32(&mut self, addr: u64, v: u32) {
         self.put(addr, &v.to_le_bytes());
     }
     /// A test double's setup: an address outside every region is the test's own mistake.

@@ -5,9 +5,9 @@ use super::memory::{MemorySource, ReadError};
 use super::offsets::{FrameKind, Offsets};
 
 /// Longest string we decode (names and file paths). Anything longer is treated as garbage.
-pub const MAX_STR_CHARS: u64 = 4096;
+pub(crate) const MAX_STR_CHARS: u64 = 4096;
 /// Largest line table we read.
-pub const MAX_LINETABLE: u64 = 1 << 20;
+pub(crate) const MAX_LINETABLE: u64 = 1 << 20;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ObjectError {
@@ -47,7 +47,11 @@ fn garbage(what: &'static str, addr: u64, why: impl Into<String>) -> ObjectError
 
 /// Read a `str` object. Handles compact ASCII, compact non-ASCII (kinds 1, 2, 4) and legacy
 /// (non-compact, ≤3.11) strings.
-pub fn read_unicode(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<String, ObjectError> {
+pub(crate) fn read_unicode(
+    mem: &dyn MemorySource,
+    o: &Offsets,
+    addr: u64,
+) -> Result<String, ObjectError> {
     let addr = object_addr("str", addr)?;
     let len = mem.read_u64(addr.wrapping_add(o.unicode_length))?;
     if len > MAX_STR_CHARS {
@@ -102,7 +106,7 @@ pub fn read_unicode(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<St
 }
 
 /// Read a `bytes` object's contents.
-pub fn read_bytes(
+pub(crate) fn read_bytes(
     mem: &dyn MemorySource,
     o: &Offsets,
     addr: u64,
@@ -128,7 +132,7 @@ pub struct CodeInfo {
 
 impl CodeInfo {
     /// The line executing at byte offset `addr` into the bytecode.
-    pub fn line_at(&self, kind: FrameKind, addr: i64) -> Option<i32> {
+    pub(crate) fn line_at(&self, kind: FrameKind, addr: i64) -> Option<i32> {
         match kind {
             FrameKind::FrameObject => {
                 linetable::addr2line_310(&self.linetable, self.firstlineno, addr)

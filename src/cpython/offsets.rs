@@ -162,21 +162,21 @@ pub enum DictKeysLayout {
 }
 
 /// `PyDictObject.ma_keys` (cpython/dictobject.h), 3.10–3.15.
-pub const DICT_MA_KEYS: u64 = 32;
+pub(crate) const DICT_MA_KEYS: u64 = 32;
 /// `PyDictObject.ma_values`.
-pub const DICT_MA_VALUES: u64 = 40;
+pub(crate) const DICT_MA_VALUES: u64 = 40;
 /// `PyModuleObject.md_dict` (pycore_moduleobject.h), 3.10–3.15.
-pub const MODULE_MD_DICT: u64 = 16;
+pub(crate) const MODULE_MD_DICT: u64 = 16;
 /// `PyTypeObject.tp_basicsize` (cpython/object.h), 3.10–3.15.
-pub const TYPE_BASICSIZE: u64 = 32;
+pub(crate) const TYPE_BASICSIZE: u64 = 32;
 /// `PyTypeObject.tp_flags`.
-pub const TYPE_FLAGS: u64 = 168;
+pub(crate) const TYPE_FLAGS: u64 = 168;
 /// `PyTypeObject.tp_dictoffset`.
-pub const TYPE_DICTOFFSET: u64 = 288;
+pub(crate) const TYPE_DICTOFFSET: u64 = 288;
 /// `Py_TPFLAGS_INLINE_VALUES` (3.13+).
-pub const TPFLAGS_INLINE_VALUES: u64 = 1 << 2;
+pub(crate) const TPFLAGS_INLINE_VALUES: u64 = 1 << 2;
 /// `Py_TPFLAGS_MANAGED_DICT` (3.11+).
-pub const TPFLAGS_MANAGED_DICT: u64 = 1 << 4;
+pub(crate) const TPFLAGS_MANAGED_DICT: u64 = 1 << 4;
 
 impl Offsets {
     /// The static table for 3.10–3.12, or `None` for other versions.
@@ -248,7 +248,7 @@ impl Offsets {
 }
 
 /// CPython 3.10 (checked against 3.10.13's headers).
-pub const PY310: Offsets = Offsets {
+pub(crate) const PY310: Offsets = Offsets {
     source: OffsetsSource::StaticTable,
     runtime_interpreters_head: 32, // pycore_runtime.h: _PyRuntimeState.interpreters.head
     runtime_main_thread: Some(72), // pycore_runtime.h: _PyRuntimeState.main_thread
@@ -295,7 +295,7 @@ pub const PY310: Offsets = Offsets {
 };
 
 /// CPython 3.11 (checked against 3.11.7's headers).
-pub const PY311: Offsets = Offsets {
+pub(crate) const PY311: Offsets = Offsets {
     source: OffsetsSource::StaticTable,
     runtime_interpreters_head: 40, // pycore_runtime.h
     runtime_main_thread: Some(80), // pycore_runtime.h
@@ -343,7 +343,7 @@ pub const PY311: Offsets = Offsets {
 };
 
 /// CPython 3.12 (checked against 3.12.1's headers).
-pub const PY312: Offsets = Offsets {
+pub(crate) const PY312: Offsets = Offsets {
     source: OffsetsSource::StaticTable,
     runtime_interpreters_head: 40, // pycore_runtime.h
     runtime_main_thread: Some(64), // pycore_runtime.h
@@ -415,7 +415,9 @@ pub enum DebugOffsetsError {
 /// 3.14 from Include/internal/pycore_debug_offsets.h (3.14); 3.15 from the same header as
 /// shipped in 3.15.2 (the values were cross-checked on the running interpreter: thread ids,
 /// `gc.collecting` during a collection seen from a `gc.callbacks` hook).
-pub fn debug_layout(minor: u8) -> Option<&'static [(&'static str, &'static [&'static str])]> {
+pub(crate) fn debug_layout(
+    minor: u8,
+) -> Option<&'static [(&'static str, &'static [&'static str])]> {
     const L313: &[(&str, &[&str])] = &[
         (
             "runtime_state",
@@ -770,10 +772,10 @@ pub fn read_debug_offsets(
 /// Turn checked debug offsets into [`Offsets`].
 /// 3.15's ring geometry (see [`Offsets::gc_stats_ring`]): records of [`GC_RING_RECORD`]
 /// bytes, `collections` then `collected` at [`GC_RING_COUNTS`] in each.
-pub const GC_RING_RECORD: u32 = 64;
-pub const GC_RING_COUNTS: u32 = 16;
+pub(crate) const GC_RING_RECORD: u32 = 64;
+pub(crate) const GC_RING_COUNTS: u32 = 16;
 /// Each generation's ring in `struct gc_stats`: (offset, records).
-pub const GC_RINGS_315: [(u32, u32); 3] = [(0, 11), (712, 3), (912, 3)];
+pub(crate) const GC_RINGS_315: [(u32, u32); 3] = [(0, 11), (712, 3), (912, 3)];
 
 /// `gc.generation_stats` of 3.15's `_Py_DebugOffsets`, where the struct it points to has the
 /// size of the ring layout we read: 1,112 bytes (three rings and their indexes), or 1,120 with

@@ -26,7 +26,7 @@ pub const MAX_THREADS: usize = 4096;
 const MAX_INTERPRETERS: usize = 64;
 
 /// Oldest and newest minor versions we read.
-pub const SUPPORTED: (u8, u8) = (10, 15);
+pub(crate) const SUPPORTED: (u8, u8) = (10, 15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
@@ -70,7 +70,7 @@ fn map_read(pid: i32, what: &'static str, err: ReadError) -> AttachError {
 pub use crate::record::Frame;
 
 /// Thread states, each with its host thread id when it was matched to a task.
-pub type ThreadTids = Vec<(u64, Option<i32>)>;
+pub(crate) type ThreadTids = Vec<(u64, Option<i32>)>;
 
 /// One thread as read at one moment.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -235,7 +235,7 @@ impl PythonProcess {
     /// The thread states readable from the list head, the read error that ended the walk
     /// early, if one did, and whether the walk reached the list's end (no read error, no
     /// cycle, not cut at [`MAX_THREADS`]).
-    pub fn thread_list(&self, interp: u64) -> (Vec<u64>, Option<ReadError>, bool) {
+    pub(crate) fn thread_list(&self, interp: u64) -> (Vec<u64>, Option<ReadError>, bool) {
         let o = &self.offsets;
         let mut out = Vec::new();
         let mut seen = HashSet::new();
@@ -533,7 +533,7 @@ impl PythonProcess {
     }
 
     /// [`Self::snapshot`] through `sym` (a recorder's, whose cache outlives one snapshot).
-    pub fn snapshot_with(&self, sym: &mut Symbolizer) -> Result<Snapshot, AttachError> {
+    pub(crate) fn snapshot_with(&self, sym: &mut Symbolizer) -> Result<Snapshot, AttachError> {
         let raw = self.raw_snapshot()?;
         Ok(self.symbolize(raw, sym))
     }
@@ -572,7 +572,7 @@ impl PythonProcess {
     }
 
     /// Every thread's raw stack now.
-    pub fn raw_snapshot(&self) -> Result<RawSnapshot, AttachError> {
+    pub(crate) fn raw_snapshot(&self) -> Result<RawSnapshot, AttachError> {
         let pid = self.pid;
         let tasks = procinfo::tasks(pid).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -589,7 +589,10 @@ impl PythonProcess {
     }
 
     /// Every thread's raw stack, matching threads to `tasks`.
-    pub fn raw_snapshot_with_tasks(&self, tasks: &[TaskInfo]) -> Result<RawSnapshot, AttachError> {
+    pub(crate) fn raw_snapshot_with_tasks(
+        &self,
+        tasks: &[TaskInfo],
+    ) -> Result<RawSnapshot, AttachError> {
         let pid = self.pid;
         let by_ns: HashMap<i32, &TaskInfo> = procinfo::by_ns_tid(tasks);
         let mut threads = Vec::new();
@@ -643,7 +646,7 @@ impl PythonProcess {
 
 impl PythonProcess {
     /// The thread's ident (`PyThreadState.thread_id`: `threading.get_ident()`, `pthread_self`).
-    pub fn thread_ident(&self, tstate: u64) -> Option<u64> {
+    pub(crate) fn thread_ident(&self, tstate: u64) -> Option<u64> {
         self.read(tstate.wrapping_add(self.offsets.tstate_thread_id))
             .ok()
             .filter(|&i| i != 0)
@@ -685,7 +688,11 @@ impl PythonProcess {
     }
 
     /// Give the threads of a snapshot their Python names.
-    pub fn name_threads(&self, snap: &mut Snapshot, names: &mut super::threading::ThreadNames) {
+    pub(crate) fn name_threads(
+        &self,
+        snap: &mut Snapshot,
+        names: &mut super::threading::ThreadNames,
+    ) {
         let by_tstate = self.python_thread_names(names);
         for t in &mut snap.threads {
             if let Some(n) = by_tstate.get(&t.tstate) {
@@ -775,7 +782,7 @@ impl PythonProcess {
     }
 
     /// Give the threads of a snapshot that run an asyncio task that task and its chain.
-    pub fn name_tasks(&self, snap: &mut Snapshot, tasks: &mut super::asyncio::AsyncioTasks) {
+    pub(crate) fn name_tasks(&self, snap: &mut Snapshot, tasks: &mut super::asyncio::AsyncioTasks) {
         let tstates: Vec<u64> = snap.threads.iter().map(|t| t.tstate).collect();
         let running = self.running_tasks(tasks, &tstates);
         let mut sym = Symbolizer::new();
@@ -789,7 +796,7 @@ impl PythonProcess {
 
 /// One thread as read, its frames not yet symbolized.
 #[derive(Debug, Clone)]
-pub struct RawThread {
+pub(crate) struct RawThread {
     pub tid: Option<i32>,
     pub ns_tid: Option<i32>,
     pub name: String,
@@ -802,7 +809,7 @@ pub struct RawThread {
 
 /// All threads of a process at one moment, frames not yet symbolized.
 #[derive(Debug, Clone)]
-pub struct RawSnapshot {
+pub(crate) struct RawSnapshot {
     pub threads: Vec<RawThread>,
     pub read_errors: u64,
 }

@@ -8,12 +8,12 @@ use super::offsets::PY312;
 use super::reader::PythonProcess;
 use super::version::PyVersion;
 
-pub const RUNTIME: u64 = 0x10_0000;
-pub const INTERP: u64 = 0x20_0000;
-pub const CODE_TYPE: u64 = 0x30_0000;
+pub(crate) const RUNTIME: u64 = 0x10_0000;
+pub(crate) const INTERP: u64 = 0x20_0000;
+pub(crate) const CODE_TYPE: u64 = 0x30_0000;
 
 /// A fake 3.12 process: one interpreter, threads with frames made of code objects.
-pub struct Fake {
+pub(crate) struct Fake {
     pub mem: FakeMemory,
     next: u64,
 }
@@ -36,7 +36,7 @@ impl Fake {
             next: 0x100_0000,
         }
     }
-    pub fn alloc(&mut self, size: usize) -> u64 {
+    pub(crate) fn alloc(&mut self, size: usize) -> u64 {
         let a = self.next;
         self.mem.map(a, vec![0; size]);
         self.next += 0x1_0000;

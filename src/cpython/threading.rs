@@ -22,9 +22,9 @@ use super::offsets::{
 };
 
 /// Most entries of a dict we read (`sys.modules` of a large application has a few thousand).
-pub const MAX_DICT_ENTRIES: u64 = 1 << 16;
+pub(crate) const MAX_DICT_ENTRIES: u64 = 1 << 16;
 /// Most threads whose names we read.
-pub const MAX_NAMED_THREADS: usize = 4096;
+pub(crate) const MAX_NAMED_THREADS: usize = 4096;
 
 /// Highest user-space address on x86-64 and aarch64 (with 5-level paging: 57 bits).
 const MAX_USER_ADDR: u64 = 1 << 57;
@@ -45,7 +45,7 @@ pub(crate) fn object(what: &'static str, addr: u64) -> Result<u64, ObjectError> 
 }
 
 /// The `(key, value)` pairs of a dict, in insertion order, deleted entries left out.
-pub fn dict_items(
+pub(crate) fn dict_items(
     mem: &dyn MemorySource,
     o: &Offsets,
     dict: u64,
@@ -139,7 +139,11 @@ fn keys_items(
 }
 
 /// A non-negative int of at most 64 bits (thread idents are `pthread_t` addresses).
-pub fn read_u64_int(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<u64, ObjectError> {
+pub(crate) fn read_u64_int(
+    mem: &dyn MemorySource,
+    o: &Offsets,
+    addr: u64,
+) -> Result<u64, ObjectError> {
     let addr = object("int", addr)?;
     let head = mem.read_u64(addr + 16)?;
     let ndigits = if o.long_tagged {
@@ -173,7 +177,7 @@ pub fn read_u64_int(mem: &dyn MemorySource, o: &Offsets, addr: u64) -> Result<u6
 /// interned key strings it met (keys compare by address first). Shared by the thread-name and
 /// asyncio-task readers.
 #[derive(Default)]
-pub struct Attrs {
+pub(crate) struct Attrs {
     /// Interned key strings met: text → address.
     interned: HashMap<&'static str, u64>,
 }
@@ -261,7 +265,7 @@ impl ThreadNames {
 impl Attrs {
     /// `(type of sys.modules, sys.modules[module].__dict__[name])` of an interpreter, `None`
     /// when the module is not imported or has no such global.
-    pub fn module_global(
+    pub(crate) fn module_global(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -292,7 +296,7 @@ impl Attrs {
 
     /// The value of the str key `name` among `items`: by the interned key's address when it
     /// is known, else by reading keys of the right length.
-    pub fn lookup(
+    pub(crate) fn lookup(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -318,7 +322,7 @@ impl Attrs {
     }
 
     /// An instance attribute that holds a str (`None` when absent).
-    pub fn attribute_str(
+    pub(crate) fn attribute_str(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,
@@ -333,7 +337,7 @@ impl Attrs {
 
     /// The object an instance attribute refers to (`None` when absent or the instance has no
     /// dict).
-    pub fn attribute(
+    pub(crate) fn attribute(
         &mut self,
         mem: &dyn MemorySource,
         o: &Offsets,

@@ -25,7 +25,7 @@ impl PyVersion {
         }
     }
 
-    pub fn from_hex(hex: u64) -> Self {
+    pub(crate) fn from_hex(hex: u64) -> Self {
         PyVersion {
             major: ((hex >> 24) & 0xff) as u8,
             minor: ((hex >> 16) & 0xff) as u8,
@@ -35,7 +35,7 @@ impl PyVersion {
         }
     }
 
-    pub fn hex(&self) -> u64 {
+    pub(crate) fn hex(&self) -> u64 {
         ((self.major as u64) << 24)
             | ((self.minor as u64) << 16)
             | ((self.micro as u64) << 8)
@@ -43,11 +43,11 @@ impl PyVersion {
             | self.serial as u64
     }
 
-    pub fn minor_tuple(&self) -> (u8, u8) {
+    pub(crate) fn minor_tuple(&self) -> (u8, u8) {
         (self.major, self.minor)
     }
 
-    pub fn is_prerelease(&self) -> bool {
+    pub(crate) fn is_prerelease(&self) -> bool {
         self.level != 0xF
     }
 

@@ -45,7 +45,7 @@ pub enum Split {
 }
 
 /// The name of one DP rank of an engine in a [`Split::Ranks`] index.
-pub fn rank_id(engine: &str, rank: &str) -> String {
+pub(crate) fn rank_id(engine: &str, rank: &str) -> String {
     format!("{engine}/dp{rank}")
 }
 
@@ -55,7 +55,7 @@ impl<'r> MetricIndex<'r> {
         Self::with_split(rec, Split::Engines)
     }
 
-    pub fn with_split(rec: &'r Recording, split: Split) -> Self {
+    pub(crate) fn with_split(rec: &'r Recording, split: Split) -> Self {
         // Engines with more than one DP rank.
         let mut ranks: BTreeMap<&str, std::collections::BTreeSet<&str>> = BTreeMap::new();
         if split == Split::Ranks {

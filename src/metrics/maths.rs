@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use super::names::GaugeAgg;
 
 /// The increase of a counter from one point to the next; a drop is a restart from zero.
-pub fn step_increase(prev: f64, cur: f64) -> f64 {
+pub(crate) fn step_increase(prev: f64, cur: f64) -> f64 {
     if cur >= prev {
         cur - prev
     } else {
@@ -25,7 +25,7 @@ pub fn step_increase(prev: f64, cur: f64) -> f64 {
 }
 
 /// The increase of one raw counter series within `[t0, t1)`, and the ns of it covered.
-pub fn series_increase(pts: &[(u64, f64)], t0: u64, t1: u64) -> (f64, u64) {
+pub(crate) fn series_increase(pts: &[(u64, f64)], t0: u64, t1: u64) -> (f64, u64) {
     let (mut inc, mut covered) = (0.0, 0u64);
     // Points are in time order: start at the last point before the range, stop past it.
     let first = pts.partition_point(|p| p.0 < t0).saturating_sub(1);
@@ -64,7 +64,7 @@ pub fn series_increase(pts: &[(u64, f64)], t0: u64, t1: u64) -> (f64, u64) {
 /// pairs of points cover: a range that falls between two scrapes (a slow answer) gets the
 /// line between them, not nothing. A range no pair covers gets the mean of the points inside
 /// it (a lone scrape), or None. Returns the mean and the ns it covers.
-pub fn series_mean(pts: &[(u64, f64)], t0: u64, t1: u64) -> Option<(f64, u64)> {
+pub(crate) fn series_mean(pts: &[(u64, f64)], t0: u64, t1: u64) -> Option<(f64, u64)> {
     let (mut area, mut covered) = (0.0, 0u64);
     let first = pts.partition_point(|p| p.0 < t0).saturating_sub(1);
     for w in pts[first..].windows(2) {
@@ -105,7 +105,7 @@ pub fn rates(points: &[(u64, f64)]) -> Vec<(u64, f64)> {
 
 /// Average per-second rate of a counter from the last point at or before `from_ns` (or the
 /// first after it) to the last point; `None` with fewer than two points.
-pub fn rate_since(points: &[(u64, f64)], from_ns: u64) -> Option<f64> {
+pub(crate) fn rate_since(points: &[(u64, f64)], from_ns: u64) -> Option<f64> {
     let start = points
         .partition_point(|&(t, _)| t <= from_ns)
         .saturating_sub(1);
@@ -122,7 +122,7 @@ pub fn rate_since(points: &[(u64, f64)], from_ns: u64) -> Option<f64> {
 /// of them has a point, the sum or mean (by `agg`) of the finite values there. Every point of
 /// one scrape carries the same time (the scraper stamps them so), so a label set missing from
 /// a scrape does not count in it, and one gone for good does not linger.
-pub fn combine<'a>(
+pub(crate) fn combine<'a>(
     series: impl IntoIterator<Item = &'a [(u64, f64)]>,
     agg: GaugeAgg,
 ) -> Vec<(u64, f64)> {
@@ -158,7 +158,7 @@ pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
 /// [`histogram_quantile`] and the bucket its rank fell in, `(lower, upper]`: where the true
 /// quantile lies (the value interpolates inside it). `upper` is `+Inf` for the last bucket,
 /// where the value is only the highest finite bound.
-pub fn quantile_in_bucket(q: f64, buckets: &[(f64, f64)]) -> Option<(f64, (f64, f64))> {
+pub(crate) fn quantile_in_bucket(q: f64, buckets: &[(f64, f64)]) -> Option<(f64, (f64, f64))> {
     let mut b: Vec<(f64, f64)> = buckets
         .iter()
         .copied()
@@ -205,7 +205,7 @@ pub fn quantile_in_bucket(q: f64, buckets: &[(f64, f64)]) -> Option<(f64, (f64, 
 }
 
 /// A histogram bucket's `le` label.
-pub fn parse_le(le: &str) -> Option<f64> {
+pub(crate) fn parse_le(le: &str) -> Option<f64> {
     match le.trim() {
         "+Inf" | "Inf" | "inf" | "+inf" => Some(f64::INFINITY),
         s => s.parse::<f64>().ok().filter(|v| !v.is_nan()),
@@ -275,7 +275,7 @@ impl LatencyQuantiles {
 impl HistogramDelta {
     /// From each `_bucket` series' increase (`(le, increase)`, label sets other than `le`
     /// added up by bound) and the `_sum` and `_count` increases.
-    pub fn from_increases(
+    pub(crate) fn from_increases(
         buckets: impl IntoIterator<Item = (f64, f64)>,
         sum: f64,
         count: f64,
@@ -296,7 +296,7 @@ impl HistogramDelta {
 
     /// `_sum` increase over `_count` increase, ms (of a histogram in seconds); None without
     /// observations.
-    pub fn mean_ms(&self) -> Option<f64> {
+    pub(crate) fn mean_ms(&self) -> Option<f64> {
         (self.count > 0.0).then(|| self.sum / self.count * 1e3)
     }
 
@@ -328,7 +328,7 @@ impl HistogramDelta {
 }
 
 /// Mean and max of a list of values; None when empty.
-pub fn mean_max(v: impl IntoIterator<Item = f64>) -> Option<(f64, f64)> {
+pub(crate) fn mean_max(v: impl IntoIterator<Item = f64>) -> Option<(f64, f64)> {
     let (mut n, mut sum, mut max) = (0u64, 0.0, f64::NEG_INFINITY);
     for x in v {
         n += 1;

@@ -62,8 +62,8 @@ pub const KV_CACHE_USAGE: Family = Family::new(
     Mean,
 );
 pub const RUNNING: Family = Family::new("vllm:num_requests_running", &[], Sum);
-pub const WAITING: Family = Family::new("vllm:num_requests_waiting", &[], Sum);
-pub const PREEMPTIONS: Family = Family::new("vllm:num_preemptions_total", &[], Sum);
+pub(crate) const WAITING: Family = Family::new("vllm:num_requests_waiting", &[], Sum);
+pub(crate) const PREEMPTIONS: Family = Family::new("vllm:num_preemptions_total", &[], Sum);
 /// Histograms, seconds.
 pub const TTFT: Family = Family::new("vllm:time_to_first_token_seconds", &[], Sum);
 pub const ITL: Family = Family::new(
@@ -75,12 +75,12 @@ pub const E2E: Family = Family::new("vllm:e2e_request_latency_seconds", &[], Sum
 /// Per finished request: its decode time over its output tokens less one (vLLM's TPOT).
 pub const TPOT: Family = Family::new("vllm:request_time_per_output_token_seconds", &[], Sum);
 /// Counters, in tokens.
-pub const PREFIX_QUERIES: Family = Family::new(
+pub(crate) const PREFIX_QUERIES: Family = Family::new(
     "vllm:prefix_cache_queries_total",
     &["vllm:gpu_prefix_cache_queries_total"],
     Sum,
 );
-pub const PREFIX_HITS: Family = Family::new(
+pub(crate) const PREFIX_HITS: Family = Family::new(
     "vllm:prefix_cache_hits_total",
     &["vllm:gpu_prefix_cache_hits_total"],
     Sum,
@@ -95,25 +95,26 @@ pub const INFERENCE_TIME: Family = Family::new("vllm:request_inference_time_seco
 /// Speculative decoding, counters: drafts proposed (V1), draft tokens proposed, and draft
 /// tokens the target model accepted (V0 and V1). Acceptance rate = accepted / draft tokens;
 /// mean acceptance length = 1 + accepted / drafts (tokens a verification step yields).
-pub const SPEC_DRAFTS: Family = Family::new("vllm:spec_decode_num_drafts_total", &[], Sum);
-pub const SPEC_DRAFT_TOKENS: Family =
+pub(crate) const SPEC_DRAFTS: Family = Family::new("vllm:spec_decode_num_drafts_total", &[], Sum);
+pub(crate) const SPEC_DRAFT_TOKENS: Family =
     Family::new("vllm:spec_decode_num_draft_tokens_total", &[], Sum);
-pub const SPEC_ACCEPTED_TOKENS: Family =
+pub(crate) const SPEC_ACCEPTED_TOKENS: Family =
     Family::new("vllm:spec_decode_num_accepted_tokens_total", &[], Sum);
 /// Disaggregated prefill's KV-cache transfers through NIXL (`NixlConnector`): the time of
 /// each transfer (histogram, s), the bytes of each (histogram), and failures (counters).
-pub const NIXL_XFER_TIME: Family = Family::new("vllm:nixl_xfer_time_seconds", &[], Sum);
-pub const NIXL_BYTES: Family = Family::new("vllm:nixl_bytes_transferred", &[], Sum);
-pub const NIXL_FAILED_TRANSFERS: Family =
+pub(crate) const NIXL_XFER_TIME: Family = Family::new("vllm:nixl_xfer_time_seconds", &[], Sum);
+pub(crate) const NIXL_BYTES: Family = Family::new("vllm:nixl_bytes_transferred", &[], Sum);
+pub(crate) const NIXL_FAILED_TRANSFERS: Family =
     Family::new("vllm:nixl_num_failed_transfers_total", &[], Sum);
-pub const NIXL_FAILED_NOTIFICATIONS: Family =
+pub(crate) const NIXL_FAILED_NOTIFICATIONS: Family =
     Family::new("vllm:nixl_num_failed_notifications_total", &[], Sum);
 /// V0's hit-rate gauge, read only where the counters are absent.
-pub const PREFIX_HIT_RATE_V0: Family = Family::new("vllm:gpu_prefix_cache_hit_rate", &[], Mean);
+pub(crate) const PREFIX_HIT_RATE_V0: Family =
+    Family::new("vllm:gpu_prefix_cache_hit_rate", &[], Mean);
 
 /// Families the summaries read, with the sample name a scrape must hold (histograms by their
 /// `_bucket`); `discover --check` reports those an engine lacks under every spelling.
-pub const RELIED_ON: [(Family, &str); 11] = [
+pub(crate) const RELIED_ON: [(Family, &str); 11] = [
     (GENERATION_TOKENS, ""),
     (PROMPT_TOKENS, ""),
     (KV_CACHE_USAGE, ""),
@@ -128,7 +129,7 @@ pub const RELIED_ON: [(Family, &str); 11] = [
 ];
 
 /// Every family a view reads.
-pub const ALL: [Family; 24] = [
+pub(crate) const ALL: [Family; 24] = [
     GENERATION_TOKENS,
     PROMPT_TOKENS,
     KV_CACHE_USAGE,
@@ -157,7 +158,7 @@ pub const ALL: [Family; 24] = [
 
 /// Whether a view reads the sample `name` (a histogram's `_bucket`, `_sum`, `_count` by its
 /// family): the series an aggregating recorder keeps of an engine's `/metrics`.
-pub fn is_read(name: &str) -> bool {
+pub(crate) fn is_read(name: &str) -> bool {
     let base = ["_bucket", "_sum", "_count"]
         .iter()
         .find_map(|s| name.strip_suffix(s))

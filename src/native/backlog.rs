@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-pub struct Backlog<T> {
+pub(crate) struct Backlog<T> {
     q: VecDeque<T>,
     cap: usize,
     /// Events that waited (counter `native_deferred_events`).
@@ -35,14 +35,10 @@ impl<T> Backlog<T> {
         self.q.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.q.is_empty()
-    }
-
     /// Take an event in: returned to be applied now (ready) when nothing waits and it is
     /// `ready`, else queued behind the others; the queue then over its bound gives its oldest
     /// back at once, unready (one drain can bring tens of thousands of events).
-    pub fn admit(&mut self, item: T, ready: bool) -> Option<(T, bool)> {
+    pub(crate) fn admit(&mut self, item: T, ready: bool) -> Option<(T, bool)> {
         if self.q.is_empty() && ready {
             return Some((item, true));
         }
@@ -113,6 +109,6 @@ mod tests {
         // Finishing: everything, in order.
         assert_eq!(b.next(never, true), Some((2, false)));
         assert_eq!(b.next(never, true), Some((3, false)));
-        assert!(b.is_empty());
+        assert_eq!(b.len(), 0);
     }
 }

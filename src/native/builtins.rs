@@ -33,7 +33,7 @@ enum Cmd {
 }
 
 /// Names found: (pid, [(address, name; `None`: ambiguous)]).
-pub type Found = (i32, Vec<(u64, Option<String>)>);
+pub(crate) type Found = (i32, Vec<(u64, Option<String>)>);
 
 #[derive(Default)]
 struct Counters {
@@ -44,7 +44,7 @@ struct Counters {
     dropped: AtomicU64,
 }
 
-pub struct BuiltinReader {
+pub(crate) struct BuiltinReader {
     tx: mpsc::Sender<Cmd>,
     rx: mpsc::Receiver<Found>,
     counters: Arc<Counters>,
@@ -77,7 +77,7 @@ impl BuiltinReader {
         let _ = self.tx.send(Cmd::Watch(pid, Box::new(o), interp));
     }
 
-    pub fn forget(&self, pid: i32) {
+    pub(crate) fn forget(&self, pid: i32) {
         let _ = self.tx.send(Cmd::Forget(pid));
     }
 

@@ -4,14 +4,14 @@
 use super::*;
 
 /// The function name of code with no symbol (a stripped library's local functions).
-pub const NO_SYMBOL: &str = "<no symbol>";
+pub(crate) const NO_SYMBOL: &str = "<no symbol>";
 
 /// The module name kernel frames carry.
-pub const KERNEL_MODULE: &str = "[kernel.kallsyms]";
+pub(crate) const KERNEL_MODULE: &str = "[kernel.kallsyms]";
 
 /// Bytes of a mapped module section.
 #[derive(Clone)]
-pub struct Section {
+pub(crate) struct Section {
     map: Arc<memmap2::Mmap>,
     range: Range<usize>,
 }
@@ -24,7 +24,7 @@ impl Deref for Section {
 }
 
 /// One ELF file's symbols and unwind sections.
-pub struct ElfModule {
+pub(crate) struct ElfModule {
     /// Path as the target maps it.
     pub path: String,
     pub build_id: String,
@@ -53,16 +53,14 @@ pub struct ElfModule {
 static BUILTINS_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The current [`BUILTINS_GENERATION`].
-pub fn builtins_generation() -> u64 {
+pub(crate) fn builtins_generation() -> u64 {
     BUILTINS_GENERATION.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One module's symbols, read from its file.
-pub struct ModuleSymbols {
+pub(crate) struct ModuleSymbols {
     /// Function symbols sorted by address: (start svma, size, name).
     symbols: Vec<(u64, u64, Arc<str>)>,
-    /// Where the symbols came from: `symtab`, `dynsym`, `debug file`, or `none`.
-    pub source: &'static str,
     /// Address ranges (svma) of the evaluation loop (its hot and `.cold` parts), when this is
     /// the interpreter core.
     pub eval_ranges: Vec<Range<u64>>,
@@ -194,7 +192,7 @@ impl ElfModule {
     /// Name the function starting at `svma` from the interpreter's state (`None`: the
     /// address is ambiguous). Only function starts that `.eh_frame_hdr` lists are taken (a
     /// wrong address read from the target names nothing). Whether anything changed.
-    pub fn add_builtin(&self, svma: u64, name: Option<&str>) -> bool {
+    pub(crate) fn add_builtin(&self, svma: u64, name: Option<&str>) -> bool {
         if self.fde_starts().binary_search(&svma).is_err() {
             return false;
         }
@@ -239,12 +237,12 @@ impl ElfModule {
     }
 
     /// Whether the symbol table has been read (naming this module's frames will not wait).
-    pub fn symbols_ready(&self) -> bool {
+    pub(crate) fn symbols_ready(&self) -> bool {
         self.syms.get().is_some()
     }
 
     /// The symbol table, read now if nobody has (a caller racing the loader waits for it).
-    pub fn load_symbols(&self) -> &ModuleSymbols {
+    pub(crate) fn load_symbols(&self) -> &ModuleSymbols {
         self.syms.get_or_init(|| self.read_symbol_table())
     }
 
@@ -252,7 +250,6 @@ impl ElfModule {
         let Ok(obj) = object::File::parse(&self.map[..]) else {
             return ModuleSymbols {
                 symbols: Vec::new(),
-                source: "none",
                 eval_ranges: Vec::new(),
             };
         };
@@ -289,9 +286,6 @@ impl ElfModule {
             symbols = read_symbols(&obj, true);
             source = "dynsym";
         }
-        if symbols.is_empty() {
-            source = "none";
-        }
         symbols.sort_unstable_by_key(|s| s.0);
         let mut eval_ranges: Vec<Range<u64>> = symbols
             .iter()
@@ -315,7 +309,6 @@ impl ElfModule {
         }
         ModuleSymbols {
             symbols,
-            source,
             eval_ranges,
         }
     }
@@ -383,7 +376,7 @@ impl ElfModule {
 /// The largest function (address range, svma) listed in an `.eh_frame_hdr` search table,
 /// measured as the distance to the next entry. Only the encodings every x86-64 toolchain
 /// writes are read (pcrel sdata4 pointer, udata4 count, datarel sdata4 table); else `None`.
-pub fn largest_fde(hdr: &[u8], hdr_svma: u64) -> Option<Range<u64>> {
+pub(crate) fn largest_fde(hdr: &[u8], hdr_svma: u64) -> Option<Range<u64>> {
     fde_table(hdr, hdr_svma)?
         .windows(2)
         .map(|w| w[0]..w[1])

@@ -68,7 +68,7 @@ impl KernelSymbols {
     }
 
     /// The symbol containing `addr` and its start address.
-    pub fn lookup(&self, addr: u64) -> Option<(u64, &str)> {
+    pub(crate) fn lookup(&self, addr: u64) -> Option<(u64, &str)> {
         let i = self.syms.partition_point(|s| s.0 <= addr);
         let &(start, from, len) = self.syms.get(i.checked_sub(1)?)?;
         // Past the last text symbol is not kernel text we can name.

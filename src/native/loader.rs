@@ -83,7 +83,7 @@ impl SymbolLoader {
     }
 
     /// Put the loader at the calling thread's priority (once): events are waiting for it.
-    pub fn hurry(&self) {
+    pub(crate) fn hurry(&self) {
         use std::sync::atomic::Ordering::Relaxed;
         let tid = self.stats.tid.load(Relaxed);
         if tid <= 0 || self.stats.hurried.swap(true, Relaxed) {
@@ -140,7 +140,7 @@ impl ProcessNative {
 
     /// Re-read `/proc/PID/maps` and add new executable mappings (dlopen'ed extensions). New
     /// modules are only mapped and indexed here (no symbol table is read).
-    pub fn refresh(&mut self, cache: &mut ModuleCache) {
+    pub(crate) fn refresh(&mut self, cache: &mut ModuleCache) {
         self.last_refresh = std::time::Instant::now();
         let Ok(text) = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) else {
             return;
@@ -212,7 +212,7 @@ impl ProcessNative {
     }
 
     /// Unwind the user stack from the copied window `stack` (the bytes from `sp` up).
-    pub fn unwind(
+    pub(crate) fn unwind(
         &mut self,
         cache: &mut ModuleCache,
         ip: u64,
@@ -291,7 +291,7 @@ impl ProcessNative {
     }
 
     /// One user address, not yet named: its module and address in the module's file.
-    pub fn raw_frame(&self, addr: FrameAddress) -> RawFrame {
+    pub(crate) fn raw_frame(&self, addr: FrameAddress) -> RawFrame {
         let look = addr.address_for_lookup();
         RawFrame {
             addr: look,

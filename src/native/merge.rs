@@ -20,7 +20,7 @@ use crate::record::NativeFrameInfo;
 use super::NativeFrames;
 
 /// Frames innermost first, each with its native description (`None` for a Python frame).
-pub type Mixed = Vec<(Frame, Option<NativeFrameInfo>)>;
+pub(crate) type Mixed = Vec<(Frame, Option<NativeFrameInfo>)>;
 
 /// How a merge went (for counters and tests).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,7 +38,7 @@ mod unwind;
 pub use elf::*;
 pub use kernel::*;
 pub use loader::*;
-pub use state::*;
+pub(crate) use state::*;
 pub use unwind::*;
 
 use std::collections::HashMap;

@@ -5,7 +5,7 @@ use super::*;
 
 /// Split the entry marks off raw frames (clearing the bit so offsets are offsets again). On
 /// 3.10 (`minor`) every frame is its own evaluation-loop call.
-pub fn entry_marks(frames: &mut [crate::bpf::abi::EsFrame], minor: u8) -> Vec<bool> {
+pub(crate) fn entry_marks(frames: &mut [crate::bpf::abi::EsFrame], minor: u8) -> Vec<bool> {
     if minor <= 10 {
         return vec![true; frames.len()];
     }
@@ -23,7 +23,7 @@ pub fn entry_marks(frames: &mut [crate::bpf::abi::EsFrame], minor: u8) -> Vec<bo
 
 /// The recorder's native state: symbolization plus the NATIVE_STACK records waiting for the
 /// sample or switch-out they belong to (the next record of the same thread, same time).
-pub struct NativeState {
+pub(crate) struct NativeState {
     pub native: Native,
     /// Unwound records by thread, with their time.
     pending: HashMap<i32, (u64, RawNative)>,
@@ -70,7 +70,7 @@ pub(super) const WINDOW_EPOCH: u32 = 256;
 
 /// The window (0 = all) for unwinds that read at most `peak` bytes: half as much again and
 /// 256 bytes more, in whole KiB.
-pub fn window_for(peak: usize) -> u32 {
+pub(crate) fn window_for(peak: usize) -> u32 {
     let w = peak
         .saturating_add(peak / 2)
         .saturating_add(256)
@@ -132,23 +132,23 @@ impl NativeState {
     }
 
     /// Window changes for the kernel: (tid, bytes of user stack to copy, 0 = all).
-    pub fn take_window_changes(&mut self) -> Vec<(i32, u32)> {
+    pub(crate) fn take_window_changes(&mut self) -> Vec<(i32, u32)> {
         std::mem::take(&mut self.window_changes)
     }
 
     /// The window thread `tid` has now (0 = all), for a thread entry written afresh.
-    pub fn window_of(&self, tid: i32) -> u32 {
+    pub(crate) fn window_of(&self, tid: i32) -> u32 {
         self.windows.get(&tid).map_or(0, |w| w.set)
     }
 
     /// A thread gone: forget its window.
-    pub fn thread_gone(&mut self, tid: i32) {
+    pub(crate) fn thread_gone(&mut self, tid: i32) {
         self.windows.remove(&tid);
     }
 
     /// Unwind a NATIVE_STACK record of process `pid` straight from the ring buffer and keep
     /// it until its event arrives.
-    pub fn stash(&mut self, pid: i32, bytes: &[u8]) {
+    pub(crate) fn stash(&mut self, pid: i32, bytes: &[u8]) {
         if let Some(n) = crate::bpf::abi::parse_native(bytes) {
             let raw = self.native.unwind_raw(pid, &n);
             if self.native.opts.user && n.ip != 0 {
@@ -186,7 +186,7 @@ impl NativeState {
 
     /// The merged stack of an event: its Python frames (`python`, with their entry marks)
     /// and its native record named (`wait`: reading symbol tables not yet read).
-    pub fn mixed(
+    pub(crate) fn mixed(
         &mut self,
         raw: &RawNative,
         python: &[Frame],
@@ -212,7 +212,7 @@ impl NativeState {
     /// The id in `writer` of the merged stack of an event (as [`Self::mixed`], interned). A
     /// stack made from the same Python frames, entry marks, kernel functions and user
     /// addresses as one written before gets that one's id without being named again.
-    pub fn mixed_stack(
+    pub(crate) fn mixed_stack(
         &mut self,
         writer: &mut crate::record::format::RecordingWriter,
         raw: &RawNative,

@@ -3,10 +3,10 @@
 use super::*;
 
 /// The largest user stack window the kernel side copies (`ES_USTACK_MAX`).
-pub const USTACK_WINDOW_MAX: usize = crate::bpf::abi::USTACK_MAX;
+pub(crate) const USTACK_WINDOW_MAX: usize = crate::bpf::abi::USTACK_MAX;
 
 /// One user stack unwind.
-pub struct Walked {
+pub(crate) struct Walked {
     /// Addresses innermost first (the IP, then return addresses).
     pub frames: Vec<FrameAddress>,
     /// The unwind reached the stack's root.
@@ -34,7 +34,7 @@ impl RawFrame {
 
 /// The function name given a frame whose module's symbols were still being read when it had
 /// to be written (a backlog over its bound).
-pub const SYMBOLS_NOT_LOADED: &str = "<symbols not loaded>";
+pub(crate) const SYMBOLS_NOT_LOADED: &str = "<symbols not loaded>";
 
 /// Name a raw frame: (frame, info, whether it is the evaluation loop). With `wait` false, a
 /// module whose symbols are not read yet gives [`SYMBOLS_NOT_LOADED`] instead of waiting.
@@ -202,7 +202,11 @@ impl Native {
     }
 
     /// Unwind one NATIVE_STACK record of process `pid` (no symbol table is read here).
-    pub fn unwind_raw(&mut self, pid: i32, rec: &crate::bpf::abi::NativeStack<'_>) -> RawNative {
+    pub(crate) fn unwind_raw(
+        &mut self,
+        pid: i32,
+        rec: &crate::bpf::abi::NativeStack<'_>,
+    ) -> RawNative {
         let mut out = RawNative {
             kernel: rec.kernel().collect(),
             ..RawNative::default()
@@ -286,7 +290,7 @@ impl Native {
         self.name(&raw, true)
     }
 
-    pub fn forget(&mut self, pid: i32) {
+    pub(crate) fn forget(&mut self, pid: i32) {
         self.procs.remove(&pid);
         if let Some(b) = &self.builtins {
             b.forget(pid);
@@ -294,14 +298,19 @@ impl Native {
     }
 
     /// Have the builtin functions of `pid`'s interpreter `interp` named (offsets `o`).
-    pub fn watch_builtins(&mut self, pid: i32, o: &crate::cpython::offsets::Offsets, interp: u64) {
+    pub(crate) fn watch_builtins(
+        &mut self,
+        pid: i32,
+        o: &crate::cpython::offsets::Offsets,
+        interp: u64,
+    ) {
         if let Some(b) = &self.builtins {
             b.watch(pid, o.clone(), interp);
         }
     }
 
     /// Give the modules the builtin names read since the last call.
-    pub fn apply_builtins(&mut self) {
+    pub(crate) fn apply_builtins(&mut self) {
         let Some(batches) = self.builtins.as_ref().map(|r| r.take()) else {
             return;
         };
@@ -329,7 +338,7 @@ impl Native {
     }
 
     /// Events are piling up behind symbol tables: let the loader run at the drain's priority.
-    pub fn hurry_symbols(&self) {
+    pub(crate) fn hurry_symbols(&self) {
         if let Some(l) = &self.modules.loader {
             l.hurry();
         }

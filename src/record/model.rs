@@ -48,7 +48,7 @@ pub struct Period(u64);
 
 impl Period {
     /// The period of `hz` samples per second (at least 1 Hz).
-    pub fn of_hz(hz: u32) -> Period {
+    pub(crate) fn of_hz(hz: u32) -> Period {
         Period(1_000_000_000 / u64::from(hz.max(1)))
     }
 
@@ -101,7 +101,7 @@ pub struct ThreadInfo {
 
 impl ThreadInfo {
     /// The name to show: the Python name where there is one, else the OS name.
-    pub fn display_name(&self) -> &str {
+    pub(crate) fn display_name(&self) -> &str {
         self.python_name.as_deref().unwrap_or(&self.name)
     }
 }
@@ -233,7 +233,7 @@ impl EngineInfo {
     }
 
     /// Its API servers (none for an offline script).
-    pub fn api_servers(&self) -> Vec<i32> {
+    pub(crate) fn api_servers(&self) -> Vec<i32> {
         if self.api_server_pids.is_empty() {
             (self.api_server_pid != 0)
                 .then_some(self.api_server_pid)
@@ -356,7 +356,7 @@ pub struct FunctionCall {
 }
 
 /// Frame kinds ([`NativeFrameInfo::kind`]); a frame without a description is a Python frame.
-pub const FRAME_NATIVE: u8 = 1;
+pub(crate) const FRAME_NATIVE: u8 = 1;
 pub const FRAME_KERNEL: u8 = 2;
 
 /// What makes a frame native or kernel: written after the frame record's fields (older
@@ -461,7 +461,7 @@ impl Recording {
 
     /// The Python frames of a stack, innermost first (its native and kernel frames passed
     /// over).
-    pub fn python_frames(&self, stack: u32) -> impl Iterator<Item = &Frame> {
+    pub(crate) fn python_frames(&self, stack: u32) -> impl Iterator<Item = &Frame> {
         self.stacks
             .get(stack as usize)
             .into_iter()
@@ -481,7 +481,7 @@ impl Recording {
     }
 
     /// Latest known OS name (`comm`) of a thread.
-    pub fn os_thread_name(&self, pid: i32, tid: i32) -> &str {
+    pub(crate) fn os_thread_name(&self, pid: i32, tid: i32) -> &str {
         self.threads
             .iter()
             .rev()

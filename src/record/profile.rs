@@ -38,7 +38,7 @@ pub struct AggregateOptions {
 /// GIL waits under half of it are added up like everyone's): `report`'s stalls end a run of
 /// samples only at a blocked interval longer than `views::stalls::MAX_BLOCK_NS` (checked
 /// there), and an API server under load switches ~650 times a second, 92 % of them shorter.
-pub const LOOP_RAW_MIN_OFFCPU_NS: u64 = 2_000_000;
+pub(crate) const LOOP_RAW_MIN_OFFCPU_NS: u64 = 2_000_000;
 
 /// Sub-buckets per power of two: bucket width is 1/32 of the octave's start, so a bucket's
 /// midpoint is within 1/64 of any value in it.
@@ -60,7 +60,7 @@ pub fn bucket(ns: u64) -> u32 {
 }
 
 /// The value a bucket stands for: its midpoint (its value below 32 ns, where buckets are exact).
-pub fn bucket_value(b: u32) -> u64 {
+pub(crate) fn bucket_value(b: u32) -> u64 {
     let b = b as u64;
     if b < SUB {
         return b;
@@ -76,7 +76,7 @@ pub fn bucket_value(b: u32) -> u64 {
 
 /// A count and a sum (ns).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CountSum {
+pub(crate) struct CountSum {
     pub count: u64,
     pub sum_ns: u64,
 }
@@ -89,7 +89,7 @@ impl CountSum {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SampleKey {
+pub(crate) struct SampleKey {
     pub pid: i32,
     pub tid: i32,
     pub stack: u32,
@@ -97,7 +97,7 @@ pub struct SampleKey {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct OffCpuKey {
+pub(crate) struct OffCpuKey {
     pub pid: i32,
     pub tid: i32,
     pub stack: u32,
@@ -105,7 +105,7 @@ pub struct OffCpuKey {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct GilKey {
+pub(crate) struct GilKey {
     pub pid: i32,
     pub tid: i32,
     pub holder_tid: i32,
@@ -115,14 +115,14 @@ pub struct GilKey {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CallKey {
+pub(crate) struct CallKey {
     pub pid: i32,
     pub tid: i32,
     pub probe: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct GcKey {
+pub(crate) struct GcKey {
     pub pid: i32,
     pub tid: i32,
     /// -1: unknown.
@@ -132,7 +132,7 @@ pub struct GcKey {
 /// Collections of one generation on one thread over an interval: the pauses' durations (as a
 /// probe's calls), and the objects they freed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct GcHist {
+pub(crate) struct GcHist {
     pub pauses: DurationHist,
     /// Objects freed by the pauses that know it; -1 when none does.
     pub collected: i64,
@@ -141,7 +141,7 @@ pub struct GcHist {
 /// Durations of `count` events read back from a histogram whose exact sum is `sum_ns`: each
 /// its bucket's value, scaled so that they add up to the sum exactly (the last takes what
 /// rounding leaves), so that per-thread GC time reads as from raw events.
-pub fn hist_durations(buckets: &[(u32, u64)], sum_ns: u64) -> Vec<u64> {
+pub(crate) fn hist_durations(buckets: &[(u32, u64)], sum_ns: u64) -> Vec<u64> {
     let vals: Vec<u64> = buckets
         .iter()
         .flat_map(|&(b, n)| std::iter::repeat_n(bucket_value(b), n as usize))
@@ -164,7 +164,7 @@ pub fn hist_durations(buckets: &[(u32, u64)], sum_ns: u64) -> Vec<u64> {
 /// Durations over an interval (a probe's calls on one thread, a thread's collections of one
 /// generation): count, exact sum, and the histogram.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DurationHist {
+pub(crate) struct DurationHist {
     pub count: u64,
     pub sum_ns: u64,
     /// (bucket, count), buckets ascending.
@@ -173,7 +173,7 @@ pub struct DurationHist {
 
 /// Durations added up so far: per [`bucket`] the count, and the exact sum.
 #[derive(Default)]
-pub struct Durations {
+pub(crate) struct Durations {
     buckets: HashMap<u32, u64>,
     sum_ns: u64,
 }
@@ -198,7 +198,7 @@ impl Durations {
 /// One key's collections so far: their durations, and the objects freed (None: unknown in
 /// every pause).
 #[derive(Default)]
-pub struct GcAcc {
+pub(crate) struct GcAcc {
     pauses: Durations,
     collected: Option<i64>,
 }
@@ -212,7 +212,7 @@ fn by_key<K: Copy + Ord, V, H>(m: &HashMap<K, V>, f: impl Fn(&V) -> H) -> Vec<(K
 
 /// Events of the current interval, added up by key.
 #[derive(Default)]
-pub struct Accumulator {
+pub(crate) struct Accumulator {
     pub samples: HashMap<SampleKey, CountSum>,
     pub offcpu: HashMap<OffCpuKey, CountSum>,
     pub gil: HashMap<GilKey, CountSum>,
@@ -250,7 +250,7 @@ impl Accumulator {
     }
 
     /// The collections added up, keys in order.
-    pub fn gc_hists(&self) -> Vec<(GcKey, GcHist)> {
+    pub(crate) fn gc_hists(&self) -> Vec<(GcKey, GcHist)> {
         by_key(&self.gc, |a| GcHist {
             pauses: a.pauses.hist(),
             collected: a.collected.unwrap_or(-1),
@@ -258,7 +258,7 @@ impl Accumulator {
     }
 
     /// The calls added up, keys in order.
-    pub fn call_hists(&self) -> Vec<(CallKey, DurationHist)> {
+    pub(crate) fn call_hists(&self) -> Vec<(CallKey, DurationHist)> {
         by_key(&self.calls, Durations::hist)
     }
 }
@@ -275,7 +275,7 @@ pub fn spread(start: u64, end: u64, count: u64, i: u64) -> u64 {
 /// aggregated record: events are written when they end, so each ends where its equal part of
 /// the interval ends and lasted `dur_ns` before it (a long block split at a rotation, alone in
 /// its interval, keeps its real start).
-pub fn ended_by(start: u64, end: u64, count: u64, i: u64, dur_ns: u64) -> u64 {
+pub(crate) fn ended_by(start: u64, end: u64, count: u64, i: u64, dur_ns: u64) -> u64 {
     let span = end.saturating_sub(start) as u128;
     let c = count.max(1) as u128;
     let end_i = start + ((i as u128 + 1) * span / c) as u64;
@@ -292,7 +292,7 @@ pub fn part(total: u64, count: u64, i: u64) -> u64 {
 /// would have written it: tables first, then the events in time order, each interval closed
 /// at the first event past its end (`enginescope aggregate`; the tests compare views of the
 /// two). Returns the bytes written.
-pub fn write_aggregated(
+pub(crate) fn write_aggregated(
     rec: &super::Recording,
     out: &std::path::Path,
     opts: AggregateOptions,

@@ -67,7 +67,7 @@ fn civil_from_days(z: i64) -> (i64, u32, u32) {
 }
 
 /// `YYYYMMDDTHHMMSSZ` for seconds since the Unix epoch.
-pub fn utc_stamp(unix_s: f64) -> String {
+pub(crate) fn utc_stamp(unix_s: f64) -> String {
     let s = if unix_s.is_finite() && unix_s > 0.0 {
         unix_s as i64
     } else {
@@ -84,7 +84,7 @@ pub fn utc_stamp(unix_s: f64) -> String {
 }
 
 /// The file name of a segment started at `unix_s` with sequence number `seq`.
-pub fn segment_name(unix_s: f64, seq: u64) -> String {
+pub(crate) fn segment_name(unix_s: f64, seq: u64) -> String {
     format!(
         "{PREFIX}{}-{:06}{SUFFIX}",
         utc_stamp(unix_s),
@@ -93,7 +93,7 @@ pub fn segment_name(unix_s: f64, seq: u64) -> String {
 }
 
 /// Whether `name` is a segment's file name.
-pub fn is_segment_name(name: &str) -> bool {
+pub(crate) fn is_segment_name(name: &str) -> bool {
     name.strip_prefix(PREFIX)
         .and_then(|r| r.strip_suffix(SUFFIX))
         .is_some_and(|mid| {
@@ -141,7 +141,11 @@ pub fn list_segments(dir: &Path) -> std::io::Result<Vec<Segment>> {
 /// A path for a new segment in `dir`, after every segment already there: the sequence number
 /// goes on from the newest one's (so a restarted agent's segments sort after its earlier
 /// ones even within the same second).
-pub fn next_segment_path(dir: &Path, unix_s: f64, seq: &mut u64) -> std::io::Result<PathBuf> {
+pub(crate) fn next_segment_path(
+    dir: &Path,
+    unix_s: f64,
+    seq: &mut u64,
+) -> std::io::Result<PathBuf> {
     let existing = list_segments(dir)?;
     if let Some(last) = existing.last() {
         let last_seq = last
@@ -182,7 +186,7 @@ pub fn next_segment_path(dir: &Path, unix_s: f64, seq: &mut u64) -> std::io::Res
 
 /// Remove the oldest segments of `dir` (never `current`) while their total size is over
 /// `max_total_bytes` or their number over `max_segments`. Returns the removed paths.
-pub fn prune(
+pub(crate) fn prune(
     dir: &Path,
     current: &Path,
     max_total_bytes: u64,

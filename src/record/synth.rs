@@ -10,7 +10,7 @@ pub const MS: u64 = 1_000_000;
 pub const S: u64 = 1_000_000_000;
 
 /// Builds a recording event by event.
-pub struct Rec(pub Recording);
+pub(crate) struct Rec(pub Recording);
 
 impl Default for Rec {
     fn default() -> Self {
@@ -57,7 +57,7 @@ impl Rec {
     }
 
     /// A stack of (function, file) frames, innermost first; returns its id.
-    pub fn stack_in(&mut self, frames: &[(&str, &str)]) -> u32 {
+    pub(crate) fn stack_in(&mut self, frames: &[(&str, &str)]) -> u32 {
         let mut ids = Vec::new();
         for (f, file) in frames {
             let frame = Frame {
@@ -105,7 +105,7 @@ impl Rec {
     }
 
     /// An off-CPU interval at `stack`, blocked or preempted.
-    pub fn offcpu_at(
+    pub(crate) fn offcpu_at(
         &mut self,
         (pid, tid): (i32, i32),
         start: u64,
@@ -156,7 +156,7 @@ impl Rec {
     }
 
     /// The last GIL wait added, waiting at `stack`.
-    pub fn waiting_at(&mut self, stack: u32) {
+    pub(crate) fn waiting_at(&mut self, stack: u32) {
         if let Some(g) = self.0.gil_waits.last_mut() {
             g.waiter_stack = stack;
         }

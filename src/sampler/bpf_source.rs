@@ -22,7 +22,7 @@ use crate::sys::monotonic_ns;
 
 /// What the BPF programs trace besides samples.
 #[derive(Debug, Clone, Copy)]
-pub struct BpfTracing {
+pub(crate) struct BpfTracing {
     pub offcpu: bool,
     pub gil: bool,
     pub gc: bool,
@@ -33,7 +33,7 @@ pub struct BpfTracing {
     pub native: crate::native::NativeOptions,
 }
 
-pub struct BpfSource {
+pub(crate) struct BpfSource {
     b: BpfSampler,
     probes: Probes,
     tracing: BpfTracing,

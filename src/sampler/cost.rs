@@ -25,12 +25,12 @@ use crate::bpf::abi::{OFF_GC, OFF_PROBE, OFF_SAMPLE, OFF_SWITCH};
 use crate::sys::next_random;
 
 /// The asyncio task readers (user space only: not a BPF bit).
-pub const OFF_TASKS: u32 = 1 << 16;
+pub(crate) const OFF_TASKS: u32 = 1 << 16;
 /// Every part.
-pub const OFF_ALL: u32 = OFF_SAMPLE | OFF_SWITCH | OFF_GC | OFF_PROBE | OFF_TASKS;
+pub(crate) const OFF_ALL: u32 = OFF_SAMPLE | OFF_SWITCH | OFF_GC | OFF_PROBE | OFF_TASKS;
 
 /// The parts: the name `--cost-part` takes, the name the table prints, the mask bit.
-pub const PARTS: &[(&str, &str, u32)] = &[
+pub(crate) const PARTS: &[(&str, &str, u32)] = &[
     ("sampling", "sampling", OFF_SAMPLE),
     ("offcpu", "off-CPU and GIL", OFF_SWITCH),
     ("gc", "GC", OFF_GC),
@@ -40,7 +40,7 @@ pub const PARTS: &[(&str, &str, u32)] = &[
 
 /// `record` flags of the instrument.
 #[derive(Debug, Clone, clap::Args)]
-pub struct CostArgs {
+pub(crate) struct CostArgs {
     /// Measure what this recording costs the engine instead of recording for a duration:
     /// switch its parts off and on in slices (pairs in random order) and read the engine's
     /// own progress counter at each edge; prints the throughput ratio with a 95% interval.
@@ -118,7 +118,7 @@ fn part_name(s: &str) -> Result<String, String> {
 }
 
 /// The comparisons named by `--cost-part`, in the order given (a name given twice once).
-pub fn named_comparisons(names: &[String]) -> Vec<Comparison> {
+pub(crate) fn named_comparisons(names: &[String]) -> Vec<Comparison> {
     let all = comparisons(true);
     let mut out: Vec<Comparison> = Vec::new();
     for name in names {
@@ -248,7 +248,7 @@ pub struct CostRow {
 
 /// Student's t 0.975 quantile for `df` degrees of freedom (a table to 30, then the normal
 /// approximation with its first correction terms; within 0.1% of the exact value).
-pub fn t975(df: usize) -> f64 {
+pub(crate) fn t975(df: usize) -> f64 {
     const T: [f64; 30] = [
         12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
@@ -542,7 +542,7 @@ impl CostRun {
 }
 
 /// The sum of `name`'s samples in a Prometheus text exposition (None when it has none).
-pub fn counter_value(text: &str, name: &str) -> Option<f64> {
+pub(crate) fn counter_value(text: &str, name: &str) -> Option<f64> {
     let mut sum = None;
     for line in text.lines() {
         let Some(rest) = line.strip_prefix(name) else {

@@ -103,7 +103,7 @@ impl EngineSession {
 
     /// The role discovery gave `pid` ("" when none).
     /// (engine id, metrics URL) of each engine that has one.
-    pub fn metrics_urls(&self) -> Vec<(String, String)> {
+    pub(crate) fn metrics_urls(&self) -> Vec<(String, String)> {
         self.discovery
             .engines
             .iter()
@@ -117,7 +117,7 @@ impl EngineSession {
     }
 
     /// Write whatever the metrics scraper has sent since the last call.
-    pub fn poll_metrics(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
+    pub(crate) fn poll_metrics(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
         while let Ok(ev) = self.rx.try_recv() {
             self.write(ev, pipe)?;
         }
@@ -153,7 +153,7 @@ impl EngineSession {
 
     /// Every [`REDISCOVER_EVERY`]: discover again; write changed engines and roles, point the
     /// scraper at the engines now present, and return the processes that appeared (pid, role).
-    pub fn rediscover_due(
+    pub(crate) fn rediscover_due(
         &mut self,
         pipe: &mut Pipeline,
         opts: &RecordOptions,

@@ -37,7 +37,7 @@ fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
 }
 
 /// The GC side of the BPF source.
-pub struct GcTracing {
+pub(crate) struct GcTracing {
     /// GC uprobes per interpreter binary (its device and inode), shared by the targets that
     /// run it: set when the first of them is attached, removed when the last exits.
     uprobes: std::collections::HashMap<(u64, u64), SharedGcUprobes>,
@@ -66,7 +66,7 @@ impl GcTracing {
     /// interpreter has its symbol (no debug register, ~0.5 us per hit), else a write
     /// watchpoint on `gcstate->collecting` in every thread (one debug register per thread,
     /// ~14 us per hit). `ENGINESCOPE_GC_METHOD=watchpoint` skips the uprobe (measurements).
-    pub fn configure(
+    pub(crate) fn configure(
         &mut self,
         b: &mut BpfSampler,
         probes: &mut Probes,
@@ -194,7 +194,7 @@ impl GcTracing {
 
     /// Whether a method chosen since the last flush times pauses with a watchpoint (whose
     /// pauses hold about one trap, which the pipeline subtracts once it is timed).
-    pub fn needs_trap_cost(&self) -> bool {
+    pub(crate) fn needs_trap_cost(&self) -> bool {
         self.pending.iter().any(|g| g.method == "watchpoint")
     }
 
@@ -216,7 +216,7 @@ impl GcTracing {
     }
 
     /// A target exited: the uprobes no other target uses are removed.
-    pub fn process_gone(&mut self, b: &mut BpfSampler, pid: i32) {
+    pub(crate) fn process_gone(&mut self, b: &mut BpfSampler, pid: i32) {
         let mut unused = Vec::new();
         self.uprobes.retain(|_, sh| {
             sh.users.remove(&pid);

@@ -16,7 +16,7 @@ use crate::record::flags;
 use crate::sys::monotonic_ns;
 
 /// Highest rate the memory backend attempts; each tick reads every thread's stack.
-pub const MAX_RATE_HZ: u32 = 250;
+pub(crate) const MAX_RATE_HZ: u32 = 250;
 
 pub struct MemorySource {
     period: Duration,
@@ -42,7 +42,7 @@ impl MemorySource {
     }
 
     /// The tick at `rate_hz` (at most [`MAX_RATE_HZ`]).
-    pub fn period_ns(rate_hz: u32) -> u64 {
+    pub(crate) fn period_ns(rate_hz: u32) -> u64 {
         crate::record::Period::of_hz(rate_hz.min(MAX_RATE_HZ)).ns()
     }
 

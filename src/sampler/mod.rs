@@ -46,7 +46,7 @@ use target::{Target, Targets};
 /// real vLLM the throughput the probes cost was up to twice what the calibrated traps
 /// account for (cache lines and the hypervisor's exits a bare loop does not see):
 /// docs/benchmarks.md.
-pub const DEFAULT_PROBE_BUDGET: f64 = 0.0025;
+pub(crate) const DEFAULT_PROBE_BUDGET: f64 = 0.0025;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
@@ -155,7 +155,7 @@ pub fn record(opts: &RecordOptions) -> anyhow::Result<RecordSummary> {
 
 /// [`record`], into a directory of rotating segments when `rotation` is given (`opts.output`
 /// is then not used): the always-on agent records this way.
-pub fn record_rotating(
+pub(crate) fn record_rotating(
     opts: &RecordOptions,
     rotation: Option<RotationPolicy>,
 ) -> anyhow::Result<RecordSummary> {

@@ -66,7 +66,7 @@ impl LiveCounters {
 
 /// Fail early, before attaching to anything, when `path` cannot be created: its directory is
 /// missing or not writable.
-pub fn check_writable(path: &Path) -> anyhow::Result<()> {
+pub(crate) fn check_writable(path: &Path) -> anyhow::Result<()> {
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
@@ -135,7 +135,7 @@ impl Rotator {
     /// Work a rotating recording does between event batches (every 200 ms): end the segment
     /// when it is full or old enough (or rotation is asked for), else write the counters when
     /// they changed and a while has passed. `counters` gives the recording's counters now.
-    pub fn periodic(
+    pub(crate) fn periodic(
         &mut self,
         pipe: &mut Pipeline,
         counters: &dyn Fn(&Pipeline, &Rotator) -> BTreeMap<String, u64>,

@@ -118,7 +118,7 @@ impl<W: Sink> Pipeline<W> {
 
     /// Start the window at `start_ns` (absolute): from now on events at or after it are
     /// written, relative to it; intervals open since before it count from it.
-    pub fn begin_window(&mut self, start_ns: u64) {
+    pub(crate) fn begin_window(&mut self, start_ns: u64) {
         self.start_ns = start_ns;
         self.window_ns = start_ns;
         self.pre_window = false;
@@ -145,7 +145,7 @@ impl<W: Sink> Pipeline<W> {
 
     /// The thread's latest known stack: what a switch-out recorded without a stack walk (a
     /// yield in a busy-wait loop) is attributed to. 0 (empty) when none is known yet.
-    pub fn last_stack(&self, pid: i32, tid: i32) -> u32 {
+    pub(crate) fn last_stack(&self, pid: i32, tid: i32) -> u32 {
         self.timelines.get(&(pid, tid)).map_or(0, |t| {
             if t.last_stack != 0 {
                 t.last_stack
@@ -156,7 +156,7 @@ impl<W: Sink> Pipeline<W> {
     }
 
     /// A sample standing for `weight_ns` of CPU time (the memory backend's measured CPU time).
-    pub fn sample_weighted(
+    pub(crate) fn sample_weighted(
         &mut self,
         pid: i32,
         tid: i32,
@@ -181,7 +181,7 @@ impl<W: Sink> Pipeline<W> {
     }
 
     /// An off-CPU interval known as a whole (the memory backend's share of a tick off CPU).
-    pub fn offcpu_interval(
+    pub(crate) fn offcpu_interval(
         &mut self,
         pid: i32,
         tid: i32,
@@ -203,7 +203,7 @@ impl<W: Sink> Pipeline<W> {
         })
     }
 
-    pub fn switch_out(
+    pub(crate) fn switch_out(
         &mut self,
         pid: i32,
         tid: i32,
@@ -270,7 +270,7 @@ impl<W: Sink> Pipeline<W> {
         })
     }
 
-    pub fn switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
+    pub(crate) fn switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
         let t = self.rel(t_ns);
         let tl = self.timelines.entry((pid, tid)).or_default();
         let first = !tl.seen_event;
@@ -296,14 +296,14 @@ impl<W: Sink> Pipeline<W> {
 
     /// Remember a thread's stack at start: if its first event is a switch-in, it was off CPU
     /// (there) from the start; if it never has an event, for the whole recording.
-    pub fn initial_stack(&mut self, pid: i32, tid: i32, stack: u32) {
+    pub(crate) fn initial_stack(&mut self, pid: i32, tid: i32, stack: u32) {
         let tl = self.timelines.entry((pid, tid)).or_default();
         if !tl.seen_event {
             tl.initial_stack = Some(stack);
         }
     }
 
-    pub fn gil_wait_start(
+    pub(crate) fn gil_wait_start(
         &mut self,
         pid: i32,
         tid: i32,
@@ -349,7 +349,7 @@ impl<W: Sink> Pipeline<W> {
     }
 
     /// Returns false when no wait was open (the recorder attached during it).
-    pub fn gil_wait_end(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<bool> {
+    pub(crate) fn gil_wait_end(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<bool> {
         let end = self.rel(t_ns);
         let Some(w) = self.gil_waits.remove(&(pid, tid)) else {
             return Ok(false);
@@ -382,7 +382,7 @@ impl<W: Sink> Pipeline<W> {
     }
 
     /// A write to a target's `gcstate->collecting`: 1 starts a pause, 0 ends it.
-    pub fn gc_edge(
+    pub(crate) fn gc_edge(
         &mut self,
         pid: i32,
         tid: i32,
@@ -489,7 +489,7 @@ impl<W: Sink> Pipeline<W> {
     /// Before a segment ends at `end_ns`: forget threads and processes that exited (a dead
     /// thread's last switch-out is its exit, not a wait), then write the part so far of every
     /// interval still open (off CPU, GIL waits); they stay open.
-    pub fn split_open(
+    pub(crate) fn split_open(
         &mut self,
         end_ns: u64,
         thread_alive: &dyn Fn(i32, i32) -> bool,
@@ -519,7 +519,7 @@ impl<W: Sink> Pipeline<W> {
     /// which adds events up per aggregation interval as they are written: without the split,
     /// a wait open across intervals counts whole in the one where it ends (a thread blocked
     /// through a 6 s window read 5.2 s off CPU in it).
-    pub fn split_open_at(&mut self, end_ns: u64) -> anyhow::Result<()> {
+    pub(crate) fn split_open_at(&mut self, end_ns: u64) -> anyhow::Result<()> {
         let end = self.rel(end_ns);
         self.write_open_offcpu(end, false)?;
         for tl in self.timelines.values_mut() {
@@ -544,7 +544,7 @@ impl<W: Sink> Pipeline<W> {
 
     /// After a segment started at `start_ns`: intervals still open go on from its start, at
     /// their stacks as `carry` maps them into the new segment.
-    pub fn continue_open(
+    pub(crate) fn continue_open(
         &mut self,
         start_ns: u64,
         carry: &mut dyn FnMut(&mut W, u32) -> anyhow::Result<u32>,
@@ -572,7 +572,7 @@ impl<W: Sink> Pipeline<W> {
 
 impl Pipeline<RecordingWriter> {
     /// [`Self::continue_open`] with a rotation's stack carry.
-    pub fn carry_open(&mut self, start_ns: u64, carry: &StackCarry) -> anyhow::Result<()> {
+    pub(crate) fn carry_open(&mut self, start_ns: u64, carry: &StackCarry) -> anyhow::Result<()> {
         self.continue_open(start_ns, &mut |w, s| carry.carry(w, s))
     }
 }

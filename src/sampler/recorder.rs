@@ -131,7 +131,7 @@ impl<'a> Recorder<'a> {
     /// on the threads that run them. Ends once no probe or thread has been added for
     /// [`WARM_QUIET`] (after at least [`WARM_MIN`]), at [`WARM_MAX`] at the most, or when
     /// stopped. Without probes there is nothing to wait for.
-    pub fn warm_up(&mut self) -> anyhow::Result<()> {
+    pub(crate) fn warm_up(&mut self) -> anyhow::Result<()> {
         if self.opts.probes.is_empty() || self.source.name() != "bpf" {
             return Ok(());
         }
@@ -172,7 +172,7 @@ impl<'a> Recorder<'a> {
 
     /// The window begins at `start_ns` (absolute): from here on what happens is written, the
     /// task readers and the metrics scraper start, and `--duration` counts.
-    pub fn begin_window(&mut self, start_ns: u64) -> anyhow::Result<()> {
+    pub(crate) fn begin_window(&mut self, start_ns: u64) -> anyhow::Result<()> {
         self.pipe.begin_window(start_ns);
         let ago = Duration::from_nanos(monotonic_ns().saturating_sub(start_ns));
         let now = Instant::now();

@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 
 /// Samples' clock time over which a thread's runtime share is summed (time constant).
-pub const HORIZON_NS: f64 = 1e9;
+pub(crate) const HORIZON_NS: f64 = 1e9;
 
 /// Threads remembered at most (forgotten all at once beyond it: they start over).
 const MAX_THREADS: usize = 65_536;
@@ -54,7 +54,7 @@ impl Share {
 }
 
 #[derive(Debug)]
-pub struct RuntimeWeights {
+pub(crate) struct RuntimeWeights {
     period_ns: u64,
     threads: HashMap<i32, Share>,
     /// Clock time of samples left out as not the thread's CPU time (counter

@@ -59,7 +59,7 @@ const UNNAMED_RETRIES: u32 = 5;
 
 /// Python thread names are read again at least this often (renames), and whenever a thread
 /// comes or goes.
-pub const PYTHON_NAMES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+pub(crate) const PYTHON_NAMES_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Target {
     pub fn new(proc: PythonProcess) -> Self {
@@ -89,7 +89,10 @@ impl Target {
 
     /// Python names by thread state of these thread states (sorted), read again when the set
     /// changed or [`PYTHON_NAMES_EVERY`] has passed, else as last read.
-    pub fn python_names_by_tstate(&mut self, tstates: &[u64]) -> Option<HashMap<u64, String>> {
+    pub(crate) fn python_names_by_tstate(
+        &mut self,
+        tstates: &[u64],
+    ) -> Option<HashMap<u64, String>> {
         let fresh = self
             .names_read
             .as_ref()
@@ -113,7 +116,7 @@ impl Target {
     }
 
     /// The per-process configuration the BPF programs need. `flags` are `abi::TARGET_*`.
-    pub fn bpf_config(&self, flags: u32) -> anyhow::Result<EsTarget> {
+    pub(crate) fn bpf_config(&self, flags: u32) -> anyhow::Result<EsTarget> {
         let p = &self.proc;
         let o = &p.offsets;
         let interp = p.main_interpreter()?;
@@ -185,7 +188,7 @@ impl Target {
     }
 
     /// Re-read the thread list. Returns (new or renamed threads, threads gone).
-    pub fn refresh_threads(&mut self) -> (Vec<(i32, u64, String)>, Vec<i32>) {
+    pub(crate) fn refresh_threads(&mut self) -> (Vec<(i32, u64, String)>, Vec<i32>) {
         let Ok(tasks) = self.task_cache.tasks(self.pid) else {
             let gone: Vec<i32> = self.threads.keys().copied().collect();
             self.threads.clear();
@@ -352,7 +355,7 @@ impl Target {
     }
 
     /// The thread whose `PyThreadState` is at `tstate`.
-    pub fn tid_of_tstate(&self, tstate: u64) -> Option<i32> {
+    pub(crate) fn tid_of_tstate(&self, tstate: u64) -> Option<i32> {
         if tstate == 0 {
             return None;
         }
@@ -416,7 +419,7 @@ impl Targets {
         &mut self.list[last]
     }
 
-    pub fn get_mut(&mut self, pid: i32) -> Option<&mut Target> {
+    pub(crate) fn get_mut(&mut self, pid: i32) -> Option<&mut Target> {
         let &i = self.index.get(&pid)?;
         self.list.get_mut(i)
     }

@@ -25,7 +25,7 @@ use crate::sys::monotonic_ns;
 
 /// How often each target's running tasks are read: a few reads per thread, and a stack walk
 /// of the threads that run one.
-pub const TASKS_EVERY: Duration = Duration::from_millis(20);
+pub(crate) const TASKS_EVERY: Duration = Duration::from_millis(20);
 /// A target none of whose threads ran an asyncio task for this long (an engine core, a
 /// worker: no event loop; an idle server) is read every [`IDLE_EVERY`] until one runs again:
 /// at 20 ms, three vLLM processes took ~3,700 reads of their memory a second.
@@ -55,7 +55,7 @@ struct Reader {
 
 /// One task reader per target.
 #[derive(Default)]
-pub struct TaskReaders {
+pub(crate) struct TaskReaders {
     readers: HashMap<i32, Reader>,
     /// Counters of readers stopped (errors, reads, ns).
     stopped: [u64; 3],

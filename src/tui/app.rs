@@ -15,7 +15,7 @@ pub enum View {
     Latency,
 }
 
-pub const TABS: [View; 3] = [View::Threads, View::Metrics, View::Latency];
+pub(crate) const TABS: [View; 3] = [View::Threads, View::Metrics, View::Latency];
 
 impl View {
     pub fn title(self) -> &'static str {
@@ -43,7 +43,7 @@ pub enum FleetSort {
 }
 
 impl FleetSort {
-    pub const ALL: [FleetSort; 8] = [
+    pub(crate) const ALL: [FleetSort; 8] = [
         FleetSort::GenTokens,
         FleetSort::KvCache,
         FleetSort::Running,
@@ -104,7 +104,7 @@ pub enum SortKey {
 }
 
 impl SortKey {
-    pub const ALL: [SortKey; 6] = [
+    pub(crate) const ALL: [SortKey; 6] = [
         SortKey::Cpu,
         SortKey::GilHeld,
         SortKey::GilWait,
@@ -167,7 +167,7 @@ impl NameFilter {
 
 /// A thread that did (almost) nothing in the window: under 0.1% of it on CPU, waiting for the
 /// GIL and collecting garbage. A vLLM worker has dozens of such threads (gloo, ZMQ, pools).
-pub fn is_idle(s: &Stats) -> bool {
+pub(crate) fn is_idle(s: &Stats) -> bool {
     s.cpu < 0.001 && s.gil_wait < 0.001 && s.gc < 0.001
 }
 
@@ -175,7 +175,7 @@ pub fn is_idle(s: &Stats) -> bool {
 /// waiting for the GIL and collecting garbage (a vLLM worker's 15 `gloo_tcp_loop` threads at
 /// 0.0-0.3% each, and 29 with nothing in the window, filled a 50-line screen before its
 /// EngineCore and API server came).
-pub fn is_quiet(s: &Stats) -> bool {
+pub(crate) fn is_quiet(s: &Stats) -> bool {
     s.cpu < 0.005 && s.gil_wait < 0.005 && s.gc < 0.005
 }
 
@@ -186,7 +186,7 @@ pub fn is_quiet(s: &Stats) -> bool {
 /// function. None when it has none of them. `compact` (a narrow terminal): the loop's and
 /// the probe's figures shortened, and the top function only where neither is known (the
 /// busiest thread's row under it shows it anyway).
-pub fn process_headline(
+pub(crate) fn process_headline(
     p: &ProcessRow,
     snap: &crate::tui::model::Snapshot,
     compact: bool,
@@ -258,7 +258,11 @@ pub fn process_headline(
 /// An event loop's stalls over a window of `wall_ns`: `loop stalled 4.2% (3 over 100 ms,
 /// longest 240 ms)`, or `loop: no stall over 100 ms`; `compact`: `loop stalled 4.2%`,
 /// `loop: no stall`.
-pub fn loop_headline(l: &crate::tui::model::LoopStalls, wall_ns: u64, compact: bool) -> String {
+pub(crate) fn loop_headline(
+    l: &crate::tui::model::LoopStalls,
+    wall_ns: u64,
+    compact: bool,
+) -> String {
     let ms = |ns: u64| ns as f64 / 1e6;
     let share = l.stalled_ns as f64 * 100.0 / wall_ns.max(1) as f64;
     match (l.stalls, compact) {
@@ -324,7 +328,7 @@ pub fn fold(threads: Vec<&ThreadRow>) -> (Vec<&ThreadRow>, Option<Folded>) {
 }
 
 /// [`fold`], showing at most `most` threads (at least one): the busy ones past it fold too.
-pub fn fold_to(threads: Vec<&ThreadRow>, most: usize) -> (Vec<&ThreadRow>, Option<Folded>) {
+pub(crate) fn fold_to(threads: Vec<&ThreadRow>, most: usize) -> (Vec<&ThreadRow>, Option<Folded>) {
     let mut shown = Vec::new();
     let mut quiet: Vec<&ThreadRow> = Vec::new();
     let mut busy = 0;
@@ -452,7 +456,7 @@ impl Ui {
 
     /// The fleet table's rows: engines by the fleet sort column, largest first unless
     /// reversed (names A→Z), engines without the figure last either way; ties by name.
-    pub fn fleet_rows<'a>(&self, snap: &'a Snapshot) -> Vec<&'a EngineMetrics> {
+    pub(crate) fn fleet_rows<'a>(&self, snap: &'a Snapshot) -> Vec<&'a EngineMetrics> {
         let mut v: Vec<&EngineMetrics> = snap.engines.iter().collect();
         let dir = |o: std::cmp::Ordering| if self.ascending { o } else { o.reverse() };
         v.sort_by(|a, b| {
@@ -555,7 +559,7 @@ impl Ui {
 
     /// Index in `rows` of the selected thread; the first thread when none is selected or the
     /// selected one is not shown.
-    pub fn selected_index(&self, rows: &[Row]) -> Option<usize> {
+    pub(crate) fn selected_index(&self, rows: &[Row]) -> Option<usize> {
         let is_thread = |r: &Row| matches!(r, Row::Thread(..));
         self.selected
             .and_then(|k| {
@@ -589,7 +593,10 @@ impl Ui {
     }
 
     /// The thread whose detail is shown: the selected one, or the first shown.
-    pub fn detail_thread<'a>(&self, snap: &'a Snapshot) -> Option<(&'a ProcessRow, &'a ThreadRow)> {
+    pub(crate) fn detail_thread<'a>(
+        &self,
+        snap: &'a Snapshot,
+    ) -> Option<(&'a ProcessRow, &'a ThreadRow)> {
         let rows = self.rows(snap);
         let i = self.selected_index(&rows)?;
         match rows.get(i) {
@@ -599,7 +606,7 @@ impl Ui {
     }
 
     /// Apply a key; returns what the loop must do.
-    pub fn on_key(&mut self, snap: &Snapshot, key: KeyEvent) -> Command {
+    pub(crate) fn on_key(&mut self, snap: &Snapshot, key: KeyEvent) -> Command {
         if key.kind == KeyEventKind::Release {
             return Command::None;
         }
@@ -716,7 +723,7 @@ pub(crate) mod tests {
     use crate::tui::model::{snapshot, Topology};
     use crate::tui::window::Window;
 
-    pub fn three_threads() -> Snapshot {
+    pub(crate) fn three_threads() -> Snapshot {
         let mut b = Rec::new()
             .process(10, "/usr/bin/python3.12 serve.py", "")
             .thread(10, 11, "worker-a")

@@ -37,23 +37,23 @@ use crate::sampler::{RecordOptions, RecordSummary};
 pub use model::Topology;
 
 /// How often new events are taken in (and the screen redrawn when nothing else happens).
-pub const TICK: Duration = Duration::from_millis(250);
+pub(crate) const TICK: Duration = Duration::from_millis(250);
 /// How often plain-text mode prints.
-pub const PLAIN_EVERY: Duration = Duration::from_secs(2);
+pub(crate) const PLAIN_EVERY: Duration = Duration::from_secs(2);
 /// Live mode shows the window up to this long ago: what the recorder has surely written by
 /// then (it drains every 20 ms and flushes every 200 ms; the file is read every 250 ms).
-pub const LIVE_LAG_NS: u64 = 500_000_000;
+pub(crate) const LIVE_LAG_NS: u64 = 500_000_000;
 /// Buckets per window: the window's edge moves in steps of window/40.
-pub const BUCKETS: u64 = 40;
+pub(crate) const BUCKETS: u64 = 40;
 /// Events and metric points are kept for at least this long (metric sparklines, flamegraphs
 /// of the window); older ones are dropped from memory.
-pub const KEEP_NS: u64 = 60_000_000_000;
+pub(crate) const KEEP_NS: u64 = 60_000_000_000;
 
 /// `top` (and `demo` on a terminal): the dashboard over a recorder with any options,
 /// e.g. `vllm: true`, which finds the engines and writes their roles, engines and metrics
 /// into the recording the dashboard follows. `ropts.output` is replaced when it exists and
 /// removed at the end when `temporary`.
-pub fn run_record(
+pub(crate) fn run_record(
     mut ropts: RecordOptions,
     temporary: bool,
     window: Duration,
@@ -114,7 +114,7 @@ fn run_with(
 }
 
 /// `top --replay FILE`: the same dashboard over a finished recording, paced by event time.
-pub fn run_replay(path: &Path, window: Duration) -> anyhow::Result<()> {
+pub(crate) fn run_replay(path: &Path, window: Duration) -> anyhow::Result<()> {
     let stop = crate::sys::StopToken::new();
     terminal::catch_stop_signals(stop.clone())?;
     let rec = crate::record::read_recording(path)?;

@@ -54,7 +54,7 @@ pub fn dur(ns: u64) -> String {
 
 /// A sparkline as text, the last `width` values, scaled to `max` (to the largest value when
 /// `max` is None).
-pub fn spark(values: &[f64], max: Option<f64>, width: usize) -> String {
+pub(crate) fn spark(values: &[f64], max: Option<f64>, width: usize) -> String {
     const BARS: [char; 8] = ['▁', '▂', '▃', '▄', '▅', '▆', '▇', '█'];
     let v = &values[values.len().saturating_sub(width)..];
     let top = max
@@ -287,7 +287,7 @@ fn stat_cells(s: &Stats, process: bool, narrow: bool) -> Vec<Cell<'static>> {
 /// Below this many columns the Threads view leaves out its off-CPU and CPU-history columns
 /// and narrows the name, so that what each process is doing (its headline, each thread's
 /// top function) still shows at 80 columns.
-pub const NARROW_BELOW: u16 = 120;
+pub(crate) const NARROW_BELOW: u16 = 120;
 
 /// Header of a sortable column, with the sort arrow on the one sorted by.
 fn sort_header(ui: &Ui, key: SortKey, label: &str) -> String {
@@ -749,7 +749,7 @@ fn tpot_mean_cell(e: &EngineMetrics) -> String {
 }
 
 /// From this many engines the Metrics view is one table row per engine (the fleet view).
-pub const FLEET_TABLE_FROM: usize = 3;
+pub(crate) const FLEET_TABLE_FROM: usize = 3;
 
 /// One row per engine: throughput with its trend, KV usage, running, waiting, scrape
 /// coverage; sorted by the fleet sort column (`s`/`S`, `r` reverses).

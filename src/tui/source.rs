@@ -13,7 +13,7 @@ use crate::record::Recording;
 
 /// Most bytes taken in per poll: a bound on one update's work when the dashboard starts on a
 /// large file or falls behind (the rest comes at the next poll).
-pub const MAX_READ_PER_POLL: usize = 8 << 20;
+pub(crate) const MAX_READ_PER_POLL: usize = 8 << 20;
 
 /// Follows a recording file while its writer appends to it.
 pub struct Follow {
@@ -57,7 +57,7 @@ impl Follow {
         &self.reader.recording
     }
 
-    pub fn recording_mut(&mut self) -> &mut Recording {
+    pub(crate) fn recording_mut(&mut self) -> &mut Recording {
         &mut self.reader.recording
     }
 }
@@ -149,11 +149,11 @@ impl Replay {
         r
     }
 
-    pub fn clock_ns(&self) -> u64 {
+    pub(crate) fn clock_ns(&self) -> u64 {
         self.clock_ns
     }
 
-    pub fn at_end(&self) -> bool {
+    pub(crate) fn at_end(&self) -> bool {
         self.clock_ns >= self.len_ns
     }
 
@@ -196,7 +196,7 @@ impl Replay {
     /// Move the clock to `t_ns` (clamped to the recording's length) and stage every event
     /// known by then. Going back rebuilds the staged recording from `t_ns - keep_ns` and
     /// returns true: the window must start over.
-    pub fn seek(&mut self, t_ns: u64, keep_ns: u64) -> bool {
+    pub(crate) fn seek(&mut self, t_ns: u64, keep_ns: u64) -> bool {
         let t = t_ns.min(self.len_ns);
         let reset = t < self.clock_ns;
         if reset {

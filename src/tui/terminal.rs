@@ -20,7 +20,7 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 /// handler can do little. Blocked signals stay pending until `sigwait` takes them, whatever
 /// handler is installed. Must be called before any thread is started: threads inherit the
 /// mask of the thread that starts them.
-pub fn catch_stop_signals(stop: crate::sys::StopToken) -> anyhow::Result<()> {
+pub(crate) fn catch_stop_signals(stop: crate::sys::StopToken) -> anyhow::Result<()> {
     // SAFETY: sigset_t is plain data that sigemptyset initializes; the calls get valid
     // pointers.
     let set = unsafe {
@@ -48,7 +48,7 @@ pub fn catch_stop_signals(stop: crate::sys::StopToken) -> anyhow::Result<()> {
 }
 
 /// The stop signal received, if any.
-pub fn signalled() -> Option<i32> {
+pub(crate) fn signalled() -> Option<i32> {
     match SIGNAL.load(Ordering::SeqCst) {
         0 => None,
         s => Some(s),
@@ -57,7 +57,7 @@ pub fn signalled() -> Option<i32> {
 
 /// What came on the terminal while [`wait_input`] waited.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Input {
+pub(crate) enum Input {
     /// Bytes to read: crossterm's `event::poll(0)` parses them.
     Ready,
     Idle,
@@ -75,7 +75,7 @@ pub enum Input {
 /// `poll(2)` tells a hang-up apart (POLLHUP), so crossterm is asked only when there is
 /// something to read. (A hang-up in the microseconds between this wait and crossterm's read
 /// is still crossterm's to handle.)
-pub fn wait_input(timeout: std::time::Duration) -> Option<Input> {
+pub(crate) fn wait_input(timeout: std::time::Duration) -> Option<Input> {
     // SAFETY: isatty and poll on fd 0 with a valid pollfd.
     unsafe {
         if libc::isatty(libc::STDIN_FILENO) != 1 {
@@ -100,7 +100,7 @@ pub fn wait_input(timeout: std::time::Duration) -> Option<Input> {
 
 /// Leave the alternate screen, show the cursor, leave raw mode. Safe to call more than once
 /// and from a panic hook.
-pub fn restore() {
+pub(crate) fn restore() {
     if ACTIVE.swap(false, Ordering::SeqCst) {
         let _ = terminal::disable_raw_mode();
         let _ = execute!(
@@ -122,7 +122,7 @@ impl Drop for Guard {
 
 /// Raw mode and the alternate screen, with a panic hook that restores the terminal before the
 /// panic message is printed (so it is readable, and the shell is usable after).
-pub fn enter() -> anyhow::Result<(Terminal<CrosstermBackend<Stdout>>, Guard)> {
+pub(crate) fn enter() -> anyhow::Result<(Terminal<CrosstermBackend<Stdout>>, Guard)> {
     let prev = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         restore();

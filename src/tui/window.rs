@@ -76,7 +76,7 @@ impl Pending {
 
 /// Most recent call durations kept per (probe, thread) for percentiles: a bound on memory and
 /// on the work per snapshot when a probed function is called very often.
-pub const MAX_CALLS_KEPT: usize = 100_000;
+pub(crate) const MAX_CALLS_KEPT: usize = 100_000;
 
 /// The sliding window and its running sums.
 #[derive(Debug, Clone)]
@@ -132,7 +132,7 @@ impl Window {
 
     /// Everything forgotten, as for a new recording (replay seeking backwards). The function
     /// table is kept: it depends only on the recording's frame table.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         let fns = std::mem::take(&mut self.fns);
         *self = Window::new(
             self.bucket_ns * self.len_buckets,
@@ -142,7 +142,7 @@ impl Window {
         self.fns = fns;
     }
 
-    pub fn now_ns(&self) -> u64 {
+    pub(crate) fn now_ns(&self) -> u64 {
         self.now_ns
     }
 
@@ -161,7 +161,7 @@ impl Window {
     }
 
     /// Bucket indices and their time in the window, oldest first, for per-bucket histories.
-    pub fn bucket_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    pub(crate) fn bucket_spans(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         self.buckets.iter().map(move |b| {
             let start = (b.index * self.bucket_ns).max(self.start_ns());
             let end = ((b.index + 1) * self.bucket_ns).min(self.now_ns);
@@ -170,7 +170,7 @@ impl Window {
     }
 
     /// A thread's on-CPU time per bucket, oldest first.
-    pub fn thread_cpu_history(&self, key: ThreadKey) -> Vec<u64> {
+    pub(crate) fn thread_cpu_history(&self, key: ThreadKey) -> Vec<u64> {
         self.buckets
             .iter()
             .map(|b| b.sums.threads.get(&key).map_or(0, |t| t.cpu_ns))
@@ -178,7 +178,7 @@ impl Window {
     }
 
     /// The longest GC pause per (pid, generation) that began in the window.
-    pub fn gc_max(&self) -> HashMap<(i32, i8), u64> {
+    pub(crate) fn gc_max(&self) -> HashMap<(i32, i8), u64> {
         let mut m: HashMap<(i32, i8), u64> = HashMap::new();
         for b in &self.buckets {
             for (&k, &v) in &b.gc_max {

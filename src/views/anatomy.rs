@@ -21,7 +21,7 @@ use super::Selection;
 use crate::record::Recording;
 
 /// Fewest EngineCore steps (counted as above) an anatomy is given for.
-pub const MIN_STEPS: u64 = 20;
+pub(crate) const MIN_STEPS: u64 = 20;
 
 /// One side's figures: mean ms per call of each part.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -50,20 +50,20 @@ impl Side {
 
 /// An engine's step: the EngineCore's side and each worker's.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-pub struct StepAnatomy {
+pub(crate) struct StepAnatomy {
     pub engine_core: Side,
     pub workers: Vec<Side>,
 }
 
 /// Parts of the EngineCore's step.
-pub const DISPATCH: &str = "dispatch (enqueue)";
-pub const WAIT_WORKERS: &str = "waiting for the workers (dequeue)";
-pub const SCHEDULING: &str = "scheduling and output";
+pub(crate) const DISPATCH: &str = "dispatch (enqueue)";
+pub(crate) const WAIT_WORKERS: &str = "waiting for the workers (dequeue)";
+pub(crate) const SCHEDULING: &str = "scheduling and output";
 /// Parts of a worker's `execute_model`.
 pub const RUNNING: &str = "running";
-pub const GIL_WAIT: &str = "GIL wait";
+pub(crate) const GIL_WAIT: &str = "GIL wait";
 pub const GC: &str = "GC";
-pub const OFF_CPU: &str = "off CPU";
+pub(crate) const OFF_CPU: &str = "off CPU";
 
 /// One thread's probed calls: (probe, start, end), sorted by start.
 type Calls = Vec<(u32, u64, u64)>;
@@ -98,7 +98,7 @@ pub(crate) fn merged(mut v: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
 /// Every engine's step anatomy in the selection: one per EngineCore thread with at least
 /// [`MIN_STEPS`] steps that count, with the workers of its engine that have
 /// `execute_model` calls.
-pub fn step_anatomies(rec: &Recording, sel: &Selection) -> Vec<StepAnatomy> {
+pub(crate) fn step_anatomies(rec: &Recording, sel: &Selection) -> Vec<StepAnatomy> {
     let end = rec.duration_ns();
     let watched = super::latency::watch_intervals(rec, end);
     let probes_of = |names: &[&str]| -> BTreeSet<u32> {

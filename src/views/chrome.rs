@@ -31,7 +31,7 @@ use crate::record::{flags, GcPause, GilWait, OffCpu, Recording, Sample};
 
 /// Added to a thread's tid to make the tid of its GIL/GC track. Above any Linux tid
 /// (`pid_max` <= 2^22), and the sum stays below 2^31.
-pub const GIL_GC_TRACK_OFFSET: i64 = 1_000_000_000;
+pub(crate) const GIL_GC_TRACK_OFFSET: i64 = 1_000_000_000;
 
 fn us(ns: u64) -> f64 {
     ns as f64 / 1000.0
@@ -173,7 +173,7 @@ impl Slice<'_> {
 /// Name of a GIL wait's event: `GIL wait (held by worker: Store.put)`, `GIL wait (<gil
 /// free>)`, `GIL wait (<releasing>)` when the waiter held it itself, or `GIL switch wait` for
 /// the handshake of a thread dropping the GIL.
-pub fn gil_wait_name(rec: &Recording, g: &GilWait) -> String {
+pub(crate) fn gil_wait_name(rec: &Recording, g: &GilWait) -> String {
     if g.switch_wait {
         return "GIL switch wait".to_string();
     }
@@ -191,7 +191,7 @@ pub fn gil_wait_name(rec: &Recording, g: &GilWait) -> String {
 }
 
 /// `GC gen 2`; `GC gen ?` when the generation is unknown.
-pub fn gc_name(g: &GcPause) -> String {
+pub(crate) fn gc_name(g: &GcPause) -> String {
     if g.generation >= 0 {
         format!("GC gen {}", g.generation)
     } else {

@@ -74,7 +74,7 @@ fn get(c: &BTreeMap<String, u64>, k: &str) -> u64 {
 impl RecordingCost {
     /// From a recording's counters over `span_ns`; None when they hold nothing to cost (a
     /// recording whose recorder wrote no counters).
-    pub fn from_counters(c: &BTreeMap<String, u64>, span_ns: u64) -> Option<RecordingCost> {
+    pub(crate) fn from_counters(c: &BTreeMap<String, u64>, span_ns: u64) -> Option<RecordingCost> {
         if c.is_empty() {
             return None;
         }
@@ -125,7 +125,7 @@ impl RecordingCost {
     }
 
     /// Debug traps on probe watchpoints, s.
-    pub fn probe_trap_s(&self) -> f64 {
+    pub(crate) fn probe_trap_s(&self) -> f64 {
         self.probe_traps as f64 * self.trap_cost_ns as f64 / 1e9
     }
 

@@ -33,7 +33,7 @@ use crate::metrics::{names, Family, MetricIndex};
 use crate::record::{flags, Frame, Recording};
 
 /// Schema of the JSON diff. Additive changes keep `/1`.
-pub const SCHEMA: &str = "enginescope.diff/1";
+pub(crate) const SCHEMA: &str = "enginescope.diff/1";
 
 /// `enginescope diff` arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -302,7 +302,7 @@ fn finding_scores(rec: &Recording) -> BTreeMap<FindingKey, Scored> {
 }
 
 /// Findings of A and B side by side, the largest score first.
-pub fn finding_deltas(a: &Recording, b: &Recording) -> Vec<FindingDelta> {
+pub(crate) fn finding_deltas(a: &Recording, b: &Recording) -> Vec<FindingDelta> {
     let (fa, fb) = (finding_scores(a), finding_scores(b));
     let mut keys: Vec<&FindingKey> = fa.keys().chain(fb.keys()).collect();
     keys.sort();
@@ -383,7 +383,8 @@ pub struct Diff {
     pub findings: Vec<FindingDelta>,
 }
 
-pub const NOISE_METHOD: &str = "each figure is also computed over each recording's first and \
+pub(crate) const NOISE_METHOD: &str =
+    "each figure is also computed over each recording's first and \
 second half; noise_a and noise_b are the half-to-half differences, and a change is beyond \
 noise only when it is larger than both";
 
@@ -437,7 +438,7 @@ impl Halves {
 }
 
 /// The file from `site-packages/` or `dist-packages/` on, else as is.
-pub fn package_path(file: &str) -> &str {
+pub(crate) fn package_path(file: &str) -> &str {
     for marker in ["site-packages/", "dist-packages/"] {
         if let Some(i) = file.rfind(marker) {
             return &file[i + marker.len()..];
@@ -1030,7 +1031,7 @@ pub fn diff_folded(rec: &Recording) -> String {
 }
 
 /// Differential flamegraph SVG of B against A.
-pub fn render_flame(a: &Recording, b: &Recording, title: &str) -> anyhow::Result<Vec<u8>> {
+pub(crate) fn render_flame(a: &Recording, b: &Recording, title: &str) -> anyhow::Result<Vec<u8>> {
     let (fa, fb) = (diff_folded(a), diff_folded(b));
     if fb.is_empty() {
         anyhow::bail!("nothing to draw: the second recording has no on-CPU samples");

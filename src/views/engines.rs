@@ -178,7 +178,7 @@ fn kv_transfer(ix: &MetricIndex, id: &str, t0: u64, t1: u64) -> Option<KvTransfe
 }
 
 /// Below this scrape coverage the report warns.
-pub const LOW_COVERAGE: f64 = 0.95;
+pub(crate) const LOW_COVERAGE: f64 = 0.95;
 
 /// The highest and lowest engine by one figure.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -220,13 +220,13 @@ pub struct EngineImbalance {
 /// Near-zero floors of the imbalance figures: below them a ratio is noise.
 pub mod floors {
     /// Generated tokens per s.
-    pub const GEN_TOK_S: f64 = 1.0;
+    pub(crate) const GEN_TOK_S: f64 = 1.0;
     /// KV usage, a fraction (1%).
-    pub const KV_USAGE: f64 = 0.01;
+    pub(crate) const KV_USAGE: f64 = 0.01;
     /// Requests (mean over scrapes).
-    pub const REQUESTS: f64 = 0.5;
+    pub(crate) const REQUESTS: f64 = 0.5;
     /// TTFT, ms.
-    pub const TTFT_MS: f64 = 1.0;
+    pub(crate) const TTFT_MS: f64 = 1.0;
 }
 
 fn spread<'a>(
@@ -260,7 +260,7 @@ fn spread<'a>(
 }
 
 /// Engine ids of a recording: described ones and any that only have metrics, sorted.
-pub fn engine_ids(rec: &Recording, ix: &MetricIndex) -> Vec<String> {
+pub(crate) fn engine_ids(rec: &Recording, ix: &MetricIndex) -> Vec<String> {
     let mut ids: std::collections::BTreeSet<String> =
         rec.engines.iter().map(|e| e.id.clone()).collect();
     ids.extend(ix.engines().map(str::to_string));

@@ -36,7 +36,7 @@ pub struct FilterArgs {
 
 impl FilterArgs {
     /// The time range asked for, ns since the recording's start; `None` for all of it.
-    pub fn time_range(&self, duration_ns: u64) -> anyhow::Result<Option<(u64, u64)>> {
+    pub(crate) fn time_range(&self, duration_ns: u64) -> anyhow::Result<Option<(u64, u64)>> {
         let ns = |s: f64| (s.max(0.0) * 1e9) as u64;
         let (from, to) = match (self.last, self.from, self.to) {
             (Some(l), _, _) => (duration_ns.saturating_sub(ns(l)), duration_ns),
@@ -99,12 +99,12 @@ impl Filter {
         }
     }
 
-    pub fn is_all(&self) -> bool {
+    pub(crate) fn is_all(&self) -> bool {
         self.pid.is_none() && self.tid.is_none() && self.name.is_none()
     }
 
     /// `pid 12, thread name ~ "Main"`; `all threads` when nothing is filtered.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let mut parts = Vec::new();
         if let Some(p) = self.pid {
             parts.push(format!("pid {p}"));
@@ -180,7 +180,10 @@ impl Selection {
     }
 
     /// Exactly these threads (a live view's, known without a scan of the recording).
-    pub fn of_threads(threads: impl IntoIterator<Item = (i32, i32)>, description: &str) -> Self {
+    pub(crate) fn of_threads(
+        threads: impl IntoIterator<Item = (i32, i32)>,
+        description: &str,
+    ) -> Self {
         let threads: BTreeSet<(i32, i32)> = threads.into_iter().collect();
         Selection {
             all_threads: threads.len(),
@@ -216,7 +219,7 @@ impl Selection {
 
     /// The part of `[start_ns, start_ns + dur_ns)` inside the time range, as `(start, end)`
     /// (all of it without one; empty, `start == end`, where none of it is).
-    pub fn clip_span(&self, start_ns: u64, dur_ns: u64) -> (u64, u64) {
+    pub(crate) fn clip_span(&self, start_ns: u64, dur_ns: u64) -> (u64, u64) {
         let end = start_ns.saturating_add(dur_ns);
         match self.during {
             None => (start_ns, end),
@@ -249,17 +252,17 @@ impl Selection {
     }
 
     /// True when a filter was given (not "all threads").
-    pub fn is_filtered(&self) -> bool {
+    pub(crate) fn is_filtered(&self) -> bool {
         self.filtered
     }
 
     /// What the filter was, for titles and reports.
-    pub fn description(&self) -> &str {
+    pub(crate) fn description(&self) -> &str {
         &self.description
     }
 
     /// Fail with the list of threads when a filter matched nothing.
-    pub fn ensure_nonempty(&self, rec: &Recording) -> anyhow::Result<()> {
+    pub(crate) fn ensure_nonempty(&self, rec: &Recording) -> anyhow::Result<()> {
         if !self.threads.is_empty() || self.all_threads == 0 {
             return Ok(());
         }

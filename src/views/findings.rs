@@ -66,50 +66,50 @@ use super::Selection;
 use crate::record::{flags, Recording};
 
 /// A thread waiting for the GIL this share of the recording or more.
-pub const GIL_MIN_SHARE: f64 = 0.05;
+pub(crate) const GIL_MIN_SHARE: f64 = 0.05;
 /// ...over at least this many waits.
-pub const GIL_MIN_WAITS: u64 = 10;
+pub(crate) const GIL_MIN_WAITS: u64 = 10;
 /// A process collecting garbage this share of the recording or more. Below it, collections
 /// are what allocating Python code pays in the ordinary way: the bundled engine with its gen-2
 /// churn fixed still spends 2.4-2.8% of its EngineCore's time in (mostly young) collections,
 /// by its own `gc.callbacks` and by this recording alike, and nothing there is to fix; the
 /// seed's problem took 10.7%, the bundled slow engine's 10-17%.
-pub const GC_MIN_SHARE: f64 = 0.05;
+pub(crate) const GC_MIN_SHARE: f64 = 0.05;
 /// ...over at least this many pauses.
-pub const GC_MIN_PAUSES: u64 = 3;
+pub(crate) const GC_MIN_PAUSES: u64 = 3;
 /// Serialization this share of a thread's CPU or more.
-pub const SERIAL_MIN_SHARE: f64 = 0.05;
+pub(crate) const SERIAL_MIN_SHARE: f64 = 0.05;
 /// ...over at least this many samples.
-pub const SERIAL_MIN_SAMPLES: u64 = 10;
+pub(crate) const SERIAL_MIN_SAMPLES: u64 = 10;
 /// A thread on CPU this share of the recording or more...
-pub const SPIN_MIN_CPU_SHARE: f64 = 0.5;
+pub(crate) const SPIN_MIN_CPU_SHARE: f64 = 0.5;
 /// ...this share of it in a polling loop or more...
-pub const SPIN_MIN_POLL_SHARE: f64 = 0.5;
+pub(crate) const SPIN_MIN_POLL_SHARE: f64 = 0.5;
 /// ...over at least this many samples.
-pub const SPIN_MIN_SAMPLES: u64 = 20;
+pub(crate) const SPIN_MIN_SAMPLES: u64 = 20;
 /// Serialization and per-request growth explain at least this share of the thread's time
 /// (below it, the finding would rank under every real one and read as noise).
 pub const MIN_SCORE: f64 = 0.01;
 /// A thread of an engine process off its step loop idle more than this share of the
 /// recording keeps up with its work: its GIL waits are latency, not throughput.
-pub const KEEPS_UP_IDLE: f64 = 0.1;
+pub(crate) const KEEPS_UP_IDLE: f64 = 0.1;
 /// Findings listed first in Markdown and on `top`'s line.
 pub const TOP: usize = 5;
 
 /// A probe's median time on CPU per call, per interval between its engine's scrapes,
 /// regressed on the running requests those scrapes read: at least this many intervals (of
 /// [`GROWTH_MIN_CALLS`] calls each)...
-pub const GROWTH_MIN_POINTS: usize = 6;
-pub const GROWTH_MIN_CALLS: u64 = 3;
+pub(crate) const GROWTH_MIN_POINTS: usize = 6;
+pub(crate) const GROWTH_MIN_CALLS: u64 = 3;
 /// ...a correlation of at least this...
-pub const GROWTH_MIN_R: f64 = 0.7;
+pub(crate) const GROWTH_MIN_R: f64 = 0.7;
 /// ...and growth over the running range of at least this share of the mean latency.
-pub const GROWTH_MIN_RISE: f64 = 0.2;
+pub(crate) const GROWTH_MIN_RISE: f64 = 0.2;
 
 /// A thread asleep on a lock another thread released, this share of the recording or more.
-pub const LOCK_MIN_SHARE: f64 = 0.05;
+pub(crate) const LOCK_MIN_SHARE: f64 = 0.05;
 /// ... over at least this many waits.
-pub const LOCK_MIN_WAITS: u64 = 10;
+pub(crate) const LOCK_MIN_WAITS: u64 = 10;
 
 /// Function names (last part of the qualified name, or a part of it) that poll.
 const POLLING: &[&str] = &[
@@ -231,12 +231,12 @@ fn who(rec: &Recording, name: &str, pid: i32, tid: i32) -> String {
 }
 
 /// The words a finding names a thread with (the report's and `top`'s alike).
-pub fn thread_label(name: &str, tid: i32, process: &str, pid: i32) -> String {
+pub(crate) fn thread_label(name: &str, tid: i32, process: &str, pid: i32) -> String {
     format!("{name} (tid {tid}) of {process} (pid {pid})")
 }
 
 /// One generation's pauses as a GC finding lists them: `gen 2: 19 × 46.25 ms (max 72.04)`.
-pub fn generation_pauses(generation: i8, pauses: u64, total_ns: u64, max_ns: u64) -> String {
+pub(crate) fn generation_pauses(generation: i8, pauses: u64, total_ns: u64, max_ns: u64) -> String {
     let name = if generation < 0 {
         "generation unknown".to_string()
     } else {
@@ -646,7 +646,7 @@ fn serialization(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Fin
 }
 
 /// A function that polls (its name, last part, contains one of the polling words).
-pub fn is_polling(function: &str) -> bool {
+pub(crate) fn is_polling(function: &str) -> bool {
     let last = function.rsplit('.').next().unwrap_or(function);
     POLLING.iter().any(|p| last.contains(p))
 }
@@ -860,7 +860,7 @@ fn step_anatomy(rec: &Recording, r: &Report, anatomies: &[StepAnatomy], out: &mu
 
 /// GitHub's anchor of a Markdown heading: lower case, letters, digits, `-` and `_` kept,
 /// spaces turned into `-`, everything else dropped.
-pub fn anchor(heading: &str) -> String {
+pub(crate) fn anchor(heading: &str) -> String {
     heading
         .to_lowercase()
         .chars()

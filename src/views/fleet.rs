@@ -27,11 +27,11 @@ use crate::metrics::names;
 use crate::record::Recording;
 
 /// KV usage at or above this is "full".
-pub const KV_FULL: f64 = 0.95;
+pub(crate) const KV_FULL: f64 = 0.95;
 /// TTFT p90 outlier: at least this many times the others' median...
-pub const TTFT_OUTLIER_RATIO: f64 = 2.0;
+pub(crate) const TTFT_OUTLIER_RATIO: f64 = 2.0;
 /// ...and at least this many ms above it.
-pub const TTFT_OUTLIER_MIN_MS: f64 = 10.0;
+pub(crate) const TTFT_OUTLIER_MIN_MS: f64 = 10.0;
 
 /// One situation of one engine.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

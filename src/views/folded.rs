@@ -90,7 +90,7 @@ pub fn stacks(rec: &Recording, sel: &Selection, measure: Measure) -> BTreeMap<St
 
 /// The frame standing for a GIL holder in the GIL-blame graph: `held by worker (tid 12)`, or
 /// [`GIL_FREE`] when no thread held it when the wait began.
-pub fn holder_label(rec: &Recording, pid: i32, holder_tid: i32) -> String {
+pub(crate) fn holder_label(rec: &Recording, pid: i32, holder_tid: i32) -> String {
     if holder_tid == 0 {
         GIL_FREE.to_string()
     } else {

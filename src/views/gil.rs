@@ -6,18 +6,18 @@ use crate::record::{Frame, GcPause, GilWait, Recording};
 
 /// Holder function of a wait that began while no thread held the GIL (`holder_tid` 0): the
 /// GIL was free (or the holder could not be read) and the waiter lost the race to take it.
-pub const GIL_FREE: &str = "<gil free>";
+pub(crate) const GIL_FREE: &str = "<gil free>";
 /// Holder function of a wait whose holder is known but whose Python stack is empty (it held
 /// the GIL outside any Python frame, or its stack could not be read).
-pub const UNKNOWN_FUNCTION: &str = "<unknown>";
+pub(crate) const UNKNOWN_FUNCTION: &str = "<unknown>";
 /// Holder function of a wait whose holder is the waiter itself: it still held the GIL and was
 /// releasing it (`drop_gil` waiting for the GIL's internal mutex), so no other thread kept it
 /// waiting.
-pub const RELEASING: &str = "<releasing>";
+pub(crate) const RELEASING: &str = "<releasing>";
 
 /// What the holder was running when a wait began.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum HolderFrame<'a> {
+pub(crate) enum HolderFrame<'a> {
     /// `holder_tid` 0.
     Free,
     /// `holder_tid` is the waiter: a wait while releasing the GIL.
@@ -51,14 +51,6 @@ impl<'a> HolderFrame<'a> {
             HolderFrame::Frame(f) => &f.function,
         }
     }
-
-    /// File of the function; empty for the placeholders.
-    pub fn file(&self) -> &'a str {
-        match self {
-            HolderFrame::Frame(f) => &f.file,
-            _ => "",
-        }
-    }
 }
 
 /// The holder's thread name; `tid N` when the recording does not name it, empty when there is
@@ -68,7 +60,7 @@ pub fn holder_name(rec: &Recording, g: &GilWait) -> String {
 }
 
 /// A thread's name, `tid N` when unnamed, empty for tid 0.
-pub fn thread_name_or_tid(rec: &Recording, pid: i32, tid: i32) -> String {
+pub(crate) fn thread_name_or_tid(rec: &Recording, pid: i32, tid: i32) -> String {
     if tid == 0 {
         return String::new();
     }
@@ -79,7 +71,7 @@ pub fn thread_name_or_tid(rec: &Recording, pid: i32, tid: i32) -> String {
 }
 
 /// `"0"`, `"1"`, `"2"` (any generation >= 0 by its number), `"unknown"` for -1.
-pub fn generation_key(g: &GcPause) -> String {
+pub(crate) fn generation_key(g: &GcPause) -> String {
     if g.generation >= 0 {
         g.generation.to_string()
     } else {

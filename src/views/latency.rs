@@ -44,11 +44,11 @@ pub fn watch_intervals(rec: &Recording, end_ns: u64) -> BTreeMap<(u32, i32), Vec
 /// others for a thread's debug registers); above it the probe counts as watched throughout.
 /// Also the share of a window below which a probe attached after the window's start says
 /// from when its figures count ([`late_method`]).
-pub const FULL_COVERAGE: f64 = 0.995;
+pub(crate) const FULL_COVERAGE: f64 = 0.995;
 
 /// When each exact probe was first watched on each thread, ns since start (from the watch
 /// edges; none for recordings without them).
-pub fn first_watches(rec: &Recording) -> BTreeMap<(u32, i32), u64> {
+pub(crate) fn first_watches(rec: &Recording) -> BTreeMap<(u32, i32), u64> {
     let mut out: BTreeMap<(u32, i32), u64> = BTreeMap::new();
     for w in rec.probe_watches.iter().filter(|w| w.on) {
         let t = out.entry((w.probe, w.tid)).or_insert(w.t_ns);
@@ -59,7 +59,7 @@ pub fn first_watches(rec: &Recording) -> BTreeMap<(u32, i32), u64> {
 
 /// When probe `p` began to count on thread `tid`, ns since start: its first watch there (an
 /// exact probe, [`first_watches`]), never before its attach.
-pub fn attached_ns(first: &BTreeMap<(u32, i32), u64>, p: &ProbeInfo, tid: i32) -> u64 {
+pub(crate) fn attached_ns(first: &BTreeMap<(u32, i32), u64>, p: &ProbeInfo, tid: i32) -> u64 {
     first
         .get(&(p.id, tid))
         .copied()
@@ -71,7 +71,7 @@ pub fn attached_ns(first: &BTreeMap<(u32, i32), u64>, p: &ProbeInfo, tid: i32) -
 /// the share of the window it covers, when that is short of the whole (a process or thread
 /// that came later, a probe found late). Its counts are what was seen from then on (not
 /// scaled to the window) and its rates are over the span it covers.
-pub fn late_share(from_ns: u64, win_from_ns: u64, win_to_ns: u64) -> Option<f64> {
+pub(crate) fn late_share(from_ns: u64, win_from_ns: u64, win_to_ns: u64) -> Option<f64> {
     let win = win_to_ns.saturating_sub(win_from_ns);
     if from_ns <= win_from_ns || win == 0 {
         return None;
@@ -83,7 +83,7 @@ pub fn late_share(from_ns: u64, win_from_ns: u64, win_to_ns: u64) -> Option<f64>
 /// `method` of a row attached late ([`late_share`]): `exact, from 2.5 s (75% of the
 /// window)`; with a coverage (it took turns for the registers after that) `exact, from 2.5 s
 /// (75% of the window), watched 80% of it`.
-pub fn late_method(method: &str, from_ns: u64, share: f64, coverage: Option<f64>) -> String {
+pub(crate) fn late_method(method: &str, from_ns: u64, share: f64, coverage: Option<f64>) -> String {
     let mut m = format!(
         "{method}, from {:.1} s ({:.0}% of the window)",
         secs(from_ns),
@@ -184,7 +184,7 @@ pub fn window_coverages(
 }
 
 /// Each coverage cut into its strata once, for weighing its calls ([`Strata::weight`]).
-pub fn strata_of(cov: &BTreeMap<(u32, i32), Coverage>) -> BTreeMap<(u32, i32), Strata> {
+pub(crate) fn strata_of(cov: &BTreeMap<(u32, i32), Coverage>) -> BTreeMap<(u32, i32), Strata> {
     cov.iter().map(|(&k, c)| (k, c.strata())).collect()
 }
 
@@ -214,7 +214,7 @@ pub fn estimate_intervals(
 /// The intervals of a figure that sums the calls of `keys` (probe, thread): those of the one
 /// estimated among them, or none where several are (their intervals are not combined) or
 /// none is.
-pub fn single_estimate(
+pub(crate) fn single_estimate(
     intervals: &BTreeMap<(u32, i32), Uncertainty>,
     keys: impl IntoIterator<Item = (u32, i32)>,
 ) -> Option<Uncertainty> {
@@ -291,7 +291,7 @@ impl FunctionLatencyRow {
 
     /// Whether every call the row covers was timed (an exact probe throughout, however much
     /// of the window that is), as opposed to followed across samples.
-    pub fn every_call(&self) -> bool {
+    pub(crate) fn every_call(&self) -> bool {
         self.method.starts_with("exact") && !self.method.contains("sampled")
     }
 }
@@ -302,7 +302,7 @@ type RowKey = (u32, i32, i32);
 type WeightedCall = (u64, u64, f64);
 
 /// Probes by id; a probe written twice keeps its latest description.
-pub fn probes_by_id(rec: &Recording) -> BTreeMap<u32, &ProbeInfo> {
+pub(crate) fn probes_by_id(rec: &Recording) -> BTreeMap<u32, &ProbeInfo> {
     rec.probes.iter().map(|p| (p.id, p)).collect()
 }
 
@@ -524,7 +524,7 @@ fn method_label(
 }
 
 /// The p50/p90 of one window's call durations.
-pub fn window_point(windows: &Windows, i: usize, durs: &mut [u64]) -> LatencyPoint {
+pub(crate) fn window_point(windows: &Windows, i: usize, durs: &mut [u64]) -> LatencyPoint {
     durs.sort_unstable();
     LatencyPoint {
         start_s: secs(windows.bounds(i).0),

@@ -82,7 +82,7 @@ pub fn open(path: &Path, filter: &FilterArgs) -> anyhow::Result<(Recording, Sele
 /// that views show Python frames only, with the synthetic `[native]` / `[kernel]` leaves as for
 /// a recording made without native frames. The frames' descriptions (module, address,
 /// build-id) stay in `rec.frame_native` for pprof's mappings.
-pub fn prepare_native(rec: &mut Recording, hide: bool) {
+pub(crate) fn prepare_native(rec: &mut Recording, hide: bool) {
     if rec.frame_native.is_empty() {
         return;
     }
@@ -145,7 +145,7 @@ pub fn report_with(
 }
 
 /// Write a view's bytes to `path`, or to stdout when `path` is `-`.
-pub fn write_output(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+pub(crate) fn write_output(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     if path == Path::new("-") {
         let mut out = std::io::stdout().lock();
         out.write_all(bytes).context("writing to stdout")?;
@@ -156,7 +156,7 @@ pub fn write_output(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 
 /// The file name, or for package markers (`__init__.py`, `__main__.py`) the folder and the
 /// file name: enough to tell frames apart in a flamegraph without full paths.
-pub fn short_file(path: &str) -> &str {
+pub(crate) fn short_file(path: &str) -> &str {
     let mut parts = path.rmatch_indices(['/', '\\']);
     let Some((last, _)) = parts.next() else {
         return path;
@@ -197,12 +197,12 @@ pub fn process_name(rec: &Recording, pid: i32) -> &str {
 }
 
 /// `python3.12 (pid 123)`, or with the role where one is known (`EngineCore (pid 123)`).
-pub fn process_label(rec: &Recording, pid: i32) -> String {
+pub(crate) fn process_label(rec: &Recording, pid: i32) -> String {
     format!("{} (pid {pid})", process_name(rec, pid))
 }
 
 /// `MainThread (tid 124)`; `thread (tid 124)` when the name is unknown.
-pub fn thread_label(rec: &Recording, pid: i32, tid: i32) -> String {
+pub(crate) fn thread_label(rec: &Recording, pid: i32, tid: i32) -> String {
     let name = rec.thread_name(pid, tid);
     let name = if name.is_empty() { "thread" } else { name };
     format!("{name} (tid {tid})")
@@ -210,17 +210,17 @@ pub fn thread_label(rec: &Recording, pid: i32, tid: i32) -> String {
 
 /// Synthetic frame placed at the root of the Python frames of a stack that could not be read
 /// completely, so cut stacks do not merge with real roots.
-pub const PARTIAL_FRAME: &str = "[partial stack]";
+pub(crate) const PARTIAL_FRAME: &str = "[partial stack]";
 /// Synthetic leaf of an off-CPU interval where the thread was preempted (still runnable).
-pub const PREEMPTED_FRAME: &str = "[preempted]";
+pub(crate) const PREEMPTED_FRAME: &str = "[preempted]";
 
 /// Sample flags that change a stack's shape in every view.
-pub const SHAPE_FLAGS: u8 =
+pub(crate) const SHAPE_FLAGS: u8 =
     flags::GC | flags::NATIVE | flags::KERNEL | flags::PARTIAL | flags::NATIVE_FRAMES;
 
 /// Synthetic leaf frames for a sample's flags, outermost first: `[gc]` (a collection was
 /// running), `[native]` (CPU outside the interpreter core), `[kernel]` (CPU in kernel mode).
-pub fn flag_leaves(f: u8) -> impl Iterator<Item = &'static str> {
+pub(crate) fn flag_leaves(f: u8) -> impl Iterator<Item = &'static str> {
     // With the sample's own native and kernel frames in the stack, no synthetic leaf for them.
     let f = if f & flags::NATIVE_FRAMES != 0 {
         f & !(flags::NATIVE | flags::KERNEL)
@@ -238,7 +238,7 @@ pub fn flag_leaves(f: u8) -> impl Iterator<Item = &'static str> {
 }
 
 /// Labels of every frame in the recording's frame table, computed once per view.
-pub struct FrameLabels(Vec<String>);
+pub(crate) struct FrameLabels(Vec<String>);
 
 impl FrameLabels {
     pub fn new(rec: &Recording) -> Self {
@@ -270,7 +270,7 @@ impl FrameLabels {
 }
 
 /// `2026-05-01 12:34:56 UTC` from seconds since the Unix epoch.
-pub fn format_utc(unix_s: f64) -> String {
+pub(crate) fn format_utc(unix_s: f64) -> String {
     if !unix_s.is_finite() || unix_s <= 0.0 {
         return "unknown date".into();
     }

@@ -278,7 +278,7 @@ impl Kind {
 /// locations and native mappings shared, one pprof sample per distinct (recording, thread,
 /// stack, flags or state), in the order the recordings were added. Intervals (off CPU, GIL
 /// waits) count the part of them inside the selection's time range.
-pub struct Builder {
+pub(crate) struct Builder {
     kind: Kind,
     st: Strings,
     sym: Symbols,
@@ -336,6 +336,7 @@ impl Builder {
     }
 
     /// The count and the total ns of every sample added.
+    #[cfg(test)]
     pub fn totals(&self) -> (i64, i64) {
         self.samples
             .iter()

@@ -24,16 +24,16 @@ use crate::record::Recording;
 
 /// Schema identifier. Additive changes (new fields) keep `/1`; renaming, removing or changing
 /// the meaning or unit of a field bumps it.
-pub const SCHEMA: &str = "enginescope.report/1";
+pub(crate) const SCHEMA: &str = "enginescope.report/1";
 
 /// Functions per thread in the Markdown rendering.
-pub const MD_TOP_FUNCTIONS: usize = 15;
+pub(crate) const MD_TOP_FUNCTIONS: usize = 15;
 /// Rows of the "Waits on other threads" table in Markdown (all of them in the JSON).
 const MD_WAITS: usize = 12;
 /// Holder functions kept per (waiter, holder) pair in `gil_blocking_pairs[].holder_top`.
-pub const HOLDER_TOP: usize = 5;
+pub(crate) const HOLDER_TOP: usize = 5;
 /// (waiter, holder) rows in the Markdown "who blocks whom" table.
-pub const MD_GIL_PAIRS: usize = 20;
+pub(crate) const MD_GIL_PAIRS: usize = 20;
 
 /// What the report computes beyond the thread selection (`report --window`, `--stall-ms`,
 /// `--drop-pct`, `--flame-link`).
@@ -63,7 +63,7 @@ impl Default for ReportOptions {
 
 /// `report` flags for the engine, timeline and stall sections.
 #[derive(Debug, Clone, clap::Args)]
-pub struct ReportArgs {
+pub(crate) struct ReportArgs {
     /// Window length, s, for the per-window table, correlations and latency series.
     #[arg(long, default_value_t = 10.0, value_name = "S")]
     pub window: f64,

@@ -9,13 +9,13 @@ use super::report::{md, Report};
 use super::short_file;
 
 /// Windows shown in the Markdown table (all are in the JSON).
-pub const MD_WINDOWS: usize = 120;
+pub(crate) const MD_WINDOWS: usize = 120;
 /// Correlations shown.
-pub const MD_CORRELATIONS: usize = 15;
+pub(crate) const MD_CORRELATIONS: usize = 15;
 /// Stalls shown.
-pub const MD_STALLS: usize = 20;
+pub(crate) const MD_STALLS: usize = 20;
 /// Frames of a stall's dominant stack shown.
-pub const MD_STALL_FRAMES: usize = 4;
+pub(crate) const MD_STALL_FRAMES: usize = 4;
 
 /// A number with `prec` decimals, `-` when absent.
 fn opt(v: Option<f64>, prec: usize) -> String {

@@ -10,7 +10,7 @@ use serde::Serialize;
 use super::{flag_leaves, process_label, thread_label, Selection, PARTIAL_FRAME, SHAPE_FLAGS};
 use crate::record::{flags, Recording};
 
-pub const SCHEMA: &str = "https://www.speedscope.app/file-format-schema.json";
+pub(crate) const SCHEMA: &str = "https://www.speedscope.app/file-format-schema.json";
 
 #[derive(Debug, Serialize)]
 pub struct File {

@@ -53,25 +53,25 @@ use super::{frame_label, secs, Selection};
 use crate::record::{Frame, OffCpu, Recording, Sample};
 
 /// A blocked off-CPU interval longer than this between two samples ends a run.
-pub const MAX_BLOCK_NS: u64 = 2_000_000;
+pub(crate) const MAX_BLOCK_NS: u64 = 2_000_000;
 // An aggregating writer keeps such intervals of event-loop threads raw.
 const _: () = assert!(crate::record::profile::LOOP_RAW_MIN_OFFCPU_NS <= MAX_BLOCK_NS);
 /// Blocked in Python code that is not the loop's for at most this long: still in the callback.
-pub const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
+pub(crate) const MAX_CALLBACK_BLOCK_NS: u64 = 100_000_000;
 /// Without exact off-CPU intervals: the most sampling periods between two samples of a run
 /// (less time preempted or waiting for the GIL).
-pub const GAP_PERIODS: u64 = 2;
+pub(crate) const GAP_PERIODS: u64 = 2;
 /// With exact off-CPU intervals (BPF backend) in a recording that lost events: the most time
 /// between two samples of a run (less time preempted or waiting for the GIL; at least
 /// [`GAP_PERIODS`] periods), a guard against a lost switch into the idle wait. Without lost
 /// events there is no limit.
-pub const EXACT_MAX_GAP_NS: u64 = 100_000_000;
+pub(crate) const EXACT_MAX_GAP_NS: u64 = 100_000_000;
 /// The recording's counter of events the kernel could not hand over (ring buffer full).
 const LOST_EVENTS_COUNTER: &str = "bpf_ringbuf_full_lost";
 /// Frames kept of a stall's dominant stack.
-pub const STACK_FRAMES: usize = 20;
+pub(crate) const STACK_FRAMES: usize = 20;
 /// Serializing functions listed per API server.
-pub const SERIALIZATION_TOP: usize = 5;
+pub(crate) const SERIALIZATION_TOP: usize = 5;
 
 /// Files whose every frame is (de)serialization.
 const SERIALIZATION_FILES: &[&str] = &[
@@ -106,7 +106,7 @@ const SERIALIZATION_FUNCTIONS: &[&str] = &[
 /// `fastapi/encoders.py`, `vllm/v1/serial_utils.py`, or under `msgspec/`, `orjson/`,
 /// `ujson/`, `cbor2/`, `msgpack/`. (C encoders such as `orjson.dumps` have no frame of their
 /// own; their Python caller's frame is what matches.)
-pub fn is_serialization_frame(f: &Frame) -> bool {
+pub(crate) fn is_serialization_frame(f: &Frame) -> bool {
     let file = f.file.replace('\\', "/");
     if SERIALIZATION_FILES.iter().any(|s| file.ends_with(s)) {
         return true;
@@ -211,7 +211,7 @@ pub struct Stall {
 /// The task a thread ran longest in `[begin, end)` and the share of that time, from its task
 /// changes `changes` (sorted by time; each holds until the next, or, where the reader missed
 /// reads before the next, until it last saw it).
-pub fn task_during(
+pub(crate) fn task_during(
     changes: &[&crate::record::TaskChange],
     begin: u64,
     end: u64,
@@ -292,7 +292,10 @@ const LOOP_RUN_FRAMES: &[(&str, &str)] = &[
 
 /// `(pid, tid)` of the selected threads seen running an asyncio event loop (any sample or
 /// off-CPU interval with a frame of [`LOOP_RUN_FRAMES`]).
-pub fn loop_threads(rec: &Recording, sel: &Selection) -> std::collections::BTreeSet<(i32, i32)> {
+pub(crate) fn loop_threads(
+    rec: &Recording,
+    sel: &Selection,
+) -> std::collections::BTreeSet<(i32, i32)> {
     let mut of_stack: HashMap<u32, bool> = HashMap::new();
     let mut is_loop = |stack: u32| {
         *of_stack.entry(stack).or_insert_with(|| {

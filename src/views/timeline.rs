@@ -20,13 +20,13 @@ use crate::metrics::{names, MetricIndex};
 use crate::record::Recording;
 
 /// Threads given per-window columns: the busiest by on-CPU time.
-pub const KEY_THREADS: usize = 8;
+pub(crate) const KEY_THREADS: usize = 8;
 /// Signals listed per throughput drop.
-pub const DROP_SIGNALS: usize = 5;
+pub(crate) const DROP_SIGNALS: usize = 5;
 /// Below this many windows a correlation is noted as not meaningful.
-pub const MIN_CORRELATION_WINDOWS: usize = 5;
+pub(crate) const MIN_CORRELATION_WINDOWS: usize = 5;
 /// `pid:tid name` (`pid:tid` when unnamed): how the timeline names a thread.
-pub fn thread_key(rec: &Recording, pid: i32, tid: i32) -> String {
+pub(crate) fn thread_key(rec: &Recording, pid: i32, tid: i32) -> String {
     let name = rec.thread_name(pid, tid);
     if name.is_empty() {
         format!("{pid}:{tid}")
@@ -36,7 +36,7 @@ pub fn thread_key(rec: &Recording, pid: i32, tid: i32) -> String {
 }
 
 /// `pid:spec` (the function's name when the spec is unknown): how the timeline names a probe.
-pub fn probe_key(rec: &Recording, probe: u32, pid: i32) -> String {
+pub(crate) fn probe_key(rec: &Recording, probe: u32, pid: i32) -> String {
     let p = rec.probes.iter().rev().find(|p| p.id == probe);
     match p {
         Some(p) if !p.spec.is_empty() => format!("{pid}:{}", p.spec),
@@ -411,7 +411,7 @@ pub fn signals(windows: &[WindowRow]) -> Vec<Signal> {
 }
 
 /// Pearson's r; None with fewer than 2 points or a constant series.
-pub fn pearson(x: &[f64], y: &[f64]) -> Option<f64> {
+pub(crate) fn pearson(x: &[f64], y: &[f64]) -> Option<f64> {
     let n = x.len().min(y.len());
     if n < 2 {
         return None;

@@ -25,10 +25,10 @@ use super::Selection;
 use crate::record::{OffCpu, Recording, Sample, Wake};
 
 /// The report's section (Markdown heading).
-pub const HEADING: &str = "Waits on other threads";
+pub(crate) const HEADING: &str = "Waits on other threads";
 
 /// Functions kept per row in `waker_during[]`.
-pub const DURING_TOP: usize = 3;
+pub(crate) const DURING_TOP: usize = 3;
 
 /// One (waiting thread, where it waited, waking thread, what the waker ran) pair.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -71,7 +71,7 @@ pub struct DuringRow {
 }
 
 /// Whether a waiting frame is the standard library waiting for an event or for work.
-pub fn is_event_wait(function: &str, file: &str) -> bool {
+pub(crate) fn is_event_wait(function: &str, file: &str) -> bool {
     let base = file.rsplit('/').next().unwrap_or(file);
     let last = function.rsplit('.').next().unwrap_or(function);
     let stdlib_wait = matches!(base, "threading.py" | "queue.py")
@@ -84,7 +84,7 @@ pub fn is_event_wait(function: &str, file: &str) -> bool {
 
 /// A file of the standard library's locks, conditions and queues (`threading.py`, `queue.py`):
 /// a waker's frames there are how it woke the thread, not what it was doing.
-pub fn is_wait_machinery(file: &str) -> bool {
+pub(crate) fn is_wait_machinery(file: &str) -> bool {
     matches!(
         file.rsplit('/').next().unwrap_or(file),
         "threading.py" | "queue.py"

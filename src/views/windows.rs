@@ -4,7 +4,7 @@
 use crate::record::Recording;
 
 /// At most this many windows: a smaller `--window` over a long recording is widened.
-pub const MAX_WINDOWS: u64 = 10_000;
+pub(crate) const MAX_WINDOWS: u64 = 10_000;
 
 /// Time windows of a report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ impl Windows {
     }
 
     /// Length of window `i`, ns.
-    pub fn len_ns(&self, i: usize) -> u64 {
+    pub(crate) fn len_ns(&self, i: usize) -> u64 {
         let (a, b) = self.bounds(i);
         b.saturating_sub(a)
     }

@@ -54,7 +54,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use crate::record::EngineInfo;
 
 /// The port `vllm serve` listens on without `--port`.
-pub const VLLM_DEFAULT_PORT: u16 = 8000;
+pub(crate) const VLLM_DEFAULT_PORT: u16 = 8000;
 
 /// Longest ancestor chain followed when grouping (vLLM trees are 3 deep).
 const MAX_ANCESTRY: usize = 64;
@@ -178,7 +178,7 @@ impl Discovery {
     }
 
     /// Every pid of every engine that runs Python (all but Rust front-ends).
-    pub fn python_pids(&self) -> BTreeSet<i32> {
+    pub(crate) fn python_pids(&self) -> BTreeSet<i32> {
         self.roles
             .iter()
             .filter(|(_, role)| role.as_str() != ROLE_RUST_FRONTEND)
@@ -233,16 +233,16 @@ impl DiscoveryChange {
     }
 }
 
-pub const ROLE_API_SERVER: &str = "api_server";
-pub const ROLE_OFFLINE: &str = "offline_llm";
-pub const ROLE_HEADLESS: &str = "headless_launcher";
+pub(crate) const ROLE_API_SERVER: &str = "api_server";
+pub(crate) const ROLE_OFFLINE: &str = "offline_llm";
+pub(crate) const ROLE_HEADLESS: &str = "headless_launcher";
 /// `vllm serve --api-server-count N` (N > 1, or data parallel): the process the user started
 /// binds the port and starts the engines and the `APIServer_i` processes that serve it.
-pub const ROLE_SERVE_LAUNCHER: &str = "serve_launcher";
+pub(crate) const ROLE_SERVE_LAUNCHER: &str = "serve_launcher";
 /// vLLM's Rust front-end (`VLLM_USE_RUST_FRONTEND=1`): the `vllm-rs frontend` binary that
 /// `vllm serve` starts to serve HTTP in place of a Python API server. Not a Python process:
 /// scraped, never read as CPython.
-pub const ROLE_RUST_FRONTEND: &str = "rust_frontend";
+pub(crate) const ROLE_RUST_FRONTEND: &str = "rust_frontend";
 
 /// A vLLM process title: `PREFIX::Name[_Suffix]` split into the known name and its suffix.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -455,7 +455,7 @@ pub fn rediscover(
 }
 
 /// [`discover_engines`] over any process source.
-pub fn discover_with(
+pub(crate) fn discover_with(
     src: &dyn ProcSource,
     metrics_url_override: Option<&str>,
 ) -> anyhow::Result<Discovery> {
@@ -705,7 +705,7 @@ fn engine_number(id: &str) -> u64 {
 }
 
 /// Renumber `fresh` so engines seen in `prev` keep their ids, and list what changed.
-pub fn reconcile(prev: &Discovery, mut fresh: Discovery) -> (Discovery, DiscoveryChange) {
+pub(crate) fn reconcile(prev: &Discovery, mut fresh: Discovery) -> (Discovery, DiscoveryChange) {
     let prev_by_key: HashMap<String, &EngineInfo> = prev
         .engines
         .iter()

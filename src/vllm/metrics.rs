@@ -63,7 +63,7 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
 /// The head's time is the point's: a server renders `/metrics` and then sends head and body
 /// together, so on a saturated API server, whose answer can wait seconds in its event loop,
 /// the head's arrival is the nearest our side can see to when the counters were read.
-pub fn get_text(agent: &ureq::Agent, url: &str) -> Result<(String, u64), String> {
+pub(crate) fn get_text(agent: &ureq::Agent, url: &str) -> Result<(String, u64), String> {
     if url.starts_with("https://") {
         return Err(format!(
             "{url}: https is not supported (enginescope is built without TLS); \
@@ -122,7 +122,7 @@ impl LiveCheck {
     /// An engine with several API servers (`--api-server-count N`) serves its gauges
     /// (running, waiting, KV usage) only after its first stats: those of `missing` go to
     /// `not_yet` as well, so that the check says they are to come rather than absent.
-    pub fn several_api_servers(&mut self) {
+    pub(crate) fn several_api_servers(&mut self) {
         let gauges = [
             crate::metrics::names::RUNNING.name,
             crate::metrics::names::WAITING.name,
@@ -278,7 +278,7 @@ enum Msg {
 /// Events the scraper may have sent and the recorder not yet written: the channel is bounded
 /// so that a recorder that falls behind holds the scraper back (engines skip ticks) instead of
 /// growing without limit. The recorder drains it every tick (20 ms or a sampling period).
-pub const SCRAPE_QUEUE: usize = 4096;
+pub(crate) const SCRAPE_QUEUE: usize = 4096;
 
 /// Scrapes engines' `/metrics`, each engine on a thread of its own: a slow API server (a busy
 /// engine answers late) delays only its own scrapes, never another engine's. A coordinator
@@ -297,7 +297,7 @@ pub struct Scraper {
 /// Each engine has its own thread, so a long wait only skips that engine's ticks (counted
 /// neither as scrapes nor as failures; the longest gap between scrapes shows it), and stopping
 /// never waits for a request.
-pub fn request_timeout(interval: Duration) -> Duration {
+pub(crate) fn request_timeout(interval: Duration) -> Duration {
     (interval * 5).clamp(Duration::from_secs(30), Duration::from_secs(120))
 }
 
@@ -348,7 +348,7 @@ impl Scraper {
     }
 
     /// Replace the engines scraped (after a rediscovery); series ids stay.
-    pub fn set_engines(&self, engines: Vec<EngineInfo>) {
+    pub(crate) fn set_engines(&self, engines: Vec<EngineInfo>) {
         // A stopped thread has nothing to update.
         let _ = self.ctl.send(Msg::SetEngines(engines));
     }
@@ -357,7 +357,7 @@ impl Scraper {
     /// the channel until then (the coordinator may be waiting for room in it), then calls
     /// [`Self::stop`]. An engine thread in the middle of a request ends when it returns,
     /// sending nothing more.
-    pub fn request_stop(&self) {
+    pub(crate) fn request_stop(&self) {
         let _ = self.ctl.send(Msg::Stop);
     }
 

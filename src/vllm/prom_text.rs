@@ -63,7 +63,7 @@ pub struct Exposition {
     pub bad_lines: usize,
 }
 
-pub const MAX_REPORTED_ERRORS: usize = 10;
+pub(crate) const MAX_REPORTED_ERRORS: usize = 10;
 
 fn is_name_start(c: char) -> bool {
     c.is_ascii_alphabetic() || c == '_' || c == ':'

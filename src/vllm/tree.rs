@@ -41,7 +41,7 @@ pub fn run(json: bool, metrics_url: Option<&str>) -> anyhow::Result<String> {
 }
 
 /// The engine tree as text.
-pub fn render_text(d: &Discovery, checks: &[LiveCheck]) -> String {
+pub(crate) fn render_text(d: &Discovery, checks: &[LiveCheck]) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     if d.engines.is_empty() {

@@ -191,7 +191,7 @@ impl RecordingWriter {
     }
 
     /// A writer whose recording can be continued in a new file ([`Self::rotate`]).
-    pub fn create_rotating(path: &Path, meta: &Meta) -> anyhow::Result<Self> {
+    pub(crate) fn create_rotating(path: &Path, meta: &Meta) -> anyhow::Result<Self> {
         let mut w = Self::create(path, meta)?;
         w.carried = Some(Carried::default());
         Ok(w)
@@ -214,20 +214,15 @@ impl RecordingWriter {
         });
     }
 
-    /// Whether events are stored aggregated.
-    pub fn aggregating(&self) -> bool {
-        self.profile.is_some()
-    }
-
     /// `now_ns` (since the segment's start): write the interval when it is over.
     /// Whether the aggregation interval ends by `now_ns` (what [`Self::profile_tick`] writes).
-    pub fn profile_due(&self, now_ns: u64) -> bool {
+    pub(crate) fn profile_due(&self, now_ns: u64) -> bool {
         self.profile
             .as_ref()
             .is_some_and(|p| now_ns >= p.start_ns.saturating_add(p.opts.interval_ns))
     }
 
-    pub fn profile_tick(&mut self, now_ns: u64) -> anyhow::Result<()> {
+    pub(crate) fn profile_tick(&mut self, now_ns: u64) -> anyhow::Result<()> {
         match &self.profile {
             Some(p) if now_ns >= p.start_ns.saturating_add(p.opts.interval_ns) => {
                 self.write_profile(now_ns)
@@ -237,7 +232,7 @@ impl RecordingWriter {
     }
 
     /// End the aggregation interval at `now_ns` whatever its length (a no-op unaggregated).
-    pub fn profile_cut(&mut self, now_ns: u64) -> anyhow::Result<()> {
+    pub(crate) fn profile_cut(&mut self, now_ns: u64) -> anyhow::Result<()> {
         self.write_profile(now_ns)
     }
 
@@ -326,7 +321,7 @@ impl RecordingWriter {
     /// Write `meta` over this file's header record (same length, padded): the recording's
     /// start is known only once its targets are attached and their probes set, after the
     /// file was created. Fails, changing nothing, if it does not fit.
-    pub fn restart_meta(&mut self, meta: &Meta) -> anyhow::Result<()> {
+    pub(crate) fn restart_meta(&mut self, meta: &Meta) -> anyhow::Result<()> {
         use std::io::{Seek, SeekFrom};
         let (at, len) = self.meta_at;
         let mut json = serde_json::to_vec(meta)?;
@@ -541,7 +536,7 @@ impl RecordingWriter {
     }
 
     /// An event-loop thread's running task changed (record 18).
-    pub fn task_change(&mut self, t: &TaskChange) -> anyhow::Result<()> {
+    pub(crate) fn task_change(&mut self, t: &TaskChange) -> anyhow::Result<()> {
         if let Some(pr) = &mut self.profile {
             if t.task.is_some() {
                 pr.loop_threads.insert((t.pid, t.tid));
@@ -569,7 +564,7 @@ impl RecordingWriter {
 
     /// The id of a frame, writing its definition the first time (as [`Self::intern_stack`]
     /// does for each of its frames).
-    pub fn frame_id(&mut self, f: &Frame) -> anyhow::Result<u32> {
+    pub(crate) fn frame_id(&mut self, f: &Frame) -> anyhow::Result<u32> {
         self.intern_frame(f)
     }
 
@@ -590,7 +585,7 @@ impl RecordingWriter {
     }
 
     /// The id of a stack of Python, native and kernel frames (innermost first).
-    pub fn intern_mixed(
+    pub(crate) fn intern_mixed(
         &mut self,
         frames: &[(Frame, Option<NativeFrameInfo>)],
     ) -> anyhow::Result<u32> {
@@ -787,7 +782,7 @@ impl RecordingWriter {
     }
 
     /// How process `g.pid`'s GC pauses are timed (record 19).
-    pub fn gc_method(&mut self, g: &GcMethodInfo) -> anyhow::Result<()> {
+    pub(crate) fn gc_method(&mut self, g: &GcMethodInfo) -> anyhow::Result<()> {
         if let Some(c) = &mut self.carried {
             c.gc_methods.insert(g.pid, g.clone());
         }
@@ -795,7 +790,7 @@ impl RecordingWriter {
     }
 
     /// An exact probe's watch set on or removed from a thread (record 20).
-    pub fn probe_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()> {
+    pub(crate) fn probe_watch(&mut self, w: &ProbeWatch) -> anyhow::Result<()> {
         let probe = match &mut self.carried {
             Some(k) => {
                 if w.on {
@@ -892,7 +887,7 @@ impl RecordingWriter {
         }
     }
 
-    pub fn bytes_written(&self) -> u64 {
+    pub(crate) fn bytes_written(&self) -> u64 {
         self.bytes
     }
 }

@@ -272,7 +272,7 @@ impl<H: Watch> Probes<H> {
 
     /// Watch `gcstate->collecting` at `addr` in every thread of `pid` (and in threads that
     /// appear later). Fails, setting nothing, when the first thread refuses.
-    pub fn watch_gc(
+    pub(crate) fn watch_gc(
         &mut self,
         b: &mut dyn Watchpoints<Watch = H>,
         pid: i32,
@@ -305,7 +305,7 @@ impl<H: Watch> Probes<H> {
     /// A code object seen for the first time in process `proc`, in a stack of thread `tid`:
     /// probe it if a spec matches. `b` is the BPF sampler when there is one.
     #[allow(clippy::too_many_arguments)]
-    pub fn consider(
+    pub(crate) fn consider(
         &mut self,
         b: Option<&mut dyn Watchpoints<Watch = H>>,
         proc: &PythonProcess,
@@ -607,7 +607,7 @@ impl<H: Watch> Probes<H> {
     }
 
     /// Write the queued watch edges (their probes' records are written).
-    pub fn flush_watches(&mut self, pipe: &mut Pipeline<impl Sink>) -> anyhow::Result<()> {
+    pub(crate) fn flush_watches(&mut self, pipe: &mut Pipeline<impl Sink>) -> anyhow::Result<()> {
         for mut w in std::mem::take(&mut self.edges) {
             w.t_ns = pipe.rel(w.t_ns);
             pipe.writer.probe_watch(&w)?;
@@ -646,7 +646,7 @@ impl<H: Watch> Probes<H> {
     /// Remove every probe watchpoint and set none until [`Self::resume`]: what watching costs
     /// is then nothing but the idle registers (`record --measure-cost`'s off arms). Calls open are
     /// dropped as at a rotation; counts scale by the watched time as under a budget.
-    pub fn suspend<'a>(
+    pub(crate) fn suspend<'a>(
         &mut self,
         b: &mut dyn Watchpoints<Watch = H>,
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
@@ -663,7 +663,7 @@ impl<H: Watch> Probes<H> {
 
     /// Watch again after [`Self::suspend`]: each thread begins an on-phase with the next
     /// assignment of its rotation.
-    pub fn resume<'a>(
+    pub(crate) fn resume<'a>(
         &mut self,
         b: &mut dyn Watchpoints<Watch = H>,
         proc_of: impl Fn(i32) -> Option<&'a PythonProcess>,
@@ -727,7 +727,7 @@ impl<H: Watch> Probes<H> {
     /// watching them all the time would cost; the thread's on-phases then get the share that
     /// brings that under the budget. Re-measured every window, so a thread whose call rate
     /// changes is re-sized.
-    pub fn set_budget(&mut self, budget: f64) {
+    pub(crate) fn set_budget(&mut self, budget: f64) {
         self.budget = budget.max(0.0);
     }
 
@@ -906,7 +906,7 @@ impl<H: Watch> Probes<H> {
     /// Every exact probe whose calls in the last second exceed `max_per_s` (each call costs two
     /// debug traps, ~30 µs here) is switched to the sampled method: its breakpoints are removed
     /// and a new sampled probe on the same function takes its later calls. `now_ns` absolute.
-    pub fn enforce_rate(
+    pub(crate) fn enforce_rate(
         &mut self,
         b: &mut dyn Watchpoints<Watch = H>,
         now_ns: u64,
@@ -990,7 +990,7 @@ impl<H: Watch> Probes<H> {
 
     /// A stack of thread `tid` of `pid` (raw code object addresses): an exact probe whose
     /// function is in it wants a register on this thread, if it does not have one or a turn.
-    pub fn observe(
+    pub(crate) fn observe(
         &mut self,
         b: &mut dyn Watchpoints<Watch = H>,
         proc: &PythonProcess,
@@ -1022,19 +1022,19 @@ impl<H: Watch> Probes<H> {
     }
 
     /// Whether `observe` would try to set breakpoints for this stack.
-    pub fn needs_attach(&self, pid: i32, tid: i32, codes: &[u64]) -> bool {
+    pub(crate) fn needs_attach(&self, pid: i32, tid: i32, codes: &[u64]) -> bool {
         (0..self.active.len()).any(|i| self.wants_thread(i, pid, tid, codes))
     }
 
     /// Whether any exact probe is active in `pid` (stacks must be passed to `observe`).
-    pub fn wants_stacks(&self, pid: i32) -> bool {
+    pub(crate) fn wants_stacks(&self, pid: i32) -> bool {
         self.active
             .iter()
             .any(|a| a.plan.is_some() && !a.retired && a.info.pid == pid)
     }
 
     /// A thread of `pid` appeared: watch its GC state.
-    pub fn thread_added(&mut self, b: &mut dyn Watchpoints<Watch = H>, pid: i32, tid: i32) {
+    pub(crate) fn thread_added(&mut self, b: &mut dyn Watchpoints<Watch = H>, pid: i32, tid: i32) {
         if let Some(&addr) = self.gc_addr.get(&pid) {
             if let std::collections::hash_map::Entry::Vacant(e) = self.gc_links.entry(tid) {
                 match b.watch_gc_thread(tid, addr) {
@@ -1048,7 +1048,7 @@ impl<H: Watch> Probes<H> {
     }
 
     /// A thread exited: drop its breakpoints and its open calls.
-    pub fn thread_gone(&mut self, b: &mut dyn Watchpoints<Watch = H>, tid: i32) {
+    pub(crate) fn thread_gone(&mut self, b: &mut dyn Watchpoints<Watch = H>, tid: i32) {
         if let Some(l) = self.gc_links.remove(&tid) {
             b.unwatch_gc_thread(l);
         }
@@ -1078,7 +1078,7 @@ impl<H: Watch> Probes<H> {
     /// A process exited (after [`Self::thread_gone`] for its threads): its probes take no more
     /// calls and what was kept per code object and per breakpoint address goes. The probes
     /// themselves stay, since probe ids index them.
-    pub fn process_gone(&mut self, b: &mut dyn Watchpoints<Watch = H>, pid: i32) {
+    pub(crate) fn process_gone(&mut self, b: &mut dyn Watchpoints<Watch = H>, pid: i32) {
         let now = crate::sys::monotonic_ns();
         for i in 0..self.active.len() {
             if self.active[i].info.pid != pid {
@@ -1111,7 +1111,7 @@ impl<H: Watch> Probes<H> {
 
     /// Thread `tid` took a debug trap that is not a probe hit (a GC watchpoint write): counted
     /// inside the calls open on it.
-    pub fn note_trap(&mut self, tid: i32, t_ns: u64) {
+    pub(crate) fn note_trap(&mut self, tid: i32, t_ns: u64) {
         *self.traps.entry(tid).or_default() += 1;
         self.budget_trap(tid, t_ns);
     }
@@ -1127,7 +1127,7 @@ impl<H: Watch> Probes<H> {
     }
 
     /// Events up to `t_ns` (absolute) have been drained: the budget's windows end there.
-    pub fn drained_to(&mut self, t_ns: u64) {
+    pub(crate) fn drained_to(&mut self, t_ns: u64) {
         self.drained_ns = t_ns;
     }
 

@@ -97,7 +97,7 @@ pub mod fake {
 
     /// One watchpoint the fake set: on thread `tid` (`None`: on every CPU), at `addr`.
     #[derive(Debug, PartialEq, Eq)]
-    pub struct FakeWatch {
+    pub(crate) struct FakeWatch {
         pub id: u64,
         pub tid: Option<i32>,
         pub addr: u64,
@@ -114,7 +114,7 @@ pub mod fake {
     /// (`held_elsewhere`) and less the watchpoints set on every CPU (each takes one register
     /// of every CPU); `cpu_slots` watchpoints can be set on every CPU at once.
     #[derive(Debug)]
-    pub struct FakeWatchpoints {
+    pub(crate) struct FakeWatchpoints {
         pub registers: usize,
         pub cpu_slots: usize,
         pub held_elsewhere: BTreeMap<i32, usize>,
@@ -140,11 +140,11 @@ pub mod fake {
 
     impl FakeWatchpoints {
         /// Watchpoints set now on thread `tid` itself (GC's included).
-        pub fn on_thread(&self, tid: i32) -> usize {
+        pub(crate) fn on_thread(&self, tid: i32) -> usize {
             self.live.values().filter(|w| w.0 == Some(tid)).count()
         }
         /// Watchpoints set now on every CPU.
-        pub fn on_cpus(&self) -> usize {
+        pub(crate) fn on_cpus(&self) -> usize {
             self.live.values().filter(|w| w.0.is_none()).count()
         }
         /// Whether a write to `addr` by thread `tid` would trap now.
