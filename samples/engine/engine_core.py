@@ -29,6 +29,7 @@ reach, and the records have no back references and are not kept (reference count
 them)."""
 import collections
 import gc
+from array import array
 import multiprocessing
 import os
 import queue
@@ -49,7 +50,8 @@ tcpu = time.thread_time_ns
 
 class Request:
     __slots__ = ("req_id", "prompt", "max_tokens", "output", "num_computed", "blocks",
-                 "reserved", "num_cached", "arrival_ns", "hashed_blocks", "last_hash")
+                 "block_ids", "reserved", "num_cached", "arrival_ns", "hashed_blocks",
+                 "last_hash")
 
     def __init__(self, req_id, prompt, max_tokens, arrival_ns):
         self.req_id = req_id
@@ -58,6 +60,7 @@ class Request:
         self.output = []
         self.num_computed = 0
         self.blocks = []
+        self.block_ids = None  # packed (--fix queue): the blocks' ids as an array('i')
         self.reserved = 0
         self.num_cached = 0
         self.arrival_ns = arrival_ns
@@ -161,6 +164,10 @@ class Scheduler:
         self.block_size = cfg["block_size"]
         self.max_num_seqs = cfg["max_num_seqs"]
         self.max_batched = cfg["max_num_batched_tokens"]
+        # The fixed queue (--fix queue) sends each step as one array: each request's record is
+        # an array('i') whose block ids are kept as the blocks are allocated (as vLLM keeps
+        # per-request arrays), so the MessageQueue packs them with one C call per step.
+        self.packed = "queue" in cfg["fix"]
         self.pool = BlockPool(cfg["num_blocks"])
         self.waiting = collections.deque()
         self.running = []
@@ -195,6 +202,12 @@ class Scheduler:
         return hits, parent
 
     def _record(self, req, n_new, tokens):
+        if self.packed:
+            rec = array("i", (req.req_id, req.num_computed, n_new, len(req.block_ids)))
+            rec += req.block_ids
+            rec.append(len(tokens))
+            rec.extend(tokens)
+            return rec
         blocks = [b.block_id for b in req.blocks]
         return [req.req_id, req.num_computed, n_new, len(blocks)] + blocks + [len(tokens)] + tokens
 
@@ -204,7 +217,10 @@ class Scheduler:
         budget = self.max_batched
         for req in self.running:
             if req.num_computed + 1 > len(req.blocks) * self.block_size:
-                req.blocks.extend(pool.allocate(1))
+                new = pool.allocate(1)
+                req.blocks.extend(new)
+                if self.packed:
+                    req.block_ids.extend(b.block_id for b in new)
                 req.reserved -= 1
                 self.reserved -= 1
             so.records.append(self._record(req, 1, [req.output[-1]]))
@@ -225,6 +241,8 @@ class Scheduler:
             self.waiting.popleft()
             pool.touch(hits)
             req.blocks = hits + pool.allocate(now_blocks)
+            if self.packed:
+                req.block_ids = array("i", [b.block_id for b in req.blocks])
             req.reserved = total_blocks - len(hits) - now_blocks
             self.reserved += req.reserved
             req.num_cached = num_cached
@@ -278,6 +296,7 @@ class Scheduler:
             self.reserved -= req.reserved
             req.reserved = 0
             req.blocks = []
+            req.block_ids = None
             self.finished += 1
         return outputs, done
 
