@@ -55,6 +55,9 @@ pub struct VllmArgs {
     #[arg(long)]
     pub vllm: bool,
     /// With --vllm: scrape this URL instead of the metrics URL found from the API server.
+    /// Without --vllm: the `--pid` targets' own Prometheus metrics, scraped as one engine of
+    /// those processes (an engine that is not vLLM, or any process that serves a running-
+    /// requests gauge): the report's engine figures and per-request growth read them.
     #[arg(long, value_name = "URL")]
     pub metrics_url: Option<String>,
     /// With --vllm: only the engine whose API server (or offline `LLM` script) is PID.
@@ -74,7 +77,8 @@ macro_rules! engine_args {
         $(#[$m])*
         #[derive(Debug, Clone, clap::Args)]
         pub struct $name {
-            /// With --vllm: seconds between scrapes of the engine's /metrics into the recording.
+            /// With --vllm or --metrics-url: seconds between scrapes of the engine's /metrics into the
+            /// recording.
             #[arg(long, default_value_t = $seconds)]
             pub scrape_interval: f64,
             /// With --vllm: do not add the default probes.

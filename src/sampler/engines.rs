@@ -49,6 +49,22 @@ pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
     Ok(d)
 }
 
+/// `--pid … --metrics-url URL` without `--vllm`: the targets as one engine whose metrics are
+/// at `url` (its processes stand as engine cores: nothing is discovered, nothing rediscovered).
+pub(crate) fn of_targets(pids: &[i32], url: &str) -> Discovery {
+    Discovery {
+        engines: vec![EngineInfo {
+            id: "engine0".into(),
+            engine_core_pids: pids.to_vec(),
+            metrics_url: url.to_string(),
+            metrics_url_source: "--metrics-url".into(),
+            ..Default::default()
+        }],
+        next_engine_index: 1,
+        ..Default::default()
+    }
+}
+
 /// Keep only the engine rooted at `root` (its API server or offline script).
 fn restrict_to_engine(d: &mut Discovery, root: i32) {
     let keep: Option<String> = d
@@ -158,7 +174,7 @@ impl EngineSession {
         pipe: &mut Pipeline,
         opts: &RecordOptions,
     ) -> anyhow::Result<Vec<(i32, String)>> {
-        if self.last.elapsed() < REDISCOVER_EVERY {
+        if !opts.vllm || self.last.elapsed() < REDISCOVER_EVERY {
             return Ok(Vec::new());
         }
         self.last = Instant::now();

@@ -375,10 +375,12 @@ fn plan(
     let discovery = if opts.vllm {
         Some(engines::discover_engines(opts)?)
     } else {
-        None
+        opts.metrics_url
+            .as_deref()
+            .map(|url| engines::of_targets(&opts.pids, url))
     };
     let mut opts = opts.clone();
-    if let Some(d) = &discovery {
+    if let Some(d) = discovery.as_ref().filter(|_| opts.vllm) {
         for pid in d.python_pids() {
             if !opts.pids.contains(&pid) {
                 opts.pids.push(pid);
@@ -541,5 +543,29 @@ fn meta(backend: &str, reason: String, rate: u32, start_ns: u64, start_unix_s: f
         cpus: aya::util::online_cpus()
             .map(|c| c.len() as u32)
             .unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_url_without_vllm_makes_the_targets_one_engine() {
+        let mut o = RecordOptions::new(vec![41, 42], PathBuf::from("x.esrec"));
+        o.metrics_url = Some("http://127.0.0.1:9/metrics".into());
+        let (planned, d) = plan(&o).unwrap();
+        let d = d.expect("an engine of the targets");
+        assert_eq!(d.engines.len(), 1);
+        let e = &d.engines[0];
+        assert_eq!(e.pids(), vec![41, 42]);
+        assert_eq!(e.metrics_url, "http://127.0.0.1:9/metrics");
+        assert_eq!(e.metrics_url_source, "--metrics-url");
+        // Not vLLM: no default probes, no other process.
+        assert!(planned.probes.is_empty(), "{:?}", planned.probes);
+        assert_eq!(planned.pids, vec![41, 42]);
+        // Without a URL nothing is scraped.
+        o.metrics_url = None;
+        assert!(plan(&o).unwrap().1.is_none());
     }
 }

@@ -291,7 +291,9 @@ impl<'a> Recorder<'a> {
                 last_threads = Instant::now();
                 self.sync_threads()?;
                 self.drop_exited_targets()?;
-                if self.targets.is_empty() && self.engines.is_none() {
+                // Engines followed by --vllm may start again; --pid targets with their own
+                // --metrics-url are all there is.
+                if self.targets.is_empty() && (self.engines.is_none() || !self.opts.vllm) {
                     return Ok("all targets exited".into());
                 }
             }
