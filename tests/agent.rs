@@ -398,14 +398,6 @@ fn tool_binary(name: &str, package: &str) -> Option<PathBuf> {
     found
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A Prometheus server on loopback with a temporary config and storage; killed on drop.
 struct Prometheus {
     child: Child,

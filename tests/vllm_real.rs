@@ -36,6 +36,7 @@
 
 mod common;
 
+use common::free_port;
 use common::tmux::*;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -93,11 +94,6 @@ fn vllm_available() -> bool {
         assert!(st.success(), "make_model.py failed");
     }
     true
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
-    l.local_addr().expect("local addr").port()
 }
 
 /// Every live pid in process group `pgid`.

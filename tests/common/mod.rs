@@ -424,6 +424,12 @@ pub fn record_workload(
     })
 }
 
+/// A TCP port free on loopback now (for a server a test starts next).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
 /// [`record_workload`] with `extra` arguments for the script; also gives the path of a copy of
 /// the recording in the temporary directory (the workload's own directory goes with it),
 /// which the caller removes.
@@ -434,6 +440,19 @@ pub fn record_workload_at(
     seconds: &str,
     backend: &str,
     rate: &str,
+) -> Option<(enginescope::record::Recording, serde_json::Value, PathBuf)> {
+    record_workload_with(i, script, extra, seconds, backend, rate, &[])
+}
+
+/// [`record_workload_at`] with `record_extra` arguments for `record` (probes, a metrics URL).
+pub fn record_workload_with(
+    i: &Interp,
+    script: &str,
+    extra: &[&str],
+    seconds: &str,
+    backend: &str,
+    rate: &str,
+    record_extra: &[&str],
 ) -> Option<(enginescope::record::Recording, serde_json::Value, PathBuf)> {
     if !available(i) {
         return None;
@@ -451,7 +470,7 @@ pub fn record_workload_at(
     let out = w.dir.join("run.esrec");
     let out_s = out.to_string_lossy().into_owned();
     let pid = w.pid.to_string();
-    let rec = Recorder::start(&[
+    let mut rec_args = vec![
         "--backend",
         backend,
         "--rate",
@@ -462,7 +481,9 @@ pub fn record_workload_at(
         &pid,
         "-o",
         &out_s,
-    ]);
+    ];
+    rec_args.extend_from_slice(record_extra);
+    let rec = Recorder::start(&rec_args);
     w.go();
     let (ok, _, err) = rec.wait();
     assert!(ok, "{}: record failed: {err}", i.label);
