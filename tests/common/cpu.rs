@@ -15,6 +15,23 @@ pub fn cpu_ns(pid: i32) -> u64 {
     ticks * 1_000_000_000 / hz
 }
 
+/// The machine's steal time so far, all CPUs together, s (/proc/stat's `cpu` line, ticks): time
+/// the hypervisor ran something else on our vCPUs. A thread's /proc CPU time leaves it out,
+/// and a guest's scheduler sees none of it (no switch), so an off-CPU figure from the kernel's
+/// switches and one from /proc CPU time differ by up to the steal in between.
+pub fn steal_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: u64 = stat
+        .lines()
+        .next()
+        .and_then(|l| l.split_whitespace().nth(8))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf has no memory arguments.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    ticks as f64 / hz
+}
+
 /// Processes' CPU times read every 20 ms on the wall clock (a recording's window is on it
 /// too), until [`CpuReadings::over_window`].
 pub struct CpuReadings {
