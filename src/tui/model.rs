@@ -995,12 +995,8 @@ fn gil_finding(p: &ProcessRow, t: &ThreadRow, step_threads: &[(i32, i32)]) -> Op
     if st.gil_wait < fd::GIL_MIN_SHARE || st.gil_waits < fd::GIL_MIN_WAITS {
         return None;
     }
-    // As in the report: a thread of an engine process off its step loop that keeps up (idle
-    // more than KEEPS_UP_IDLE) delays what it hands on, not the steps.
-    let off_step = step_threads.iter().any(|&(pid, _)| pid == t.pid)
-        && !step_threads.contains(&(t.pid, t.tid));
     let idle = (1.0 - st.cpu - st.gil_wait).max(0.0);
-    let keeps_up = off_step && idle > fd::KEEPS_UP_IDLE;
+    let keeps_up = fd::keeps_up_off_step(step_threads, t.pid, t.tid, idle);
     let holder = t
         .blame
         .iter()

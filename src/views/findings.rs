@@ -337,14 +337,8 @@ fn gil_contention(
         if share < GIL_MIN_SHARE || t.gil_waits < GIL_MIN_WAITS {
             continue;
         }
-        // A thread of an engine process off its step loop that keeps up (idle, neither on CPU
-        // nor waiting for the GIL, more than [`KEEPS_UP_IDLE`] of the recording): its waits
-        // delay what it hands on (latency), not the engine's steps; context, listed after the
-        // causes at the least score. One that cannot keep up limits throughput: full score.
-        let off_step = step_threads.iter().any(|&(p, _)| p == t.pid)
-            && !step_threads.contains(&(t.pid, t.tid));
         let idle = (1.0 - (t.cpu_s + t.gil_wait_s) / dur_s).max(0.0);
-        let keeps_up = off_step && idle > KEEPS_UP_IDLE;
+        let keeps_up = keeps_up_off_step(&step_threads, t.pid, t.tid, idle);
         let score = if keeps_up { MIN_SCORE } else { share };
         // The holder that made it wait most (a thread, not the GIL being free or itself).
         let holder = r
@@ -535,6 +529,22 @@ fn gc_pressure(rec: &Recording, sel: &Selection, r: &Report, dur_ns: u64, out: &
             see: "GC".into(),
         });
     }
+}
+
+/// Whether a thread of an engine process off its step loop (`step_threads`: the threads that
+/// run the engine's steps) keeps up: idle (neither on CPU nor waiting for the GIL) more than
+/// [`KEEPS_UP_IDLE`] of the time. Its GIL waits then delay what it hands on (latency), not the
+/// engine's steps: context, listed after the causes at the least score. One that cannot keep
+/// up limits throughput: full score. The report and `top`'s window both judge by it.
+pub(crate) fn keeps_up_off_step(
+    step_threads: &[(i32, i32)],
+    pid: i32,
+    tid: i32,
+    idle: f64,
+) -> bool {
+    let off_step =
+        step_threads.iter().any(|&(p, _)| p == pid) && !step_threads.contains(&(pid, tid));
+    off_step && idle > KEEPS_UP_IDLE
 }
 
 /// Native modules whose every frame is (de)serialization (the C halves of pickle, json and
@@ -908,24 +918,10 @@ fn fit(points: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
             }
         }
     }
-    let slope = median_of(&mut slopes)?;
-    let mut rest: Vec<f64> = points.iter().map(|p| p.1 - slope * p.0).collect();
-    let intercept = median_of(&mut rest)?;
+    let slope = super::timeline::median(&slopes)?;
+    let rest: Vec<f64> = points.iter().map(|p| p.1 - slope * p.0).collect();
+    let intercept = super::timeline::median(&rest)?;
     Some((slope, intercept, sxy / (sxx * syy).sqrt()))
-}
-
-/// The median of finite values (the mean of the middle two for an even count).
-fn median_of(v: &mut [f64]) -> Option<f64> {
-    if v.is_empty() || v.iter().any(|x| !x.is_finite()) {
-        return None;
-    }
-    v.sort_unstable_by(f64::total_cmp);
-    let m = v.len() / 2;
-    Some(if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    })
 }
 
 /// The intervals between an engine's scrapes of its running requests, each with the mean of
