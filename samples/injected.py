@@ -489,16 +489,15 @@ def main():
         doc["by_generation"] = gens
         doc["gc_threads"] = dict(collections.Counter(names.get(p[3], "other") for p in pauses))
     elif args.problem == "growth":
-        calls = [c for (w, c) in by["sender"].calls if in_window(w)]
-        doc["send_cpu_s"] = sum(c for c, _ in calls) / 1e9
-        doc["send_calls"] = len(calls)
+        inside = [(w, c, n) for (w, (c, n)) in by["sender"].calls if in_window(w)]
+        doc["send_cpu_s"] = sum(c for _, c, _ in inside) / 1e9
+        doc["send_calls"] = len(inside)
         per = collections.defaultdict(list)
-        for c, n in calls:
+        for _, c, n in inside:
             per[n].append(c)
         b, a, r = fit([(n, median(v)) for n, v in per.items()])
         doc["slope_ns_per_request"], doc["intercept_ns"], doc["r"] = b, a, r
         doc["batch_min"], doc["batch_max"] = min(per), max(per)
-        inside = [(w, c, n) for (w, (c, n)) in by["sender"].calls if in_window(w)]
         doc["slope_by_scrape_ns"], doc["scrape_intervals"] = by_scrape(inside)
     else:
         doc["crunch_cpu_s"], _ = timed("compute")
