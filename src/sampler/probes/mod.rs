@@ -54,9 +54,9 @@ mod watch;
 use calls::{Edge, OpenCall, ThreadCalls, MAX_OPEN_CALLS};
 pub use counters::{counters, Counters};
 use schedule::{
-    budget_on_ns, forced_share, off_phase_ns, on_phase_len, phase_steps, rotate_ns,
-    watched_switches, BudgetWindow, PhaseState, PhaseStep, ThreadRegs, BUDGET_FIRST_WINDOW_NS,
-    BUDGET_WINDOW_NS,
+    budget_on_ns, forced_share, off_phase_ns, on_phase_len, phase_and_width, phase_steps,
+    rotate_ns, watched_switches, BudgetWindow, PhaseState, PhaseStep, ThreadRegs,
+    BUDGET_FIRST_WINDOW_NS, BUDGET_WINDOW_NS,
 };
 pub use schedule::{full_cost, BUDGET_MIN_PHASE, BUDGET_ON_NS, ROTATE_NS};
 pub use spec::{is_headline, names, ProbeSpec, VLLM_DEFAULT_PROBES, VLLM_HEADLINE_PROBES};
@@ -412,6 +412,7 @@ impl<H: Watch> Probes<H> {
             next: 0,
             last_ns: now_abs,
             phase: 1.0,
+            width: 0,
             off_until: None,
             on_since: now_abs,
             on_len: budget_on_ns(),
@@ -429,7 +430,7 @@ impl<H: Watch> Probes<H> {
         if !r.want.contains(&i) {
             r.want.push(i);
         }
-        let cap = r.cap;
+        let cap = r.per_turn();
         let on = r
             .want
             .iter()
@@ -631,7 +632,7 @@ impl<H: Watch> Probes<H> {
         self.phases(b, &proc_of, now_abs);
         let period = self.rotate_ns;
         let tids = self.threads_where(|r| {
-            r.rotates() && r.phase >= 1.0 && now_abs.saturating_sub(r.last_ns) >= period
+            r.takes_turns() && r.phase >= 1.0 && now_abs.saturating_sub(r.last_ns) >= period
         });
         for tid in tids {
             let Some(r) = self.regs.get_mut(&tid) else {
@@ -823,7 +824,11 @@ impl<H: Watch> Probes<H> {
             // about its share of the window.
             let on = budget_on_ns();
             let cycle = (on + off_phase_ns(on, r.phase))
-                * if r.rotates() { r.want.len() as u64 } else { 1 };
+                * if r.takes_turns() {
+                    r.want.len() as u64
+                } else {
+                    1
+                };
             let dt = end.saturating_sub(t0);
             let least = if r.measured {
                 BUDGET_WINDOW_NS
@@ -862,10 +867,11 @@ impl<H: Watch> Probes<H> {
                 self.switch_cost,
                 r.want.len().min(r.cap),
             );
-            // The on share that brings the cost under the budget, in steps of a tenth of
-            // itself (a thread re-measured a little over or under keeps its phase).
+            // The share of the time each probe is watched that brings the cost under the
+            // budget, in steps of a tenth of itself (a thread re-measured a little over or
+            // under keeps its phase); as few probes watched at once as that share allows.
             let want = (self.budget / full).clamp(BUDGET_MIN_PHASE, 1.0);
-            let phase = if let Some(share) = forced_share() {
+            let duty = if let Some(share) = forced_share() {
                 share
             } else if want >= 1.0 {
                 1.0
@@ -873,7 +879,9 @@ impl<H: Watch> Probes<H> {
                 let step = 10f64.powf((want.log10() * 10.0).floor() / 10.0);
                 step.clamp(BUDGET_MIN_PHASE, 1.0)
             };
-            if (phase - r.phase).abs() > 1e-9 {
+            let (phase, width) = phase_and_width(duty, r.want.len(), r.cap);
+            if (phase - r.phase).abs() > 1e-9 || width != r.width {
+                r.width = width;
                 if r.phase >= 1.0 && phase < 1.0 && r.off_until.is_none() {
                     // Out of watching all the time: that time was not an on-phase to size an
                     // off-phase from (a second watched whole, then a share of 5%, would be
@@ -1704,6 +1712,59 @@ mod tests {
             assert!((p.regs[&TID].phase - 0.1).abs() < 1e-9);
             assert!(p.n.watches_every_cpu > 10);
         }
+    }
+
+    /// Three probes on one thread under a budget: each watched its share of the time and the
+    /// traps within the budget, as with one probe, but one at a time: a watched call never
+    /// carries another probe's traps.
+    #[test]
+    fn budgeted_probes_of_a_thread_are_watched_one_at_a_time() {
+        let tick = 10 * MS;
+        let (mut p, mut k, proc) = (exact_probes(3), FakeWatchpoints::default(), fake_process());
+        p.set_budget(0.001);
+        p.budget_trap_ns = 10_000;
+        let t0 = base();
+        for i in 0..3 {
+            p.want(&mut k, &proc, TID, i, t0).unwrap();
+        }
+        assert_eq!(k.on_thread(TID), 3, "all watched at first");
+        let (mut now, mut traps, mut most) = (t0, 0u64, 0usize);
+        let mut watched_ns = [0u64; 3];
+        let settle = t0 + 2_000 * MS;
+        let end = t0 + 300_000 * MS;
+        while now < end {
+            // Each probe's calls trap once a ms while it is watched.
+            let on: Vec<usize> = (0..3)
+                .filter(|&i| k.watched(TID, 0x1000 * (i as u64 + 1)))
+                .collect();
+            for &i in &on {
+                for ms in 0..tick / MS {
+                    p.note_trap(TID, now + ms * MS);
+                }
+                if now >= settle {
+                    traps += tick / MS;
+                    watched_ns[i] += tick;
+                }
+            }
+            if now >= settle {
+                most = most.max(on.len());
+            }
+            now += tick;
+            p.drained_to(now);
+            p.rotate(&mut k, |_| Some(&proc), now);
+        }
+        // All three watched all the time would cost 3% (3,000 traps a second at 10 µs), so
+        // each gets the least share (5%, a fifth of a percent), one at a time.
+        assert_eq!(most, 1, "one probe watched at a time");
+        let r = &p.regs[&TID];
+        assert_eq!(r.width, 1);
+        assert!((r.duty() - 0.05).abs() < 1e-9, "duty {}", r.duty());
+        for (i, w) in watched_ns.iter().enumerate() {
+            let share = *w as f64 / (end - settle) as f64;
+            assert!((share - 0.05).abs() < 0.01, "probe {i}: watched {share:.3}");
+        }
+        let cost = traps as f64 * 10_000.0 / (end - settle) as f64;
+        assert!((cost - 0.0015).abs() < 0.0003, "cost {cost:.5}");
     }
 
     /// An exact probe over `--probe-max-rate`: its watchpoints go, a sampled probe on the same

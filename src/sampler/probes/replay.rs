@@ -70,7 +70,8 @@ pub struct Watched {
     pub timed: Vec<(u64, u64)>,
     /// Calls of the timeline that began in the window.
     pub all: Vec<u64>,
-    /// The share of the time the thread's probes were watched at the end (the budget's phase).
+    /// The share of the time each of the thread's probes was watched at the end (the
+    /// budget's duty).
     pub phase: f64,
 }
 
@@ -204,7 +205,7 @@ pub fn replay(probes: usize, calls: &[Call], r: &Replay) -> Vec<Watched> {
         p.rotate(&mut k, |_| Some(&proc), now);
     }
     let _ = p.flush_watches(&mut pipe);
-    let phases: HashMap<i32, f64> = p.regs.iter().map(|(&t, r)| (t, r.phase)).collect();
+    let phases: HashMap<i32, f64> = p.regs.iter().map(|(&t, r)| (t, r.duty())).collect();
     // Watched intervals per (probe, fake tid), clipped to the window.
     let (w0, w1) = (at(r.from_ns), end);
     // Back on the timeline's clock.

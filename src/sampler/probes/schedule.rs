@@ -46,9 +46,12 @@ pub(super) struct ThreadRegs {
     pub(super) last_ns: u64,
     /// `--probe-budget`: the share of the time the thread's probes are watched at all
     /// (1.0 = all the time). Below 1, they are watched in on-phases of [`BUDGET_ON_NS`]
-    /// separated by off-phases, all of the thread's watched probes together; with more
-    /// probes than registers each on-phase takes the next assignment of the rotation.
+    /// separated by off-phases, [`Self::width`] of them in each on-phase (the next ones of
+    /// the rotation).
     pub(super) phase: f64,
+    /// Under a budget, how many of the thread's probes one on-phase watches
+    /// ([`phase_and_width`]); 0 for as many as it has registers.
+    pub(super) width: usize,
     /// In an off-phase: when it ends (absolute ns).
     pub(super) off_until: Option<u64>,
     /// When the current on-phase began (absolute ns).
@@ -148,36 +151,72 @@ impl BudgetWindow {
 }
 
 impl ThreadRegs {
-    /// Whether the registers take turns among more probes than they are.
-    pub(super) fn rotates(&self) -> bool {
-        self.want.len() > self.cap && self.cap > 0
-    }
-
-    /// The share of the time each probe is watched: the on-phases' share, times the
-    /// rotation's `cap / probes` where the probes outnumber the registers.
-    pub(super) fn duty(&self) -> f64 {
-        let turns = if self.rotates() {
-            self.cap as f64 / self.want.len() as f64
+    /// How many of the thread's probes one assignment watches: all of them, or as many as
+    /// it has registers; under a budget, [`Self::width`] of them.
+    pub(super) fn per_turn(&self) -> usize {
+        let all = self.cap.min(self.want.len());
+        if self.phase < 1.0 && self.width > 0 {
+            self.width.min(all)
         } else {
-            1.0
-        };
-        self.phase * turns
+            all
+        }
     }
 
-    /// The assignment of the next turn: the `cap` probes from `next` on, round-robin.
+    /// Whether successive assignments differ (fewer probes in one than the thread has).
+    pub(super) fn takes_turns(&self) -> bool {
+        self.per_turn() < self.want.len() && self.per_turn() > 0
+    }
+
+    /// The share of the time each probe is watched: the on-phases' share, times the share
+    /// of the thread's probes one assignment holds.
+    pub(super) fn duty(&self) -> f64 {
+        let n = self.want.len();
+        if n == 0 {
+            return self.phase;
+        }
+        self.phase * self.per_turn() as f64 / n as f64
+    }
+
+    /// The assignment of the next turn: [`Self::per_turn`] probes from `next` on, round-robin.
     pub(super) fn advance(&mut self, now_abs: u64) -> Vec<usize> {
         let n = self.want.len();
         if n == 0 {
             return Vec::new();
         }
-        if self.rotates() {
+        if self.takes_turns() {
             self.next = (self.next + 1) % n;
         }
         self.last_ns = now_abs;
-        (0..self.cap.min(n))
+        (0..self.per_turn())
             .map(|k| self.want[(self.next + k) % n])
             .collect()
     }
+}
+
+/// How a thread's `probes` (with `regs` registers for them) are each watched `duty` of the
+/// time under a budget: the on-phases' share and how many probes one on-phase watches.
+/// As few at once as the duty allows, one where it is low: every watched call's two debug
+/// traps lengthen the step it lies in, so an on-phase that watched all of a thread's probes
+/// together (an engine step crosses six to ten of their traps) ran the engine 6-9% slower
+/// than the unwatched time on a VM, and every count scaled from the watched time came out as
+/// much low (docs/probes.md). Watched one at a time, each probe keeps its share and its cost
+/// (a probe's cost is its own traps, whoever else is on), and a watched step carries the
+/// traps of one probe. `(1.0, 0)`: all of them (or all the registers allow) all the time.
+pub(super) fn phase_and_width(duty: f64, probes: usize, regs: usize) -> (f64, usize) {
+    let all = regs.min(probes);
+    if duty >= 1.0 || all == 0 {
+        return (1.0, 0);
+    }
+    // Probes watched at once on average; one more than its whole part at a time, so that
+    // the on-phases keep an off-phase (a thread on all the time is not budgeted).
+    let need = duty * probes as f64;
+    let width = ((need + 1e-6).floor() as usize + 1).min(all);
+    let phase = need / width as f64;
+    if phase >= 1.0 - 1e-9 {
+        // As much as the registers give all the time (a rotation of `all` at a time).
+        return (1.0, 0);
+    }
+    (phase, width)
 }
 
 /// The shortest window over which a thread's trap time is measured for `--probe-budget`.
@@ -329,6 +368,7 @@ mod tests {
             on_since: 0,
             on_len: BUDGET_ON_NS,
             late: 0,
+            width: 0,
             budget_mark: (0, 0),
             measured: false,
             sched: None,
@@ -358,6 +398,46 @@ mod tests {
         let mut r = regs(3, 4, 0.5);
         assert_eq!(r.advance(0), vec![0, 1, 2]);
         assert_eq!(r.advance(1), vec![0, 1, 2]);
+        // One at a time under a budget: each probe every third on-phase.
+        let mut r = regs(3, 4, 0.3);
+        r.width = 1;
+        assert!((r.duty() - 0.1).abs() < 1e-9);
+        let turns: Vec<Vec<usize>> = (0..6).map(|t| r.advance(t)).collect();
+        assert_eq!(turns, [[1], [2], [0], [1], [2], [0]]);
+        // Not budgeted: the width does not apply.
+        r.phase = 1.0;
+        assert_eq!(r.advance(7), vec![0, 1, 2]);
+    }
+
+    /// Each probe gets its duty, with as few of them watched at once as that allows.
+    #[test]
+    fn budgeted_probes_are_watched_as_few_at_once_as_their_duty_allows() {
+        let close = |(p, w): (f64, usize), (p2, w2): (f64, usize)| (p - p2).abs() < 1e-9 && w == w2;
+        // Three probes at 5% each: one at a time, on 15% of the time.
+        assert!(close(phase_and_width(0.05, 3, 4), (0.15, 1)));
+        // At 20%: 60% of the time, one at a time; at 50%: two at a time, 75%.
+        assert!(close(phase_and_width(0.2, 3, 4), (0.6, 1)));
+        assert!(close(phase_and_width(0.5, 3, 4), (0.75, 2)));
+        // At 1/3: two at a time half the time (a thread on all the time takes no turns).
+        assert!(close(phase_and_width(1.0 / 3.0, 3, 4), (0.5, 2)));
+        // Three probes on three registers at 99%: all at once, 99% of the time.
+        assert!(close(phase_and_width(0.99, 3, 3), (0.99, 3)));
+        assert_eq!(phase_and_width(1.0, 3, 4), (1.0, 0));
+        // One probe: the duty is the phase.
+        assert!(close(phase_and_width(0.1, 1, 4), (0.1, 1)));
+        // Five probes on four registers at 90% each: more than the rotation gives.
+        assert_eq!(phase_and_width(0.9, 5, 4), (1.0, 0));
+        for (duty, n, regs) in [
+            (0.05, 3, 4),
+            (1.0 / 3.0, 3, 4),
+            (0.37, 3, 4),
+            (0.5, 5, 4),
+            (0.7, 2, 3),
+        ] {
+            let (phase, width) = phase_and_width(duty, n, regs);
+            let got = phase * width as f64 / n as f64;
+            assert!((got - duty).abs() < 1e-9, "{duty} {n} {regs}: {got}");
+        }
     }
 
     /// Runs [`phase_steps`] every `tick` ns for `until` ns over threads of the given
