@@ -11,7 +11,8 @@ What runs on the loop:
   * `routed_client`: a client that submits a group of 1..--serialize-group-max requests that
     return routed experts, all with the same prompt length and max_tokens, so the scheduler
     admits them in one step and they finish in one step ("several long requests finishing
-    together"), waits for all their responses, pauses --serialize-gap seconds, and again; the
+    together"; their handlers render once all of them have finished, so that a group is one
+    stall even where its requests finish a step or two apart), waits for all their responses, pauses --serialize-gap seconds, and again; the
     group sizes cycle through 1..N in an order shuffled with --seed, so stalls of different
     lengths happen (every N consecutive groups have each size once), and two groups' stalls
     never run into each other however slow the machine;
@@ -277,11 +278,18 @@ class Frontend:
             n += 1
             rids = list(range(self.next_routed, self.next_routed + k))
             self.next_routed += k
-            handlers = []
+            futs = []
             for rid in rids:
                 fut = loop.create_future()
                 self.pending[rid] = fut
-                handlers.append(loop.create_task(self.create_completion(rid, fut)))
+                futs.append(fut)
+            # Each handler renders once the whole group has finished: the group's renders
+            # then run back to back, one stall, however many engine steps its requests took
+            # to finish (on a loaded machine some finished a step or two apart, and a group of
+            # five made several short stalls instead of one long one).
+            together = asyncio.gather(*futs)
+            handlers = [loop.create_task(self.create_completion(rid, fut, together))
+                        for rid, fut in zip(rids, futs)]
             submitted = mono()
             self.groups.append((submitted, k))
             try:
@@ -293,8 +301,9 @@ class Frontend:
             if self.window_start is not None and submitted >= self.window_start:
                 self.groups_done += 1
 
-    async def create_completion(self, rid, fut):
+    async def create_completion(self, rid, fut, together):
         req = await fut
+        await together
         content = build_response(self.rows, rid, self.cfg["served_model_name"],
                                  self.positions, req.tokens, int(time.time()))
         t0 = mono()
