@@ -390,6 +390,28 @@ impl Layout for OffCpuSumRec {
     }
 }
 
+/// Record 28: `count` off-CPU intervals of one thread and stack, one after another between
+/// two of its samples, as one: from the first one's start, lasting their sum.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OffCpuRunRec {
+    pub run: OffCpu,
+    pub count: u64,
+}
+
+impl Layout for OffCpuRunRec {
+    const TAG: u8 = tag::OFFCPU_RUN;
+    fn put(&self, out: &mut Vec<u8>) {
+        self.run.put(out);
+        put_varint(out, self.count);
+    }
+    fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
+        Ok(OffCpuRunRec {
+            run: OffCpu::get(c)?,
+            count: c.varint()?,
+        })
+    }
+}
+
 /// Record 24: GIL waits of one thread behind one holder and stacks, added up.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct GilWaitSumRec {

@@ -51,6 +51,8 @@ mod tag {
     pub(crate) const CALL_HIST: u8 = 25;
     pub(crate) const WAKE: u8 = 26;
     pub(crate) const GC_HIST: u8 = 27;
+    /// An event-loop thread's long off-CPU intervals between two of its samples, merged.
+    pub(crate) const OFFCPU_RUN: u8 = 28;
 }
 
 /// The most events one aggregated record may stand for (a reader expands them): far above
@@ -801,6 +803,87 @@ mod tests {
     /// off-CPU intervals, GIL waits and calls read back equal; every call duration within the
     /// bucket bound (so every quantile too); the API server's main thread (its event loop)
     /// and a thread seen running a task keep their raw events; the aggregated file is smaller.
+    /// An event loop's long off-CPU intervals between two of its samples: the first and the
+    /// last as they were, those between merged by stack into back-to-back runs (record 28),
+    /// read back with their count and their sum per stack; a change of stack ends a run.
+    #[test]
+    fn an_event_loops_blocks_between_samples_are_merged_but_their_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("loop.esrec");
+        let ms = 1_000_000u64;
+        let mut w = RecordingWriter::create(&path, &Meta::default()).unwrap();
+        w.aggregate(agg_opts(10_000 * ms));
+        w.process(&ProcessInfo {
+            pid: 7,
+            role: "api_server".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        let poll = w.intern_stack(&[frame("select", 1)]).unwrap();
+        let lock = w.intern_stack(&[frame("acquire", 2)]).unwrap();
+        let sample = |t_ns| Sample {
+            t_ns,
+            pid: 7,
+            tid: 7,
+            stack: poll,
+            flags: 0,
+            weight_ns: 1_000_000,
+        };
+        let off = |start_ms: u64, dur_ms: u64, stack| OffCpu {
+            start_ns: start_ms * ms,
+            dur_ns: dur_ms * ms,
+            pid: 7,
+            tid: 7,
+            stack,
+            preempted: false,
+        };
+        // Between the samples at 0 and 100 ms: seven blocks, the fifth in a lock; one short
+        // block (summed as before); then one block after the last sample.
+        let blocks = [
+            off(10, 3, poll),
+            off(20, 4, poll),
+            off(30, 5, poll),
+            off(40, 6, poll),
+            off(50, 7, lock),
+            off(60, 8, poll),
+            off(70, 9, poll),
+        ];
+        w.sample(&sample(0)).unwrap();
+        for o in &blocks {
+            w.offcpu(o).unwrap();
+        }
+        w.offcpu(&off(80, 1, poll)).unwrap();
+        w.sample(&sample(100 * ms)).unwrap();
+        w.offcpu(&off(110, 2, poll)).unwrap();
+        w.finish(&EndInfo::default()).unwrap();
+        let r = read_recording(&path).unwrap();
+        let mut got: Vec<(u64, u64, u32)> = r
+            .offcpu
+            .iter()
+            .filter(|o| o.dur_ns >= 2 * ms)
+            .map(|o| (o.start_ns / 100_000, o.dur_ns / 100_000, o.stack))
+            .collect();
+        got.sort_unstable();
+        // In 0.1 ms: the first (10 ms) and the last (70 ms) as written; 20-40 ms one run of
+        // three (15 ms from 20 ms: 5 ms each); the lock's alone; 60 ms alone (a run of one).
+        assert_eq!(
+            got,
+            vec![
+                (100, 30, poll),
+                (200, 50, poll),
+                (250, 50, poll),
+                (300, 50, poll),
+                (500, 70, lock),
+                (600, 80, poll),
+                (700, 90, poll),
+                (1100, 20, poll),
+            ]
+        );
+        let total: u64 = r.offcpu.iter().map(|o| o.dur_ns).sum();
+        assert_eq!(total, (3 + 4 + 5 + 6 + 7 + 8 + 9 + 1 + 2) * ms);
+        assert_eq!(r.offcpu.len(), 9);
+    }
+
     #[test]
     fn aggregated_events_read_back_with_exact_sums_and_counts() {
         use std::collections::BTreeMap;

@@ -7,8 +7,8 @@ use std::path::Path;
 use anyhow::{bail, Context};
 
 use super::layout::{
-    CallHistRec, FrameRec, GcHistRec, GilWaitSumRec, IntervalRec, Layout, OffCpuSumRec, SampleRec,
-    SamplesRec, StackRec,
+    CallHistRec, FrameRec, GcHistRec, GilWaitSumRec, IntervalRec, Layout, OffCpuRunRec,
+    OffCpuSumRec, SampleRec, SamplesRec, StackRec,
 };
 use super::{aggregated_count, tag, Cur, MAGIC, VERSION};
 use crate::record::model::*;
@@ -203,6 +203,7 @@ impl RecordingReader {
             }
             tag::SAMPLES => self.samples_sum(SamplesRec::get(c)?)?,
             tag::OFFCPU_SUM => self.offcpu_sum(OffCpuSumRec::get(c)?)?,
+            tag::OFFCPU_RUN => self.offcpu_run(OffCpuRunRec::get(c)?)?,
             tag::GIL_WAIT_SUM => self.gil_wait_sum(GilWaitSumRec::get(c)?)?,
             tag::CALL_HIST => self.call_hist(CallHistRec::get(c)?)?,
             tag::GC_HIST => self.gc_hist(GcHistRec::get(c)?)?,
@@ -309,6 +310,23 @@ impl RecordingReader {
                 stack: a.key.stack,
                 preempted: a.key.preempted,
             });
+        }
+        Ok(())
+    }
+
+    /// Record 28: the run's intervals, back to back from its start, their sum split equally.
+    fn offcpu_run(&mut self, r: OffCpuRunRec) -> anyhow::Result<()> {
+        let count = aggregated_count(r.count)?;
+        self.known_stacks(&[r.run.stack], "a run of off-CPU intervals")?;
+        let mut start = r.run.start_ns;
+        for i in 0..count {
+            let dur_ns = profile::part(r.run.dur_ns, count, i);
+            self.recording.offcpu.push(OffCpu {
+                start_ns: start,
+                dur_ns,
+                ..r.run
+            });
+            start = start.saturating_add(dur_ns);
         }
         Ok(())
     }

@@ -11,8 +11,8 @@ use crate::sys::FastMap;
 use anyhow::Context;
 
 use super::layout::{
-    CallHistRec, FrameRec, GcHistRec, GilWaitSumRec, IntervalRec, Layout, OffCpuSumRec, SampleRec,
-    SamplesRec, StackRec,
+    CallHistRec, FrameRec, GcHistRec, GilWaitSumRec, IntervalRec, Layout, OffCpuRunRec,
+    OffCpuSumRec, SampleRec, SamplesRec, StackRec,
 };
 use super::{tag, MAGIC, VERSION};
 use crate::record::model::*;
@@ -109,6 +109,27 @@ struct Profile {
     api_servers: std::collections::HashSet<i32>,
     /// Threads seen running an asyncio task.
     loop_threads: std::collections::HashSet<(i32, i32)>,
+    /// Per raw thread, its off-CPU intervals since its last sample ([`LoopHold`]).
+    holds: HashMap<(i32, i32), LoopHold>,
+}
+
+/// An event-loop thread's long off-CPU intervals between two of its samples: the first is
+/// written at once, the latest is held (it may be the last before the next sample), and those
+/// between, which no view needs one by one, are written merged: one record per run of the same
+/// stack and kind, at the run's first start, lasting their sum. What `views::stalls` reads of
+/// them is the same (the first blocked interval after a sample, the last before the next, and
+/// whether the thread went idle between two samples), and the thread's off-CPU time by stack
+/// is exact; where in the stretch between two samples it was spent is not. An API server under
+/// load blocks ~250 times a second between samples taken ~1.4 times a second (its loop is
+/// mostly idle): 4.9 KB/s of an agent's 10.5 on a real `vllm serve`.
+#[derive(Default)]
+struct LoopHold {
+    /// The first interval since the thread's last sample has been written.
+    first_written: bool,
+    /// The run of merged intervals being added up, and how many it holds.
+    merged: Option<(OffCpu, u64)>,
+    /// The latest interval.
+    held: Option<OffCpu>,
 }
 
 impl Profile {
@@ -211,6 +232,7 @@ impl RecordingWriter {
             acc: Accumulator::default(),
             api_servers: Default::default(),
             loop_threads: Default::default(),
+            holds: HashMap::new(),
         });
     }
 
@@ -238,6 +260,7 @@ impl RecordingWriter {
 
     /// Write what the interval added up, as ending at `end_ns`, and start the next there.
     fn write_profile(&mut self, end_ns: u64) -> anyhow::Result<()> {
+        self.release_holds(None)?;
         let Some(p) = self.profile.as_mut() else {
             return Ok(());
         };
@@ -620,7 +643,47 @@ impl RecordingWriter {
         Ok(id)
     }
 
+    /// Write what an event-loop thread's [`LoopHold`] holds (`thread` None: every thread's), and
+    /// begin afresh: at its sample, and where an interval or the file ends.
+    fn release_holds(&mut self, thread: Option<(i32, i32)>) -> anyhow::Result<()> {
+        let Some(p) = self.profile.as_mut() else {
+            return Ok(());
+        };
+        let holds: Vec<LoopHold> = match thread {
+            Some(k) => p.holds.remove(&k).into_iter().collect(),
+            None => {
+                let mut all: Vec<_> = p.holds.drain().collect();
+                all.sort_unstable_by_key(|(k, _)| *k);
+                all.into_iter().map(|(_, h)| h).collect()
+            }
+        };
+        for h in holds {
+            if let Some(run) = h.merged {
+                self.put_run(run)?;
+            }
+            if let Some(o) = h.held {
+                self.put(&o)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A run of merged off-CPU intervals: record 28, or record 7 where it holds one.
+    fn put_run(&mut self, (run, count): (OffCpu, u64)) -> anyhow::Result<()> {
+        if count == 1 {
+            return self.put(&run);
+        }
+        self.put(&OffCpuRunRec { run, count })
+    }
+
     pub fn sample(&mut self, s: &Sample) -> anyhow::Result<()> {
+        if self
+            .profile
+            .as_ref()
+            .is_some_and(|p| p.holds.contains_key(&(s.pid, s.tid)))
+        {
+            self.release_holds(Some((s.pid, s.tid)))?;
+        }
         if let Some(p) = self.profile.as_mut().filter(|p| !p.raw(s.pid, s.tid)) {
             p.acc.sample(
                 SampleKey {
@@ -647,6 +710,30 @@ impl RecordingWriter {
     }
 
     pub fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()> {
+        if let Some(p) = self.profile.as_mut() {
+            if p.raw(o.pid, o.tid) && o.dur_ns >= profile::LOOP_RAW_MIN_OFFCPU_NS {
+                let h = p.holds.entry((o.pid, o.tid)).or_default();
+                if h.first_written {
+                    // The held one is between two others now: into the run it continues.
+                    let Some(mid) = h.held.replace(*o) else {
+                        return Ok(());
+                    };
+                    match h.merged.as_mut() {
+                        Some((m, n)) if m.stack == mid.stack && m.preempted == mid.preempted => {
+                            m.dur_ns = m.dur_ns.saturating_add(mid.dur_ns);
+                            *n += 1;
+                            return Ok(());
+                        }
+                        _ => match h.merged.replace((mid, 1)) {
+                            Some(done) => return self.put_run(done),
+                            None => return Ok(()),
+                        },
+                    }
+                }
+                h.first_written = true;
+                return self.put(o);
+            }
+        }
         if let Some(p) = self
             .profile
             .as_mut()
