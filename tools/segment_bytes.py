@@ -15,7 +15,8 @@ NAMES = {1: "meta", 2: "process", 3: "thread", 4: "frame", 5: "stack", 6: "sampl
          12: "engine", 13: "metric series", 14: "metric point", 15: "scrape error",
          16: "probe", 17: "call", 18: "asyncio task", 19: "GC method", 20: "probe watch",
          21: "interval", 22: "samples (sum)", 23: "off-CPU (sum)", 24: "GIL wait (sum)",
-         25: "call histogram"}
+         25: "call histogram", 26: "wake-up", 27: "GC pause histogram",
+         28: "off-CPU run"}
 
 
 def varint(b, i):

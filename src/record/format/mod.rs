@@ -11,6 +11,9 @@
 //! reader ([`RecordingReader`]: a dispatch on the tag) live in files of their own.
 
 use anyhow::{bail, Context};
+use std::collections::HashMap;
+
+use crate::record::model::{RunningTask, TaskChange};
 
 mod layout;
 mod reader;
@@ -53,6 +56,88 @@ mod tag {
     pub(crate) const GC_HIST: u8 = 27;
     /// An event-loop thread's long off-CPU intervals between two of its samples, merged.
     pub(crate) const OFFCPU_RUN: u8 = 28;
+}
+
+/// Record 18 as written: a task's await chain (tens of qualified names; an API server's loop
+/// changes task a few times a second, mostly among a few chains) in full the first time it
+/// occurs in a file, with an id, then by that id alone with an empty `chain` (older readers
+/// read such a task without its chain).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct TaskWire {
+    t_ns: u64,
+    pid: i32,
+    tid: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    task: Option<TaskWireTask>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    prev_seen_ns: Option<u64>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct TaskWireTask {
+    name: String,
+    coro: String,
+    #[serde(default)]
+    chain: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    chain_id: Option<u32>,
+}
+
+impl TaskWire {
+    /// `t` as written, its chain interned in `chains` (the file's so far).
+    fn of(t: &TaskChange, chains: &mut crate::sys::FastMap<Vec<String>, u32>) -> TaskWire {
+        let task = t.task.as_ref().map(|k| {
+            let (chain, chain_id) = if k.chain.is_empty() {
+                (Vec::new(), None)
+            } else if let Some(&id) = chains.get(&k.chain) {
+                (Vec::new(), Some(id))
+            } else {
+                let id = chains.len() as u32;
+                chains.insert(k.chain.clone(), id);
+                (k.chain.clone(), Some(id))
+            };
+            TaskWireTask {
+                name: k.name.clone(),
+                coro: k.coro.clone(),
+                chain,
+                chain_id,
+            }
+        });
+        TaskWire {
+            t_ns: t.t_ns,
+            pid: t.pid,
+            tid: t.tid,
+            task,
+            prev_seen_ns: t.prev_seen_ns,
+        }
+    }
+
+    /// The task change, its chain looked up in `chains` (the file's so far) where it is given
+    /// by id; an id never defined reads as no chain.
+    fn resolve(self, chains: &mut HashMap<u32, Vec<String>>) -> TaskChange {
+        let task = self.task.map(|k| {
+            let chain = match k.chain_id {
+                Some(id) if k.chain.is_empty() => chains.get(&id).cloned().unwrap_or_default(),
+                Some(id) => {
+                    chains.insert(id, k.chain.clone());
+                    k.chain
+                }
+                None => k.chain,
+            };
+            RunningTask {
+                name: k.name,
+                coro: k.coro,
+                chain,
+            }
+        });
+        TaskChange {
+            t_ns: self.t_ns,
+            pid: self.pid,
+            tid: self.tid,
+            task,
+            prev_seen_ns: self.prev_seen_ns,
+        }
+    }
 }
 
 /// The most events one aggregated record may stand for (a reader expands them): far above
@@ -803,6 +888,84 @@ mod tests {
     /// off-CPU intervals, GIL waits and calls read back equal; every call duration within the
     /// bucket bound (so every quantile too); the API server's main thread (its event loop)
     /// and a thread seen running a task keep their raw events; the aggregated file is smaller.
+    /// Record 18's await chains: written whole once per file, then by id; read back whole in
+    /// every file of a rotation; a reader that knows no ids (older ones) reads the repeats
+    /// without their chain.
+    #[test]
+    fn task_chains_are_written_once_per_file_and_read_back_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
+        let meta = Meta::default();
+        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
+        w.process(&ProcessInfo {
+            pid: 7,
+            ..Default::default()
+        })
+        .unwrap();
+        w.thread(&ThreadInfo {
+            pid: 7,
+            tid: 7,
+            ..Default::default()
+        })
+        .unwrap();
+        let chain: Vec<String> = (0..20).map(|i| format!("Middleware{i}.__call__")).collect();
+        let change = |t_ns, name: &str, chain: &[String]| TaskChange {
+            t_ns,
+            pid: 7,
+            tid: 7,
+            task: Some(crate::record::RunningTask {
+                name: name.into(),
+                coro: "run_asgi".into(),
+                chain: chain.to_vec(),
+            }),
+            prev_seen_ns: None,
+        };
+        let other = vec!["create_completion".to_string()];
+        let written = vec![
+            change(1, "Task-1", &chain),
+            change(2, "Task-2", &other),
+            change(3, "Task-3", &chain),
+            TaskChange {
+                t_ns: 4,
+                pid: 7,
+                tid: 7,
+                task: None,
+                prev_seen_ns: Some(3),
+            },
+            change(5, "Task-4", &chain),
+        ];
+        for t in &written {
+            w.task_change(t).unwrap();
+        }
+        w.rotate(&b, &meta, &EndInfo::default(), &|_, _| true)
+            .unwrap();
+        w.task_change(&change(6, "Task-5", &chain)).unwrap();
+        w.finish(&EndInfo::default()).unwrap();
+        let ra = read_recording(&a).unwrap();
+        assert_eq!(ra.task_changes, written);
+        // The second file carries the running task (whole) and has its own table.
+        let rb = read_recording(&b).unwrap();
+        assert_eq!(rb.task_changes.len(), 2, "{:?}", rb.task_changes);
+        assert!(rb
+            .task_changes
+            .iter()
+            .all(|t| t.task.as_ref().unwrap().chain == chain));
+        // The chain is in the first file once.
+        let bytes = std::fs::read(&a).unwrap();
+        let needle = b"Middleware19.__call__";
+        let times = bytes.windows(needle.len()).filter(|w| w == needle).count();
+        assert_eq!(times, 1);
+        // What an older reader makes of a repeat: the task, without its chain.
+        let wire = serde_json::to_vec(&TaskWire::of(&written[2], &mut {
+            let mut m = crate::sys::FastMap::default();
+            m.insert(chain.clone(), 0u32);
+            m
+        }))
+        .unwrap();
+        let old: TaskChange = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(old.task.unwrap().chain, Vec::<String>::new());
+    }
+
     /// An event loop's long off-CPU intervals between two of its samples: the first and the
     /// last as they were, those between merged by stack into back-to-back runs (record 28),
     /// read back with their count and their sum per stack; a change of stack ends a run.

@@ -1,6 +1,7 @@
 //! Reading records back, incrementally (`top` follows a file being written): the reader
 //! dispatches on each record's tag to its [`super::layout`] and checks what it refers to.
 
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::Path;
 
@@ -56,6 +57,8 @@ pub struct RecordingReader {
     pending: usize,
     /// The interval the aggregated records being read belong to.
     interval: Option<(u64, u64)>,
+    /// Await chains of record 18 by id ([`super::TaskWire`]).
+    task_chains: HashMap<u32, Vec<String>>,
 }
 
 impl RecordingReader {
@@ -134,7 +137,10 @@ impl RecordingReader {
             }
             tag::PROCESS => r.processes.push(serde_json::from_slice(p)?),
             tag::THREAD => r.threads.push(serde_json::from_slice(p)?),
-            tag::TASK => r.task_changes.push(serde_json::from_slice(p)?),
+            tag::TASK => {
+                let wire: super::TaskWire = serde_json::from_slice(p)?;
+                r.task_changes.push(wire.resolve(&mut self.task_chains));
+            }
             tag::COUNTERS => {
                 let m: std::collections::BTreeMap<String, u64> = serde_json::from_slice(p)?;
                 r.counters.extend(m);

@@ -40,6 +40,8 @@ pub struct RecordingWriter {
     carried: Option<Carried>,
     /// Rotations so far: frame and stack ids are only valid within one generation.
     generation: u64,
+    /// Await chains of record 18 written so far in this file, by id ([`super::TaskWire`]).
+    task_chains: FastMap<Vec<String>, u32>,
     /// Set when events are stored aggregated per interval ([`Self::aggregate`]).
     profile: Option<Profile>,
     /// Where this file's `META` payload lies and how long it is (padded with spaces, so that
@@ -202,6 +204,7 @@ impl RecordingWriter {
             last_sample_ns: 0,
             carried: None,
             generation: 0,
+            task_chains: FastMap::default(),
             profile: None,
             meta_at: (0, 0),
             reserved_to: Some(0),
@@ -400,6 +403,7 @@ impl RecordingWriter {
         stacks.sort_unstable_by_key(|(id, _)| *id);
         let stacks: Vec<Vec<u32>> = stacks.into_iter().map(|(_, s)| s).collect();
         self.generation += 1;
+        self.task_chains.clear();
         self.samples = 0;
         self.last_sample_ns = 0;
         self.header(meta)?;
@@ -453,13 +457,12 @@ impl RecordingWriter {
             c.tasks
                 .retain(|&(pid, tid), _| c.threads.contains_key(&(pid, tid)));
             for t in c.tasks.values() {
-                self.json(
-                    tag::TASK,
-                    &TaskChange {
-                        t_ns: 0,
-                        ..t.clone()
-                    },
-                )?;
+                let t = TaskChange {
+                    t_ns: 0,
+                    ..t.clone()
+                };
+                let wire = super::TaskWire::of(&t, &mut self.task_chains);
+                self.json(tag::TASK, &wire)?;
             }
             c.probes.retain(|p| c.processes.contains_key(&p.pid));
             c.probe_ids.clear();
@@ -572,7 +575,8 @@ impl RecordingWriter {
                 c.tasks.remove(&(t.pid, t.tid));
             }
         }
-        self.json(tag::TASK, t)
+        let wire = super::TaskWire::of(t, &mut self.task_chains);
+        self.json(tag::TASK, &wire)
     }
 
     pub fn counters(&mut self, c: &std::collections::BTreeMap<String, u64>) -> anyhow::Result<()> {
