@@ -884,10 +884,6 @@ mod tests {
         .unwrap()
     }
 
-    /// The same events written raw and aggregated: per-thread sums and counts of samples,
-    /// off-CPU intervals, GIL waits and calls read back equal; every call duration within the
-    /// bucket bound (so every quantile too); the API server's main thread (its event loop)
-    /// and a thread seen running a task keep their raw events; the aggregated file is smaller.
     /// Record 18's await chains: written whole once per file, then by id; read back whole in
     /// every file of a rotation; a reader that knows no ids (older ones) reads the repeats
     /// without their chain.
@@ -1047,6 +1043,10 @@ mod tests {
         assert_eq!(r.offcpu.len(), 9);
     }
 
+    /// The same events written raw and aggregated: per-thread sums and counts of samples,
+    /// off-CPU intervals, GIL waits and calls read back equal; every call duration within the
+    /// bucket bound (so every quantile too); the API server's main thread (its event loop)
+    /// and a thread seen running a task keep their raw events; the aggregated file is smaller.
     #[test]
     fn aggregated_events_read_back_with_exact_sums_and_counts() {
         use std::collections::BTreeMap;
