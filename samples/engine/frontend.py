@@ -284,9 +284,9 @@ class Frontend:
                 self.pending[rid] = fut
                 futs.append(fut)
             # Each handler renders once the whole group has finished: the group's renders
-            # then run back to back, one stall, however many engine steps its requests took
-            # to finish (on a loaded machine some finished a step or two apart, and a group of
-            # five made several short stalls instead of one long one).
+            # then run back to back in one turn of the loop, one stall, however many engine
+            # steps its requests took to finish (on a loaded machine some finished a step or
+            # two apart, and a group of five made several short stalls instead of one).
             together = asyncio.gather(*futs)
             handlers = [loop.create_task(self.create_completion(rid, fut, together))
                         for rid, fut in zip(rids, futs)]
@@ -302,8 +302,12 @@ class Frontend:
                 self.groups_done += 1
 
     async def create_completion(self, rid, fut, together):
-        req = await fut
+        # Woken by the group's barrier alone, so that every handler of the group wakes in one
+        # turn of the loop (awaiting its own future first, the handler of the group's last
+        # request woke a turn earlier than the rest and rendered alone, with the loop's poll
+        # between it and the others).
         await together
+        req = fut.result()
         content = build_response(self.rows, rid, self.cfg["served_model_name"],
                                  self.positions, req.tokens, int(time.time()))
         t0 = mono()
