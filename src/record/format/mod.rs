@@ -287,7 +287,9 @@ mod tests {
     }
 
     /// Record 18: task changes read back in order; a rotation carries the tasks in progress
-    /// (not the threads that ran none) into the new segment at time 0.
+    /// (not the threads that ran none) into the new segment at time 0. Await chains are
+    /// written whole once per file, then by id, and read back whole in every file; a reader
+    /// that knows no ids (older ones) reads the repeats without their chain.
     #[test]
     fn task_changes_roundtrip_and_rotate() {
         use crate::record::RunningTask;
@@ -335,22 +337,49 @@ mod tests {
                 task: None,
                 prev_seen_ns: Some(15),
             },
+            TaskChange {
+                t_ns: 40,
+                pid: 7,
+                tid: 8,
+                task: Some(RunningTask {
+                    chain: vec!["other".into()],
+                    ..task.clone()
+                }),
+                prev_seen_ns: None,
+            },
         ];
         for c in &changes {
             w.task_change(c).unwrap();
         }
         w.flush().unwrap();
         assert_eq!(read_recording(&a).unwrap().task_changes, changes);
+        // The chain twice in the file's changes, once in its bytes.
+        let bytes = std::fs::read(&a).unwrap();
+        let needle = b"render_response";
+        assert_eq!(
+            bytes.windows(needle.len()).filter(|w| w == needle).count(),
+            1
+        );
+        // What an older reader makes of the repeat: the task without its chain.
+        let mut chains = crate::sys::FastMap::default();
+        chains.insert(task.chain.clone(), 0u32);
+        let wire = serde_json::to_vec(&TaskWire::of(&changes[1], &mut chains)).unwrap();
+        let old: TaskChange = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(old.task.map(|t| t.chain), Some(Vec::new()));
         w.rotate(&b, &meta, &EndInfo::default(), &|_, _| true)
             .unwrap();
+        // The new file has its own table: a repeat of a chain the old one defined.
+        w.task_change(&changes[1]).unwrap();
         w.finish(&EndInfo::default()).unwrap();
-        assert_eq!(
-            read_recording(&b).unwrap().task_changes,
-            vec![TaskChange {
+        let carried: Vec<TaskChange> = [0, 3]
+            .iter()
+            .map(|&i| TaskChange {
                 t_ns: 0,
-                ..changes[0].clone()
-            }]
-        );
+                ..changes[i].clone()
+            })
+            .chain([changes[1].clone()])
+            .collect();
+        assert_eq!(read_recording(&b).unwrap().task_changes, carried);
     }
 
     #[test]
@@ -882,84 +911,6 @@ mod tests {
             reason: "done".into(),
         })
         .unwrap()
-    }
-
-    /// Record 18's await chains: written whole once per file, then by id; read back whole in
-    /// every file of a rotation; a reader that knows no ids (older ones) reads the repeats
-    /// without their chain.
-    #[test]
-    fn task_chains_are_written_once_per_file_and_read_back_whole() {
-        let dir = tempfile::tempdir().unwrap();
-        let (a, b) = (dir.path().join("a.esrec"), dir.path().join("b.esrec"));
-        let meta = Meta::default();
-        let mut w = RecordingWriter::create_rotating(&a, &meta).unwrap();
-        w.process(&ProcessInfo {
-            pid: 7,
-            ..Default::default()
-        })
-        .unwrap();
-        w.thread(&ThreadInfo {
-            pid: 7,
-            tid: 7,
-            ..Default::default()
-        })
-        .unwrap();
-        let chain: Vec<String> = (0..20).map(|i| format!("Middleware{i}.__call__")).collect();
-        let change = |t_ns, name: &str, chain: &[String]| TaskChange {
-            t_ns,
-            pid: 7,
-            tid: 7,
-            task: Some(crate::record::RunningTask {
-                name: name.into(),
-                coro: "run_asgi".into(),
-                chain: chain.to_vec(),
-            }),
-            prev_seen_ns: None,
-        };
-        let other = vec!["create_completion".to_string()];
-        let written = vec![
-            change(1, "Task-1", &chain),
-            change(2, "Task-2", &other),
-            change(3, "Task-3", &chain),
-            TaskChange {
-                t_ns: 4,
-                pid: 7,
-                tid: 7,
-                task: None,
-                prev_seen_ns: Some(3),
-            },
-            change(5, "Task-4", &chain),
-        ];
-        for t in &written {
-            w.task_change(t).unwrap();
-        }
-        w.rotate(&b, &meta, &EndInfo::default(), &|_, _| true)
-            .unwrap();
-        w.task_change(&change(6, "Task-5", &chain)).unwrap();
-        w.finish(&EndInfo::default()).unwrap();
-        let ra = read_recording(&a).unwrap();
-        assert_eq!(ra.task_changes, written);
-        // The second file carries the running task (whole) and has its own table.
-        let rb = read_recording(&b).unwrap();
-        assert_eq!(rb.task_changes.len(), 2, "{:?}", rb.task_changes);
-        assert!(rb
-            .task_changes
-            .iter()
-            .all(|t| t.task.as_ref().unwrap().chain == chain));
-        // The chain is in the first file once.
-        let bytes = std::fs::read(&a).unwrap();
-        let needle = b"Middleware19.__call__";
-        let times = bytes.windows(needle.len()).filter(|w| w == needle).count();
-        assert_eq!(times, 1);
-        // What an older reader makes of a repeat: the task, without its chain.
-        let wire = serde_json::to_vec(&TaskWire::of(&written[2], &mut {
-            let mut m = crate::sys::FastMap::default();
-            m.insert(chain.clone(), 0u32);
-            m
-        }))
-        .unwrap();
-        let old: TaskChange = serde_json::from_slice(&wire).unwrap();
-        assert_eq!(old.task.unwrap().chain, Vec::<String>::new());
     }
 
     /// An event loop's long off-CPU intervals between two of its samples: the first and the

@@ -134,6 +134,32 @@ struct LoopHold {
     held: Option<OffCpu>,
 }
 
+impl LoopHold {
+    /// Take the thread's next long interval; what to write now, if anything: the interval
+    /// itself (the first since a sample), or a run the one held before it did not continue.
+    fn add(&mut self, o: OffCpu) -> Option<(OffCpu, u64)> {
+        if !self.first_written {
+            self.first_written = true;
+            return Some((o, 1));
+        }
+        // The held one is between two others now: into the run it continues, or a new one.
+        let mid = self.held.replace(o)?;
+        match self.merged.as_mut() {
+            Some((m, n)) if m.stack == mid.stack && m.preempted == mid.preempted => {
+                m.dur_ns = m.dur_ns.saturating_add(mid.dur_ns);
+                *n += 1;
+                None
+            }
+            _ => self.merged.replace((mid, 1)),
+        }
+    }
+
+    /// What is still to write, in time order: the run being added up, then the held interval.
+    fn rest(self) -> impl Iterator<Item = (OffCpu, u64)> {
+        self.merged.into_iter().chain(self.held.map(|o| (o, 1)))
+    }
+}
+
 impl Profile {
     /// Whether the thread's events are written one by one (views need them so: stalls).
     fn raw(&self, pid: i32, tid: i32) -> bool {
@@ -661,18 +687,13 @@ impl RecordingWriter {
                 all.into_iter().map(|(_, h)| h).collect()
             }
         };
-        for h in holds {
-            if let Some(run) = h.merged {
-                self.put_run(run)?;
-            }
-            if let Some(o) = h.held {
-                self.put(&o)?;
-            }
+        for run in holds.into_iter().flat_map(LoopHold::rest) {
+            self.put_run(run)?;
         }
         Ok(())
     }
 
-    /// A run of merged off-CPU intervals: record 28, or record 7 where it holds one.
+    /// A run of off-CPU intervals: record 28, or record 7 where it holds one.
     fn put_run(&mut self, (run, count): (OffCpu, u64)) -> anyhow::Result<()> {
         if count == 1 {
             return self.put(&run);
@@ -681,13 +702,7 @@ impl RecordingWriter {
     }
 
     pub fn sample(&mut self, s: &Sample) -> anyhow::Result<()> {
-        if self
-            .profile
-            .as_ref()
-            .is_some_and(|p| p.holds.contains_key(&(s.pid, s.tid)))
-        {
-            self.release_holds(Some((s.pid, s.tid)))?;
-        }
+        self.release_holds(Some((s.pid, s.tid)))?;
         if let Some(p) = self.profile.as_mut().filter(|p| !p.raw(s.pid, s.tid)) {
             p.acc.sample(
                 SampleKey {
@@ -716,26 +731,10 @@ impl RecordingWriter {
     pub fn offcpu(&mut self, o: &OffCpu) -> anyhow::Result<()> {
         if let Some(p) = self.profile.as_mut() {
             if p.raw(o.pid, o.tid) && o.dur_ns >= profile::LOOP_RAW_MIN_OFFCPU_NS {
-                let h = p.holds.entry((o.pid, o.tid)).or_default();
-                if h.first_written {
-                    // The held one is between two others now: into the run it continues.
-                    let Some(mid) = h.held.replace(*o) else {
-                        return Ok(());
-                    };
-                    match h.merged.as_mut() {
-                        Some((m, n)) if m.stack == mid.stack && m.preempted == mid.preempted => {
-                            m.dur_ns = m.dur_ns.saturating_add(mid.dur_ns);
-                            *n += 1;
-                            return Ok(());
-                        }
-                        _ => match h.merged.replace((mid, 1)) {
-                            Some(done) => return self.put_run(done),
-                            None => return Ok(()),
-                        },
-                    }
-                }
-                h.first_written = true;
-                return self.put(o);
+                return match p.holds.entry((o.pid, o.tid)).or_default().add(*o) {
+                    Some(run) => self.put_run(run),
+                    None => Ok(()),
+                };
             }
         }
         if let Some(p) = self

@@ -430,14 +430,14 @@ impl<H: Watch> Probes<H> {
         if !r.want.contains(&i) {
             r.want.push(i);
         }
-        let cap = r.per_turn();
+        let per_turn = r.per_turn();
         let on = r
             .want
             .iter()
             .filter(|&&j| self.active[j].links.contains_key(&tid))
             .count();
         let off = self.suspended || self.regs.get(&tid).is_some_and(|r| r.off_until.is_some());
-        if self.active[i].links.contains_key(&tid) || on >= cap || off {
+        if self.active[i].links.contains_key(&tid) || on >= per_turn || off {
             // Set already, or waits for its turn (or for the thread's next on-phase).
             return Ok(());
         }
