@@ -148,6 +148,9 @@ struct walk_ctx {
     struct es_event *ev;
     struct walk_buf *buf;
     __u64 frame;
+    /* The walk's process and time (the code objects it has read lately, `code_seen`). */
+    __u64 now;
+    __u32 tgid;
     __u32 n;
     __u8 flags;
     /* Offsets of the chunks within a frame and a code object; 0xffffffff = read by field. */
@@ -175,6 +178,32 @@ struct {
     __type(key, __u32);
     __type(value, struct es_walk_id);
 } last_walk SEC(".maps");
+
+/* Code objects a walk has read lately, per process: what a frame sends of its code object (its
+ * identity for user space, `es_frame.code_id`) and whether it is one (`code_type_addr`). A
+ * walk reads each frame and its code object; an engine's stacks are tens of frames deep and
+ * made of the same few hundred code objects, so the code object's read was half of what a
+ * switch-out's walk cost, and what it gives does not change while the object lives. An entry
+ * is used for ES_CODE_SEEN_NS after its read, then read again: a code object freed and another
+ * made at its address within that time is sent with the old one's identity until then (user
+ * space names frames by address and identity). */
+#define ES_CODE_SEEN_NS 1000000000ull
+struct es_code_key {
+    __u64 code;
+    __u32 tgid;
+    __u32 pad;
+};
+struct es_code_seen {
+    __u64 t_ns;
+    __u32 code_id;
+    __u32 is_code;
+};
+struct {
+    __uint(type, BPF_MAP_TYPE_LRU_HASH);
+    __uint(max_entries, 8192);
+    __type(key, struct es_code_key);
+    __type(value, struct es_code_seen);
+} code_seen SEC(".maps");
 
 /* A frame's instruction field from its chunk (f_lasti widened on 3.10). */
 static __always_inline __u64 chunk_instr(const struct es_target *t, const __u8 *chunk, __u32 flo)
@@ -290,29 +319,52 @@ static long walk_one(__u64 index, void *data)
     code &= ~t->code_tag_mask;
     if (code == 0)
         return 0;
-    __s32 firstlineno = 0, offset = -1;
-    __u64 name = 0;
-    int cc = w->clo != ES_NO_CHUNK && b &&
-             bpf_probe_read_user(b->code, ES_CHUNK, (void *)(code + w->clo)) == 0;
-    if (t->code_type_addr) {
-        __u64 type = 0;
-        if (cc)
-            type = ld64(b->code, 8 - w->clo);
-        else if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)))
-            type = 0;
-        if (type != t->code_type_addr) {
+    __s32 offset = -1;
+    __u32 code_id = 0;
+    struct es_code_key ck = { .code = code, .tgid = w->tgid, .pad = 0 };
+    struct es_code_seen *seen = bpf_map_lookup_elem(&code_seen, &ck);
+    if (seen && w->now - seen->t_ns < ES_CODE_SEEN_NS) {
+        if (!seen->is_code) {
             count(ES_C_SKIPPED_NONCODE);
             return 0;
         }
-    }
-    if (cc) {
-        firstlineno = (__s32)ld32(b->code, t->code_firstlineno - w->clo);
-        name = ld64(b->code, t->code_name - w->clo);
-    } else if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
-               bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
-        w->flags |= ES_EV_PARTIAL;
-        count(ES_C_READ_FRAME_ERR);
-        return 1;
+        code_id = seen->code_id;
+    } else {
+        count(ES_C_CODE_READS);
+        __s32 firstlineno = 0;
+        __u64 name = 0;
+        int cc = w->clo != ES_NO_CHUNK && b &&
+                 bpf_probe_read_user(b->code, ES_CHUNK, (void *)(code + w->clo)) == 0;
+        struct es_code_seen fresh = { .t_ns = w->now, .code_id = 0, .is_code = 1 };
+        if (t->code_type_addr) {
+            __u64 type = 0;
+            if (cc)
+                type = ld64(b->code, 8 - w->clo);
+            else if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)))
+                type = 0;
+            if (type != t->code_type_addr) {
+                count(ES_C_SKIPPED_NONCODE);
+                /* An unreadable object is not remembered (a read can fail for a page not in
+                 * yet); a readable one of another type is a shim's (3.11's entry frames). */
+                if (type) {
+                    fresh.is_code = 0;
+                    bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
+                }
+                return 0;
+            }
+        }
+        if (cc) {
+            firstlineno = (__s32)ld32(b->code, t->code_firstlineno - w->clo);
+            name = ld64(b->code, t->code_name - w->clo);
+        } else if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
+                   bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
+            w->flags |= ES_EV_PARTIAL;
+            count(ES_C_READ_FRAME_ERR);
+            return 1;
+        }
+        code_id = (__u32)firstlineno ^ (__u32)(name >> 4);
+        fresh.code_id = code_id;
+        bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
     }
     if (t->frame_kind == 0) {
         __s32 lasti = -1;
@@ -347,7 +399,7 @@ static long walk_one(__u64 index, void *data)
     }
     w->ev->frames[n].code = code;
     w->ev->frames[n].instr_offset = offset;
-    w->ev->frames[n].code_id = (__u32)firstlineno ^ (__u32)(name >> 4);
+    w->ev->frames[n].code_id = code_id;
     w->n = n + 1;
     return 0;
 }
@@ -373,7 +425,8 @@ static __always_inline int top_frame(const struct es_target *t, __u64 tstate, __
 static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, struct es_event *ev, __u32 slot,
                                        struct es_walk_id *id)
 {
-    struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0, .hash = 1, .hash_ok = 1 };
+    struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0, .hash = 1, .hash_ok = 1,
+                          .now = bpf_ktime_get_ns(), .tgid = ev->h.tgid };
     id->hash = 0;
     w.buf = bpf_map_lookup_elem(&walk_bufs, &slot);
     w.flo = frame_chunk(t);

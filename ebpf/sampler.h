@@ -207,6 +207,7 @@ enum es_counter {
     ES_C_GC_NESTED,          /* collector entered while it runs on that thread (not a pause) */
     ES_C_SAME_STACK,         /* switch-outs sent without frames: the stack last walked */
     ES_C_WAKES,              /* wake-ups of a target thread by another of its threads (futex) */
+    ES_C_CODE_READS,         /* code objects read by walks (not remembered from one lately) */
     ES_C_COUNT,
 };
 

@@ -174,6 +174,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_gc_nested_calls",
     "bpf_same_stack_switch_outs",
     "bpf_wakes",
+    "bpf_code_reads",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).

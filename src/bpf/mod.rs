@@ -39,6 +39,9 @@ pub(crate) struct BpfSampler {
     ring: RingBuf<MapData>,
     targets: BpfHashMap<MapData, u32, EsTarget>,
     threads: BpfHashMap<MapData, u32, EsThread>,
+    /// `code_seen`: the code objects walks read lately, keyed by (address, tgid) (`struct
+    /// es_code_key`, 16 bytes; its value 16 bytes too).
+    code_seen: BpfHashMap<MapData, [u8; 16], [u8; 16]>,
     counters: PerCpuArray<MapData, u64>,
     /// The parts switched off (`ES_OFF_*`, one value).
     control: Array<MapData, u32>,
@@ -150,6 +153,8 @@ impl BpfSampler {
         let ring = RingBuf::try_from(bpf.take_map("events").context("no events map")?)?;
         let targets = BpfHashMap::try_from(bpf.take_map("targets").context("no targets map")?)?;
         let threads = BpfHashMap::try_from(bpf.take_map("threads").context("no threads map")?)?;
+        let code_seen =
+            BpfHashMap::try_from(bpf.take_map("code_seen").context("no code_seen map")?)?;
         let counters = PerCpuArray::try_from(bpf.take_map("counters").context("no counters map")?)?;
         let control = Array::try_from(bpf.take_map("control").context("no control map")?)?;
         // Have the kernel time every BPF program run (BPF_ENABLE_STATS, for as long as the fd
@@ -166,6 +171,7 @@ impl BpfSampler {
             ring,
             targets,
             threads,
+            code_seen,
             counters,
             control,
             stats,
@@ -723,8 +729,20 @@ impl BpfSampler {
             .context("updating the targets map")
     }
 
+    /// Stop recording process `tgid`, and forget the code objects its walks read (an LRU map
+    /// would drop them in time; an agent whose engines restart should hold nothing of the
+    /// gone ones).
     pub(crate) fn remove_target(&mut self, tgid: u32) {
         let _ = self.targets.remove(&tgid);
+        let gone: Vec<[u8; 16]> = self
+            .code_seen
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k[8..12] == tgid.to_ne_bytes())
+            .collect();
+        for k in gone {
+            let _ = self.code_seen.remove(&k);
+        }
     }
 
     pub(crate) fn set_thread(&mut self, tid: u32, t: &EsThread) -> anyhow::Result<()> {
