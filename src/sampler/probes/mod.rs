@@ -134,6 +134,19 @@ fn read_refcnt(proc: &PythonProcess, code: u64) -> Option<u32> {
     proc.mem.read_u64(code).ok().map(|v| v as u32)
 }
 
+/// Whether a thread's watched share, re-sized from `said` (the share last said, none the first
+/// time) to `duty`, is worth a line again: the first sizing, a share that halved or doubled
+/// since, and a move to or from watching all the time.
+fn said_again(said: Option<f64>, duty: f64) -> bool {
+    let Some(said) = said else {
+        return true;
+    };
+    if (said >= 1.0) != (duty >= 1.0) {
+        return true;
+    }
+    duty >= said * 2.0 || duty * 2.0 <= said
+}
+
 struct Active<H> {
     info: ProbeInfo,
     /// Code object address.
@@ -217,6 +230,10 @@ pub struct Probes<H = Breakpoint> {
     rng: u64,
     period_ns: u64,
     quiet: bool,
+    /// tid → the share of the time it was last said to be watched ([`said_again`]): the
+    /// budget re-sizes a thread's share every few seconds as its call rate moves, and a line
+    /// each time filled a long recording's terminal.
+    said_duty: HashMap<i32, f64>,
     /// tid → the exact probes wanting a register there.
     regs: HashMap<i32, ThreadRegs>,
     /// Watch edges not yet written (absolute times).
@@ -257,6 +274,7 @@ impl<H: Watch> Probes<H> {
                 | 1,
             period_ns: period_ns.max(1),
             quiet,
+            said_duty: HashMap::new(),
             regs: HashMap::new(),
             edges: Vec::new(),
             rotate_ns: rotate_ns(),
@@ -900,7 +918,8 @@ impl<H: Watch> Probes<H> {
         changed.sort_by_key(|c| c.0);
         for (tid, full, duty) in changed {
             self.n.budget_resizes += 1;
-            if !self.quiet {
+            if !self.quiet && said_again(self.said_duty.get(&tid).copied(), duty) {
+                self.said_duty.insert(tid, duty);
                 eprintln!(
                     "enginescope: thread {tid}: its exact probes would cost {:.1}% of its time watched all the time (debug traps and context switches); watched {:.0}% of the time for --probe-budget {:.2}% (counts scaled, coverage on every figure)",
                     full * 100.0,
@@ -1351,6 +1370,19 @@ impl<H: Watch> Probes<H> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_resized_share_is_said_again_only_when_it_moves_far() {
+        use super::said_again;
+        assert!(said_again(None, 0.2));
+        assert!(!said_again(Some(0.2), 0.25));
+        assert!(!said_again(Some(0.2), 0.16));
+        assert!(said_again(Some(0.2), 0.4));
+        assert!(said_again(Some(0.2), 0.1));
+        assert!(said_again(Some(0.8), 1.0));
+        assert!(said_again(Some(1.0), 0.9));
+        assert!(!said_again(Some(1.0), 1.0));
+    }
+
     use super::super::sink::Event;
     use super::*;
     use crate::bpf::abi::ProbeFrame;
