@@ -46,11 +46,13 @@ fn check(label: &str, backend: &str, rate: &str, share_tol: f64) {
 /// [`check`] of cpu_mix run with `extra` arguments.
 fn check_with(label: &str, backend: &str, rate: &str, share_tol: f64, extra: &[&str]) {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let steal_before = common::cpu::steal_s();
     let Some((r, truth, kept)) =
         record_workload_at(&interp(label), "cpu_mix.py", extra, WINDOW_S, backend, rate)
     else {
         return;
     };
+    let stolen_s = common::cpu::steal_s() - steal_before;
     let _ = std::fs::remove_file(kept);
 
     let t0 = r.meta.start_mono_ns;
@@ -112,11 +114,18 @@ fn check_with(label: &str, backend: &str, rate: &str, share_tol: f64, extra: &[&
             (got_on - truth_on).abs() <= 0.03,
             format!("{name}: on-CPU {got_on:.3} vs truth {truth_on:.3}"),
         );
+        // The hypervisor's steal while the thread ran is in neither figure of the recording
+        // (no switch, no CPU time) and in the truth's off-CPU (wall less CPU time): the
+        // recorded off-CPU may read low by up to the machine's steal over the run (all CPUs,
+        // before the window and after it too: a bound, 0 on a quiet host).
+        let steal = stolen_s / win.len() as f64 * 1e9;
+        let off_err = got_off - (1.0 - truth_on);
         expect(
-            (got_off - (1.0 - truth_on)).abs() <= 0.03,
+            off_err <= 0.03 && off_err >= -0.03 - steal,
             format!(
-                "{name}: off-CPU {got_off:.3} vs truth {:.3}",
-                1.0 - truth_on
+                "{name}: off-CPU {got_off:.3} vs truth {:.3} (machine steal {:.3} of the window)",
+                1.0 - truth_on,
+                steal
             ),
         );
 
