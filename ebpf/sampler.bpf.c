@@ -269,6 +269,70 @@ static __always_inline __u32 code_chunk(const struct es_target *t)
     return hi - lo <= ES_CHUNK ? lo : ES_NO_CHUNK;
 }
 
+/* What a frame sends of its code object (its identity, `*code_id`), remembered in `code_seen`
+ * for ES_CODE_SEEN_NS: 1, 0 when the object is not a code object (skip the frame), -1 when it
+ * could not be read. A function of its own, verified once: inline in the walk's loop body it
+ * made the verifier take seconds. */
+struct es_code_io {
+    __u64 now;
+    __u32 tgid;
+    __u32 clo;
+    __u32 code_id; /* out */
+    __u32 pad;
+};
+
+__noinline int code_info(const struct es_target *t, struct walk_buf *b, __u64 code, struct es_code_io *io)
+{
+    if (!t || !io)
+        return -1;
+    __u64 now = io->now;
+    __u32 tgid = io->tgid, clo = io->clo;
+    struct es_code_key ck = { .code = code, .tgid = tgid, .pad = 0 };
+    struct es_code_seen *seen = bpf_map_lookup_elem(&code_seen, &ck);
+    if (seen && now - seen->t_ns < ES_CODE_SEEN_NS) {
+        if (!seen->is_code) {
+            count(ES_C_SKIPPED_NONCODE);
+            return 0;
+        }
+        io->code_id = seen->code_id;
+        return 1;
+    }
+    count(ES_C_CODE_READS);
+    __s32 firstlineno = 0;
+    __u64 name = 0;
+    int cc = clo != ES_NO_CHUNK && b && bpf_probe_read_user(b->code, ES_CHUNK, (void *)(code + clo)) == 0;
+    struct es_code_seen fresh = { .t_ns = now, .code_id = 0, .is_code = 1 };
+    if (t->code_type_addr) {
+        __u64 type = 0;
+        if (cc && b)
+            type = ld64(b->code, 8 - clo);
+        else if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)))
+            type = 0;
+        if (type != t->code_type_addr) {
+            count(ES_C_SKIPPED_NONCODE);
+            /* An unreadable object is not remembered (a read can fail for a page not in
+             * yet); a readable one of another type is a shim's (3.11's entry frames). */
+            if (type) {
+                fresh.is_code = 0;
+                bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
+            }
+            return 0;
+        }
+    }
+    if (cc && b) {
+        firstlineno = (__s32)ld32(b->code, t->code_firstlineno - clo);
+        name = ld64(b->code, t->code_name - clo);
+    } else if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
+               bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
+        count(ES_C_READ_FRAME_ERR);
+        return -1;
+    }
+    io->code_id = (__u32)firstlineno ^ (__u32)(name >> 4);
+    fresh.code_id = io->code_id;
+    bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
+    return 1;
+}
+
 static long walk_one(__u64 index, void *data)
 {
     struct walk_ctx *w = data;
@@ -321,50 +385,14 @@ static long walk_one(__u64 index, void *data)
         return 0;
     __s32 offset = -1;
     __u32 code_id = 0;
-    struct es_code_key ck = { .code = code, .tgid = w->tgid, .pad = 0 };
-    struct es_code_seen *seen = bpf_map_lookup_elem(&code_seen, &ck);
-    if (seen && w->now - seen->t_ns < ES_CODE_SEEN_NS) {
-        if (!seen->is_code) {
-            count(ES_C_SKIPPED_NONCODE);
-            return 0;
-        }
-        code_id = seen->code_id;
-    } else {
-        count(ES_C_CODE_READS);
-        __s32 firstlineno = 0;
-        __u64 name = 0;
-        int cc = w->clo != ES_NO_CHUNK && b &&
-                 bpf_probe_read_user(b->code, ES_CHUNK, (void *)(code + w->clo)) == 0;
-        struct es_code_seen fresh = { .t_ns = w->now, .code_id = 0, .is_code = 1 };
-        if (t->code_type_addr) {
-            __u64 type = 0;
-            if (cc)
-                type = ld64(b->code, 8 - w->clo);
-            else if (bpf_probe_read_user(&type, sizeof(type), (void *)(code + 8)))
-                type = 0;
-            if (type != t->code_type_addr) {
-                count(ES_C_SKIPPED_NONCODE);
-                /* An unreadable object is not remembered (a read can fail for a page not in
-                 * yet); a readable one of another type is a shim's (3.11's entry frames). */
-                if (type) {
-                    fresh.is_code = 0;
-                    bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
-                }
-                return 0;
-            }
-        }
-        if (cc) {
-            firstlineno = (__s32)ld32(b->code, t->code_firstlineno - w->clo);
-            name = ld64(b->code, t->code_name - w->clo);
-        } else if (bpf_probe_read_user(&firstlineno, sizeof(firstlineno), (void *)(code + t->code_firstlineno)) ||
-                   bpf_probe_read_user(&name, sizeof(name), (void *)(code + t->code_name))) {
-            w->flags |= ES_EV_PARTIAL;
-            count(ES_C_READ_FRAME_ERR);
-            return 1;
-        }
-        code_id = (__u32)firstlineno ^ (__u32)(name >> 4);
-        fresh.code_id = code_id;
-        bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
+    struct es_code_io io = { .now = w->now, .tgid = w->tgid, .clo = w->clo, .code_id = 0, .pad = 0 };
+    int got = code_info(t, b, code, &io);
+    code_id = io.code_id;
+    if (got == 0)
+        return 0;
+    if (got < 0) {
+        w->flags |= ES_EV_PARTIAL;
+        return 1;
     }
     if (t->frame_kind == 0) {
         __s32 lasti = -1;
