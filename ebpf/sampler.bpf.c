@@ -897,7 +897,11 @@ static __always_inline void gil_wait_begins(const struct es_target *t, __u32 tgi
  * per yield. Any other (preempted by the scheduler) walks the stack, as a sample does: the
  * last known stack can be another function's (a thread preempted right after dropping the GIL
  * on its way into a blocking read would otherwise be blamed on the function it sampled last),
- * and preemptions come at most once per time slice. With GIL tracing, a thread falling asleep
+ * and preemptions come at most once per time slice. Except with ES_TARGET_PREEMPT_LAST (the
+ * agent): a preemption lands where the thread spends its CPU time, as a sample does, so the
+ * last known stack is a draw from the same distribution, and an engine thread preempted
+ * hundreds of times a second at as many different lines would fill an always-on recorder's
+ * stack table and cost a walk in the scheduler each time. With GIL tracing, a thread falling asleep
  * on the GIL begins a GIL wait (before its switch-out record) and its switch-in ends it
  * (after its switch-in record). */
 SEC("tp_btf/sched_switch")
@@ -923,7 +927,7 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
             } else if (!asleep) {
                 /* Runs in prev's context: its memory is the current address space. */
                 count(ES_C_SWITCH_OUT);
-                if (!preempt && in_sched_yield())
+                if ((!preempt && in_sched_yield()) || (t->flags & ES_TARGET_PREEMPT_LAST))
                     submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
                 else
                     record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, ES_EV_PREEMPTED, 0);

@@ -58,6 +58,8 @@ struct es_target {
 #define ES_TARGET_KSTACK 8      /* a kernel stack with each sample and blocking switch-out */
 #define ES_TARGET_USTACK 16     /* user registers + a window of the user stack, likewise */
 #define ES_TARGET_GC_UPROBE 32  /* GC pauses from a uprobe + uretprobe on the collector */
+#define ES_TARGET_PREEMPT_LAST 64 /* a preempted switch-out sends no stack: the thread's last known
+                                 * one stands for it (the agent's aggregated recordings) */
 
 /* The `control` map's one value: which parts are off (`enginescope cost`'s off arms). A
  * program whose part is off returns at its first instruction. */

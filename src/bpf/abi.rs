@@ -60,6 +60,9 @@ pub(crate) const TARGET_GIL: u32 = 2;
 pub(crate) const TARGET_GC: u32 = 4;
 /// GC pauses from a uprobe + uretprobe on the collector function (`ES_TARGET_GC_UPROBE`).
 pub(crate) const TARGET_GC_UPROBE: u32 = 32;
+/// A preempted switch-out sends no stack: the thread's last known one stands for it
+/// (`ES_TARGET_PREEMPT_LAST`; the agent).
+pub(crate) const TARGET_PREEMPT_LAST: u32 = 64;
 
 /// Bits of the `control` map's value (`ES_OFF_*`): parts switched off, each program returning
 /// at its first instruction (`record --measure-cost`'s off arms).

@@ -31,6 +31,9 @@ pub(crate) struct BpfTracing {
     pub quiet: bool,
     /// Native and kernel frames (`record --native` / `--kernel-stacks`).
     pub native: crate::native::NativeOptions,
+    /// A preempted thread's off-CPU interval carries the stack walked where it was
+    /// preempted; false: its last known stack (aggregated recordings: the agent).
+    pub preempted_stacks: bool,
 }
 
 pub(crate) struct BpfSource {
@@ -107,6 +110,9 @@ impl BpfSource {
         }
         if self.tracing.native.user {
             fl |= abi::TARGET_USTACK;
+        }
+        if !self.tracing.preempted_stacks {
+            fl |= abi::TARGET_PREEMPT_LAST;
         }
         if let Some(n) = self.native.as_mut() {
             // Map its modules now: their symbol tables load while it runs.
