@@ -1191,9 +1191,43 @@ fn held(pid: u32) -> Held {
             .output()
             .expect("bpftool (apt-get install bpftool)");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-        h.map_entries += v.as_array().map_or(0, |a| a.len());
+        let entries = v.as_array().cloned().unwrap_or_default();
+        if map_name(&id) == "code_seen" {
+            // The code objects walks read lately, per process: as many as the live processes'
+            // stacks hold (tens each, coming and going with the workers); what must not stay
+            // is an entry of a process gone (its detach drops them).
+            h.map_entries += entries
+                .iter()
+                .filter(|e| {
+                    code_seen_tgid(e).is_some_and(|t| !Path::new(&format!("/proc/{t}")).exists())
+                })
+                .count();
+        } else {
+            h.map_entries += entries.len();
+        }
     }
     h
+}
+
+/// A BPF map's name (`bpftool map show`).
+fn map_name(id: &str) -> String {
+    let out = Command::new("bpftool")
+        .args(["map", "show", "id", id, "--json"])
+        .output()
+        .expect("bpftool (apt-get install bpftool)");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    v["name"].as_str().unwrap_or_default().to_string()
+}
+
+/// The process of a `code_seen` entry: bytes 8..12 of its key (`struct es_code_key`), as
+/// bpftool dumps a key (hex strings, one a byte).
+fn code_seen_tgid(entry: &serde_json::Value) -> Option<u32> {
+    let key: Vec<u8> = entry["key"]
+        .as_array()?
+        .iter()
+        .filter_map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+        .collect();
+    Some(u32::from_ne_bytes(key.get(8..12)?.try_into().ok()?))
 }
 
 /// A number from the environment (a longer run than CI's, by hand), else `default`.
