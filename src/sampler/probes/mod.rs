@@ -1088,6 +1088,7 @@ impl<H: Watch> Probes<H> {
         }
         self.regs.remove(&tid);
         self.traps.remove(&tid);
+        self.said_duty.remove(&tid);
         let gone: Vec<(i32, usize)> = self.open.keys().filter(|k| k.0 == tid).copied().collect();
         for k in gone {
             if let Some(c) = self.open.remove(&k) {
