@@ -1,6 +1,8 @@
 """A target that misbehaves while it is recorded (tests/live_faults.rs): two threads spin in
 `spin()`; --after seconds after READY the process exits (--exit) or replaces itself with a new
-Python (--exec) whose main thread spins in `after_exec()` for --for seconds, then exits. With
+Python (--exec) whose main thread spins in `after_exec()` for --for seconds, then exits. The
+new Python comes through a shell that waits a moment first, as a launcher script would: the
+process is a shell, then a Python still starting, before it is a Python to record. With
 --churn N it instead starts short-lived threads (`churn`, each summing a few hundred numbers in
 `work()`), N a second in batches of ten, for --for seconds, then prints how many it started.
 
@@ -71,7 +73,8 @@ def main():
         "after_exec(%f)\n" % a.for_s
     )
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-c", code])
+    launcher = 'sleep 0.2; exec "$0" -c "$1"'
+    os.execv("/bin/sh", ["/bin/sh", "-c", launcher, sys.executable, code])
 
 
 if __name__ == "__main__":

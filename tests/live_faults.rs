@@ -1,6 +1,6 @@
 //! Targets that misbehave while recorded (issue 25), four at once in one `record`: a healthy
 //! one (the yardstick), one frozen with SIGSTOP for 1.5 s in the middle, one that exits, one
-//! that `exec`s a new Python. enginescope must neither hang nor fail: the recording ends on
+//! that `exec`s a new Python through a shell. enginescope must neither hang nor fail: the recording ends on
 //! time and whole, says the exiting target went, attaches again to the one that exec'd (its new
 //! program's Python read), takes no sample of the frozen one while it is stopped, and the
 //! healthy target's samples match the CPU time it really used over the window

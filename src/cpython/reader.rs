@@ -284,6 +284,26 @@ impl PythonProcess {
             .wrapping_add(self.offsets.gc_collecting)
     }
 
+    /// Whether the interpreter has come far enough in its start-up to be recorded: a main
+    /// interpreter, its GIL where the interpreter points to one (3.12 on: created just after
+    /// the interpreter) and a thread state. A process that has just exec'd a Python is not
+    /// there for its first milliseconds, longer on a loaded machine.
+    pub fn initialized(&self) -> Result<(), ReadError> {
+        let interp = self.main_interpreter()?;
+        let not_yet = |what: &str| ReadError::Unreadable {
+            addr: interp,
+            len: 8,
+            reason: format!("the interpreter has no {what} yet (starting up?)"),
+        };
+        if self.offsets.interp_ceval_gil_ptr.is_some() && self.gil_addr(interp)? == 0 {
+            return Err(not_yet("GIL"));
+        }
+        if self.thread_states(interp)?.is_empty() {
+            return Err(not_yet("thread state"));
+        }
+        Ok(())
+    }
+
     /// The main interpreter: the oldest one (new interpreters are pushed at the list head).
     pub fn main_interpreter(&self) -> Result<u64, ReadError> {
         self.interpreters()?

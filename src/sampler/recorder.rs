@@ -24,6 +24,9 @@ use crate::record::{ProcessInfo, ThreadInfo};
 use crate::sys::monotonic_ns;
 
 const THREADS_EVERY: Duration = Duration::from_millis(100);
+/// How long a target that exec'd is given to start its new interpreter: a Python's start-up,
+/// with its imports, on a loaded machine.
+const EXEC_START_MAX: Duration = Duration::from_secs(10);
 const FLUSH_EVERY: Duration = Duration::from_millis(200);
 /// The warm-up before the window ([`Recorder::warm_up`]): at least this long, so that every
 /// busy thread has been read a few times and sampled.
@@ -54,6 +57,8 @@ pub struct Recorder<'a> {
     exited_code_rereads: u64,
     /// Targets attached again after they exec'd (counter `targets_reattached_after_exec`).
     exec_reattaches: u64,
+    /// Targets that exec'd a new program, waiting for its interpreter to start, and since when.
+    exec_pending: Vec<(i32, Instant)>,
     /// Whether the recording loop runs as a real-time thread ([`crate::sys::realtime_this_thread`];
     /// counter `recorder_realtime`).
     realtime: bool,
@@ -88,6 +93,7 @@ impl<'a> Recorder<'a> {
             exited_unresolved_frames: 0,
             exited_code_rereads: 0,
             exec_reattaches: 0,
+            exec_pending: Vec::new(),
             realtime: false,
             realtime_regained: 0,
             tasks: super::tasks::TaskReaders::default(),
@@ -293,7 +299,10 @@ impl<'a> Recorder<'a> {
                 self.drop_exited_targets()?;
                 // Engines followed by --vllm may start again; --pid targets with their own
                 // --metrics-url are all there is.
-                if self.targets.is_empty() && (self.engines.is_none() || !self.opts.vllm) {
+                if self.targets.is_empty()
+                    && self.exec_pending.is_empty()
+                    && (self.engines.is_none() || !self.opts.vllm)
+                {
                     return Ok("all targets exited".into());
                 }
             }
@@ -387,8 +396,11 @@ impl<'a> Recorder<'a> {
     }
 
     /// Targets that exec'd a new program (same pid, new image): what was read of the old
-    /// interpreter no longer holds, so each is dropped as if it had exited and attached again
-    /// when the new program is a Python.
+    /// interpreter no longer holds, so each is dropped as if it had exited, and attached again
+    /// once the new program is a Python whose interpreter has started
+    /// ([`PythonProcess::initialized`]): the exec is seen within a turn of the
+    /// loop, before the new interpreter exists. A program that is not a Python, or not started
+    /// within [`EXEC_START_MAX`], is said and left.
     fn attach_again_after_exec(&mut self) -> anyhow::Result<()> {
         let execd: Vec<i32> = self
             .targets
@@ -401,15 +413,34 @@ impl<'a> Recorder<'a> {
             .map(|t| t.pid)
             .collect();
         for pid in execd {
-            self.exec_reattaches += 1;
             self.drop_exited(&[pid], true)?;
-            match PythonProcess::attach(pid) {
-                Ok(p) => self.add_target(Target::new(p), String::new(), "exec'd process")?,
+            self.exec_pending.push((pid, Instant::now()));
+        }
+        let mut waiting = Vec::new();
+        for (pid, since) in std::mem::take(&mut self.exec_pending) {
+            if !crate::procinfo::is_running(pid) {
+                self.say(|| format!("process {pid} exec'd a new program and exited"));
+                continue;
+            }
+            let attached = PythonProcess::attach(pid)
+                .map_err(anyhow::Error::from)
+                .and_then(|p| p.initialized().map(|()| p).map_err(anyhow::Error::from));
+            match attached {
+                Ok(p) => {
+                    self.exec_reattaches += 1;
+                    self.add_target(Target::new(p), String::new(), "exec'd process")?;
+                }
+                Err(_) if since.elapsed() < EXEC_START_MAX => waiting.push((pid, since)),
                 Err(err) => self.say(|| {
-                    format!("process {pid} exec'd a new program and is no longer recorded: {err}")
+                    format!(
+                        "process {pid} exec'd a new program and is no longer recorded \
+                         (after {:.1} s): {err:#}",
+                        since.elapsed().as_secs_f64()
+                    )
                 }),
             }
         }
+        self.exec_pending = waiting;
         Ok(())
     }
 
