@@ -47,12 +47,13 @@ end), so the collector's real work is shorter by a little less than one call.
 
 The flag's interval is measured too: a copy of the hook is called last (the two are installed
 in one step), and a pause's flag_dur_ns is the span from the first hook's start to the last
-one's stop plus the gap between the two at the start (the first hook's rest and the last one's
-call up to its clock read: the same code as what the span leaves out, the first hook's call
-up to its clock read and the last one's rest after it). What it still leaves out is CPython's
-building of the info dict and its bookkeeping around the callbacks. Measured on the 2-core
-Intel VM: flag_dur_ns exceeds dur_ns by 7-10 µs per pause (the callbacks run with the caches
-the collection left, far slower than callback_cost_ns); a uprobe tracer of the collector read
+one's stop plus the gap between the two at the start, its median over the pauses (the first
+hook's rest and the last one's call up to its clock read: the same code as what the span
+leaves out, the first hook's call up to its clock read and the last one's rest after it).
+What it still leaves out is CPython's building of the info dict and its bookkeeping around
+the callbacks. Measured on the 2-core Intel VM: flag_dur_ns exceeds dur_ns by 7-10 µs per
+pause (the callbacks run with the caches the collection left, far slower than
+callback_cost_ns); a uprobe tracer of the collector read
 a median 4-8 µs per pause above flag_dur_ns (its own two int3 traps and what flag_dur_ns leaves
 out) where, with the one hook alone, it read 11-15 µs above dur_ns (+3-4% of the GC total).
 A tracer is held to flag_total_s and flag_max_ms.
@@ -251,21 +252,30 @@ def pauses_from(events, last):
     the hook's copy called last, one for each of `events` in the same order; a pause's
     flag_dur_ns is its span from the first hook's start to the last one's stop, plus the gap
     between the two hooks at the start (what the callback machinery outside that span costs:
-    see flag_dur_ns in the docstring)."""
-    out = []
-    open_ = None
+    see flag_dur_ns in the docstring). The gap added is the median over all pauses, not each
+    pause's own: the code between the two clock reads is the same every time, and a pause
+    whose thread was preempted inside its gap (milliseconds, on a loaded machine) would
+    otherwise count the preemption twice, once inside the span and once more as the gap."""
     paired = len(last) == len(events)
+    spans = []
+    open_ = None
     for k, ev in enumerate(events):
         t, is_start, gen, nid, collected, uncollectable = ev
         if is_start:
             open_ = (k, ev)
         elif open_ is not None and open_[1][2] == gen:
             i, start = open_
-            flag = None
+            span = gap = None
             if paired:
-                flag = (last[k][0] - start[0]) + (last[i][0] - start[0])
-            out.append((start[0], t - start[0], gen, start[3], collected, uncollectable, flag))
+                span, gap = last[k][0] - start[0], last[i][0] - start[0]
+            spans.append((start, t, gen, collected, uncollectable, span, gap))
             open_ = None
+    gaps = sorted(g for *_, g in spans if g is not None)
+    gap = gaps[len(gaps) // 2] if gaps else None
+    out = []
+    for start, t, gen, collected, uncollectable, span, _ in spans:
+        flag = span + gap if span is not None and gap is not None else None
+        out.append((start[0], t - start[0], gen, start[3], collected, uncollectable, flag))
     return out
 
 

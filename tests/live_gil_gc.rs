@@ -204,8 +204,9 @@ fn pause_excess(
     let sum: i64 = diffs.iter().sum();
     let top: i64 = diffs.iter().rev().take(diffs.len() / 100 + 1).sum();
     format!(
-        "  per pause, recorded - flag truth (µs), {} matched: p10 {:.1}, p50 {:.1}, p90 {:.1}, p99 {:.1}, max {:.1}; sum {:.2} ms, of it the top 1% {:.2} ms",
+        "  per pause, recorded - flag truth (µs), {} matched: min {:.1}, p10 {:.1}, p50 {:.1}, p90 {:.1}, p99 {:.1}, max {:.1}; sum {:.2} ms, of it the top 1% {:.2} ms",
         diffs.len(),
+        q(0.0),
         q(0.1),
         q(0.5),
         q(0.9),
