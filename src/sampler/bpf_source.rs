@@ -671,14 +671,12 @@ impl Source for BpfSource {
         self.flush_gc_methods(pipe)?;
         self.drain(targets, pipe, Some(DRAIN_SLICE))?;
         self.consider_new_code(targets, pipe)?;
-        if self.tracing.probe_max_rate > 0 {
-            self.probes.enforce_rate(
-                &mut self.b,
-                monotonic_ns(),
-                self.tracing.probe_max_rate,
-                pipe,
-            )?;
-        }
+        self.probes.enforce_rate(
+            &mut self.b,
+            monotonic_ns(),
+            self.tracing.probe_max_rate,
+            pipe,
+        )?;
         let ts: &Targets = targets;
         self.probes.rotate(
             &mut self.b,

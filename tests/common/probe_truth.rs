@@ -180,6 +180,7 @@ pub fn probe_truth(
             enginescope::views::latency::uncertainty(&timed, cv)
         });
         let mut methods: Vec<String> = probes.iter().map(|p| p.method.clone()).collect();
+        let switched = methods == ["exact", "sampled"];
         if !rotated.is_empty() {
             let share = rotated.iter().sum::<f64>() / rotated.len() as f64;
             methods = vec![format!(
@@ -305,7 +306,23 @@ pub fn probe_truth(
         // caller's clock holds, growing with the call's length) is not found yet.
         let tail_unchecked = role == "worker" && function == "MessageQueue.dequeue";
         let rotated_default = default_row && !rotated.is_empty() && !budgeted;
-        if !methods.iter().all(|m| m.starts_with("exact")) || rotated_default {
+        // The product found that this function's calls end without releasing their code
+        // reference (the program keeps their frame objects alive: on an AMD EPYC VM vLLM's
+        // TP worker did so for every Worker.execute_model) and switched it to sampling, saying
+        // why: the exact method cannot time such calls, and the sampled one is not held to
+        // the exact tolerances.
+        let ends_unseen = rec
+            .counters
+            .get("probe_ends_unseen")
+            .is_some_and(|&n| n > 0);
+        if ends_unseen && switched {
+            eprintln!(
+                "{role} {function}: switched to sampling for calls whose ends wrote nothing \
+                 (probe_ends_unseen {:?}, probe_foreign_releases {:?}); not checked",
+                rec.counters.get("probe_ends_unseen"),
+                rec.counters.get("probe_foreign_releases")
+            );
+        } else if !methods.iter().all(|m| m.starts_with("exact")) || rotated_default {
             failures.push(format!("{role} {function}: method {methods:?}"));
         } else if t.len() < 20 {
             failures.push(format!("{role} {function}: {} calls in the truth", t.len()));

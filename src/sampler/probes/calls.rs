@@ -50,6 +50,10 @@ pub(super) struct OpenCall {
     pub(super) start_ns: u64,
     /// The thread's debug traps before the push (see `Probes::traps`).
     pub(super) traps: u64,
+    /// The thread's current frame at the push: the caller's (0 when it was not read). The
+    /// call's pop writes with the same frame current again (CPython pops a frame after making
+    /// its caller current), and a frame makes one call at a time.
+    pub(super) caller: u64,
 }
 
 impl ThreadCalls {

@@ -17,6 +17,14 @@ pub struct Counters {
     pub unfinished: u64,
     /// Pops with no push (the call began before the probe attached).
     pub unmatched_returns: u64,
+    /// Calls whose end wrote nothing (a frame object outlived the call and took its reference
+    /// to the code object): seen ended when their caller frame called again or when a call
+    /// open above them on the same thread ended (counter `probe_ends_unseen`). Not timed.
+    pub ends_unseen: u64,
+    /// Decrements of a watched count made with no open call's caller frame current: a
+    /// reference dropped by something else (a frame object freed after its call, often by
+    /// the GC), not a call's end (counter `probe_foreign_releases`).
+    pub foreign_releases: u64,
     /// Writes to a watched reference count whose direction had to be guessed (another thread
     /// wrote it between two of this thread's writes).
     pub ambiguous_edges: u64,
@@ -76,6 +84,8 @@ pub fn counters<H: Watch>(
         v(|p| p.n.unmatched_returns),
     );
     out.insert("probe_ambiguous_edges".into(), v(|p| p.n.ambiguous_edges));
+    out.insert("probe_ends_unseen".into(), v(|p| p.n.ends_unseen));
+    out.insert("probe_foreign_releases".into(), v(|p| p.n.foreign_releases));
     out.insert("probe_attach_failures".into(), v(|p| p.n.attach_failures));
     out.insert("probe_thread_attaches".into(), v(|p| p.n.thread_attaches));
     out.insert("probes_switched_to_sampling".into(), v(|p| p.n.demoted));

@@ -74,6 +74,9 @@ pub struct ExactPlan {
 /// µs on a quiet thread, up to a second on a vLLM thread that spins on `sched_yield`.
 const SLOW_SWITCH_NS: u64 = 10_000_000;
 
+/// Calls in a second whose ends went unseen (a quarter of the calls or more) that switch an
+/// exact probe to sampling: an exception's traceback keeping a frame now and then is not one.
+const UNSEEN_ENDS_MIN: u64 = 3;
 /// Hardware breakpoints per thread (x86 debug registers DR0-DR3).
 const DEBUG_REGISTERS: usize = 4;
 /// Largest bytecode we walk, in bytes.
@@ -162,6 +165,8 @@ struct Active<H> {
     retired: bool,
     /// Entries since `window_start_ns` (exact probes' rate check).
     window_calls: u64,
+    /// Calls among them whose end wrote nothing (`Counters::ends_unseen`).
+    window_unseen: u64,
     window_start_ns: u64,
 }
 
@@ -177,6 +182,7 @@ impl<H> Active<H> {
             failed: HashSet::new(),
             retired: false,
             window_calls: 0,
+            window_unseen: 0,
             window_start_ns: 0,
         }
     }
@@ -931,8 +937,10 @@ impl<H: Watch> Probes<H> {
     }
 
     /// Every exact probe whose calls in the last second exceed `max_per_s` (each call costs two
-    /// debug traps, ~30 µs here) is switched to the sampled method: its breakpoints are removed
-    /// and a new sampled probe on the same function takes its later calls. `now_ns` absolute.
+    /// debug traps) or whose calls' ends went unseen (a quarter of them, [`UNSEEN_ENDS_MIN`] at
+    /// least) is switched to the sampled method: its breakpoints are removed and a new sampled
+    /// probe on the same function takes its later calls. `now_ns` absolute; `max_per_s` 0: no
+    /// rate cap.
     pub(crate) fn enforce_rate(
         &mut self,
         b: &mut dyn Watchpoints<Watch = H>,
@@ -954,15 +962,31 @@ impl<H: Watch> Probes<H> {
                 continue;
             }
             let rate = a.window_calls * 1_000_000_000 / dt.max(1);
+            let (calls, unseen) = (a.window_calls, a.window_unseen);
             a.window_calls = 0;
+            a.window_unseen = 0;
             a.window_start_ns = now_ns;
-            if rate > max_per_s {
-                demote.push((i, rate));
+            if max_per_s > 0 && rate > max_per_s {
+                demote.push((
+                    i,
+                    format!(
+                        "{rate} calls/s is more than --probe-max-rate {max_per_s} for breakpoints"
+                    ),
+                ));
+            } else if unseen >= UNSEEN_ENDS_MIN && unseen * 4 >= calls {
+                demote.push((
+                    i,
+                    format!(
+                        "{unseen} of its last {calls} calls ended without releasing their \
+                         reference to the code object (the program keeps the calls' frame \
+                         objects alive: a stored traceback or frame, or a frame in a reference \
+                         cycle until the GC frees it), so the watchpoint cannot see them end \
+                         (counter probe_ends_unseen)"
+                    ),
+                ));
             }
         }
-        for (i, rate) in demote {
-            let why =
-                format!("{rate} calls/s is more than --probe-max-rate {max_per_s} for breakpoints");
+        for (i, why) in demote {
             self.demote(b, i, &why, now_ns, pipe)?;
         }
         Ok(())
@@ -1199,12 +1223,26 @@ impl<H: Watch> Probes<H> {
         if !sure {
             self.n.ambiguous_edges += 1;
         }
+        // A frame makes one call at a time: an open call whose caller frame is current again
+        // has ended, and so have the calls opened above it. At a push that means their ends
+        // wrote nothing (a frame object outlived the call and took its reference); at a pop
+        // the call is the one whose caller it is, and only those above it went unseen.
+        let mine = (f.frame != 0)
+            .then(|| tc.open.iter().rposition(|c| c.caller == f.frame))
+            .flatten();
         match edge {
             Edge::Push => {
+                if let Some(k) = mine {
+                    let unseen = (tc.open.len() - k) as u64;
+                    tc.open.truncate(k);
+                    self.n.ends_unseen += unseen;
+                    self.active[probe].window_unseen += unseen;
+                }
                 self.active[probe].window_calls += 1;
                 tc.open.push(OpenCall {
                     start_ns: t_ns,
                     traps: before,
+                    caller: f.frame,
                 });
                 if tc.open.len() > MAX_OPEN_CALLS {
                     // Entries that never saw their pop (an exception left a frame object
@@ -1213,17 +1251,39 @@ impl<H: Watch> Probes<H> {
                     self.n.unfinished += 1;
                 }
             }
-            Edge::Pop => match tc.open.pop() {
-                Some(OpenCall {
-                    start_ns: start,
-                    traps: at_push,
-                }) => {
-                    self.n.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
-                    let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
-                    self.write_call(probe, (pid, tid), (start, dur), start, pipe)?;
+            Edge::Pop => {
+                let call = match mine {
+                    Some(k) => {
+                        let unseen = (tc.open.len() - k - 1) as u64;
+                        self.n.ends_unseen += unseen;
+                        self.active[probe].window_unseen += unseen;
+                        tc.open.truncate(k + 1);
+                        tc.open.pop()
+                    }
+                    // The current frame is no open call's caller: a reference dropped by
+                    // something else (a frame object of an earlier call freed), not an end.
+                    None if f.frame != 0
+                        && !tc.open.is_empty()
+                        && tc.open.iter().all(|c| c.caller != 0) =>
+                    {
+                        self.n.foreign_releases += 1;
+                        return Ok(());
+                    }
+                    None => tc.open.pop(),
+                };
+                match call {
+                    Some(OpenCall {
+                        start_ns: start,
+                        traps: at_push,
+                        ..
+                    }) => {
+                        self.n.nested_traps += before.saturating_sub(at_push).saturating_sub(1);
+                        let dur = t_ns.saturating_sub(start).saturating_sub(self.trap_ns);
+                        self.write_call(probe, (pid, tid), (start, dur), start, pipe)?;
+                    }
+                    None => self.n.unmatched_returns += 1,
                 }
-                None => self.n.unmatched_returns += 1,
-            },
+            }
         }
         Ok(())
     }
@@ -1417,6 +1477,7 @@ mod tests {
             failed: HashSet::new(),
             retired: false,
             window_calls: 0,
+            window_unseen: 0,
             window_start_ns: 0,
         });
         p
@@ -1485,6 +1546,69 @@ mod tests {
         assert_eq!(p.n.unmatched_returns, 1);
         assert_eq!(p.n.ambiguous_edges, 2);
         assert_eq!(p.n.unfinished, 1);
+    }
+
+    /// A write with the thread's current frame `frame` that left the count at `value`.
+    fn rc_in(value: u64, frame: u64) -> ProbeFrame {
+        ProbeFrame {
+            value,
+            frame,
+            ..Default::default()
+        }
+    }
+
+    /// Calls whose frames outlive them (a frame object takes the code reference at the end,
+    /// which writes nothing): a push from a caller frame with a call of its own still open
+    /// ends that call unseen; a release made with no open call's caller current (the frame
+    /// object freed later, by the GC) is no call's end; a pop from a caller's frame closes
+    /// that caller's call, and any opened above it went unseen. Enough unseen ends in a
+    /// second switch the probe to sampling.
+    #[test]
+    fn ends_that_write_nothing_are_seen_by_the_caller_frame() {
+        let mut p = one_probe(true);
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), T0, 100);
+        seed(&mut p, 10, 50);
+        // Frame A calls three times; the first two ends write nothing (51, 52, 53).
+        for (t, v) in [(1, 51), (3, 52), (5, 53)] {
+            p.hit(1, 10, T0 + t * MS, 0xC0DE, rc_in(v, 0xA), &mut pipe)
+                .unwrap();
+        }
+        assert_eq!((p.n.ends_unseen, p.n.calls), (2, 0));
+        // A frame object freed by the GC in frame G: no call's end.
+        p.hit(1, 10, T0 + 6 * MS, 0xC0DE, rc_in(52, 0x6), &mut pipe)
+            .unwrap();
+        assert_eq!((p.n.foreign_releases, p.n.calls), (1, 0));
+        // The third call (from A) calls it from B inside it, whose end writes nothing; then A's
+        // call ends with its write, made with A current: timed, B's counted unseen.
+        p.hit(1, 10, T0 + 7 * MS, 0xC0DE, rc_in(53, 0xB), &mut pipe)
+            .unwrap();
+        p.hit(1, 10, T0 + 9 * MS, 0xC0DE, rc_in(52, 0xA), &mut pipe)
+            .unwrap();
+        assert_eq!(calls(&pipe.writer), [(10, 5 * MS, 4 * MS - 1000)]);
+        assert_eq!((p.n.ends_unseen, p.n.foreign_releases), (3, 1));
+        assert_eq!(
+            (p.active[0].window_calls, p.active[0].window_unseen),
+            (4, 3)
+        );
+    }
+
+    /// An exact probe whose calls' ends go unseen is switched to sampling at the second's
+    /// end: a quarter of its calls and at least [`UNSEEN_ENDS_MIN`]; fewer stay exact.
+    #[test]
+    fn unseen_ends_switch_a_probe_to_sampling() {
+        let (mut p, mut k, proc) = (exact_probes(1), FakeWatchpoints::default(), fake_process());
+        let t0 = base();
+        let mut pipe = Pipeline::new(Vec::<Event>::new(), t0, 100);
+        p.want(&mut k, &proc, TID, 0, t0).unwrap();
+        p.enforce_rate(&mut k, t0, 1000, &mut pipe).unwrap();
+        for (second, calls, unseen, demoted) in [(1, 100, 24, 0), (2, 8, 2, 0), (3, 12, 3, 1)] {
+            p.active[0].window_calls = calls;
+            p.active[0].window_unseen = unseen;
+            p.enforce_rate(&mut k, t0 + second * 1_000 * MS, 1000, &mut pipe)
+                .unwrap();
+            assert_eq!(p.n.demoted, demoted, "{calls} calls, {unseen} unseen");
+        }
+        assert_eq!(p.active[1].info.method, "sampled");
     }
 
     /// Traps the thread takes inside a call (another probe's, a GC watchpoint's) stay in its
