@@ -94,8 +94,9 @@ blocks the thread (a futex wait: a voluntary context switch, getrusage's ru_nvcs
 also records its compute's and its sleep's voluntary switches (`compute_blocks`,
 `sleep_blocks`), and `gil_wait_blocked_s` counts a step's compute only when it blocked and its
 sleep only when it blocked more than the sleep's own once: steal and preemption in parts of a
-step that never waited are out, and so is the calibration's bias there. It still counts the
-run-queue delay after a wake-up, which a futex timing counts too (upper end);
+step that never waited are out, and so is the calibration's bias there. Its calibrated extra is
+the one without run-queue time (the calibration's load is not the window's), so it counts all
+of the run-queue delay after a wake-up, which a futex timing counts too (upper end);
 `gil_wait_lower_s` is it less all of the window's run-queue time (lower end). `steal_s` is the
 machine's steal over the window, all CPUs together (/proc/stat).
 
@@ -438,7 +439,8 @@ def launcher_doc(rec, start, end, runq_window):
     sleep_extra = [r[3] - r[4] - r[7] for r in cal]
     compute_extra = [r[1] - r[2] for r in cal]
     extra_m, extra_sd = mean_std(extra)
-    _, extra_nq_sd = mean_std([r[5] - r[6] - r[7] - r[9] for r in cal if r[9] is not None])
+    extra_nq_m, extra_nq_sd = mean_std(
+        [r[5] - r[6] - r[7] - r[9] for r in cal if r[9] is not None])
     sleep_m, sleep_sd = mean_std(sleep_extra)
     comp_m, _ = mean_std(compute_extra)
     cal_rq = [r[9] for r in cal if r[9] is not None]
@@ -493,6 +495,14 @@ def launcher_doc(rec, start, end, runq_window):
         excl_s = round((wait - runq_extra) / 1e9, 6)
         upper_s = round((wait - runq_extra + runq_window) / 1e9, 6)
         lower_s = round((blocked_wait - runq_window) / 1e9, 6)
+    # The blocked-only count with the calibrated extra less its run-queue part: the calibration's
+    # wake-ups waited in a run queue as loaded as the machine was then (beside a parallel test,
+    # milliseconds a step: the count went below zero), and the window's run-queue time is taken
+    # out of the lower end as measured instead.
+    if runq_per_step is not None:
+        blocked_wait += (extra_m - extra_nq_m) * steps
+        if runq_window is not None:
+            lower_s = round((blocked_wait - runq_window) / 1e9, 6)
     error_ns = 3 * extra_sd * steps ** 0.5 + 2 * max_step_wait
     error_nq_ns = 3 * extra_nq_sd * steps ** 0.5 + 2 * max_step_wait
     contended.sort()
