@@ -1230,14 +1230,15 @@ impl<H: Watch> Probes<H> {
         let mine = (f.frame != 0)
             .then(|| tc.open.iter().rposition(|c| c.caller == f.frame))
             .flatten();
+        if let Some(k) = mine {
+            let keep = if matches!(edge, Edge::Push) { k } else { k + 1 };
+            let unseen = (tc.open.len() - keep) as u64;
+            tc.open.truncate(keep);
+            self.n.ends_unseen += unseen;
+            self.active[probe].window_unseen += unseen;
+        }
         match edge {
             Edge::Push => {
-                if let Some(k) = mine {
-                    let unseen = (tc.open.len() - k) as u64;
-                    tc.open.truncate(k);
-                    self.n.ends_unseen += unseen;
-                    self.active[probe].window_unseen += unseen;
-                }
                 self.active[probe].window_calls += 1;
                 tc.open.push(OpenCall {
                     start_ns: t_ns,
@@ -1252,26 +1253,17 @@ impl<H: Watch> Probes<H> {
                 }
             }
             Edge::Pop => {
-                let call = match mine {
-                    Some(k) => {
-                        let unseen = (tc.open.len() - k - 1) as u64;
-                        self.n.ends_unseen += unseen;
-                        self.active[probe].window_unseen += unseen;
-                        tc.open.truncate(k + 1);
-                        tc.open.pop()
-                    }
-                    // The current frame is no open call's caller: a reference dropped by
-                    // something else (a frame object of an earlier call freed), not an end.
-                    None if f.frame != 0
-                        && !tc.open.is_empty()
-                        && tc.open.iter().all(|c| c.caller != 0) =>
-                    {
-                        self.n.foreign_releases += 1;
-                        return Ok(());
-                    }
-                    None => tc.open.pop(),
-                };
-                match call {
+                // The current frame is no open call's caller: a reference dropped by something
+                // else (a frame object of an earlier call freed), not an end.
+                if mine.is_none()
+                    && f.frame != 0
+                    && !tc.open.is_empty()
+                    && tc.open.iter().all(|c| c.caller != 0)
+                {
+                    self.n.foreign_releases += 1;
+                    return Ok(());
+                }
+                match tc.open.pop() {
                     Some(OpenCall {
                         start_ns: start,
                         traps: at_push,
@@ -1498,12 +1490,9 @@ mod tests {
         p.open.insert((tid, 0), ThreadCalls::new(Some(last), 0));
     }
 
-    /// A write that left the count at `value`.
+    /// A write that left the count at `value` (its frame not read).
     fn rc(value: u64) -> ProbeFrame {
-        ProbeFrame {
-            value,
-            ..Default::default()
-        }
+        rc_in(value, 0)
     }
 
     #[test]
