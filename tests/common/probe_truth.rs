@@ -5,18 +5,79 @@
 use enginescope::record::Recording;
 use std::path::Path;
 
-/// Calls of `label` in the harness's in-process timers of process `pid`: (start, dur), ns,
-/// CLOCK_MONOTONIC.
-pub fn timer_calls(dir: &Path, pid: i32, label: &str) -> Vec<(u64, u64)> {
+/// Calls of `label` in the harness's in-process timers of process `pid`: (start, dur, tid),
+/// ns, CLOCK_MONOTONIC, with the calling thread.
+pub fn timer_calls_by_thread(dir: &Path, pid: i32, label: &str) -> Vec<(u64, u64, i32)> {
     let text = std::fs::read_to_string(dir.join(format!("timers-{pid}.jsonl"))).unwrap_or_default();
-    let mut v: Vec<(u64, u64)> = text
+    let mut v: Vec<(u64, u64, i32)> = text
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|j| j[0] == label)
-        .filter_map(|j| Some((j[1].as_u64()?, j[2].as_u64()?)))
+        .filter_map(|j| Some((j[1].as_u64()?, j[2].as_u64()?, j[3].as_i64()? as i32)))
         .collect();
     v.sort_unstable();
     v
+}
+
+/// The caller-side timer's time that lies outside the probe's span, per truth call: each
+/// truth call (start, dur, tid) is matched to the timed call of the same thread that lies
+/// inside it, and the thread's time off CPU (the recording's switch-outs, from the kernel)
+/// between the timer's start and the push, or between the pop and the timer's end, is what
+/// the caller's clock holds and the function's time does not (a thread preempted as its
+/// call's pop trap returns: on an AMD EPYC VM a TP worker's dequeue was, 72 times in 535
+/// calls, for ~80 µs). Returns, per truth call, that time (0 where none matched) and whether
+/// a timed call matched.
+pub fn off_cpu_outside_span(
+    rec: &Recording,
+    ids: &[u32],
+    truth: &[(u64, u64, i32)],
+) -> Vec<(u64, bool)> {
+    use std::collections::HashMap;
+    let t0 = rec.meta.start_mono_ns;
+    let mut timed: HashMap<i32, Vec<(u64, u64)>> = HashMap::new();
+    for c in rec.calls.iter().filter(|c| ids.contains(&c.probe)) {
+        timed
+            .entry(c.tid)
+            .or_default()
+            .push((t0 + c.start_ns, t0 + c.start_ns + c.dur_ns));
+    }
+    let mut off: HashMap<i32, Vec<(u64, u64)>> = HashMap::new();
+    if rec.profile_intervals.is_empty() {
+        for o in &rec.offcpu {
+            off.entry(o.tid)
+                .or_default()
+                .push((t0 + o.start_ns, t0 + o.start_ns + o.dur_ns));
+        }
+    }
+    for v in timed.values_mut().chain(off.values_mut()) {
+        v.sort_unstable();
+    }
+    let overlap = |v: &[(u64, u64)], a: u64, b: u64| -> u64 {
+        // A thread's switch-outs do not overlap: their ends are in order too.
+        let from = v.partition_point(|&(_, e)| e <= a);
+        v[from..]
+            .iter()
+            .take_while(|&&(s, _)| s < b)
+            .map(|&(s, e)| e.min(b).saturating_sub(s.max(a)))
+            .sum()
+    };
+    truth
+        .iter()
+        .map(|&(s, d, tid)| {
+            let e = s + d;
+            let Some(calls) = timed.get(&tid) else {
+                return (0, false);
+            };
+            let i = calls.partition_point(|&(cs, _)| cs < s);
+            let Some(&(cs, ce)) = calls.get(i).filter(|&&(cs, ce)| cs < e && ce <= e) else {
+                return (0, false);
+            };
+            let o = off
+                .get(&tid)
+                .map_or(0, |v| overlap(v, s, cs) + overlap(v, ce, e));
+            (o, true)
+        })
+        .collect()
 }
 
 /// The mean of `v` (NaN when empty).
@@ -41,6 +102,9 @@ pub fn pctl(v: &mut [u64], q: f64) -> f64 {
 /// of the push trap to the start of the pop trap, docs/probes.md): the reported percentiles are
 /// compared with two traps at the cost calibrated at start (`probe_trap_cost_ns`) added, so
 /// that the tolerance is the same on a VM whose trap costs 22 µs as on one where it costs 9.
+/// The truth is the timer's time less the thread's time off CPU between the timer's clock
+/// reads and the probe's span (`off_cpu_outside_span`), and every timed call of an exact
+/// probe must lie inside one of the timer's calls.
 /// Under `--probe-budget` (the recording resized a budget) every probe is watched part of the
 /// time by design: calls (scaled) within 5% and p50 as above; the p90 of such a subsample is
 /// printed, not checked (docs/probes.md: under changing load it is no yardstick).
@@ -97,6 +161,9 @@ pub fn probe_truth(
     let mut intervals = String::from(
         "| probe | process | phases | calls 95% | p50 ms 95% | p90 ms 95% |\n|---|---|---:|---|---|---|\n",
     );
+    let mut off_cpu = String::from(
+        "| probe | process | truth calls holding a timed call | of them off CPU outside the probe's span | that time, taken from the truth |\n|---|---|---|---:|---:|\n",
+    );
     let mut phase_pos = String::from(
         "| probe | process | 0-50 ms | 50-100 | 100-150 | 150-200 | 200-250 | later |\n|---|---|---|---|---|---|---|---|\n",
     );
@@ -104,7 +171,8 @@ pub fn probe_truth(
         let (pid, role, function) = (*pid, *role, function.as_str());
         // The six defaults fit the threads' registers: none may take turns.
         let default_row = row < 6;
-        let truth = timer_calls(timers, pid, function);
+        let truth_tid = timer_calls_by_thread(timers, pid, function);
+        let truth: Vec<(u64, u64)> = truth_tid.iter().map(|&(s, d, _)| (s, d)).collect();
         let probes: Vec<_> = rec
             .probes
             .iter()
@@ -136,8 +204,26 @@ pub fn probe_truth(
             w0.saturating_sub(t_start),
             t1.saturating_sub(t_start),
         );
-        let mut t: Vec<u64> = truth.iter().filter(|c| inside(c.0)).map(|c| c.1).collect();
         let ids: Vec<u32> = probes.iter().map(|p| p.id).collect();
+        // The truth is the caller-side timer's time less the thread's time off CPU outside
+        // the probe's span (see `off_cpu_outside_span`).
+        let outside = off_cpu_outside_span(rec, &ids, &truth_tid);
+        let mut t: Vec<u64> = truth
+            .iter()
+            .zip(&outside)
+            .filter(|(c, _)| inside(c.0))
+            .map(|(c, &(o, _))| c.1.saturating_sub(o))
+            .collect();
+        let matched = truth
+            .iter()
+            .zip(&outside)
+            .filter(|(c, o)| inside(c.0) && o.1)
+            .count();
+        let (n_off, off_ns) = truth
+            .iter()
+            .zip(&outside)
+            .filter(|(c, o)| inside(c.0) && o.0 > 0)
+            .fold((0usize, 0u64), |(n, sum), (_, o)| (n + 1, sum + o.0));
         let mut mw: Vec<(u64, f64)> = rec
             .calls
             .iter()
@@ -287,6 +373,11 @@ pub fn probe_truth(
                 if held[2] { "holds" } else { "MISSES" },
             ));
         }
+        off_cpu.push_str(&format!(
+            "| {function} | {role} | {matched} of {} ({timed} timed) | {n_off} | {:.3} ms |\n",
+            t.len(),
+            off_ns as f64 / 1e6
+        ));
         table.push_str(&format!(
             "| {function} | {role} | {} → {:.0} | {:.3} → {:.3} ms | {:.3} → {:.3} ms | {} |\n",
             t.len(),
@@ -298,13 +389,6 @@ pub fn probe_truth(
             methods.join(", ")
         ));
         let close = |a: f64, b: f64| (a / b - 1.0).abs() <= 0.10 || (a - b).abs() <= 60_000.0;
-        // The worker's busy-waiting dequeue (it spins in `acquire_read` with `sched_yield`,
-        // which releases the GIL): its p90 is printed, not checked. On the Intel VMs its
-        // caller-side timer read 10.7-15% above the probe at p90 in 4 runs of 4 over two
-        // sessions (1.164 vs 1.040 ms, 1.132 vs 0.959 ms) while its p50 and every other row
-        // agreed within the two traps; the cause (time at the call's boundary that only the
-        // caller's clock holds, growing with the call's length) is not found yet.
-        let tail_unchecked = role == "worker" && function == "MessageQueue.dequeue";
         let rotated_default = default_row && !rotated.is_empty() && !budgeted;
         // The product found that this function's calls end without releasing their code
         // reference (the program keeps their frame objects alive: on an AMD EPYC VM vLLM's
@@ -326,19 +410,30 @@ pub fn probe_truth(
             failures.push(format!("{role} {function}: method {methods:?}"));
         } else if t.len() < 20 {
             failures.push(format!("{role} {function}: {} calls in the truth", t.len()));
+        } else if rotated.is_empty() && !switched && (matched as f64) < 0.98 * timed as f64 {
+            // Every timed call lies inside one call of the caller-side timer (a span that
+            // began before the call or ended after it, or a pairing that joined two calls,
+            // would not).
+            failures.push(format!(
+                "{role} {function}: {matched} truth calls hold a timed call, of {timed} timed"
+            ));
         } else if (m_calls / t.len() as f64 - 1.0).abs() > 0.05 {
             failures.push(format!(
                 "{role} {function}: calls {m_calls:.0} vs {}",
                 t.len()
             ));
-        } else if !close(m50 + traps_ns, t50)
-            || (!budgeted && !tail_unchecked && !close(m90 + traps_ns, t90))
-        {
+        } else if !close(m50 + traps_ns, t50) || (!budgeted && !close(m90 + traps_ns, t90)) {
             failures.push(format!(
                 "{role} {function}: p50 {m50} vs {t50}, p90 {m90} vs {t90}"
             ));
         }
     }
+    table.push_str(
+        "\nThe truth is the caller-side timer's time less the thread's time off CPU (the \
+         recording's switch-outs) between the timer's start and the probe's push, or between \
+         its pop and the timer's end:\n\n",
+    );
+    table.push_str(&off_cpu);
     if breakdown.lines().count() > 2 {
         table.push_str("\nThe report's 95% intervals over this window, against the truth:\n\n");
         table.push_str(&intervals);
