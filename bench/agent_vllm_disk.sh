@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The agent's footprint on a real `vllm serve` (issue 25): `agent --vllm` at its defaults on
 # the harness's server (`--enforce-eager`) under a closed-loop load of 16 requests (128
-# tokens); every 15 s the segment's bytes, the agent's RSS and its CPU ticks; at the end the
+# tokens); every 15 s the segments' bytes, the agent's RSS (and its anonymous part, the heap),
+# its open descriptors and its CPU ticks; at the end the
 # bytes by record (tools/segment_bytes.py). Usage: bench/agent_vllm_disk.sh OUT [SECONDS=300]
 # (env: PORT, ES = the enginescope binary).
 set -u
@@ -20,8 +21,10 @@ for i in $(seq 1 $((SECS / 15))); do
   sleep 15
   b=$(du -cb $OUT/segs/*.esrec | tail -1 | cut -f1)
   rss=$(awk '/VmRSS/{print $2}' /proc/$AG/status)
+  anon=$(awk '/RssAnon/{print $2}' /proc/$AG/status)
+  fds=$(ls /proc/$AG/fd | wc -l)
   cpu=$(awk '{print $14+$15}' /proc/$AG/stat)
-  echo "t=$((i*15)) bytes=$b rss_kb=$rss cpu_ticks=$cpu"
+  echo "t=$((i*15)) bytes=$b rss_kb=$rss anon_kb=$anon fds=$fds cpu_ticks=$cpu"
 done
 kill -INT $AG; wait $AG
 kill $LOAD 2>/dev/null; wait $LOAD 2>/dev/null

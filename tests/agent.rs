@@ -1253,9 +1253,14 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
     let restarts: usize = env_number("ES_RESTARTS", 100).max(60);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("segs");
-    // No engine yet: the agent tries every half second until one appears.
+    // No engine yet: the agent tries every half second until one appears. Only the engines
+    // on this test's port (another engine on the host, such as a `vllm serve` left running,
+    // is not this test's).
+    let port = free_port().to_string();
     let mut agent = Agent::start(&[
         "--vllm",
+        "--engine-port",
+        &port,
         "--backend",
         "bpf",
         "--listen",
@@ -1278,7 +1283,6 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
         "0.1",
     ]);
     let pid = agent.child.id();
-    let port = free_port().to_string();
     let mut readings: Vec<(usize, Held, f64)> = Vec::new();
     let mut servers = Vec::new();
     let t0 = Instant::now();

@@ -16,9 +16,7 @@ const REDISCOVER_EVERY: Duration = Duration::from_secs(2);
 /// given), saying what was found unless quiet.
 pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
     let mut d = discover::discover_engines(opts.metrics_url.as_deref())?;
-    if let Some(root) = opts.vllm_root_pid {
-        restrict_to_engine(&mut d, root);
-    }
+    restrict(&mut d, opts);
     if !opts.quiet {
         for w in &d.warnings {
             eprintln!("enginescope: {w}");
@@ -44,7 +42,12 @@ pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
     }
     anyhow::ensure!(
         !d.engines.is_empty() || !opts.pids.is_empty(),
-        "no vLLM engine found on this host (looked for `vllm serve` API servers, VLLM::EngineCore and VLLM::Worker processes); start one, pass --pid, or give --metrics-url for a remote engine"
+        "no vLLM engine found on this host{} (looked for `vllm serve` API servers, VLLM::EngineCore and VLLM::Worker processes); start one, pass --pid, or give --metrics-url for a remote engine",
+        match (opts.vllm_root_pid, opts.vllm_port) {
+            (Some(pid), _) => format!(" whose API server is pid {pid}"),
+            (None, Some(port)) => format!(" serving on port {port}"),
+            (None, None) => String::new(),
+        }
     );
     Ok(d)
 }
@@ -66,16 +69,42 @@ pub(crate) fn of_targets(pids: &[i32], url: &str) -> Discovery {
 }
 
 /// Keep only the engine rooted at `root` (its API server or offline script).
-fn restrict_to_engine(d: &mut Discovery, root: i32) {
-    let keep: Option<String> = d
-        .processes
-        .iter()
-        .find(|p| p.pid == root)
-        .map(|p| p.engine.clone());
-    d.engines.retain(|e| Some(&e.id) == keep.as_ref());
-    d.processes.retain(|p| Some(&p.engine) == keep.as_ref());
+/// Keep only the engines `--engine-pid` and `--engine-port` ask for (all without either).
+fn restrict(d: &mut Discovery, opts: &RecordOptions) {
+    let mut keep: Option<std::collections::BTreeSet<String>> = None;
+    if let Some(root) = opts.vllm_root_pid {
+        keep = Some(
+            d.processes
+                .iter()
+                .filter(|p| p.pid == root)
+                .map(|p| p.engine.clone())
+                .collect(),
+        );
+    }
+    if let Some(port) = opts.vllm_port {
+        let on_port = d
+            .engines
+            .iter()
+            .filter(|e| url_port(&e.metrics_url) == Some(port))
+            .map(|e| e.id.clone());
+        keep = Some(match keep {
+            Some(k) => on_port.filter(|id| k.contains(id)).collect(),
+            None => on_port.collect(),
+        });
+    }
+    let Some(keep) = keep else { return };
+    d.engines.retain(|e| keep.contains(&e.id));
+    d.processes.retain(|p| keep.contains(&p.engine));
     let pids: std::collections::BTreeSet<i32> = d.processes.iter().map(|p| p.pid).collect();
     d.roles.retain(|pid, _| pids.contains(pid));
+}
+
+/// The port of `http://host:port/...` (None without one).
+fn url_port(url: &str) -> Option<u16> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    let (_, port) = authority.rsplit_once(':')?;
+    port.parse().ok()
 }
 
 /// A `record --vllm` session: the engines as last discovered and the metrics scraper.
@@ -180,9 +209,7 @@ impl EngineSession {
         self.last = Instant::now();
         let fresh = match discover::discover_engines(opts.metrics_url.as_deref()) {
             Ok(mut d) => {
-                if let Some(root) = opts.vllm_root_pid {
-                    restrict_to_engine(&mut d, root);
-                }
+                restrict(&mut d, opts);
                 d
             }
             // /proc raced with exiting processes: try again next time.
@@ -230,5 +257,71 @@ impl EngineSession {
             new.retain(|(pid, _)| crate::procinfo::descends_from(*pid, root));
         }
         Ok(new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::vllm::discover::EngineProcess;
+
+    fn two_engines() -> Discovery {
+        let mut d = Discovery::default();
+        for (n, port, pid) in [(0, 8000, 100), (1, 9000, 200)] {
+            d.engines.push(EngineInfo {
+                id: format!("engine{n}"),
+                metrics_url: format!("http://127.0.0.1:{port}/metrics"),
+                ..Default::default()
+            });
+            for (k, role) in ["api_server", "engine_core"].iter().enumerate() {
+                let pid = pid + k as i32;
+                d.processes.push(EngineProcess {
+                    pid,
+                    ppid: 1,
+                    engine: format!("engine{n}"),
+                    role: role.to_string(),
+                    cmdline: String::new(),
+                    threads: 1,
+                });
+                d.roles.insert(pid, role.to_string());
+            }
+        }
+        d
+    }
+
+    #[test]
+    fn engine_port_and_engine_pid_keep_their_engines() {
+        let mut opts = RecordOptions::new(Vec::new(), "x".into());
+        let mut d = two_engines();
+        restrict(&mut d, &opts);
+        assert_eq!(d, two_engines());
+        opts.vllm_port = Some(9000);
+        restrict(&mut d, &opts);
+        assert_eq!(d.engines.len(), 1);
+        assert_eq!(d.engines[0].id, "engine1");
+        assert_eq!(
+            d.processes.iter().map(|p| p.pid).collect::<Vec<_>>(),
+            [200, 201]
+        );
+        assert_eq!(d.roles.keys().copied().collect::<Vec<_>>(), [200, 201]);
+        // Both: the engine that has the pid and serves on the port, or none.
+        let mut d = two_engines();
+        opts.vllm_root_pid = Some(100);
+        restrict(&mut d, &opts);
+        assert!(d.engines.is_empty() && d.processes.is_empty() && d.roles.is_empty());
+        let mut d = two_engines();
+        opts.vllm_port = None;
+        restrict(&mut d, &opts);
+        assert_eq!(d.engines.len(), 1);
+        assert_eq!(d.engines[0].id, "engine0");
+    }
+
+    #[test]
+    fn a_metrics_urls_port() {
+        assert_eq!(url_port("http://127.0.0.1:8142/metrics"), Some(8142));
+        assert_eq!(url_port("http://[::1]:8000/metrics"), Some(8000));
+        assert_eq!(url_port("https://host/metrics"), None);
+        assert_eq!(url_port(""), None);
+        assert_eq!(url_port("http://h:notaport/metrics"), None);
     }
 }
