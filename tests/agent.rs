@@ -1136,14 +1136,17 @@ fn mean(v: &[f64]) -> f64 {
 /// (docs/deployment.md has a 30-minute run).
 /// What a process holds that it must give back when the processes it follows go: its open
 /// descriptors (of them, perf events and BPF links: sampling, probes' watchpoints, uprobes), its threads,
-/// and the entries of the BPF hash maps it holds (per target process and thread).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// and the entries of the BPF hash maps it holds (per target process and thread) that belong to
+/// processes and threads gone.
+#[derive(Debug, Clone, Default, PartialEq)]
 struct Held {
     fds: usize,
     perf_events: usize,
     bpf_links: usize,
     threads: usize,
     map_entries: usize,
+    /// `map_entries` by map name (for the failure message).
+    maps: BTreeMap<String, usize>,
 }
 
 fn held(pid: u32) -> Held {
@@ -1192,21 +1195,46 @@ fn held(pid: u32) -> Held {
             .expect("bpftool (apt-get install bpftool)");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
         let entries = v.as_array().cloned().unwrap_or_default();
-        if map_name(&id) == "code_seen" {
+        let name = map_name(&id);
+        let n = if name == "code_seen" {
             // The code objects walks read lately, per process: as many as the live processes'
             // stacks hold (tens each, coming and going with the workers); what must not stay
             // is an entry of a process gone (its detach drops them).
-            h.map_entries += entries
+            entries
                 .iter()
                 .filter(|e| {
                     code_seen_tgid(e).is_some_and(|t| !Path::new(&format!("/proc/{t}")).exists())
                 })
-                .count();
+                .count()
         } else {
-            h.map_entries += entries.len();
+            // Keyed by a pid or thread id (targets, threads, last walks, GIL and GC state):
+            // the entries of processes and threads gone. The live ones come and go with the
+            // engine's request threads (more of them overlap on a busy machine).
+            entries
+                .iter()
+                .filter(|e| key_u32(e).is_none_or(|id| !Path::new(&format!("/proc/{id}")).exists()))
+                .count()
+        };
+        h.map_entries += n;
+        if n > 0 {
+            *h.maps.entry(name).or_insert(0) += n;
         }
     }
     h
+}
+
+/// A process's threads by name, with how many have each.
+fn thread_names(pid: u32) -> BTreeMap<String, usize> {
+    let mut names = BTreeMap::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        *names.entry(comm.trim().to_string()).or_insert(0) += 1;
+    }
+    names
 }
 
 /// A BPF map's name (`bpftool map show`).
@@ -1222,12 +1250,24 @@ fn map_name(id: &str) -> String {
 /// The process of a `code_seen` entry: bytes 8..12 of its key (`struct es_code_key`), as
 /// bpftool dumps a key (hex strings, one a byte).
 fn code_seen_tgid(entry: &serde_json::Value) -> Option<u32> {
-    let key: Vec<u8> = entry["key"]
-        .as_array()?
-        .iter()
-        .filter_map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
-        .collect();
+    let key = key_bytes(entry)?;
     Some(u32::from_ne_bytes(key.get(8..12)?.try_into().ok()?))
+}
+
+/// A map entry's key when it is one u32 (a pid or thread id).
+fn key_u32(entry: &serde_json::Value) -> Option<u32> {
+    let key = key_bytes(entry)?;
+    Some(u32::from_ne_bytes(key.as_slice().try_into().ok()?))
+}
+
+fn key_bytes(entry: &serde_json::Value) -> Option<Vec<u8>> {
+    Some(
+        entry["key"]
+            .as_array()?
+            .iter()
+            .filter_map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+            .collect(),
+    )
 }
 
 /// A number from the environment (a longer run than CI's, by hand), else `default`.
@@ -1306,6 +1346,24 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
         );
         if k == 1 {
             agent.wait_line("sampling started", Duration::from_secs(30));
+            // The agent may have found the engine before its worker started (it looks every
+            // half second): the worker is attached by rediscovery.
+            let attached = agent
+                .err
+                .log
+                .lines()
+                .find_map(|l| {
+                    l.split("recording ")
+                        .nth(1)?
+                        .split(" process(es)")
+                        .next()?
+                        .parse::<usize>()
+                        .ok()
+                })
+                .expect("the agent says how many processes it records");
+            for _ in attached..3 {
+                agent.wait_line("attached to new engine process", Duration::from_secs(30));
+            }
         } else {
             // The recorder goes on without an engine; rediscovery attaches the new one's
             // server, engine core and worker.
@@ -1317,6 +1375,14 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
         if k % 10 == 0 {
             let rss = status_kb(pid, "RssAnon").expect("agent alive") as f64 / 1024.0;
             readings.push((k, held(pid), rss));
+            let h = readings
+                .last()
+                .map(|r| r.1.maps.clone())
+                .unwrap_or_default();
+            eprintln!(
+                "restart {k}: the agent's threads {:?}; BPF hash entries by map {h:?}",
+                thread_names(pid)
+            );
         }
         // The whole engine dies at once (its children die with their parent).
         drop(engine);

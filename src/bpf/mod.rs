@@ -42,6 +42,11 @@ pub(crate) struct BpfSampler {
     /// `code_seen`: the code objects walks read lately, keyed by (address, tgid) (`struct
     /// es_code_key`, 16 bytes; its value 16 bytes too).
     code_seen: BpfHashMap<MapData, [u8; 16], [u8; 16]>,
+    /// Per thread id besides `threads`: the identity of its last walked stack (`last_walk`,
+    /// 24 bytes), when its GIL wait began (`gil_waiting`), its GC nesting (`gc_depth`).
+    last_walk: BpfHashMap<MapData, u32, [u8; 24]>,
+    gil_waiting: BpfHashMap<MapData, u32, u64>,
+    gc_depth: BpfHashMap<MapData, u32, u32>,
     counters: PerCpuArray<MapData, u64>,
     /// The parts switched off (`ES_OFF_*`, one value).
     control: Array<MapData, u32>,
@@ -155,6 +160,11 @@ impl BpfSampler {
         let threads = BpfHashMap::try_from(bpf.take_map("threads").context("no threads map")?)?;
         let code_seen =
             BpfHashMap::try_from(bpf.take_map("code_seen").context("no code_seen map")?)?;
+        let last_walk =
+            BpfHashMap::try_from(bpf.take_map("last_walk").context("no last_walk map")?)?;
+        let gil_waiting =
+            BpfHashMap::try_from(bpf.take_map("gil_waiting").context("no gil_waiting map")?)?;
+        let gc_depth = BpfHashMap::try_from(bpf.take_map("gc_depth").context("no gc_depth map")?)?;
         let counters = PerCpuArray::try_from(bpf.take_map("counters").context("no counters map")?)?;
         let control = Array::try_from(bpf.take_map("control").context("no control map")?)?;
         // Have the kernel time every BPF program run (BPF_ENABLE_STATS, for as long as the fd
@@ -172,6 +182,9 @@ impl BpfSampler {
             targets,
             threads,
             code_seen,
+            last_walk,
+            gil_waiting,
+            gc_depth,
             counters,
             control,
             stats,
@@ -764,8 +777,15 @@ impl BpfSampler {
         self.set_thread(tid, &t)
     }
 
+    /// Forget thread `tid` in every per-thread map: a thread that died with an entry (in a GIL
+    /// wait, inside a collection, after a walk that left its identity) would otherwise hold it
+    /// until the map's end (`gil_waiting` is not an LRU map: once full, GIL waits would go
+    /// untimed), and an agent outlives many engines' threads.
     pub(crate) fn remove_thread(&mut self, tid: u32) {
         let _ = self.threads.remove(&tid);
+        let _ = self.last_walk.remove(&tid);
+        let _ = self.gil_waiting.remove(&tid);
+        let _ = self.gc_depth.remove(&tid);
     }
 
     /// Hand every pending ring-buffer record to `f`, at most `max` of them.
