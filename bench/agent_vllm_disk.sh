@@ -13,7 +13,10 @@ mkdir -p $OUT/segs
 PID=$(LOGDIR=$OUT bash $H/serve.sh $PORT --enforce-eager | tail -1)
 echo server $PID
 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c 16 --max-tokens 128 --duration 5 >/dev/null
-"$VENV/bin/python" "$H/load.py" --port "$PORT" -c 16 --max-tokens 128 --duration $((SECS + 20)) > $OUT/load.txt &
+# load.py's window is at most 600 s: one after another until the agent's window has passed.
+(end=$((SECONDS + SECS + 20)); while [ $SECONDS -lt $end ]; do
+  "$VENV/bin/python" "$H/load.py" --port "$PORT" -c 16 --max-tokens 128 --duration $((end - SECONDS)) >> $OUT/load.txt
+done) &
 LOAD=$!
 $ES agent --vllm --engine-pid $PID --listen 127.0.0.1:0 --dir $OUT/segs 2> $OUT/agent.log &
 AG=$!
@@ -27,7 +30,7 @@ for i in $(seq 1 $((SECS / 15))); do
   echo "t=$((i*15)) bytes=$b rss_kb=$rss anon_kb=$anon fds=$fds cpu_ticks=$cpu"
 done
 kill -INT $AG; wait $AG
-kill $LOAD 2>/dev/null; wait $LOAD 2>/dev/null
+pkill -P $LOAD 2>/dev/null; kill $LOAD 2>/dev/null; wait $LOAD 2>/dev/null
 kill -TERM $PID
 tail -2 $OUT/load.txt
-python3 tools/segment_bytes.py $OUT/segs | head -12
+python3 tools/segment_bytes.py $OUT/segs > $OUT/bytes.txt; head -12 $OUT/bytes.txt
