@@ -1374,15 +1374,13 @@ fn engine_restarted_again_and_again_is_followed_and_released() {
         servers.push(engine.pid);
         if k % 10 == 0 {
             let rss = status_kb(pid, "RssAnon").expect("agent alive") as f64 / 1024.0;
-            readings.push((k, held(pid), rss));
-            let h = readings
-                .last()
-                .map(|r| r.1.maps.clone())
-                .unwrap_or_default();
+            let h = held(pid);
             eprintln!(
-                "restart {k}: the agent's threads {:?}; BPF hash entries by map {h:?}",
-                thread_names(pid)
+                "restart {k}: the agent's threads {:?}; BPF hash entries by map {:?}",
+                thread_names(pid),
+                h.maps
             );
+            readings.push((k, h, rss));
         }
         // The whole engine dies at once (its children die with their parent).
         drop(engine);

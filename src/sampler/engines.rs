@@ -12,8 +12,8 @@ use crate::vllm::metrics::{ScrapeEvent, Scraper};
 /// How often engines are discovered again while recording.
 const REDISCOVER_EVERY: Duration = Duration::from_secs(2);
 
-/// Discover the engines `record --vllm` records (only the one rooted at `--engine-pid` when
-/// given), saying what was found unless quiet.
+/// Discover the engines `record --vllm` records (only those `--engine-pid` and `--engine-port`
+/// ask for, when given), saying what was found unless quiet.
 pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
     let mut d = discover::discover_engines(opts.metrics_url.as_deref())?;
     restrict(&mut d, opts);
@@ -68,7 +68,6 @@ pub(crate) fn of_targets(pids: &[i32], url: &str) -> Discovery {
     }
 }
 
-/// Keep only the engine rooted at `root` (its API server or offline script).
 /// Keep only the engines `--engine-pid` and `--engine-port` ask for (all without either).
 fn restrict(d: &mut Discovery, opts: &RecordOptions) {
     let mut keep: Option<std::collections::BTreeSet<String>> = None;

@@ -3,6 +3,7 @@
 //! Used by tests/vllm_real.rs and by examples/probe_truth.rs (bench/vllm_probes.sh).
 
 use enginescope::record::Recording;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// Calls of `label` in the harness's in-process timers of process `pid`: (start, dur, tid),
@@ -19,6 +20,26 @@ pub fn timer_calls_by_thread(dir: &Path, pid: i32, label: &str) -> Vec<(u64, u64
     v
 }
 
+/// Each thread's switch-outs (start, end), ns CLOCK_MONOTONIC, in order; none for an
+/// aggregated recording (its events are spread over their intervals).
+pub type OffCpuByThread = HashMap<i32, Vec<(u64, u64)>>;
+
+pub fn off_cpu_by_thread(rec: &Recording) -> OffCpuByThread {
+    let t0 = rec.meta.start_mono_ns;
+    let mut off = OffCpuByThread::new();
+    if rec.profile_intervals.is_empty() {
+        for o in &rec.offcpu {
+            off.entry(o.tid)
+                .or_default()
+                .push((t0 + o.start_ns, t0 + o.start_ns + o.dur_ns));
+        }
+    }
+    for v in off.values_mut() {
+        v.sort_unstable();
+    }
+    off
+}
+
 /// The caller-side timer's time that lies outside the probe's span, per truth call: each
 /// truth call (start, dur, tid) is matched to the timed call of the same thread that lies
 /// inside it, and the thread's time off CPU (the recording's switch-outs, from the kernel)
@@ -29,10 +50,10 @@ pub fn timer_calls_by_thread(dir: &Path, pid: i32, label: &str) -> Vec<(u64, u64
 /// a timed call matched.
 pub fn off_cpu_outside_span(
     rec: &Recording,
+    off: &OffCpuByThread,
     ids: &[u32],
     truth: &[(u64, u64, i32)],
 ) -> Vec<(u64, bool)> {
-    use std::collections::HashMap;
     let t0 = rec.meta.start_mono_ns;
     let mut timed: HashMap<i32, Vec<(u64, u64)>> = HashMap::new();
     for c in rec.calls.iter().filter(|c| ids.contains(&c.probe)) {
@@ -41,15 +62,7 @@ pub fn off_cpu_outside_span(
             .or_default()
             .push((t0 + c.start_ns, t0 + c.start_ns + c.dur_ns));
     }
-    let mut off: HashMap<i32, Vec<(u64, u64)>> = HashMap::new();
-    if rec.profile_intervals.is_empty() {
-        for o in &rec.offcpu {
-            off.entry(o.tid)
-                .or_default()
-                .push((t0 + o.start_ns, t0 + o.start_ns + o.dur_ns));
-        }
-    }
-    for v in timed.values_mut().chain(off.values_mut()) {
+    for v in timed.values_mut() {
         v.sort_unstable();
     }
     let overlap = |v: &[(u64, u64)], a: u64, b: u64| -> u64 {
@@ -161,6 +174,7 @@ pub fn probe_truth(
     let mut intervals = String::from(
         "| probe | process | phases | calls 95% | p50 ms 95% | p90 ms 95% |\n|---|---|---:|---|---|---|\n",
     );
+    let off_cpu_index = off_cpu_by_thread(rec);
     let mut off_cpu = String::from(
         "| probe | process | truth calls holding a timed call | of them off CPU outside the probe's span | that time, taken from the truth |\n|---|---|---|---:|---:|\n",
     );
@@ -207,23 +221,16 @@ pub fn probe_truth(
         let ids: Vec<u32> = probes.iter().map(|p| p.id).collect();
         // The truth is the caller-side timer's time less the thread's time off CPU outside
         // the probe's span (see `off_cpu_outside_span`).
-        let outside = off_cpu_outside_span(rec, &ids, &truth_tid);
-        let mut t: Vec<u64> = truth
-            .iter()
-            .zip(&outside)
-            .filter(|(c, _)| inside(c.0))
-            .map(|(c, &(o, _))| c.1.saturating_sub(o))
-            .collect();
-        let matched = truth
-            .iter()
-            .zip(&outside)
-            .filter(|(c, o)| inside(c.0) && o.1)
-            .count();
-        let (n_off, off_ns) = truth
-            .iter()
-            .zip(&outside)
-            .filter(|(c, o)| inside(c.0) && o.0 > 0)
-            .fold((0usize, 0u64), |(n, sum), (_, o)| (n + 1, sum + o.0));
+        let outside = off_cpu_outside_span(rec, &off_cpu_index, &ids, &truth_tid);
+        let (mut t, mut matched, mut n_off, mut off_ns) = (Vec::new(), 0usize, 0usize, 0u64);
+        for (c, &(o, hit)) in truth.iter().zip(&outside).filter(|(c, _)| inside(c.0)) {
+            t.push(c.1.saturating_sub(o));
+            matched += usize::from(hit);
+            if o > 0 {
+                n_off += 1;
+                off_ns += o;
+            }
+        }
         let mut mw: Vec<(u64, f64)> = rec
             .calls
             .iter()
