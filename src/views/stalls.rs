@@ -15,7 +15,9 @@
 //!   other Python code for at most [`MAX_CALLBACK_BLOCK_NS`] (a page fault, a lock), is still
 //!   inside a callback. (Longer blocks in other Python code are taken for idle: a main thread
 //!   that runs no loop, or one started from a frame not in [`LOOP_FILES`], waits there. A
-//!   blocking call of more than 100 ms in a callback ends the stall there.)
+//!   blocking call of more than 100 ms in a callback ends the stall there.) A sample whose
+//!   stack could not be read at all ([`Seen::Unread`]) shows neither: it joins the run around
+//!   it and never starts or ends one.
 //! - each close enough to the previous one, not counting time the thread was preempted
 //!   (runnable but switched out: the loop still is not serving) or blocked inside a callback:
 //!   within two sampling periods ([`GAP_PERIODS`]) when the recording has no exact off-CPU
@@ -270,6 +272,36 @@ pub struct ApiServerStalls {
 /// innermost Python frame of a uvloop loop, whose poll and dispatch are compiled code.
 const LOOP_FILES: &[&str] = &["selectors.py", "asyncio/runners.py", "uvloop/__init__.py"];
 
+/// What a loop thread's sample shows of its loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    /// Running Python code that is not the loop's own: a callback.
+    Busy,
+    /// In the loop's poll, or outside Python ([`is_idle_stack`]).
+    Idle,
+    /// Its stack could not be read (flagged partial, no frame): anything. It joins the run
+    /// around it (the thread was on CPU) but neither starts nor ends one: a walk that failed
+    /// on its first read (the thread state unreadable for an instant, seen mid-run on busy
+    /// threads) had split a 340.7 ms stall into 272.7 ms and an unreported rest.
+    Unread,
+}
+
+/// What sample `s` shows of its thread's loop (`idle`: [`is_idle_stack`] of a stack).
+fn seen(rec: &Recording, s: &Sample, idle: &mut dyn FnMut(u32) -> bool) -> Seen {
+    if unread(rec, s) {
+        Seen::Unread
+    } else if idle(s.stack) {
+        Seen::Idle
+    } else {
+        Seen::Busy
+    }
+}
+
+/// Whether a sample's stack could not be read at all (flagged partial, no frame).
+fn unread(rec: &Recording, s: &Sample) -> bool {
+    s.flags & crate::record::flags::PARTIAL != 0 && rec.stack_frames(s.stack).next().is_none()
+}
+
 /// Whether a stack is the event loop idling or outside Python: no Python frame, or the
 /// innermost frame in one of [`LOOP_FILES`].
 fn is_idle_stack(rec: &Recording, stack: u32) -> bool {
@@ -454,19 +486,30 @@ fn extent(
 fn runs(
     samples: &[&Sample],
     off: &[(u64, u64, Off)],
-    idle: &[bool],
+    seen: &[Seen],
     period_ns: u64,
     max_gap_ns: u64,
 ) -> Vec<Vec<usize>> {
     let mut out: Vec<Vec<usize>> = Vec::new();
     let mut cur: Vec<usize> = Vec::new();
+    // A run ends at its last busy sample: unread ones after it are dropped.
+    let close = |cur: &mut Vec<usize>, out: &mut Vec<Vec<usize>>| {
+        while cur.last().is_some_and(|&j| seen[j] == Seen::Unread) {
+            cur.pop();
+        }
+        if !cur.is_empty() {
+            out.push(std::mem::take(cur));
+        }
+    };
     let mut k = 0; // first off-CPU interval that may end after the previous sample
     for (i, s) in samples.iter().enumerate() {
-        if idle[i] {
-            if !cur.is_empty() {
-                out.push(std::mem::take(&mut cur));
+        match seen[i] {
+            Seen::Idle => {
+                close(&mut cur, &mut out);
+                continue;
             }
-            continue;
+            Seen::Unread if cur.is_empty() => continue,
+            _ => {}
         }
         if let Some(&p) = cur.last() {
             let prev = samples[p];
@@ -493,14 +536,15 @@ fn runs(
             };
             let gap = b.saturating_sub(a).saturating_sub(preempted);
             if blocked_long || gap > max_gap_ns.max(GAP_PERIODS.saturating_mul(period)) {
-                out.push(std::mem::take(&mut cur));
+                close(&mut cur, &mut out);
+                if seen[i] == Seen::Unread {
+                    continue;
+                }
             }
         }
         cur.push(i);
     }
-    if !cur.is_empty() {
-        out.push(cur);
-    }
+    close(&mut cur, &mut out);
     out
 }
 
@@ -667,7 +711,7 @@ fn thread_stalls<'a>(
             .or_insert_with(|| is_idle_stack(rec, stack))
     };
     let off = classify_offcpu(&off_raw, &gil, &mut idle_stack);
-    let idle: Vec<bool> = main.iter().map(|s| idle_stack(s.stack)).collect();
+    let seen: Vec<Seen> = main.iter().map(|s| seen(rec, s, &mut idle_stack)).collect();
     // Exact off-CPU intervals: the BPF backend traced this thread's switches. Every switch is
     // there unless events were lost: then on-CPU time between two samples is the callback's,
     // however long (a descheduled virtual CPU takes no samples).
@@ -686,7 +730,7 @@ fn thread_stalls<'a>(
         .collect();
     changes.sort_by_key(|c| c.t_ns);
     let mut out = Vec::new();
-    for run in runs(main, &off, &idle, period_ns, max_gap_ns) {
+    for run in runs(main, &off, &seen, period_ns, max_gap_ns) {
         let (Some(&first), Some(&last)) = (run.first(), run.last()) else {
             continue;
         };
@@ -732,10 +776,16 @@ fn stall_of_run<'a>(
 ) -> Stall {
     let mut stacks: BTreeMap<u32, u64> = BTreeMap::new();
     let (mut w, mut ser_n) = (0u64, 0u64);
+    let mut n = 0u64;
     for &i in run {
         let s = main[i];
-        *stacks.entry(s.stack).or_default() += 1;
         w += u64::from(s.weight_ns);
+        // An unread sample is the stall's CPU time, but shows nothing of what ran.
+        if unread(rec, s) {
+            continue;
+        }
+        n += 1;
+        *stacks.entry(s.stack).or_default() += 1;
         if ser.frame(s.stack).is_some() {
             ser_n += 1;
         }
@@ -745,7 +795,7 @@ fn stall_of_run<'a>(
         .iter()
         .max_by(|x, y| x.1.cmp(y.1).then(y.0.cmp(x.0)))
         .map_or((0, 0), |(&k, &n)| (k, n));
-    let n = run.len() as u64;
+    let n = n.max(1);
     let inside = |why: Off| -> u64 {
         off.iter()
             .filter(|o| o.2 == why && o.0 < end)
@@ -955,7 +1005,7 @@ mod tests {
         let s: Vec<Sample> = times.iter().map(|&t| mk(t)).collect();
         let refs: Vec<&Sample> = s.iter().collect();
         let off = [(9 * ms + ms / 2, 10 * ms, Off::Preempted)];
-        let idle = vec![false; refs.len()];
+        let idle = vec![Seen::Busy; refs.len()];
         let r = runs(&refs, &off, &idle, ms, 0);
         assert_eq!(r, vec![vec![0, 1, 2, 3, 4], vec![5, 6, 7, 8, 9], vec![10]]);
         // Waiting for the GIL counts like preemption.
@@ -984,18 +1034,41 @@ mod tests {
             .collect();
         let refs4: Vec<&Sample> = slow.iter().collect();
         let blocked = [(9 * ms, 3 * ms, Off::Blocked)];
-        let r = runs(&refs4, &blocked, &[false; 3], 4 * ms, 0);
+        let r = runs(&refs4, &blocked, &[Seen::Busy; 3], 4 * ms, 0);
         assert_eq!(r, vec![vec![0, 1], vec![2]]);
         let short_block = [(9 * ms, ms, Off::Blocked)];
-        let r = runs(&refs4, &short_block, &[false; 3], 4 * ms, 0);
+        let r = runs(&refs4, &short_block, &[Seen::Busy; 3], 4 * ms, 0);
         assert_eq!(r, vec![vec![0, 1, 2]]);
         // An idle sample ends a run and belongs to none, whatever the gap limit.
-        let mut idle = vec![false; refs.len()];
-        idle[2] = true;
+        let mut idle = vec![Seen::Busy; refs.len()];
+        idle[2] = Seen::Idle;
         let r = runs(&refs[..5], &[], &idle[..5], ms, 0);
         assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
         let r = runs(&refs[..5], &[], &idle[..5], ms, 100 * ms);
         assert_eq!(r, vec![vec![0, 1], vec![3, 4]]);
+        // An unread sample (no stack) joins the run around it, but neither starts one nor
+        // ends one, nor is a run's last sample.
+        let mut seen = vec![Seen::Busy; refs.len()];
+        seen[2] = Seen::Unread;
+        assert_eq!(
+            runs(&refs[..5], &[], &seen[..5], ms, 0),
+            vec![vec![0, 1, 2, 3, 4]]
+        );
+        seen[0] = Seen::Unread;
+        seen[4] = Seen::Unread;
+        assert_eq!(
+            runs(&refs[..5], &[], &seen[..5], ms, 0),
+            vec![vec![1, 2, 3]]
+        );
+        seen[3] = Seen::Idle;
+        assert_eq!(runs(&refs[..5], &[], &seen[..5], ms, 0), vec![vec![1]]);
+        // Unread past a gap: the run before ends, and the unread sample starts none.
+        let mut seen = vec![Seen::Busy; refs.len()];
+        seen[5] = Seen::Unread;
+        assert_eq!(
+            runs(&refs[..7], &[], &seen[..7], ms, 0),
+            vec![vec![0, 1, 2, 3, 4], vec![6]]
+        );
     }
 
     #[test]
