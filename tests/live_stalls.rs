@@ -254,6 +254,36 @@ fn edges_seen(r: &Recording, tid: i32, x: &Reported, t: &TrueStall) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+        + &inner_idle(r, tid, t)
+}
+
+/// The loop thread's samples inside the true stall with no Python frame (flagged partial or
+/// not) or innermost in `selectors.py`: what ends a reported stall early.
+fn inner_idle(r: &Recording, tid: i32, t: &TrueStall) -> String {
+    let base = r.meta.start_mono_ns;
+    let odd: Vec<String> = r
+        .samples
+        .iter()
+        .filter(|s| s.tid == tid && base + s.t_ns >= t.start && base + s.t_ns < t.start + t.dur)
+        .filter_map(|s| {
+            let inner = r.stack_frames(s.stack).next();
+            let what = match inner {
+                None => "no Python frame".to_string(),
+                Some(f) if f.file.ends_with("selectors.py") => format!("in {}", f.function),
+                Some(_) => return None,
+            };
+            Some(format!(
+                "{what} (flags {:#x}) at {:+.1} ms",
+                s.flags,
+                (base as f64 + s.t_ns as f64 - t.start as f64) / 1e6
+            ))
+        })
+        .collect();
+    if odd.is_empty() {
+        String::new()
+    } else {
+        format!("; samples in the true stall: {}", odd.join(", "))
+    }
 }
 
 fn ms(ns: u64) -> f64 {
