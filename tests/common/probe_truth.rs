@@ -417,10 +417,13 @@ pub fn probe_truth(
             failures.push(format!("{role} {function}: method {methods:?}"));
         } else if t.len() < 20 {
             failures.push(format!("{role} {function}: {} calls in the truth", t.len()));
-        } else if rotated.is_empty() && !switched && (matched as f64) < 0.98 * timed as f64 {
+        } else if rotated.is_empty()
+            && !switched
+            && (matched as f64) < (0.98 * timed as f64).min(timed.saturating_sub(2) as f64)
+        {
             // Every timed call lies inside one call of the caller-side timer (a span that
             // began before the call or ended after it, or a pairing that joined two calls,
-            // would not).
+            // would not): 98% of them, or all but two in a small row (the window's edges).
             failures.push(format!(
                 "{role} {function}: {matched} truth calls hold a timed call, of {timed} timed"
             ));
