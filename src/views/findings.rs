@@ -29,9 +29,11 @@
 //!   the recording; named after the Python function
 //!   that calls it (the caller of the outermost serializing frame), with the time per call where
 //!   that function is probed.
-//! - `busy_spin`: a thread on CPU [`SPIN_MIN_CPU_SHARE`] or more of the recording, at least
-//!   [`SPIN_MIN_POLL_SHARE`] of that in a polling loop (a function named like
-//!   `acquire_read`, `sched_yield`, `spin`, `busy_wait`, `poll`): a core burnt waiting.
+//! - `busy_spin`: a thread that wanted a CPU [`SPIN_MIN_CPU_SHARE`] or more of the recording
+//!   (on CPU, or preempted: runnable but switched out, which a spinning thread on a busy
+//!   machine is for much of its time), at least [`SPIN_MIN_POLL_SHARE`] of its CPU in a
+//!   polling loop (a function named like `acquire_read`, `sched_yield`, `spin`, `busy_wait`,
+//!   `poll`): a core burnt waiting, scored by the CPU it burnt.
 //! - `per_request_growth`: a probed function's median time on CPU per call (its duration
 //!   less the thread's GIL waits and time off CPU inside it), per interval between its
 //!   engine's scrapes, grows with the running requests they read (least squares over at least
@@ -81,7 +83,7 @@ pub(crate) const GC_MIN_PAUSES: u64 = 3;
 pub(crate) const SERIAL_MIN_SHARE: f64 = 0.05;
 /// ...over at least this many samples.
 pub(crate) const SERIAL_MIN_SAMPLES: u64 = 10;
-/// A thread on CPU this share of the recording or more...
+/// A thread on CPU or preempted (runnable) this share of the recording or more...
 pub(crate) const SPIN_MIN_CPU_SHARE: f64 = 0.5;
 /// ...this share of it in a polling loop or more...
 pub(crate) const SPIN_MIN_POLL_SHARE: f64 = 0.5;
@@ -677,6 +679,10 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
     }
     for t in &r.threads {
         let cpu_share = t.cpu_s / r.duration_s;
+        // A thread that spins on a machine with more runnable threads than CPUs gets a share
+        // of one: it is runnable all the time, on CPU part of it (a reader spinning in
+        // sched_yield beside two busy loops on 2 CPUs: on CPU ~35%, preempted the rest).
+        let runnable_share = (t.cpu_s + t.offcpu_preempted_s) / r.duration_s;
         let Some((n, polls)) = per.get(&(t.pid, t.tid)) else {
             continue;
         };
@@ -686,7 +692,7 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
         } else {
             0.0
         };
-        if cpu_share < SPIN_MIN_CPU_SHARE
+        if runnable_share < SPIN_MIN_CPU_SHARE
             || poll_share < SPIN_MIN_POLL_SHARE
             || *n < SPIN_MIN_SAMPLES
         {
@@ -706,14 +712,23 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
             thread: t.name.clone(),
             function: function.clone(),
             verdict: format!(
-                "{} is on CPU {} of the recording, {} of it polling in {function}: {:.2} of a core spent waiting",
+                "{} is on CPU {} of the recording{}, {} of it polling in {function}: {:.2} of a core spent waiting",
                 who(rec, &t.name, t.pid, t.tid),
                 pct(cpu_share),
+                if t.offcpu_preempted_s > 0.01 * r.duration_s {
+                    format!(
+                        " and waits for a CPU {} more (preempted)",
+                        pct(t.offcpu_preempted_s / r.duration_s)
+                    )
+                } else {
+                    String::new()
+                },
                 pct(poll_share),
                 burnt
             ),
             evidence: [
                 ("cpu_share".to_string(), json!(cpu_share)),
+                ("runnable_share".to_string(), json!(runnable_share)),
                 ("polling_share_of_cpu".to_string(), json!(poll_share)),
                 ("cores_polling".to_string(), json!(burnt)),
             ]
@@ -1089,7 +1104,7 @@ fn per_request_growth(rec: &Recording, sel: &Selection, r: &Report, out: &mut Ve
 mod tests {
     use super::*;
     use crate::record::{
-        EndInfo, Frame, FunctionCall, GcPause, GilWait, ProbeInfo, Sample, ThreadInfo,
+        EndInfo, Frame, FunctionCall, GcPause, GilWait, OffCpu, ProbeInfo, Sample, ThreadInfo,
     };
 
     const MS: u64 = 1_000_000;
@@ -1515,6 +1530,34 @@ mod tests {
         let mut rec = base();
         samples(&mut rec, 1, 3, 200, 0, 0);
         samples(&mut rec, 1, 4, 600, 2 * S, 0);
+        assert!(run(&rec).iter().all(|f| f.kind != "busy_spin"));
+        // On CPU 3 s of 10, all of it polling, and preempted (runnable, switched out) 5 s
+        // more: a spinner on a machine with more runnable threads than CPUs. It burnt 0.3
+        // of a core.
+        let mut rec = base();
+        samples(&mut rec, 1, 3, 300, 0, 0);
+        for i in 0..500 {
+            rec.offcpu.push(OffCpu {
+                pid: 1,
+                tid: 1,
+                start_ns: 3 * S + i * 10 * MS,
+                dur_ns: 10 * MS,
+                stack: 3,
+                preempted: true,
+            });
+        }
+        let f = run(&rec);
+        let g = f.iter().find(|f| f.kind == "busy_spin").expect("a finding");
+        assert!((g.score - 0.3).abs() < 1e-9, "{}", g.score);
+        assert!(
+            g.verdict.contains("waits for a CPU 50.0% more"),
+            "{}",
+            g.verdict
+        );
+        // Blocked instead of preempted: it waited, it did not spin.
+        for o in &mut rec.offcpu {
+            o.preempted = false;
+        }
         assert!(run(&rec).iter().all(|f| f.kind != "busy_spin"));
     }
 
