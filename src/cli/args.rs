@@ -64,9 +64,10 @@ pub struct VllmArgs {
     #[arg(long, value_name = "PID", requires = "vllm")]
     pub engine_pid: Option<i32>,
     /// With --vllm: only the engines whose API server serves on PORT (its metrics URL's port),
-    /// followed across restarts (a restarted engine has new pids, the same port).
+    /// followed across restarts (a restarted engine has new pids, the same port); repeat it
+    /// for several engines.
     #[arg(long, value_name = "PORT", requires = "vllm")]
-    pub engine_port: Option<u16>,
+    pub engine_port: Vec<u16>,
 }
 
 /// How `--vllm` engines are scraped and probed, as [`record_options`] takes it.
@@ -235,7 +236,7 @@ pub fn record_options(g: Groups<'_>) -> anyhow::Result<RecordOptions> {
     o.vllm = g.vllm.vllm;
     o.metrics_url = g.vllm.metrics_url.clone();
     o.vllm_root_pid = g.vllm.engine_pid;
-    o.vllm_port = g.vllm.engine_port;
+    o.vllm_port = g.vllm.engine_port.clone();
     if let Some(e) = g.scraping {
         anyhow::ensure!(
             e.interval_s.is_finite() && e.interval_s >= 0.0,
@@ -340,7 +341,7 @@ mod tests {
         assert!(o.vllm && !o.default_probes && !o.offcpu && !o.gil && !o.gc);
         assert_eq!(o.metrics_url.as_deref(), Some("http://h/metrics"));
         assert_eq!(o.vllm_root_pid, Some(7));
-        assert_eq!(o.vllm_port, Some(8000));
+        assert_eq!(o.vllm_port, [8000]);
         assert_eq!(o.scrape_interval, Duration::from_millis(2500));
         assert_eq!(o.backend, Backend::Memory);
         assert!(o.native.user && o.native.kernel);

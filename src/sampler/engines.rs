@@ -43,10 +43,11 @@ pub fn discover_engines(opts: &RecordOptions) -> anyhow::Result<Discovery> {
     anyhow::ensure!(
         !d.engines.is_empty() || !opts.pids.is_empty(),
         "no vLLM engine found on this host{} (looked for `vllm serve` API servers, VLLM::EngineCore and VLLM::Worker processes); start one, pass --pid, or give --metrics-url for a remote engine",
-        match (opts.vllm_root_pid, opts.vllm_port) {
+        match (opts.vllm_root_pid, opts.vllm_port.as_slice()) {
             (Some(pid), _) => format!(" whose API server is pid {pid}"),
-            (None, Some(port)) => format!(" serving on port {port}"),
-            (None, None) => String::new(),
+            (None, [port]) => format!(" serving on port {port}"),
+            (None, []) => String::new(),
+            (None, ports) => format!(" serving on any of ports {ports:?}"),
         }
     );
     Ok(d)
@@ -80,11 +81,11 @@ fn restrict(d: &mut Discovery, opts: &RecordOptions) {
                 .collect(),
         );
     }
-    if let Some(port) = opts.vllm_port {
+    if !opts.vllm_port.is_empty() {
         let on_port = d
             .engines
             .iter()
-            .filter(|e| url_port(&e.metrics_url) == Some(port))
+            .filter(|e| url_port(&e.metrics_url).is_some_and(|p| opts.vllm_port.contains(&p)))
             .map(|e| e.id.clone());
         keep = Some(match keep {
             Some(k) => on_port.filter(|id| k.contains(id)).collect(),
@@ -294,7 +295,7 @@ mod tests {
         let mut d = two_engines();
         restrict(&mut d, &opts);
         assert_eq!(d, two_engines());
-        opts.vllm_port = Some(9000);
+        opts.vllm_port = vec![9000];
         restrict(&mut d, &opts);
         assert_eq!(d.engines.len(), 1);
         assert_eq!(d.engines[0].id, "engine1");
@@ -303,13 +304,23 @@ mod tests {
             [200, 201]
         );
         assert_eq!(d.roles.keys().copied().collect::<Vec<_>>(), [200, 201]);
+        // Two ports: the engines on either.
+        let mut d = two_engines();
+        opts.vllm_port = vec![8000, 9000];
+        restrict(&mut d, &opts);
+        assert_eq!(d, two_engines());
+        opts.vllm_port = vec![7000, 9000];
+        restrict(&mut d, &opts);
+        assert_eq!(d.engines.len(), 1);
+        assert_eq!(d.engines[0].id, "engine1");
+        opts.vllm_port = vec![9000];
         // Both: the engine that has the pid and serves on the port, or none.
         let mut d = two_engines();
         opts.vllm_root_pid = Some(100);
         restrict(&mut d, &opts);
         assert!(d.engines.is_empty() && d.processes.is_empty() && d.roles.is_empty());
         let mut d = two_engines();
-        opts.vllm_port = None;
+        opts.vllm_port.clear();
         restrict(&mut d, &opts);
         assert_eq!(d.engines.len(), 1);
         assert_eq!(d.engines[0].id, "engine0");

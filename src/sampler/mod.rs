@@ -85,8 +85,9 @@ pub struct RecordOptions {
     pub default_probes: bool,
     /// With `vllm`: only the engine whose API server (or offline script) has this pid.
     pub vllm_root_pid: Option<i32>,
-    /// With `vllm`: only the engines whose metrics URL has this port (their API server's).
-    pub vllm_port: Option<u16>,
+    /// With `vllm`: only the engines whose metrics URL has one of these ports (their API
+    /// server's); all when empty.
+    pub vllm_port: Vec<u16>,
     /// Stops the recording (it then finishes its file) when stopped: clone it before `record`
     /// and call `stop()` from another thread, or let `main` stop it on SIGINT/SIGTERM. A new
     /// one per run (`RecordOptions::new` makes one).
@@ -126,7 +127,7 @@ impl RecordOptions {
             scrape_interval: Duration::from_secs(1),
             default_probes: true,
             vllm_root_pid: None,
-            vllm_port: None,
+            vllm_port: Vec::new(),
             stop: StopToken::new(),
             window_begun: Default::default(),
             native: crate::native::NativeOptions::default(),
