@@ -523,6 +523,8 @@ pub struct Aggregator {
     /// Recorder counters as last seen in this recorder run (baseline for increments).
     last_counters: BTreeMap<String, u64>,
     tick: u64,
+    /// Whether a process is still there (`/proc/PID`; a test's fake one in unit tests).
+    alive: fn(i32) -> bool,
     /// The recorder's backend, from the latest segment's header.
     backend: String,
 }
@@ -544,6 +546,7 @@ impl Aggregator {
             seg: SegmentTables::default(),
             last_counters: BTreeMap::new(),
             tick: 0,
+            alive: |pid| std::path::Path::new(&format!("/proc/{pid}")).exists(),
             backend: String::new(),
         }
     }
@@ -593,7 +596,8 @@ impl Aggregator {
     /// The `thread` label of a thread named `name` (its Python name, else its OS name): the
     /// name, or where another thread of a process with the same engine and role labels already
     /// has it (threads of a pool, or Python threads before 3.14 named only by their OS name),
-    /// `name#2`, `name#3`, … (the first free one; `tidN` past [`MAX_SAME_NAME`]).
+    /// `name#2`, `name#3`, … (the first free one; `tidN` past [`MAX_SAME_NAME`]). The threads
+    /// of processes gone hold no name.
     fn unique_thread_label(&self, pid: i32, tid: i32, name: &str) -> String {
         let name = if name.is_empty() {
             format!("tid{tid}")
@@ -601,9 +605,14 @@ impl Aggregator {
             label(name)
         };
         let p = self.process_labels(pid);
+        // A thread of a process that has exited frees its label: a restarted worker's threads
+        // continue its series (same engine and role) instead of adding `#k` ones.
         let taken = |cand: &str| {
             self.seg.threads.iter().any(|(&(op, ot), l)| {
-                (op, ot) != (pid, tid) && l == cand && self.process_labels(op) == p
+                (op, ot) != (pid, tid)
+                    && l == cand
+                    && self.process_labels(op) == p
+                    && (op == pid || (self.alive)(op))
             })
         };
         if !taken(&name) {
@@ -672,6 +681,16 @@ impl Aggregator {
             self.seg.roles.insert(p.pid, role);
         }
         self.seg.n_processes = r.processes.len();
+        // Engines before threads: a thread's label is unique among the threads with its
+        // engine and role labels, so a new process's engine must be known first (else every
+        // engine's workers share one name space: `MainThread#3` for one engine's worker
+        // because other engines' workers came first).
+        for e in r.engines.iter().skip(self.seg.n_engines) {
+            for pid in e.pids() {
+                self.seg.engines.insert(pid, label(&e.id));
+            }
+        }
+        self.seg.n_engines = r.engines.len();
         // In (pid, tid) order within what was added (a segment begins with every live thread),
         // so which of several same-named threads keeps the bare name does not depend on the
         // order they were written in; a thread's later records (renames) stay after its
@@ -684,12 +703,6 @@ impl Aggregator {
             self.seg.threads.insert((t.pid, t.tid), l);
         }
         self.seg.n_threads = r.threads.len();
-        for e in r.engines.iter().skip(self.seg.n_engines) {
-            for pid in e.pids() {
-                self.seg.engines.insert(pid, label(&e.id));
-            }
-        }
-        self.seg.n_engines = r.engines.len();
     }
 
     /// Apply every event the reader has gathered since the last call, then drop the events
@@ -1251,6 +1264,62 @@ mod tests {
         assert_eq!(cpu("pool"), Some(0.003));
         assert_eq!(cpu("pool#2"), Some(0.004));
         assert_eq!(cpu("python3.12"), Some(0.005));
+    }
+
+    #[test]
+    fn engines_and_restarted_workers_keep_their_thread_names() {
+        use crate::record::{EngineInfo, ProcessInfo, Sample, ThreadInfo};
+        let (m, reg) = Metrics::new();
+        let mut a = Aggregator::new(m, Limits::default());
+        // Pids 100 and 200 run; 150 (engine0's first worker) has exited.
+        a.alive = |pid| pid != 150;
+        let mut r = Recording::default();
+        r.stacks.push(vec![]);
+        for (pid, engine) in [(100, "engine0"), (150, "engine0"), (200, "engine1")] {
+            r.processes.push(ProcessInfo {
+                pid,
+                role: "worker".into(),
+                ..Default::default()
+            });
+            r.engines.push(EngineInfo {
+                id: engine.into(),
+                worker_pids: vec![pid],
+                ..Default::default()
+            });
+        }
+        // Each in its own batch, the way the recorder writes a process when it attaches.
+        for (pid, ms) in [(150, 1), (200, 2), (100, 4)] {
+            r.threads.push(ThreadInfo {
+                pid,
+                tid: pid,
+                name: "VLLM::Worker".into(),
+                t_ns: 0,
+                python_name: Some("MainThread".into()),
+            });
+            r.samples.push(Sample {
+                t_ns: 1,
+                pid,
+                tid: pid,
+                stack: 0,
+                flags: 0,
+                weight_ns: 1_000_000 * ms,
+            });
+            a.apply(&mut r);
+        }
+        let t = encode(&reg);
+        let cpu = |engine: &str, thread: &str| {
+            value(
+                &t,
+                &format!(
+                    r#"enginescope_thread_cpu_seconds_total{{engine="{engine}",role="worker",thread="{thread}"}}"#
+                ),
+            )
+        };
+        // Another engine's worker of the same name is no clash; the restarted worker (100,
+        // after 150 exited) continues its engine's series.
+        assert_eq!(cpu("engine1", "MainThread"), Some(0.002), "{t}");
+        assert_eq!(cpu("engine0", "MainThread"), Some(0.005), "{t}");
+        assert_eq!(cpu("engine0", "MainThread#2"), None, "{t}");
     }
 
     #[test]
