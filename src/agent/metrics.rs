@@ -497,8 +497,10 @@ struct SegmentTables {
     roles: HashMap<i32, String>,
     /// pid → engine id
     engines: HashMap<i32, String>,
-    /// (pid, tid) → thread name
+    /// (pid, tid) → thread label
     threads: HashMap<(i32, i32), String>,
+    /// (pid, tid) → the thread's name as the recording has it (its label before any `#k`)
+    names: HashMap<(i32, i32), String>,
     /// How many entries of each table have been read.
     n_processes: usize,
     n_threads: usize,
@@ -684,13 +686,36 @@ impl Aggregator {
         // Engines before threads: a thread's label is unique among the threads with its
         // engine and role labels, so a new process's engine must be known first (else every
         // engine's workers share one name space: `MainThread#3` for one engine's worker
-        // because other engines' workers came first).
+        // because other engines' workers came first). A process whose engine is told after
+        // its threads (the recorder writes engines once discovered) has its threads named
+        // again below, in its engine's name space.
+        let mut moved = std::collections::BTreeSet::new();
         for e in r.engines.iter().skip(self.seg.n_engines) {
             for pid in e.pids() {
-                self.seg.engines.insert(pid, label(&e.id));
+                let l = label(&e.id);
+                if self.seg.engines.get(&pid) != Some(&l) {
+                    moved.insert(pid);
+                    self.seg.engines.insert(pid, l);
+                }
             }
         }
         self.seg.n_engines = r.engines.len();
+        let mut renamed: Vec<(i32, i32)> = self
+            .seg
+            .names
+            .keys()
+            .filter(|(pid, _)| moved.contains(pid))
+            .copied()
+            .collect();
+        renamed.sort_unstable();
+        for k in &renamed {
+            self.seg.threads.remove(k);
+        }
+        for (pid, tid) in renamed {
+            let name = self.seg.names.get(&(pid, tid)).cloned().unwrap_or_default();
+            let l = self.unique_thread_label(pid, tid, &name);
+            self.seg.threads.insert((pid, tid), l);
+        }
         // In (pid, tid) order within what was added (a segment begins with every live thread),
         // so which of several same-named threads keeps the bare name does not depend on the
         // order they were written in; a thread's later records (renames) stay after its
@@ -701,6 +726,9 @@ impl Aggregator {
         for t in added {
             let l = self.unique_thread_label(t.pid, t.tid, t.display_name());
             self.seg.threads.insert((t.pid, t.tid), l);
+            self.seg
+                .names
+                .insert((t.pid, t.tid), t.display_name().to_string());
         }
         self.seg.n_threads = r.threads.len();
     }
@@ -1271,31 +1299,38 @@ mod tests {
         use crate::record::{EngineInfo, ProcessInfo, Sample, ThreadInfo};
         let (m, reg) = Metrics::new();
         let mut a = Aggregator::new(m, Limits::default());
-        // Pids 100 and 200 run; 150 (engine0's first worker) has exited.
-        a.alive = |pid| pid != 150;
+        // Pid 300, engine0's first worker, has exited; 400 replaced it.
+        a.alive = |pid| pid != 300;
         let mut r = Recording::default();
         r.stacks.push(vec![]);
-        for (pid, engine) in [(100, "engine0"), (150, "engine0"), (200, "engine1")] {
+        let mut engines = Vec::new();
+        for (pid, engine) in [
+            (100, "engine0"),
+            (150, "engine1"),
+            (300, "engine0"),
+            (400, "engine0"),
+        ] {
             r.processes.push(ProcessInfo {
                 pid,
                 role: "worker".into(),
                 ..Default::default()
             });
-            r.engines.push(EngineInfo {
+            engines.push(EngineInfo {
                 id: engine.into(),
                 worker_pids: vec![pid],
                 ..Default::default()
             });
         }
-        // Each in its own batch, the way the recorder writes a process when it attaches.
-        for (pid, ms) in [(150, 1), (200, 2), (100, 4)] {
-            r.threads.push(ThreadInfo {
-                pid,
-                tid: pid,
-                name: "VLLM::Worker".into(),
-                t_ns: 0,
-                python_name: Some("MainThread".into()),
-            });
+        let mut thread = |r: &mut Recording, pid: i32, ms: u32, with: bool| {
+            if with {
+                r.threads.push(ThreadInfo {
+                    pid,
+                    tid: pid,
+                    name: "VLLM::Worker".into(),
+                    t_ns: 0,
+                    python_name: Some("MainThread".into()),
+                });
+            }
             r.samples.push(Sample {
                 t_ns: 1,
                 pid,
@@ -1304,8 +1339,20 @@ mod tests {
                 flags: 0,
                 weight_ns: 1_000_000 * ms,
             });
-            a.apply(&mut r);
+        };
+        // The threads come before the engines are told (the recorder writes engines once
+        // discovered): no engine label yet, so one name space for all.
+        for (pid, ms) in [(100, 1), (150, 2), (300, 3)] {
+            thread(&mut r, pid, ms, true);
         }
+        a.apply(&mut r);
+        // Then the engines, and the replacement worker.
+        r.engines = engines;
+        for (pid, ms) in [(100, 4), (150, 5)] {
+            thread(&mut r, pid, ms, false);
+        }
+        thread(&mut r, 400, 6, true);
+        a.apply(&mut r);
         let t = encode(&reg);
         let cpu = |engine: &str, thread: &str| {
             value(
@@ -1315,11 +1362,16 @@ mod tests {
                 ),
             )
         };
-        // Another engine's worker of the same name is no clash; the restarted worker (100,
-        // after 150 exited) continues its engine's series.
-        assert_eq!(cpu("engine1", "MainThread"), Some(0.002), "{t}");
-        assert_eq!(cpu("engine0", "MainThread"), Some(0.005), "{t}");
-        assert_eq!(cpu("engine0", "MainThread#2"), None, "{t}");
+        assert_eq!(cpu("", "MainThread"), Some(0.001), "{t}");
+        assert_eq!(cpu("", "MainThread#2"), Some(0.002), "{t}");
+        assert_eq!(cpu("", "MainThread#3"), Some(0.003), "{t}");
+        // Once told, each engine's main threads are named in its own name space: another
+        // engine's worker of the same name is no clash.
+        assert_eq!(cpu("engine0", "MainThread"), Some(0.004), "{t}");
+        assert_eq!(cpu("engine1", "MainThread"), Some(0.005), "{t}");
+        // The replacement takes the name of the worker gone (300's), not a new one.
+        assert_eq!(cpu("engine0", "MainThread#2"), Some(0.006), "{t}");
+        assert_eq!(cpu("engine0", "MainThread#3"), None, "{t}");
     }
 
     #[test]
