@@ -1321,7 +1321,7 @@ mod tests {
                 ..Default::default()
             });
         }
-        let mut thread = |r: &mut Recording, pid: i32, ms: u32, with: bool| {
+        let thread = |r: &mut Recording, pid: i32, ms: u32, with: bool| {
             if with {
                 r.threads.push(ThreadInfo {
                     pid,
