@@ -66,8 +66,13 @@ fn memory_backend_attaches_a_late_engine_and_records_its_metrics_live() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run.esrec");
     let out_s = out.to_string_lossy().into_owned();
+    // Only the engine this test starts, on a port chosen now.
+    let port = common::free_port();
+    let port_s = port.to_string();
     let mut rec = Recorder::start(&[
         "--vllm",
+        "--engine-port",
+        &port_s,
         "--backend",
         "memory",
         "--rate",
@@ -88,7 +93,7 @@ fn memory_backend_attaches_a_late_engine_and_records_its_metrics_live() {
     make_go_fifo(dir.path());
     let mut engine = Command::new(python)
         .arg(repo_root().join("samples/engine/serve.py"))
-        .args(["serve", "--port", "0", "--seconds", "6", "--truth"])
+        .args(["serve", "--port", &port_s, "--seconds", "6", "--truth"])
         .arg(&truth)
         .arg("--go-fifo")
         .arg(dir.path().join("go"))

@@ -34,6 +34,8 @@ const WINDOW_S: u64 = 15;
 struct Engine {
     child: Child,
     api_pid: i32,
+    /// Its metrics port (the READY line's).
+    port: u16,
     dir: PathBuf,
 }
 
@@ -99,6 +101,7 @@ fn start_engine(python: &Path, dir: &Path, requests: u32) -> Engine {
         }
     }
     let api_pid: i32 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let port: u16 = line.split_whitespace().nth(2).unwrap().parse().unwrap();
     std::thread::spawn(move || {
         let mut sink = String::new();
         while out.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
@@ -108,6 +111,7 @@ fn start_engine(python: &Path, dir: &Path, requests: u32) -> Engine {
     Engine {
         child,
         api_pid,
+        port,
         dir: dir.to_path_buf(),
     }
 }
@@ -152,7 +156,9 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
 
     let out = tmp.path().join("fleet.esrec");
     let rec_s = (WINDOW_S + 8).to_string();
-    let recorder = Recorder::start(&[
+    // Only this fleet: other engines on the machine are not ours to count.
+    let ports: Vec<String> = fleet.iter().map(|e| e.port.to_string()).collect();
+    let mut args = vec![
         "--vllm",
         "--no-default-probes",
         "--rate",
@@ -161,7 +167,11 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
         &rec_s,
         "-o",
         out.to_str().unwrap(),
-    ]);
+    ];
+    for p in &ports {
+        args.extend(["--engine-port", p.as_str()]);
+    }
+    let recorder = Recorder::start(&args);
     for e in &fleet {
         std::fs::OpenOptions::new()
             .write(true)

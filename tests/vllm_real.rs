@@ -405,10 +405,15 @@ fn engine_of(report: &serde_json::Value, api: i32) -> &serde_json::Value {
         .unwrap_or_else(|| panic!("engine {api} in the report: {}", report["engines"]))
 }
 
-/// `record --vllm` of every engine's metrics and threads at 19 Hz without probes, into `out`,
-/// until SIGINT.
-fn record_vllm_metrics(out: &str) -> common::Recorder {
-    common::Recorder::start(&["--vllm", "--no-default-probes", "--rate", "19", "-o", out])
+/// `record --vllm` of the engines serving on `ports` (their metrics and threads) at 19 Hz
+/// without probes, into `out`, until SIGINT.
+fn record_vllm_metrics(out: &str, ports: &[u16]) -> common::Recorder {
+    let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+    let mut args = vec!["--vllm", "--no-default-probes", "--rate", "19", "-o", out];
+    for p in &ports {
+        args.extend(["--engine-port", p.as_str()]);
+    }
+    common::Recorder::start(&args)
 }
 
 /// A counter of the server's own /metrics page, summed over its label sets.
@@ -1131,7 +1136,7 @@ fn two_servers_under_different_load() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("two.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
-    let recorder = record_vllm_metrics(&out_s);
+    let recorder = record_vllm_metrics(&out_s, &[busy.port, light.port]);
     let rec_pid = recorder.child.id() as i32;
     // The truth is each server's own token counter, read directly before the load (once the
     // recording has scraped both engines: the counters are flat until the load starts) and
@@ -1294,7 +1299,7 @@ fn kv_memory_wall_is_named() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("kv.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
-    let recorder = record_vllm_metrics(&out_s);
+    let recorder = record_vllm_metrics(&out_s, &[srv.port]);
     let rec_pid = recorder.child.id() as i32;
     let start = enginescope::sys::monotonic_ns();
     follow_until(&out_path, "a scrape", Duration::from_secs(60), |r| {
@@ -1408,7 +1413,7 @@ fn two_api_servers_share_one_engine() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("multi-api.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
-    let recorder = record_vllm_metrics(&out_s);
+    let recorder = record_vllm_metrics(&out_s, &[srv.port]);
     let rec_pid = recorder.child.id() as i32;
     let start = enginescope::sys::monotonic_ns();
     let engine_scrapes_after = |r: &Recording, after: u64| {
@@ -1529,7 +1534,15 @@ fn tensor_parallel_workers_named_and_probed_by_rank() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out_path = dir.path().join("tp2.esrec");
     let out_s = out_path.to_string_lossy().into_owned();
-    let recorder = common::Recorder::start(&["--vllm", "--exact-probes", "-o", &out_s]);
+    let port = srv.port.to_string();
+    let recorder = common::Recorder::start(&[
+        "--vllm",
+        "--exact-probes",
+        "--engine-port",
+        &port,
+        "-o",
+        &out_s,
+    ]);
     let rec_pid = recorder.child.id() as i32;
     let load_start = enginescope::sys::monotonic_ns();
     let res = run_load(srv.port, 8, 64, 15);
@@ -1625,6 +1638,8 @@ fn tensor_parallel_workers_named_and_probed_by_rank() {
     let mut agent = common::agent::Agent::start(&[
         "--vllm",
         "--exact-probes",
+        "--engine-port",
+        &srv.port.to_string(),
         "--listen",
         "127.0.0.1:0",
         "--dir",
