@@ -754,7 +754,7 @@ fn thread_stalls<'a>(
         if dur <= threshold_ns {
             continue;
         }
-        let mut st = stall_of_run(rec, (pid, tid), main, &run, ser, &off, (begin, end));
+        let mut st = stall_of_run(rec, (pid, tid), main, &seen, &run, ser, &off, (begin, end));
         if let Some((task, share)) = task_during(&changes, begin, end) {
             st.task = Some(task);
             st.task_share = Some(share);
@@ -764,11 +764,14 @@ fn thread_stalls<'a>(
     out
 }
 
-/// One stall: the run of samples `run` (indexes into `main`) over `[begin, end)`.
+/// One stall: the run of samples `run` (indexes into `main`, and into `seen`, what each
+/// sample showed) over `[begin, end)`.
+#[allow(clippy::too_many_arguments)]
 fn stall_of_run<'a>(
     rec: &'a Recording,
     (pid, tid): (i32, i32),
     main: &[&'a Sample],
+    seen: &[Seen],
     run: &[usize],
     ser: &mut Serialization<'a>,
     off: &[(u64, u64, Off)],
@@ -781,7 +784,7 @@ fn stall_of_run<'a>(
         let s = main[i];
         w += u64::from(s.weight_ns);
         // An unread sample is the stall's CPU time, but shows nothing of what ran.
-        if unread(rec, s) {
+        if seen.get(i) == Some(&Seen::Unread) {
             continue;
         }
         n += 1;
