@@ -177,10 +177,27 @@ struct Run {
     out: std::path::PathBuf,
 }
 
+/// Before anything is recorded: no GC site of the interpreter is probed in `bystander`. The
+/// kernel writes a uprobe's int3 into every process that maps the probed file (6.18: also
+/// where the probe's pid filter leaves it out, until its first hit there), so while another
+/// process (another enginescope, an agent's soak) probes the same libpython, these tests
+/// cannot tell what their own recorder left behind.
+fn nobody_else_probes(bystander: &Workload) {
+    let sites = probe_sites(bystander.pid as u32);
+    let probed = sites_probed(bystander.pid as u32, &sites);
+    assert_eq!(
+        probed,
+        0,
+        "{probed} of the interpreter's {} GC probe sites hold an int3 in a process nothing records yet: another process probes this libpython (another enginescope or agent on a pyenv 3.12 target?); stop it and run again",
+        sites.len()
+    );
+}
+
 fn start_run(i: &Interp, rate: &str, duration: &str) -> Run {
     let args = ["--truth", "{dir}/truth.json", "--threads", "1", "--spin"];
     let target = start(i, "stacks.py", &args);
     let bystander = start(i, "stacks.py", &args);
+    nobody_else_probes(&bystander);
     let out = target.dir.join("x.esrec");
     let mut rec = Command::new(env!("CARGO_BIN_EXE_enginescope"))
         .args(["record", "--backend", "bpf", "--rate", rate])
@@ -456,6 +473,7 @@ fn no_probe_left_after_sigkill_at_random_points() {
     let args = ["--truth", "{dir}/truth.json", "--threads", "1", "--spin"];
     let target = start(&i, "stacks.py", &args);
     let bystander = start(&i, "stacks.py", &args);
+    nobody_else_probes(&bystander);
     let progs_before = all_program_ids();
     let links_before = all_link_ids();
     let mut seed: u64 = std::env::var("ES_KILL_SEED")
