@@ -54,6 +54,11 @@ pub const FAMILIES: &[(&str, &str, &[&str])] = &[
         "histogram",
         &["engine", "role", "function", "method"],
     ),
+    (
+        "enginescope_probe_watched_seconds",
+        "counter",
+        &["engine", "role", "function", "method"],
+    ),
     ("enginescope_samples_lost", "counter", &[]),
     ("enginescope_recorder_errors", "counter", &["kind"]),
     ("enginescope_probe_errors", "counter", &["kind"]),
@@ -183,6 +188,7 @@ pub struct Metrics {
     pub gc_pause: HistogramFamily<GcLabels>,
     pub gc_collected: Family<GcLabels, Counter>,
     pub probe_duration: HistogramFamily<ProbeLabels>,
+    pub probe_watched: Family<ProbeLabels, Seconds>,
     pub samples_lost: Counter,
     pub recorder_errors: Family<KindLabels, Counter>,
     pub probe_errors: Family<KindLabels, Counter>,
@@ -218,6 +224,7 @@ impl Metrics {
             gc_pause: Family::new_with_constructor(gc_histogram),
             gc_collected: Family::default(),
             probe_duration: Family::new_with_constructor(call_histogram),
+            probe_watched: Family::default(),
             samples_lost: Counter::default(),
             recorder_errors: Family::default(),
             probe_errors: Family::default(),
@@ -297,6 +304,11 @@ fn register_targets(reg: &mut Registry, c: Metrics) {
             "enginescope_probe_call_duration_seconds",
             "Duration of calls of probed functions (method=\"exact\": every call, from hardware breakpoints; \"sampled\": runs seen across samples)",
             c.probe_duration,
+        );
+    reg.register(
+            "enginescope_probe_watched_seconds",
+            "Seconds an exact probe watched its threads' calls, summed over the threads (under --probe-budget a share of the time, else all of it): its call histogram holds only the calls inside them, so for a function one thread calls, rate(..._count) / rate(this) is its calls per second",
+            c.probe_watched,
         );
 }
 
@@ -525,6 +537,12 @@ pub struct Aggregator {
     /// Recorder counters as last seen in this recorder run (baseline for increments).
     last_counters: BTreeMap<String, u64>,
     tick: u64,
+    /// Exact probes' watches open on a thread in this segment: (probe, tid) → the time (ns
+    /// since the segment's start) up to which their watched time is counted.
+    watching: HashMap<(u32, i32), u64>,
+    /// The latest event time read from this segment (ns since its start): open watches are
+    /// counted up to it.
+    seen_up_to: u64,
     /// Whether a process is still there (`/proc/PID`; a test's fake one in unit tests).
     alive: fn(i32) -> bool,
     /// The recorder's backend, from the latest segment's header.
@@ -548,6 +566,8 @@ impl Aggregator {
             seg: SegmentTables::default(),
             last_counters: BTreeMap::new(),
             tick: 0,
+            watching: HashMap::new(),
+            seen_up_to: 0,
             alive: |pid| std::path::Path::new(&format!("/proc/{pid}")).exists(),
             backend: String::new(),
         }
@@ -558,6 +578,9 @@ impl Aggregator {
     /// they start again from zero.
     pub(crate) fn begin_segment(&mut self, same_run: bool) {
         self.seg = SegmentTables::default();
+        // A segment begins with an `on` edge for every watch open at its start.
+        self.watching.clear();
+        self.seen_up_to = 0;
         if !same_run {
             self.last_counters.clear();
         }
@@ -823,30 +846,18 @@ impl Aggregator {
                 freed.inc_by(g.collected as u64);
             }
         }
-        for c in std::mem::take(&mut r.calls) {
-            let Some(pr) = r.probes.get(c.probe as usize) else {
-                continue;
-            };
-            let p = self.process_labels(c.pid);
+        let calls = std::mem::take(&mut r.calls);
+        for c in &calls {
+            self.seen_up_to = self.seen_up_to.max(c.start_ns.saturating_add(c.dur_ns));
             let secs = c.dur_ns as f64 / 1e9;
-            let l = ProbeLabels {
-                engine: p.engine,
-                role: p.role,
-                function: label(&pr.function),
-                method: label(&pr.method),
-            };
-            let l = if self.probes.admit(&l, secs.max(1e-9)) {
-                l
-            } else {
-                let o = ProbeLabels {
-                    function: OTHER.into(),
-                    ..l
-                };
-                self.other_probes.touch(&o, self.tick);
-                o
-            };
-            self.m.probe_duration.get_or_create(&l).observe(secs);
+            if let Some(l) = self.probe_labels(r, c.probe, secs) {
+                self.m.probe_duration.get_or_create(&l).observe(secs);
+            }
         }
+        for s in &samples {
+            self.seen_up_to = self.seen_up_to.max(s.t_ns);
+        }
+        self.apply_watches(r);
         for e in std::mem::take(&mut r.scrape_errors) {
             let l = EngineLabels {
                 engine: label(&e.engine),
@@ -860,6 +871,63 @@ impl Aggregator {
         r.metrics.shrink_to(1 << 16);
         let counters = std::mem::take(&mut r.counters);
         self.apply_counters(&counters);
+    }
+
+    /// The series of probe `probe` (an index into the segment's probes), or its `_other`
+    /// where the probe cap folds it; `activity` ranks it for the cap.
+    fn probe_labels(&mut self, r: &Recording, probe: u32, activity: f64) -> Option<ProbeLabels> {
+        let pr = r.probes.get(probe as usize)?;
+        let p = self.process_labels(pr.pid);
+        let l = ProbeLabels {
+            engine: p.engine,
+            role: p.role,
+            function: label(&pr.function),
+            method: label(&pr.method),
+        };
+        if self.probes.admit(&l, activity.max(1e-9)) {
+            return Some(l);
+        }
+        let o = ProbeLabels {
+            function: OTHER.into(),
+            ..l
+        };
+        self.other_probes.touch(&o, self.tick);
+        Some(o)
+    }
+
+    /// The exact probes' watch edges read since the last call: each watch's time counts into
+    /// `enginescope_probe_watched_seconds` when it ends, and a watch still open up to the
+    /// latest event read (so the series advances with the calls it scales).
+    fn apply_watches(&mut self, r: &mut Recording) {
+        let mut edges = std::mem::take(&mut r.probe_watches);
+        let r: &Recording = r;
+        let add = |a: &mut Self, probe: u32, ns: u64| {
+            if ns > 0 {
+                let secs = ns as f64 / 1e9;
+                if let Some(l) = a.probe_labels(r, probe, 0.0) {
+                    a.m.probe_watched.get_or_create(&l).inc_by(secs);
+                }
+            }
+        };
+        edges.sort_by_key(|w| w.t_ns);
+        for w in &edges {
+            self.seen_up_to = self.seen_up_to.max(w.t_ns);
+            let key = (w.probe, w.tid);
+            if let Some(since) = self.watching.remove(&key) {
+                add(self, w.probe, w.t_ns.saturating_sub(since));
+            }
+            if w.on {
+                self.watching.insert(key, w.t_ns);
+            }
+        }
+        let up_to = self.seen_up_to;
+        let open: Vec<((u32, i32), u64)> = self.watching.iter().map(|(&k, &v)| (k, v)).collect();
+        for ((probe, tid), since) in open {
+            if up_to > since {
+                add(self, probe, up_to - since);
+                self.watching.insert((probe, tid), up_to);
+            }
+        }
     }
 
     /// The recorder's counters are cumulative within its run: add what they grew by.
@@ -942,6 +1010,7 @@ impl Aggregator {
         }
         for l in self.probes.tick() {
             self.m.probe_duration.remove(&l);
+            self.m.probe_watched.remove(&l);
         }
         let idle = self.limits.idle_ticks;
         for l in self.other_threads.expire(self.tick, idle) {
@@ -956,6 +1025,7 @@ impl Aggregator {
         }
         for l in self.other_probes.expire(self.tick, idle) {
             self.m.probe_duration.remove(&l);
+            self.m.probe_watched.remove(&l);
         }
         for l in self.gc_sets.expire(self.tick, idle) {
             self.m.gc_pause.remove(&l);
@@ -1088,6 +1158,14 @@ mod tests {
                 tid: 11,
                 start_ns: 0,
                 dur_ns: d,
+            });
+        }
+        for (t_ns, on) in [(0, true), (1_000_000_000, false)] {
+            r.probe_watches.push(crate::record::ProbeWatch {
+                t_ns,
+                probe: 0,
+                tid: 11,
+                on,
             });
         }
         r.counters.insert("bpf_ringbuf_full_lost".into(), 7);
@@ -1292,6 +1370,72 @@ mod tests {
         assert_eq!(cpu("pool"), Some(0.003));
         assert_eq!(cpu("pool#2"), Some(0.004));
         assert_eq!(cpu("python3.12"), Some(0.005));
+    }
+
+    #[test]
+    fn a_probes_watched_seconds_follow_its_watch_edges_across_segments() {
+        use crate::record::{FunctionCall, ProbeInfo, ProbeWatch, Sample};
+        let (m, reg) = Metrics::new();
+        let mut a = Aggregator::new(m, Limits::default());
+        let s = 1_000_000_000u64;
+        let segment = || {
+            let mut r = Recording::default();
+            r.stacks.push(vec![]);
+            r.probes.push(ProbeInfo {
+                pid: 1,
+                function: "MessageQueue.dequeue".into(),
+                method: "exact".into(),
+                ..Default::default()
+            });
+            r
+        };
+        let edge = |t: u64, on: bool| ProbeWatch {
+            t_ns: t,
+            probe: 0,
+            tid: 10,
+            on,
+        };
+        let sample = |t: u64| Sample {
+            t_ns: t,
+            pid: 1,
+            tid: 10,
+            stack: 0,
+            flags: 0,
+            weight_ns: 1,
+        };
+        let watched = |reg: &Registry| {
+            value(
+                &encode(reg),
+                r#"enginescope_probe_watched_seconds_total{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}"#,
+            )
+            .unwrap_or(0.0)
+        };
+        let mut r = segment();
+        // Watched 1-3 s, then from 5 s on; events read up to 8 s.
+        r.probe_watches = vec![edge(s, true), edge(3 * s, false), edge(5 * s, true)];
+        r.calls.push(FunctionCall {
+            probe: 0,
+            pid: 1,
+            tid: 10,
+            start_ns: 2 * s,
+            dur_ns: s / 1000,
+        });
+        r.samples.push(sample(8 * s));
+        a.apply(&mut r);
+        assert!((watched(&reg) - 5.0).abs() < 1e-9, "{}", watched(&reg));
+        // The watch ends at 9 s: one more second, nothing counted twice.
+        r.probe_watches.push(edge(9 * s, false));
+        r.samples.push(sample(12 * s));
+        a.apply(&mut r);
+        assert!((watched(&reg) - 6.0).abs() < 1e-9, "{}", watched(&reg));
+        // A new segment re-states the watches open at its start; its times start again.
+        a.begin_segment(true);
+        let mut r = segment();
+        r.probe_watches = vec![edge(0, true)];
+        r.samples.push(sample(2 * s));
+        a.apply(&mut r);
+        assert!((watched(&reg) - 8.0).abs() < 1e-9, "{}", watched(&reg));
+        assert!(encode(&reg).contains("enginescope_probe_call_duration_seconds_count"));
     }
 
     #[test]
