@@ -178,8 +178,8 @@ struct Run {
 }
 
 /// Before anything is recorded: no GC site of the interpreter is probed in `bystander`. The
-/// kernel writes a uprobe's int3 into every process that maps the probed file (6.18: also
-/// where the probe's pid filter leaves it out, until its first hit there), so while another
+/// kernel writes a uprobe's int3 into every process that maps the probed file (seen on 6.18:
+/// also where the probe's pid filter leaves that process out), so while another
 /// process (another enginescope, an agent's soak) probes the same libpython, these tests
 /// cannot tell what their own recorder left behind.
 fn nobody_else_probes(bystander: &Workload) {
