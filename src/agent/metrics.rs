@@ -762,6 +762,7 @@ impl Aggregator {
         self.read_tables(r);
         let samples = std::mem::take(&mut r.samples);
         for s in &samples {
+            self.seen_up_to = self.seen_up_to.max(s.t_ns);
             let a = ThreadAcc::of_sample(s);
             let secs = a.cpu_ns as f64 / 1e9;
             let t = self.thread_labels(s.pid, s.tid, secs);
@@ -853,9 +854,6 @@ impl Aggregator {
             if let Some(l) = self.probe_labels(r, c.probe, secs) {
                 self.m.probe_duration.get_or_create(&l).observe(secs);
             }
-        }
-        for s in &samples {
-            self.seen_up_to = self.seen_up_to.max(s.t_ns);
         }
         self.apply_watches(r);
         for e in std::mem::take(&mut r.scrape_errors) {
