@@ -509,14 +509,18 @@ struct SegmentTables {
     roles: HashMap<i32, String>,
     /// pid → engine id
     engines: HashMap<i32, String>,
-    /// (pid, tid) → thread label
-    threads: HashMap<(i32, i32), String>,
-    /// (pid, tid) → the thread's name as the recording has it (its label before any `#k`)
-    names: HashMap<(i32, i32), String>,
+    /// (pid, tid) → the thread's name and label
+    threads: HashMap<(i32, i32), ThreadName>,
     /// How many entries of each table have been read.
     n_processes: usize,
     n_threads: usize,
     n_engines: usize,
+}
+
+/// A thread's name as the recording has it, and its `thread` label (the name, or `name#k`).
+struct ThreadName {
+    name: String,
+    label: String,
 }
 
 /// Turns recording events into the metrics, with bounded label sets.
@@ -601,7 +605,7 @@ impl Aggregator {
                 .seg
                 .threads
                 .get(&(pid, tid))
-                .cloned()
+                .map(|t| t.label.clone())
                 .unwrap_or_else(|| format!("tid{tid}")),
         }
     }
@@ -633,9 +637,9 @@ impl Aggregator {
         // A thread of a process that has exited frees its label: a restarted worker's threads
         // continue its series (same engine and role) instead of adding `#k` ones.
         let taken = |cand: &str| {
-            self.seg.threads.iter().any(|(&(op, ot), l)| {
+            self.seg.threads.iter().any(|(&(op, ot), t)| {
                 (op, ot) != (pid, tid)
-                    && l == cand
+                    && t.label == cand
                     && self.process_labels(op) == p
                     && (op == pid || (self.alive)(op))
             })
@@ -663,7 +667,7 @@ impl Aggregator {
             .seg
             .threads
             .get(&(pid, tid))
-            .cloned()
+            .map(|t| t.label.clone())
             .unwrap_or_else(|| format!("tid{tid}"));
         let l = ThreadLabels {
             engine: p.engine,
@@ -725,19 +729,30 @@ impl Aggregator {
         self.seg.n_engines = r.engines.len();
         let mut renamed: Vec<(i32, i32)> = self
             .seg
-            .names
+            .threads
             .keys()
             .filter(|(pid, _)| moved.contains(pid))
             .copied()
             .collect();
         renamed.sort_unstable();
+        // Their old labels hold no name while they are named again (an empty label is
+        // nobody's candidate).
         for k in &renamed {
-            self.seg.threads.remove(k);
+            if let Some(t) = self.seg.threads.get_mut(k) {
+                t.label.clear();
+            }
         }
         for (pid, tid) in renamed {
-            let name = self.seg.names.get(&(pid, tid)).cloned().unwrap_or_default();
-            let l = self.unique_thread_label(pid, tid, &name);
-            self.seg.threads.insert((pid, tid), l);
+            let name = self
+                .seg
+                .threads
+                .get(&(pid, tid))
+                .map(|t| t.name.clone())
+                .unwrap_or_default();
+            let label = self.unique_thread_label(pid, tid, &name);
+            self.seg
+                .threads
+                .insert((pid, tid), ThreadName { name, label });
         }
         // In (pid, tid) order within what was added (a segment begins with every live thread),
         // so which of several same-named threads keeps the bare name does not depend on the
@@ -747,11 +762,11 @@ impl Aggregator {
             r.threads.iter().skip(self.seg.n_threads).collect();
         added.sort_by_key(|t| (t.pid, t.tid));
         for t in added {
-            let l = self.unique_thread_label(t.pid, t.tid, t.display_name());
-            self.seg.threads.insert((t.pid, t.tid), l);
+            let label = self.unique_thread_label(t.pid, t.tid, t.display_name());
+            let name = t.display_name().to_string();
             self.seg
-                .names
-                .insert((t.pid, t.tid), t.display_name().to_string());
+                .threads
+                .insert((t.pid, t.tid), ThreadName { name, label });
         }
         self.seg.n_threads = r.threads.len();
     }
