@@ -15,6 +15,7 @@ mod common;
 
 use common::*;
 use enginescope::record::Recording;
+use std::time::Duration;
 
 /// Calls of `function` in the truth, timed in its body: (start, dur), ns, CLOCK_MONOTONIC.
 fn truth_calls(truth: &serde_json::Value, function: &str) -> Vec<(u64, u64)> {
@@ -835,4 +836,135 @@ fn forced_shares_pyenv_312() {
 #[test]
 fn forced_shares_sid_314() {
     forced_shares("sid-3.14");
+}
+
+/// The fleet's normal case: an always-on agent watches the pipeline's probes in on-phases,
+/// with watchpoints on every CPU (which reserve a debug register on every CPU), and an
+/// engineer runs `record --exact-probes` on the same processes. The recording must time every
+/// call: the agent gives its registers back while the recording watches probes (both say
+/// so). Before, the recording found one register per thread, and its
+/// three probes on the producer's thread took turns ("exact, 33% of the window").
+#[test]
+fn an_agent_gives_a_recording_its_debug_registers_pyenv_312() {
+    let label = "pyenv-3.12";
+    let i = interp(label);
+    if !available(&i) {
+        return;
+    }
+    let mut w = start(
+        &i,
+        "mq_pipeline.py",
+        &["--truth", "{dir}/truth.json", "--duration", "14"],
+    );
+    let consumer = children_of(w.pid)
+        .into_iter()
+        .find(|&c| {
+            std::fs::read(format!("/proc/{c}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).contains("mq_pipeline"))
+                .unwrap_or(false)
+        })
+        .expect("consumer process");
+    let pids = format!("{},{consumer}", w.pid);
+    let functions = ["MessageQueue.enqueue", "Engine.step", "Engine.schedule"];
+    let probe_args: Vec<&str> = functions.iter().flat_map(|f| ["--probe", *f]).collect();
+    let adir = w.dir.join("agent");
+    let adir_s = adir.to_string_lossy().into_owned();
+    let mut aargs = vec![
+        "--pid",
+        &pids,
+        "--backend",
+        "bpf",
+        "--listen",
+        "127.0.0.1:0",
+        "--dir",
+        &adir_s,
+        "--poll",
+        "0.25",
+    ];
+    aargs.extend(probe_args.iter().copied());
+    // Watched half the time on any machine (a budget's on-phases, on every CPU), whatever
+    // its trap cost.
+    let mut agent = common::agent::Agent::start_env(&aargs, &[("ENGINESCOPE_PROBE_SHARE", "0.5")]);
+    for _ in 0..functions.len() {
+        let l = agent.wait_line("enginescope: probe ", Duration::from_secs(30));
+        assert!(l.contains(": exact,"), "{label}: agent: {l}");
+    }
+    // Its probes watched (the slots on every CPU opened) before the recording starts.
+    common::agent::poll_until(Duration::from_secs(20), Duration::from_millis(100), || {
+        let exp = common::agent::parse_exposition(&agent.metrics());
+        let watched = functions
+            .iter()
+            .map(|f| {
+                common::agent::sum_of(
+                    &exp,
+                    "enginescope_probe_watched_seconds_total",
+                    &[("function", f)],
+                )
+            })
+            .fold(f64::INFINITY, f64::min);
+        (watched > 0.0, ())
+    });
+    let out = w.dir.join("run.esrec");
+    let out_s = out.to_string_lossy().into_owned();
+    let mut rargs = vec![
+        "--duration",
+        "3",
+        "--pid",
+        &pids,
+        "-o",
+        &out_s,
+        "--exact-probes",
+    ];
+    rargs.extend(probe_args.iter().copied());
+    let rec = Recorder::start(&rargs);
+    let (ok, _, err) = rec.wait();
+    assert!(ok, "{label}: record failed: {err}");
+    let st = w.child.wait().unwrap();
+    assert!(st.success(), "{label}: workload failed: {st:?}");
+    let truth = read_json(&w.dir.join("truth.json"));
+    let r = enginescope::record::read_recording(&out).unwrap();
+    let r0 = r.meta.start_mono_ns;
+    let r1 = r0 + r.end.as_ref().map_or(0, |e| e.duration_ns);
+    for function in functions {
+        let tc = truth_calls(&truth, function);
+        let e0 = quiet_edge(&tc, r0 + 200_000_000);
+        let e1 = quiet_edge(&tc, r1 - 200_000_000);
+        let inside = |c: &&(u64, u64)| c.0 >= e0 && c.0 < e1;
+        let (rc, method) = recorded_calls(&r, function);
+        assert_eq!(method, "exact", "{label} {function}");
+        let probe = r.probes.iter().find(|p| p.function == function).unwrap().id;
+        let tid = r
+            .calls
+            .iter()
+            .find(|c| c.probe == probe)
+            .map(|c| c.tid)
+            .unwrap_or(0);
+        // Watched the whole window: no turns, no share.
+        let part = window_weights(&r, probe, tid, e0, e1).map(|(s, _)| s);
+        assert!(
+            part.is_none_or(|s| s >= 0.995),
+            "{label} {function}: watched {part:?} of the window beside the agent"
+        );
+        let (n_rec, n_truth) = (
+            rc.iter().filter(inside).count(),
+            tc.iter().filter(inside).count(),
+        );
+        eprintln!("{label} {function}: {n_rec} calls recorded, {n_truth} in the truth");
+        assert!(n_truth > 100, "{label} {function}: {n_truth} calls");
+        assert_eq!(n_rec, n_truth, "{label} {function}: every call timed");
+    }
+    let refused = r.counters.get("probe_registers_refused").copied();
+    eprintln!("{label}: registers refused {refused:?}");
+    // Both said what they did.
+    assert!(
+        err.contains("watches probes too: it gives this recording its debug registers"),
+        "{label}: the recording did not see the agent:\n{err}"
+    );
+    // (Whether it watches again after is not checked here: other tests' recordings, run
+    // beside this one, keep it giving way.)
+    agent.wait_line(
+        "this agent's probes give it their debug registers",
+        Duration::from_secs(10),
+    );
+    agent.stop();
 }

@@ -7,6 +7,7 @@
 pub mod abi;
 mod clock;
 pub mod closer;
+pub mod watchers;
 
 use anyhow::{anyhow, bail, Context};
 use aya::maps::{Array, HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf};
@@ -72,6 +73,10 @@ pub(crate) struct BpfSampler {
     cpu_slots_refused: Option<String>,
     /// The slots being opened off the loop ([`CpuSlot::open_all`]).
     cpu_slots_coming: Option<std::sync::mpsc::Receiver<Result<Vec<CpuSlot>, String>>>,
+    /// Whether slots on every CPU may be opened (not while another enginescope on the host
+    /// watches probes: [`watchers`]), and the last ones released, true once closed.
+    cpu_slots_allowed: bool,
+    cpu_slots_closing: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// The cpu-clock events that run `on_sample`, one per CPU.
     clock: clock::SampleClock,
 }
@@ -196,6 +201,8 @@ impl BpfSampler {
             cpu_slots: Vec::new(),
             cpu_slots_refused: None,
             cpu_slots_coming: None,
+            cpu_slots_allowed: true,
+            cpu_slots_closing: None,
             clock,
         })
     }
@@ -324,6 +331,11 @@ impl BpfSampler {
     /// engine, which the recording loop must not: measured, it fell back to normal priority):
     /// Err until they are there, or when the kernel refused them.
     fn take_cpu_slots(&mut self) -> anyhow::Result<()> {
+        if !self.cpu_slots_allowed {
+            anyhow::bail!(
+                "watchpoints on every CPU: another enginescope on this host watches probes"
+            );
+        }
         if let Some(why) = &self.cpu_slots_refused {
             anyhow::bail!("watchpoints on every CPU refused: {why}");
         }
@@ -369,6 +381,62 @@ impl BpfSampler {
                 anyhow::bail!("watchpoints on every CPU: the thread opening them ended")
             }
         }
+    }
+
+    /// Allow slots on every CPU, or not (another enginescope on the host watches probes:
+    /// [`watchers`]): not allowed, those open are closed once no watch uses them (a watch
+    /// ends with its on-phase), off the loop (a close can wait for the kernel), and the
+    /// probes' next on-phases use their threads' own watchpoints; they are opened again the
+    /// next time one is asked for once allowed.
+    pub(crate) fn allow_cpu_slots(&mut self, allowed: bool) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        if allowed {
+            if !self.cpu_slots_allowed {
+                // Refused while another held registers: asked again.
+                self.cpu_slots_refused = None;
+            }
+            self.cpu_slots_allowed = true;
+            return;
+        }
+        self.cpu_slots_allowed = false;
+        // Slots being opened: the opening thread finds its send unanswered and closes them.
+        self.cpu_slots_coming = None;
+        if self.cpu_slots.is_empty()
+            || self
+                .cpu_slots
+                .iter()
+                .any(|s| s.in_use.load(Ordering::Acquire))
+        {
+            return;
+        }
+        let slots = std::mem::take(&mut self.cpu_slots);
+        let closed = Arc::new(AtomicBool::new(false));
+        let done = closed.clone();
+        let close = move || {
+            drop(slots);
+            done.store(true, Ordering::Release);
+        };
+        // Without a thread, the closure and its slots are dropped (closed) here.
+        if std::thread::Builder::new()
+            .name("es-watch-close".into())
+            .spawn(close)
+            .is_err()
+        {
+            closed.store(true, Ordering::Release);
+        }
+        self.cpu_slots_closing = Some(closed);
+    }
+
+    /// Whether this process holds slots on every CPU now (open, being opened, or being
+    /// closed).
+    pub(crate) fn holds_cpu_slots(&self) -> bool {
+        !self.cpu_slots.is_empty()
+            || self.cpu_slots_coming.is_some()
+            || self
+                .cpu_slots_closing
+                .as_ref()
+                .is_some_and(|c| !c.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Remove a watchpoint set by [`watch_refcount`](Self::watch_refcount): handed to the

@@ -13,7 +13,7 @@ use super::source::Source;
 use super::target::{Target, Targets};
 use super::Pipeline;
 use crate::bpf::abi::{self, kind};
-use crate::bpf::{BpfSampler, EsThread};
+use crate::bpf::{watchers, BpfSampler, EsThread};
 use crate::cpython::{Frame, PythonProcess};
 use crate::native::backlog::Backlog;
 use crate::native::RawNative;
@@ -34,6 +34,35 @@ pub(crate) struct BpfTracing {
     /// A preempted thread's off-CPU interval carries the stack walked where it was
     /// preempted; false: its last known stack (aggregated recordings: the agent).
     pub preempted_stacks: bool,
+    /// Always on in the background (the agent): its probes give their debug registers back
+    /// while a foreground recording on the host watches probes ([`watchers`]).
+    pub yields_registers: bool,
+}
+
+/// How often each process that watches probes reads who else does on the host
+/// ([`watchers::others`]: a directory of a few files).
+const WATCHERS_LOOK_NS: u64 = 100_000_000;
+/// The longest a foreground recording waits for the others to give their registers back.
+const ROOM_WAIT: Duration = Duration::from_secs(2);
+
+/// This process among the host's probe watchers, and (the agent) whether it has given its
+/// registers back to a foreground recording.
+#[derive(Debug, Default)]
+struct Courtesy {
+    /// Its entry, held while it lives (None: no probes, or the directory could not be made).
+    registration: Option<watchers::Registration>,
+    /// What its entry says now.
+    said: Option<watchers::State>,
+    /// The agent: since when its probes are suspended for a foreground recording
+    /// (absolute ns).
+    yielding: Option<u64>,
+    /// A foreground recording: whether it has waited for room.
+    waited: bool,
+    next_look_ns: u64,
+    /// Times the agent gave its registers back, and for how long in all (counters
+    /// `probe_yields`, `probe_yielded_ns`).
+    yields: u64,
+    yielded_ns: u64,
 }
 
 pub(crate) struct BpfSource {
@@ -59,6 +88,8 @@ pub(crate) struct BpfSource {
     /// The calibrated watchpoint trap cost, measured once something will trap (a probe, or a
     /// target's GC timed by a watchpoint), with its working-set figure when probes need it.
     trap_cost: Option<crate::bpf::TrapCost>,
+    /// Sharing the debug registers with other enginescope processes on the host.
+    courtesy: Courtesy,
 }
 
 /// Events waiting for symbols at most (~25 s at 1 kHz on 2 CPUs with switch-outs; each
@@ -76,6 +107,9 @@ impl BpfSource {
         // (1.5 s at 1 kHz on 2 CPUs; ~1,000 of the largest) for a drain held up by a busy
         // host. (Creating the ring clears its pages: ~2 ms per MiB here.)
         let ring = tracing.native.user.then_some(16 << 20);
+        // Said first, so that the others on the host give their registers back while the
+        // programs load (they look every WATCHERS_LOOK_NS).
+        let courtesy = Courtesy::begin(&probes, tracing);
         let b = BpfSampler::start_sized(rate_hz, tracing.offcpu, tracing.gil, ring)?;
         let native = tracing
             .native
@@ -93,7 +127,95 @@ impl BpfSource {
             weights: RuntimeWeights::new(crate::record::Period::of_hz(rate_hz).ns()),
             gc: GcTracing::new(tracing.quiet),
             trap_cost: None,
+            courtesy,
         })
+    }
+
+    /// A foreground recording, before it sets its first watchpoint: wait (at most
+    /// [`ROOM_WAIT`]) until the other enginescope processes on the host leave it every debug
+    /// register (agents given way, no slots on every CPU held), so that its probes find them
+    /// all from the start. Before the window: start-up is longer by this wait (about two of
+    /// the others' looks) only where another process watches probes.
+    fn wait_for_room(&mut self) {
+        let c = &mut self.courtesy;
+        if self.tracing.yields_registers || c.registration.is_none() || c.waited {
+            return;
+        }
+        c.waited = true;
+        let _s = crate::sys::steps::step("wait_for_room");
+        let late = watchers::wait_for_room(std::path::Path::new(watchers::DIR), ROOM_WAIT);
+        if !late.is_empty() && !self.tracing.quiet {
+            eprintln!(
+                "enginescope: enginescope process {} on this host still holds debug registers after {} s: this recording's probes may take turns until it gives them back",
+                join_pids(&late),
+                ROOM_WAIT.as_secs()
+            );
+        }
+    }
+
+    /// Share the debug registers with the other enginescope processes on the host that watch
+    /// probes ([`watchers`]), looked at every [`WATCHERS_LOOK_NS`]: slots on every CPU only
+    /// while none is registered; the agent gives all its registers back (its probes
+    /// suspended) while a foreground recording is, and watches again once none is. Each
+    /// says what it holds in its file.
+    fn share_registers(&mut self, targets: &Targets) {
+        let c = &mut self.courtesy;
+        if c.registration.is_none() {
+            return;
+        }
+        let now = monotonic_ns();
+        if now < c.next_look_ns {
+            return;
+        }
+        c.next_look_ns = now + WATCHERS_LOOK_NS;
+        let others = watchers::others(std::path::Path::new(watchers::DIR));
+        self.b.allow_cpu_slots(others.is_empty());
+        let fg: Vec<i32> = others
+            .iter()
+            .filter(|w| w.role == watchers::Role::Foreground)
+            .map(|w| w.pid)
+            .collect();
+        if self.tracing.yields_registers {
+            let proc_of = |pid| targets.iter().find(|t| t.pid == pid).map(|t| &t.proc);
+            match (c.yielding, fg.is_empty()) {
+                (None, false) => {
+                    self.probes.suspend(&mut self.b, proc_of, now);
+                    // The watches on every CPU are gone with the probes: close the slots now.
+                    self.b.allow_cpu_slots(false);
+                    c.yields += 1;
+                    c.yielding = Some(now);
+                    if !self.tracing.quiet {
+                        eprintln!(
+                            "enginescope: a recording (pid {}) watches probes on this host: this agent's probes give it their debug registers until it ends (their counts scale by the time watched)",
+                            join_pids(&fg)
+                        );
+                    }
+                }
+                (Some(since), true) => {
+                    c.yielded_ns += now.saturating_sub(since);
+                    c.yielding = None;
+                    self.probes.resume(&mut self.b, proc_of, now);
+                    if !self.tracing.quiet {
+                        eprintln!("enginescope: no recording watches probes on this host any more: this agent's probes are watched again");
+                    }
+                }
+                _ => {}
+            }
+        }
+        let state = if self.b.holds_cpu_slots() {
+            watchers::State::CpuSlots
+        } else if c.yielding.is_some() {
+            watchers::State::Yielded
+        } else {
+            watchers::State::ThreadsOnly
+        };
+        if c.said != Some(state) {
+            if let Some(reg) = &c.registration {
+                if reg.say(state).is_ok() {
+                    c.said = Some(state);
+                }
+            }
+        }
     }
 
     /// Push one target's configuration to BPF, with its GC watchpoints.
@@ -678,6 +800,7 @@ impl Source for BpfSource {
             pipe,
         )?;
         let ts: &Targets = targets;
+        self.share_registers(ts);
         self.probes.rotate(
             &mut self.b,
             |pid| ts.iter().find(|t| t.pid == pid).map(|t| &t.proc),
@@ -705,6 +828,10 @@ impl Source for BpfSource {
         if self.probes.is_empty() {
             return Ok(0);
         }
+        // An agent that finds a foreground recording on the host sets nothing; a foreground
+        // recording lets the others give their registers back before it sets its own.
+        self.share_registers(targets);
+        self.wait_for_room();
         let mut seen = Vec::new();
         for t in targets.iter_mut() {
             let threads: Vec<(i32, u64)> =
@@ -751,6 +878,12 @@ impl Source for BpfSource {
 
     fn counters(&self, pipe: &Pipeline, out: &mut BTreeMap<String, u64>) {
         out.extend(self.b.counters());
+        let c = &self.courtesy;
+        let yielding = c
+            .yielding
+            .map_or(0, |since| monotonic_ns().saturating_sub(since));
+        out.insert("probe_yields".into(), c.yields);
+        out.insert("probe_yielded_ns".into(), c.yielded_ns + yielding);
         out.insert("gc_watchpoint_cost_ns".into(), pipe.gc_trap_ns);
         out.insert(
             "offcpu_switch_ins_missed".into(),
@@ -833,4 +966,45 @@ pub fn bpf_selftest(pid: i32, duration: Duration) -> anyhow::Result<BTreeMap<Str
     out.insert("frames_resolved".into(), frames - unresolved);
     out.insert("frames_unresolved".into(), unresolved);
     Ok(out)
+}
+
+impl Courtesy {
+    /// Register this process among the host's probe watchers when it has probes; a
+    /// foreground recording says which agents will give their registers back.
+    fn begin(probes: &Probes, tracing: BpfTracing) -> Courtesy {
+        if probes.is_empty() {
+            return Courtesy::default();
+        }
+        let role = if tracing.yields_registers {
+            watchers::Role::Agent
+        } else {
+            watchers::Role::Foreground
+        };
+        let dir = std::path::Path::new(watchers::DIR);
+        let registration = watchers::register(dir, role).ok();
+        if role == watchers::Role::Foreground && !tracing.quiet {
+            let agents: Vec<i32> = watchers::others(dir)
+                .into_iter()
+                .filter(|w| w.role == watchers::Role::Agent)
+                .map(|w| w.pid)
+                .collect();
+            if !agents.is_empty() {
+                eprintln!(
+                    "enginescope: the agent (pid {}) on this host watches probes too: it gives this recording its debug registers while it runs",
+                    join_pids(&agents)
+                );
+            }
+        }
+        Courtesy {
+            registration,
+            ..Courtesy::default()
+        }
+    }
+}
+
+fn join_pids(pids: &[i32]) -> String {
+    pids.iter()
+        .map(|p| p.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }

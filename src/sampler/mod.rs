@@ -467,6 +467,8 @@ fn choose_source(opts: &RecordOptions) -> anyhow::Result<(Box<dyn Source>, Strin
         // hundreds of different lines a second gave one key and one new stack each (~2.9
         // KB/s of an agent's ~9.8 on a real vllm serve; docs/deployment.md).
         preempted_stacks: opts.aggregate.is_none(),
+        // The agent (aggregated, always on) gives way to an engineer's recording.
+        yields_registers: opts.aggregate.is_some(),
     };
     let bpf = || {
         let period = crate::record::Period::of_hz(opts.rate_hz).ns();

@@ -16,9 +16,15 @@ pub struct Agent {
 
 impl Agent {
     pub fn start(args: &[&str]) -> Agent {
+        Self::start_env(args, &[])
+    }
+
+    /// With `env` added to its environment.
+    pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Agent {
         let mut child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
             .arg("agent")
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -40,6 +40,10 @@ pub struct Counters {
     pub rotation_dropped: u64,
     /// Watchpoints that could not be set when their turn came (counted, retried next turn).
     pub rotation_attach_failures: u64,
+    /// A thread refused registers asking for one more ([`super::REGAIN_NS`]), and the
+    /// settings refused for want of a register after a thread's first.
+    pub register_asks: u64,
+    pub registers_refused: u64,
     pub gc_attach_failures: u64,
     /// Threads whose on-phases `--probe-budget` re-sized.
     pub budget_resizes: u64,
@@ -126,5 +130,10 @@ pub fn counters<H: Watch>(
     out.insert(
         "probe_rotation_attach_failures".into(),
         v(|p| p.n.rotation_attach_failures),
+    );
+    out.insert("probe_register_asks".into(), v(|p| p.n.register_asks));
+    out.insert(
+        "probe_registers_refused".into(),
+        v(|p| p.n.registers_refused),
     );
 }

@@ -79,6 +79,8 @@ const SLOW_SWITCH_NS: u64 = 10_000_000;
 const UNSEEN_ENDS_MIN: u64 = 3;
 /// Hardware breakpoints per thread (x86 debug registers DR0-DR3).
 const DEBUG_REGISTERS: usize = 4;
+/// How often a thread refused registers asks for one more ([`Probes::regain_registers`]).
+const REGAIN_NS: u64 = 1_000_000_000;
 /// Largest bytecode we walk, in bytes.
 const MAX_CODE_BYTES: u64 = 1 << 20;
 
@@ -450,6 +452,7 @@ impl<H: Watch> Probes<H> {
             },
             held: 0,
             held_mark: None,
+            regain_at: now_abs + REGAIN_NS,
         });
         if !r.want.contains(&i) {
             r.want.push(i);
@@ -654,6 +657,7 @@ impl<H: Watch> Probes<H> {
         }
         self.apply_budget(now_abs);
         self.phases(b, &proc_of, now_abs);
+        self.regain_registers(b, &proc_of, now_abs);
         let period = self.rotate_ns;
         let tids = self.threads_where(|r| {
             r.takes_turns() && r.phase >= 1.0 && now_abs.saturating_sub(r.last_ns) >= period
@@ -665,6 +669,48 @@ impl<H: Watch> Probes<H> {
             let chosen = r.advance(now_abs);
             self.n.rotations += 1;
             self.assign(b, &proc_of, tid, &chosen, now_abs);
+        }
+    }
+
+    /// Threads that found fewer debug registers than they have probes (the kernel refused
+    /// the rest: another tool held them, such as an agent before it gave them back,
+    /// `bpf::watchers`) ask for one more every [`REGAIN_NS`], so that their probes stop
+    /// taking turns once the registers are free again; a refusal lowers the cap back
+    /// ([`Self::assign`]). Without this, one refusal at start made a recording's probes take
+    /// turns for its whole window.
+    fn regain_registers<'a>(
+        &mut self,
+        b: &mut dyn Watchpoints<Watch = H>,
+        proc_of: &impl Fn(i32) -> Option<&'a PythonProcess>,
+        now_abs: u64,
+    ) {
+        let tids = self.threads_where(|r| {
+            r.off_until.is_none()
+                && r.cap < r.want.len()
+                && r.per_turn() == r.cap
+                && now_abs >= r.regain_at
+        });
+        for tid in tids {
+            let full = DEBUG_REGISTERS - usize::from(self.gc_links.contains_key(&tid));
+            let Some(r) = self.regs.get_mut(&tid) else {
+                continue;
+            };
+            r.regain_at = now_abs + REGAIN_NS;
+            if r.cap >= full {
+                continue;
+            }
+            r.cap += 1;
+            self.n.register_asks += 1;
+            // The probes watched now and the next of the rotation not watched: the rotation
+            // itself goes on as it was (a refusal changes nothing that is set).
+            let n = r.want.len();
+            let active = &self.active;
+            let on = |k: usize| active[k].links.contains_key(&tid);
+            let mut chosen: Vec<usize> = r.want.iter().copied().filter(|&k| on(k)).collect();
+            if let Some(k) = (0..n).map(|d| r.want[(r.next + d) % n]).find(|&k| !on(k)) {
+                chosen.push(k);
+            }
+            self.assign(b, proc_of, tid, &chosen, now_abs);
         }
     }
 
@@ -738,8 +784,21 @@ impl<H: Watch> Probes<H> {
             let Some(proc) = proc_of(self.active[j].info.pid) else {
                 continue;
             };
-            if self.watch_on(b, proc, tid, j, now_abs).is_err() {
-                self.n.rotation_attach_failures += 1;
+            match self.watch_on(b, proc, tid, j, now_abs) {
+                Ok(()) => {}
+                Err(e) if no_register(&e) => {
+                    // Fewer registers than the cap (another tool took some, or one asked
+                    // for again is still held): the probes share those the thread holds.
+                    self.n.registers_refused += 1;
+                    let held = chosen
+                        .iter()
+                        .filter(|&&k| self.active[k].links.contains_key(&tid))
+                        .count();
+                    if let Some(r) = self.regs.get_mut(&tid) {
+                        r.cap = held.max(1);
+                    }
+                }
+                Err(_) => self.n.rotation_attach_failures += 1,
             }
         }
     }
@@ -1794,6 +1853,27 @@ mod tests {
         }
         assert_eq!(turns, [20; 3]);
         assert_eq!(p.n.attach_failures, 0);
+        // Asked for again once a second, and refused while the other tool holds them.
+        assert_eq!(p.n.register_asks, 15);
+        assert_eq!(p.n.registers_refused, 15);
+        assert_eq!(p.regs[&TID].cap, 2);
+        // The other tool gives them back: within a second every probe is watched, and the
+        // rotation stops.
+        k.held_elsewhere.remove(&TID);
+        let t1 = t0 + 30 * p.rotate_ns;
+        for turn in 1..=2 {
+            p.rotate(&mut k, |_| Some(&proc), t1 + turn * p.rotate_ns);
+        }
+        assert_eq!(p.regs[&TID].cap, 3);
+        assert_eq!(k.on_thread(TID), 3);
+        let rotations = p.n.rotations;
+        for turn in 3..=10 {
+            p.rotate(&mut k, |_| Some(&proc), t1 + turn * p.rotate_ns);
+            assert_eq!(k.on_thread(TID), 3);
+        }
+        assert_eq!(p.n.rotations, rotations);
+        // A thread asks for no more than its registers.
+        assert_eq!(p.regs[&TID].cap, 3);
         // No register at all on another thread.
         k.held_elsewhere.insert(TID + 1, 4);
         assert!(p.want(&mut k, &proc, TID + 1, 0, t0).is_err());

@@ -77,6 +77,8 @@ pub(super) struct ThreadRegs {
     /// The thread's context switches when `held` last changed (None when unreadable): each
     /// switch while it holds watchpoints costs it a reload of its debug registers.
     pub(super) held_mark: Option<u64>,
+    /// When a thread whose `cap` was lowered next asks for one more register (absolute ns).
+    pub(super) regain_at: u64,
 }
 
 /// The context switches from `from` to `to` of a thread holding `held` watchpoints all that
@@ -375,6 +377,7 @@ mod tests {
             window: BudgetWindow::default(),
             held: 0,
             held_mark: None,
+            regain_at: 0,
         };
         assert_eq!(regs(3, 4, 1.0).duty(), 1.0);
         assert!((regs(3, 4, 0.2).duty() - 0.2).abs() < 1e-9);
