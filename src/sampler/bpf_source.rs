@@ -58,6 +58,8 @@ struct Courtesy {
     yielding: Option<u64>,
     /// A foreground recording: whether it has waited for room.
     waited: bool,
+    /// Looks in a row that found no foreground recording.
+    fg_absent: u32,
     next_look_ns: u64,
     /// Times the agent gave its registers back, and for how long in all (counters
     /// `probe_yields`, `probe_yielded_ns`).
@@ -169,16 +171,28 @@ impl BpfSource {
         }
         c.next_look_ns = now + WATCHERS_LOOK_NS;
         let others = watchers::others(std::path::Path::new(watchers::DIR));
-        self.b.allow_cpu_slots(others.is_empty());
+        // A foreground recording beside agents that have given way keeps its cheap watches
+        // on every CPU (per-thread ones cost the engine a register reload at each switch).
+        let alone = if self.tracing.yields_registers {
+            others.is_empty()
+        } else {
+            others
+                .iter()
+                .all(|w| w.role == watchers::Role::Agent && w.state == watchers::State::Yielded)
+        };
+        self.b.allow_cpu_slots(alone);
         let fg: Vec<i32> = others
             .iter()
             .filter(|w| w.role == watchers::Role::Foreground)
             .map(|w| w.pid)
             .collect();
+        // Watching again takes two looks in a row with no foreground recording (a file read
+        // while it is rewritten says nothing for one look).
+        c.fg_absent = if fg.is_empty() { c.fg_absent + 1 } else { 0 };
         if self.tracing.yields_registers {
             let proc_of = |pid| targets.iter().find(|t| t.pid == pid).map(|t| &t.proc);
-            match (c.yielding, fg.is_empty()) {
-                (None, false) => {
+            match (c.yielding, fg.is_empty() && c.fg_absent >= 2) {
+                (None, _) if !fg.is_empty() => {
                     self.probes.suspend(&mut self.b, proc_of, now);
                     // The watches on every CPU are gone with the probes: close the slots now.
                     self.b.allow_cpu_slots(false);
