@@ -198,7 +198,11 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
         "--truth",
         "{dir}/truth.json",
         "--duration",
-        if budget.is_some() { "8" } else { "5" },
+        // Taking turns (5 probes on 4 registers, a turn every 500 ms) gives each probe a
+        // watched run every 2.5 s: in 5 s two or three, and an interval from three runs is
+        // as wide as the t-distribution with two degrees of freedom makes it (+-51% for
+        // `Engine.pace` in one run of twenty beside a CPU hog); 8 s gives four or five.
+        if budget.is_some() || extra { "8" } else { "5" },
         "--go-fifo",
         "{dir}/go",
     ];
