@@ -140,6 +140,14 @@ pub struct Workload {
 
 impl Drop for Workload {
     fn drop(&mut self) {
+        // Its children first (a forked consumer left behind waited on a pipe for good,
+        // holding the test's output open); then itself.
+        for c in children_of(self.pid) {
+            // SAFETY: kill(2) on a child of a process we started.
+            unsafe {
+                libc::kill(c, libc::SIGKILL);
+            }
+        }
         // SAFETY: kill(2) with a pid we started; harmless if it already exited.
         unsafe {
             libc::kill(self.pid, libc::SIGKILL);
