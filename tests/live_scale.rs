@@ -44,7 +44,9 @@ fn fifty_processes_recorded_at_once() {
         &out_s,
     ]);
     let readings = CpuReadings::start_many(&pids);
+    let steal0 = steal_s();
     let (ok, _, err) = rec.wait();
+    let stolen = steal_s() - steal0;
     let took = began.elapsed();
     assert!(ok, "record failed: {err}");
     assert!(
@@ -56,7 +58,7 @@ fn fifty_processes_recorded_at_once() {
     let sampled: Vec<f64> = pids.iter().map(|&p| sampled_s(&r, p)).collect();
     let (got, want): (f64, f64) = (sampled.iter().sum(), truth.iter().sum());
     eprintln!(
-        "fifty: record took {took:?}; {got:.2} s sampled on CPU of 50 processes, /proc says {want:.2} s; per process {:.3}-{:.3} s sampled, {:.3}-{:.3} s used",
+        "fifty: record took {took:?}; {got:.2} s sampled on CPU of 50 processes, /proc says {want:.2} s; per process {:.3}-{:.3} s sampled, {:.3}-{:.3} s used; the hypervisor stole {stolen:.2} s of both CPUs meanwhile",
         sampled.iter().cloned().fold(f64::INFINITY, f64::min),
         sampled.iter().cloned().fold(0.0, f64::max),
         truth.iter().cloned().fold(f64::INFINITY, f64::min),

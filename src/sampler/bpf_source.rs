@@ -83,8 +83,10 @@ pub(crate) struct BpfSource {
     finish_wait_ns: u64,
     /// Ring-buffer records too short or of an unknown layout (counter `events_unparsed`).
     unparsed: u64,
-    /// Samples' CPU time from the threads' scheduler runtime.
+    /// Samples' CPU time from the threads' scheduler runtime, and the machine's steal for
+    /// threads not sampled long enough yet.
     weights: RuntimeWeights,
+    steal: super::runtime_weight::Steal,
     /// How each target's GC pauses are timed, and the uprobes that time them.
     gc: GcTracing,
     /// The calibrated watchpoint trap cost, measured once something will trap (a probe, or a
@@ -127,6 +129,7 @@ impl BpfSource {
             unparsed: 0,
             finish_wait_ns: 0,
             weights: RuntimeWeights::new(crate::record::Period::of_hz(rate_hz).ns()),
+            steal: Default::default(),
             gc: GcTracing::new(tracing.quiet),
             trap_cost: None,
             courtesy,
@@ -804,6 +807,9 @@ impl Source for BpfSource {
             n.native.apply_builtins();
         }
         self.b.rephase_sampling();
+        if let Some(share) = self.steal.not_stolen(monotonic_ns()) {
+            self.weights.set_unsettled(share);
+        }
         self.flush_gc_methods(pipe)?;
         self.drain(targets, pipe, Some(DRAIN_SLICE))?;
         self.consider_new_code(targets, pipe)?;
