@@ -186,6 +186,18 @@ fn wpct(v: &mut [(u64, f64)], q: f64) -> f64 {
     f64::NAN
 }
 
+/// The consumer process `samples/mq_pipeline.py` forks.
+fn consumer_of(w: &Workload) -> i32 {
+    children_of(w.pid)
+        .into_iter()
+        .find(|&c| {
+            std::fs::read(format!("/proc/{c}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).contains("mq_pipeline"))
+                .unwrap_or(false)
+        })
+        .expect("consumer process")
+}
+
 /// `budget`: `--probe-budget` (percent), with a longer window; `share`: every budgeted thread
 /// watched that share of the time instead (`ENGINESCOPE_PROBE_SHARE`, with a budget).
 fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str>) {
@@ -210,14 +222,7 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
         args.push("--gc-truth");
     }
     let w = start(&i, "mq_pipeline.py", &args);
-    let consumer = children_of(w.pid)
-        .into_iter()
-        .find(|&c| {
-            std::fs::read(format!("/proc/{c}/cmdline"))
-                .map(|b| String::from_utf8_lossy(&b).contains("mq_pipeline"))
-                .unwrap_or(false)
-        })
-        .expect("consumer process");
+    let consumer = consumer_of(&w);
     let out = w.dir.join("run.esrec");
     let out_s = out.to_string_lossy().into_owned();
     let pids = format!("{},{consumer}", w.pid);
@@ -868,14 +873,7 @@ fn an_agent_gives_a_recording_its_debug_registers_pyenv_312() {
         "mq_pipeline.py",
         &["--truth", "{dir}/truth.json", "--duration", "18"],
     );
-    let consumer = children_of(w.pid)
-        .into_iter()
-        .find(|&c| {
-            std::fs::read(format!("/proc/{c}/cmdline"))
-                .map(|b| String::from_utf8_lossy(&b).contains("mq_pipeline"))
-                .unwrap_or(false)
-        })
-        .expect("consumer process");
+    let consumer = consumer_of(&w);
     let pids = format!("{},{consumer}", w.pid);
     let functions = ["MessageQueue.enqueue", "Engine.step", "Engine.schedule"];
     let probe_args: Vec<&str> = functions.iter().flat_map(|f| ["--probe", *f]).collect();
