@@ -64,8 +64,9 @@ pub(crate) struct RuntimeWeights {
     /// by: the share of the machine's clock the hypervisor did not steal, lately
     /// ([`Self::set_unsettled`]; 1 until told). Fifty busy processes on two CPUs are each
     /// sampled ~0.1-0.4 s of clock in 5 s at 499 Hz, most of it before their own share is
-    /// known: at the period as it was, the steal of a loaded host read as their CPU time
-    /// (8.19 s sampled against 7.06 s used in one CI run).
+    /// known, so at the bare period a host's steal would read as their CPU time. (The CI
+    /// failure this was first written for, 8.19 s sampled against 7.06 s used, turned out to be
+    /// the test's own CPU readings, starved and read late: tests/common/cpu.rs.)
     unsettled: f64,
 }
 
