@@ -30,6 +30,8 @@ fn frozen_exiting_and_execing_targets_leave_the_rest_whole() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("faults.esrec");
     let out_s = out.to_string_lossy().into_owned();
+    // Read from before the recording's window, which starts after the command.
+    let readings = CpuReadings::start(healthy.pid);
     let began = Instant::now();
     let rec = Recorder::start(&[
         "--pid",
@@ -41,7 +43,6 @@ fn frozen_exiting_and_execing_targets_leave_the_rest_whole() {
         "-o",
         &out_s,
     ]);
-    let readings = CpuReadings::start(healthy.pid);
     // The fault: 1 s into sampling the frozen target stops for 1.5 s.
     std::thread::sleep(Duration::from_secs(1));
     // SAFETY: kill(2) on a process we started.
@@ -145,6 +146,8 @@ fn a_thousand_threads_a_second_do_not_stall_the_recording() {
     let out = dir.path().join("churn.esrec");
     let out_s = out.to_string_lossy().into_owned();
     let pid = w.pid.to_string();
+    // Read from before the recording's window, which starts after the command.
+    let readings = CpuReadings::start(w.pid);
     let began = Instant::now();
     // 999 Hz: the process spends ~0.3 s of CPU in the window, ~300 samples' worth.
     let rec = Recorder::start(&[
@@ -157,7 +160,6 @@ fn a_thousand_threads_a_second_do_not_stall_the_recording() {
         "-o",
         &out_s,
     ]);
-    let readings = CpuReadings::start(w.pid);
     let (ok, _, err) = rec.wait();
     let took = began.elapsed();
     assert!(ok, "record failed: {err}");

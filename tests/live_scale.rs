@@ -32,6 +32,8 @@ fn fifty_processes_recorded_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("fifty.esrec");
     let out_s = out.to_string_lossy().into_owned();
+    // Read from before the recording's window, which starts after the command.
+    let readings = CpuReadings::start_many(&pids);
     let began = Instant::now();
     let rec = Recorder::start(&[
         "--pid",
@@ -43,7 +45,6 @@ fn fifty_processes_recorded_at_once() {
         "-o",
         &out_s,
     ]);
-    let readings = CpuReadings::start_many(&pids);
     let steal0 = steal_s();
     let (ok, _, err) = rec.wait();
     let stolen = steal_s() - steal0;

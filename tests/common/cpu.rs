@@ -47,10 +47,13 @@ impl CpuReadings {
         Self::start_many(&[pid])
     }
 
+    /// Returns once the first reading is taken (at real-time priority where allowed): a
+    /// window that starts after this call has a reading before it.
     pub fn start_many(pids: &[i32]) -> Self {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let s = stop.clone();
         let pids = pids.to_vec();
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
             let param = libc::sched_param { sched_priority: 1 };
             // SAFETY: the calling thread, a parameter on the stack; refused without privilege,
@@ -59,10 +62,16 @@ impl CpuReadings {
             let mut v = Vec::new();
             while !s.load(std::sync::atomic::Ordering::Relaxed) {
                 v.push((unix_now_ns(), pids.iter().map(|&p| cpu_ns(p)).collect()));
+                if v.len() == 1 {
+                    let _ = first_tx.send(());
+                }
                 std::thread::sleep(Duration::from_millis(20));
             }
             v
         });
+        first_rx
+            .recv()
+            .expect("the CPU reading thread ended before its first reading");
         CpuReadings { stop, thread }
     }
 
