@@ -232,6 +232,15 @@ pub(crate) fn process_headline(
         };
         if compact {
             format!("{name} p50 {p50:.2}ms{ago}")
+        } else if let Some(u) = &l.interval {
+            // Watched for part of the window: ± the larger side of each 95% interval.
+            let p50_pm = (p50 - u.p50_ms[0]).max(u.p50_ms[1] - p50).max(0.0);
+            let c = l.calls.max(1) as f64;
+            let per_s_pm = (c - u.calls[0]).max(u.calls[1] - c).max(0.0) * l.calls_per_s / c;
+            format!(
+                "{name} p50 {p50:.2} ms ±{p50_pm:.2}, {:.0}/s ±{per_s_pm:.0}{ago}",
+                l.calls_per_s
+            )
         } else {
             format!("{name} p50 {p50:.2} ms, {:.0}/s{ago}", l.calls_per_s)
         }
@@ -788,6 +797,19 @@ pub(crate) mod tests {
             process_headline(&p, &snap, false).as_deref(),
             Some("step p50 2.00 ms, 190/s")
         );
+        // Watched for part of the window: the estimates' error bars (100 calls: 88-110).
+        snap.latency[1].interval = Some(crate::estimate::Uncertainty {
+            calls: [88.0, 110.0],
+            p50_ms: [1.9, 2.05],
+            p90_ms: [2.0, 2.2],
+            method: "phases".into(),
+            phases: 40,
+        });
+        assert_eq!(
+            process_headline(&p, &snap, false).as_deref(),
+            Some("step p50 2.00 ms ±0.10, 190/s ±23")
+        );
+        snap.latency[1].interval = None;
         snap.latency.pop();
         assert_eq!(
             process_headline(&p, &snap, true).as_deref(),

@@ -178,6 +178,10 @@ pub struct LatencyRow {
     pub p90_ns: u64,
     pub p99_ns: u64,
     pub max_ns: u64,
+    /// Where the probe was watched for part of the window: the 95% intervals of its calls
+    /// (over the window, as `calls`) and p50/p90 (ms), as `report` prints them
+    /// (`estimate::uncertainty`); None where every call in the window was timed.
+    pub interval: Option<crate::estimate::Uncertainty>,
 }
 
 /// A metric's value now and its history (one point per scrape) for a sparkline.
@@ -799,17 +803,28 @@ fn latency_rows(w: &Window, rec: &Recording, names: &ThreadNames) -> Vec<Latency
             percentile(&d, 0.90),
             percentile(&d, 0.99),
         );
+        let mut interval = None;
         if let Some(c) = cov.get(&(probe, tid)) {
             let strata = c.strata();
-            let mut wd: Vec<(u64, f64)> = ends
+            let started: Vec<crate::estimate::StartedCall> = ends
                 .iter()
-                .map(|&(end, x)| (x, strata.weight(end.saturating_sub(x), x)))
+                .map(|&(end, x)| {
+                    let start = end.saturating_sub(x);
+                    (start, x, strata.weight(start, x))
+                })
                 .collect();
+            let mut wd: Vec<(u64, f64)> = started.iter().map(|&(_, x, w)| (x, w)).collect();
             // As `report` estimates it (the calls kept stand for all of the window's, in
             // proportion where the window held more than are kept).
             let kept = wd.len().max(1) as f64;
             let weighed: f64 = wd.iter().map(|&(_, w)| w).sum();
-            calls = (weighed * calls as f64 / kept).round() as u64;
+            let scale = calls as f64 / kept;
+            calls = (weighed * scale).round() as u64;
+            // How sure: the same intervals as `report`'s, the count's scaled as the count is.
+            interval = crate::estimate::uncertainty(&started, c).map(|mut u| {
+                u.calls = u.calls.map(|x| x * scale);
+                u
+            });
             if let Some(l) = crate::views::latency::LatencyMs::of_weighted(&mut wd) {
                 (p50, p90, p99) = (
                     (l.p50 * 1e6) as u64,
@@ -852,6 +867,7 @@ fn latency_rows(w: &Window, rec: &Recording, names: &ThreadNames) -> Vec<Latency
             p90_ns: p90,
             p99_ns: p99,
             max_ns: d.last().copied().unwrap_or(0),
+            interval,
         });
     }
     latency
@@ -1519,6 +1535,8 @@ mod tests {
         let s = snap_at(&b.0, 10 * S);
         let l = &s.latency[0];
         assert_eq!(l.method, "exact, from 5.0 s (51% of the window)");
+        // Every call timed since it was placed: no interval.
+        assert_eq!(l.interval, None);
         assert_eq!(l.calls, 50);
         assert!(approx(l.calls_per_s, 10.0), "{}", l.calls_per_s);
     }
@@ -1557,6 +1575,15 @@ mod tests {
         assert_eq!(l.calls, 97);
         assert!((l.calls_per_s - 10.0).abs() < 0.2, "{}", l.calls_per_s);
         assert_eq!(l.p50_ns, MS);
+        // And says how sure it is, as `report` does: five phases of alike counts, so the
+        // interval is the 47 timed calls' own Poisson error, 1.96 * 97 / sqrt(47) narrowed by
+        // the share unwatched (sqrt(1 - 0.487)): about +-20.
+        let u = l.interval.as_ref().expect("an estimate's interval");
+        assert_eq!(u.method, "phases");
+        let half = (97.0 - u.calls[0]).max(u.calls[1] - 97.0);
+        assert!(u.calls[0] < 97.0 && u.calls[1] > 97.0, "{:?}", u.calls);
+        assert!((half - 19.9).abs() < 1.5, "half-width {half:.1}");
+        assert!(u.p50_ms[0] <= 1.0 && u.p50_ms[1] >= 1.0, "{:?}", u.p50_ms);
     }
 
     #[test]

@@ -52,6 +52,38 @@ pub fn dur(ns: u64) -> String {
     }
 }
 
+/// A duration with the larger side of its 95% interval (`[lo, hi]`, ms) in the same unit:
+/// `2.4 ms ±0.3`. Without an interval, as [`dur`].
+pub(crate) fn dur_pm(ns: u64, interval_ms: Option<[f64; 2]>) -> String {
+    let Some([lo, hi]) = interval_ms else {
+        return dur(ns);
+    };
+    let v = ns as f64;
+    let half = (v - lo * 1e6).max(hi * 1e6 - v).max(0.0);
+    let (unit, scale, prec) = if v < 1e3 {
+        ("ns", 1.0, 0)
+    } else if v < 1e6 {
+        ("µs", 1e3, 0)
+    } else if v < 1e9 {
+        ("ms", 1e6, 1)
+    } else {
+        ("s", 1e9, 2)
+    };
+    format!("{:.prec$} {unit} ±{:.prec$}", v / scale, half / scale)
+}
+
+/// A rate with the larger side of its 95% interval (`[lo, hi]` over `span_s`): `180.3 ±7.2`.
+pub(crate) fn rate_pm(per_s: f64, calls: u64, interval: Option<[f64; 2]>) -> String {
+    match interval {
+        Some([lo, hi]) if calls > 0 => {
+            let c = calls as f64;
+            let half = (c - lo).max(hi - c).max(0.0) * per_s / c;
+            format!("{per_s:.1} ±{half:.1}")
+        }
+        _ => format!("{per_s:.1}"),
+    }
+}
+
 /// A sparkline as text, the last `width` values, scaled to `max` (to the largest value when
 /// `max` is None).
 pub(crate) fn spark(values: &[f64], max: Option<f64>, width: usize) -> String {
@@ -883,6 +915,8 @@ fn draw_latency(f: &mut Frame, area: Rect, app: &App) {
             .cmp(&a.p99_ns)
             .then((a.probe, a.tid).cmp(&(b.probe, b.tid)))
     });
+    // Room for the ± of estimates only where a row has them.
+    let estimates = rows.iter().any(|r| r.interval.is_some());
     let table_rows: Vec<TRow> = rows
         .iter()
         .map(|r| {
@@ -890,9 +924,11 @@ fn draw_latency(f: &mut Frame, area: Rect, app: &App) {
                 r.function.clone(),
                 format!("{} ({})", r.thread, r.tid),
                 r.method.clone(),
-                format!("{:.1}", r.calls_per_s),
-                dur(r.p50_ns),
-                dur(r.p90_ns),
+                // A probe watched for part of the window: its estimates say how sure they
+                // are (± the larger side of the 95% interval, as `report` prints it).
+                rate_pm(r.calls_per_s, r.calls, r.interval.as_ref().map(|u| u.calls)),
+                dur_pm(r.p50_ns, r.interval.as_ref().map(|u| u.p50_ms)),
+                dur_pm(r.p90_ns, r.interval.as_ref().map(|u| u.p90_ms)),
                 dur(r.p99_ns),
                 dur(r.max_ns),
             ])
@@ -905,9 +941,9 @@ fn draw_latency(f: &mut Frame, area: Rect, app: &App) {
                 Constraint::Fill(1),
                 Constraint::Length(24),
                 Constraint::Length(8),
-                Constraint::Length(9),
-                Constraint::Length(9),
-                Constraint::Length(9),
+                Constraint::Length(if estimates { 13 } else { 9 }),
+                Constraint::Length(if estimates { 15 } else { 9 }),
+                Constraint::Length(if estimates { 15 } else { 9 }),
                 Constraint::Length(9),
                 Constraint::Length(9),
             ],
@@ -1006,6 +1042,20 @@ mod tests {
     use crate::tui::window::Window;
     use ratatui::backend::TestBackend;
     use ratatui::Terminal;
+
+    /// An estimate's figures carry ± the larger side of their interval, in their own unit.
+    #[test]
+    fn estimates_carry_their_error_bars() {
+        assert_eq!(dur_pm(2_400_000, Some([2.35, 2.47])), "2.4 ms ±0.1");
+        assert_eq!(dur_pm(103_000, Some([0.094, 0.110])), "103 µs ±9");
+        assert_eq!(dur_pm(2_400_000, None), dur(2_400_000));
+        // 14,000 calls +-600 over a window where they came at 180/s: +-7.7/s.
+        assert_eq!(
+            rate_pm(180.0, 14_000, Some([13_400.0, 14_500.0])),
+            "180.0 ±7.7"
+        );
+        assert_eq!(rate_pm(180.0, 14_000, None), "180.0");
+    }
 
     /// The screen as text, one string per row.
     fn screen(app: &App, w: u16, h: u16) -> Vec<String> {
@@ -1287,6 +1337,19 @@ mod tests {
                 "ms"
             ]
         );
+        // A probe watched for part of the window: its estimates carry their error bars.
+        a.snap.latency[0].interval = Some(crate::estimate::Uncertainty {
+            calls: [8.0, 12.5],
+            p50_ms: [42.0, 45.0],
+            p90_ms: [47.0, 49.0],
+            method: "phases".into(),
+            phases: 5,
+        });
+        let scr = screen(&a, 140, 10);
+        let r = row_with(&scr, "Worker.execute_model");
+        assert!(r.contains("10.0 ±2.5"), "{r}");
+        assert!(r.contains("44.0 ms ±2.0"), "{r}");
+        assert!(r.contains("48.0 ms ±1.0"), "{r}");
         a.ui.filter = Some(NameFilter::new("nothing-matches"));
         let scr = screen(&a, 120, 10);
         row_with(&scr, "No probed function calls");
