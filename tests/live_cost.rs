@@ -3,8 +3,9 @@
 //! edge. Checked from the recording itself, against the times the instrument says each mask
 //! held: no sample while sampling was off, no off-CPU interval begun while switch tracing was
 //! off, no probed call begun while the probes were off, and each of them present while on;
-//! every comparison measured with both arms of each pair, and everything on again at the end.
-//! Cost: ~25 s (a 14 s measurement plus the engine's start).
+//! every comparison measured with both arms of each pair, the recording loop at normal priority
+//! exactly in the arms with its real-time part off, and everything on again at the end.
+//! Cost: ~25 s (a 16 s measurement plus the engine's start).
 
 mod common;
 
@@ -14,6 +15,7 @@ use std::process::{Command, Stdio};
 use common::*;
 use enginescope::bpf::abi::{OFF_PROBE, OFF_SAMPLE, OFF_SWITCH};
 use enginescope::record::read_recording;
+use enginescope::sampler::cost::OFF_REALTIME;
 
 /// The edges are stamped just before the parts change: events of the edge's first
 /// milliseconds may still come from the arm before.
@@ -118,6 +120,7 @@ fn measure_cost_switches_each_part_off_in_its_slices() {
             "GC",
             "probes",
             "task readers",
+            "real-time loop",
             "null (nothing differs)"
         ]
     );
@@ -135,9 +138,25 @@ fn measure_cost_switches_each_part_off_in_its_slices() {
         .iter()
         .map(|c| (c[0].as_u64().unwrap(), c[1].as_u64().unwrap() as u32))
         .collect();
-    // 7 comparisons x 2 pairs x 2 arms, then everything on.
-    assert_eq!(changes.len(), 29, "{changes:?}");
+    // 8 comparisons x 2 pairs x 2 arms, then everything on.
+    assert_eq!(changes.len(), 33, "{changes:?}");
     assert_eq!(changes.last().unwrap().1, 0);
+    // The loop ran at normal priority exactly in the arms with its real-time part off (the
+    // kernel's answer after each change), and real-time in the others (the tests run as root).
+    let realtime: Vec<bool> = cost["loop_realtime"]
+        .as_array()
+        .expect("loop_realtime")
+        .iter()
+        .map(|v| v.as_bool().unwrap())
+        .collect();
+    assert_eq!(realtime.len(), changes.len());
+    for (&(t, mask), rt) in changes.iter().zip(&realtime) {
+        assert_eq!(
+            *rt,
+            mask & OFF_REALTIME == 0,
+            "at {t} ns, mask {mask:#x}: loop real-time {rt}"
+        );
+    }
     let spans: Vec<(u64, u64, u32)> = changes
         .windows(2)
         .map(|w| (w[0].0 + SETTLE_NS, w[1].0, w[0].1))

@@ -8,7 +8,8 @@
 //! their geometric mean with a 95% t-interval is the cost.
 //!
 //! "Off" is: every BPF program of the part returns at its first instruction (the `control`
-//! map), the probes' watchpoints removed, the asyncio task readers paused. Attach, detach and
+//! map), the probes' watchpoints removed, the asyncio task readers paused, the recording loop
+//! at normal priority instead of real-time. Attach, detach and
 //! start-up stay outside the slices (they come before the first and after the last). What
 //! stays on in both arms, and so is not measured: the perf events' own clock interrupts,
 //! GC uprobes' int3 (the program returns at once), the recording loop's thread-list reads and
@@ -26,8 +27,13 @@ use crate::sys::next_random;
 
 /// The asyncio task readers (user space only: not a BPF bit).
 pub(crate) const OFF_TASKS: u32 = 1 << 16;
+/// The recording loop's real-time priority (user space only): "off", the loop runs as a
+/// normal thread, as under `ENGINESCOPE_NO_REALTIME=1`. Left out, its comparison says what
+/// the real-time loop costs the engine against the same recording at normal priority.
+pub const OFF_REALTIME: u32 = 1 << 17;
 /// Every part.
-pub(crate) const OFF_ALL: u32 = OFF_SAMPLE | OFF_SWITCH | OFF_GC | OFF_PROBE | OFF_TASKS;
+pub(crate) const OFF_ALL: u32 =
+    OFF_SAMPLE | OFF_SWITCH | OFF_GC | OFF_PROBE | OFF_TASKS | OFF_REALTIME;
 
 /// The parts: the name `--cost-part` takes, the name the table prints, the mask bit.
 pub(crate) const PARTS: &[(&str, &str, u32)] = &[
@@ -36,6 +42,7 @@ pub(crate) const PARTS: &[(&str, &str, u32)] = &[
     ("gc", "GC", OFF_GC),
     ("probes", "probes", OFF_PROBE),
     ("tasks", "task readers", OFF_TASKS),
+    ("realtime", "real-time loop", OFF_REALTIME),
 ];
 
 /// `record` flags of the instrument.
@@ -53,11 +60,12 @@ pub(crate) struct CostArgs {
     #[arg(long, default_value_t = 1.5)]
     pub cost_slice: f64,
     /// With --measure-cost: also each part alone (sampling, off-CPU and GIL, GC, probes, task
-    /// readers), by leaving it out, and a null comparison (nothing differs).
+    /// readers, the loop's real-time priority), by leaving it out, and a null comparison
+    /// (nothing differs).
     #[arg(long)]
     pub cost_each_part: bool,
     /// With --measure-cost: only the named comparisons, in this order (repeat the flag):
-    /// everything, sampling, offcpu, gc, probes, tasks, null. One part's cost then gets all
+    /// everything, sampling, offcpu, gc, probes, tasks, realtime, null. One part's cost then gets all
     /// the pairs instead of a sixth of them.
     #[arg(long = "cost-part", value_name = "NAME", value_parser = part_name)]
     pub cost_parts: Vec<String>,
@@ -336,6 +344,9 @@ pub struct CostResult {
     /// When the parts switched off changed: (ns since the recording's start, the mask
     /// from then on); the last entry is everything on again.
     pub mask_changes: Vec<(u64, u32)>,
+    /// Whether the recording loop ran real-time after each change (the kernel's answer,
+    /// `sched_getscheduler`): the `realtime` part's arms, as applied.
+    pub loop_realtime: Vec<bool>,
 }
 
 impl CostResult {
@@ -405,6 +416,7 @@ pub struct CostRun {
     /// [`CostResult::mask_changes`].
     start_ns: u64,
     mask_changes: Vec<(u64, u32)>,
+    loop_realtime: Vec<bool>,
 }
 
 /// What the loop does after a tick.
@@ -449,6 +461,7 @@ impl CostRun {
             last_error: String::new(),
             start_ns,
             mask_changes: Vec::new(),
+            loop_realtime: Vec::new(),
         })
     }
 
@@ -488,6 +501,11 @@ impl CostRun {
         let rel = crate::sys::monotonic_ns().saturating_sub(self.start_ns);
         self.mask_changes.push((rel, mask));
         t
+    }
+
+    /// The loop's priority once the last change was applied ([`CostResult::loop_realtime`]).
+    pub fn note_loop_realtime(&mut self, realtime: bool) {
+        self.loop_realtime.push(realtime);
     }
 
     fn step(&mut self, now: Instant) -> Tick {
@@ -537,6 +555,7 @@ impl CostRun {
             read_errors: self.read_errors,
             last_error: self.last_error.clone(),
             mask_changes: self.mask_changes.clone(),
+            loop_realtime: self.loop_realtime.clone(),
         }
     }
 }
@@ -595,6 +614,7 @@ mod tests {
             "gc",
             "probes",
             "tasks",
+            "realtime",
             "null",
         ] {
             assert!(part_name(name).is_ok(), "{name}");

@@ -64,6 +64,10 @@ pub struct Recorder<'a> {
     realtime: bool,
     /// Times the loop became real-time again after a busy spell (`recorder_realtime_regained`).
     realtime_regained: u64,
+    /// Whether the loop may run real-time at all (it could when it began).
+    can_realtime: bool,
+    /// `--measure-cost`'s arm holds the loop at normal priority (its `realtime` part off).
+    realtime_off: bool,
     /// The running asyncio tasks of the targets.
     tasks: super::tasks::TaskReaders,
     /// When the window began ([`Self::begin_window`]): `--duration` counts from here.
@@ -96,6 +100,8 @@ impl<'a> Recorder<'a> {
             exec_pending: Vec::new(),
             realtime: false,
             realtime_regained: 0,
+            can_realtime: false,
+            realtime_off: false,
             tasks: super::tasks::TaskReaders::default(),
             window_start: None,
             cost: None,
@@ -209,6 +215,7 @@ impl<'a> Recorder<'a> {
         }
         // Allowed at all (a container may refuse it): then regained after a busy spell.
         let can_realtime = self.realtime;
+        self.can_realtime = can_realtime;
         let _normal = can_realtime.then_some(Normal);
         let mut quiet_seconds = 0u32;
         let mut cpu_mark = crate::sys::thread_cpu_ns();
@@ -262,7 +269,7 @@ impl<'a> Recorder<'a> {
                     self.say(|| {
                         format!("the recording loop was busy {busy:?} of the last second: back to normal priority")
                     });
-                } else if !self.realtime && can_realtime {
+                } else if !self.realtime && can_realtime && !self.realtime_off {
                     // Its CPU time, not its wall time: at normal priority on a busy machine
                     // the wall time of its work is mostly waiting to run.
                     let cpu = crate::sys::thread_cpu_ns();
@@ -350,7 +357,28 @@ impl<'a> Recorder<'a> {
         };
         self.source.set_off(mask, &self.targets)?;
         self.tasks.pause(mask & super::cost::OFF_TASKS != 0);
+        self.hold_normal_priority(mask & super::cost::OFF_REALTIME != 0);
+        let realtime = crate::sys::is_realtime_this_thread();
+        if let Some(run) = self.cost.as_mut() {
+            run.note_loop_realtime(realtime);
+        }
         Ok(done.then(|| "cost measured".to_string()))
+    }
+
+    /// `--measure-cost`'s `realtime` part: its off arm runs the loop as a normal thread (as
+    /// `ENGINESCOPE_NO_REALTIME=1` would), its on arm real-time again where the loop may be.
+    fn hold_normal_priority(&mut self, normal: bool) {
+        self.realtime_off = normal;
+        if normal && self.realtime {
+            crate::sys::normal_this_thread();
+            self.realtime = false;
+        } else if !normal
+            && !self.realtime
+            && self.can_realtime
+            && crate::sys::realtime_this_thread().is_ok()
+        {
+            self.realtime = true;
+        }
     }
 
     /// Push thread changes of every target to the source and the recording.
