@@ -619,3 +619,19 @@ impl StderrLines {
         }
     }
 }
+
+/// A tool on PATH from Debian package `package` (scripts/test.sh installs it); under CI=true a
+/// missing one fails, else the test is skipped.
+pub fn tool_binary(name: &str, package: &str) -> Option<std::path::PathBuf> {
+    let p = std::env::var_os("PATH")?;
+    let found = std::env::split_paths(&p)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file());
+    if found.is_none() {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("{name} is missing (CI=true; scripts/test.sh installs {package})");
+        }
+        eprintln!("SKIP: {name} not installed (apt-get install {package})");
+    }
+    found
+}
