@@ -552,8 +552,33 @@ pub(crate) fn own_figure(f: &crate::views::findings::Finding, truth_dir: &Path) 
         "gc_pressure" if role["role"] == "engine_core" => {
             let gc = &role["gc"];
             let g2 = &gc["by_generation"]["2"];
+            // A collection, seen from outside, lasts until the collector returns: through the
+            // engine's own stop callback, whose calls can hand the GIL to a waiting thread
+            // for up to its switch interval (the last column of each pause: that callback's
+            // last clock read).
+            let w = &role["window"];
+            let wall = w["end_mono_ns"]
+                .as_u64()?
+                .saturating_sub(w["start_mono_ns"].as_u64()?);
+            let through: u64 = gc["pauses"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| {
+                    let (t0, dur) = (p[0].as_u64()?, p[1].as_u64()?);
+                    Some(p[6].as_u64().unwrap_or(0).max(t0 + dur) - t0)
+                })
+                .sum();
+            let through = if wall > 0 && gc["pauses_truncated"] == false {
+                format!(
+                    ", {:.1}% through its stop callbacks",
+                    through as f64 / wall as f64 * 100.0
+                )
+            } else {
+                String::new()
+            };
             Some(format!(
-                "{:.1}% of its window collecting (gen 2: {} × {:.2} ms)",
+                "{:.1}% of its window collecting{through} (gen 2: {} × {:.2} ms)",
                 gc["share_of_wall"].as_f64()? * 100.0,
                 g2["count"].as_u64().unwrap_or(0),
                 g2["total_ns"].as_f64().unwrap_or(0.0)

@@ -397,6 +397,65 @@ fn check_pickling(rec: &Recording, slow: &Path) {
     );
 }
 
+/// The demo's GC finding for the EngineCore, from `report --from/--to` over the engine's own
+/// window, against the engine's gc.callbacks over the same window. A collection as the
+/// recorder sees it (the collector's function, entry to return) holds the engine's two
+/// callbacks, and the stop callback's own calls are points where the interpreter hands the
+/// GIL to a thread that asked for it: matched one to one in a run, generation-1 collections
+/// read 116 µs longer at the median and up to 8.5 ms (the GIL's switch interval), so the share
+/// over the recording read 8-18% above the callbacks' start-to-stop. The truth is that
+/// bracket: from each start callback's clock read to its stop callback's first (at least) and
+/// last (at most), clipped to the window as the report clips; the finding within 10% of it.
+fn check_gc_share(rec: &Recording, core: &serde_json::Value, esrec: &Path) {
+    let base = rec.meta.start_mono_ns;
+    let (w0, w1) = (
+        core["window"]["start_mono_ns"].as_u64().unwrap(),
+        core["window"]["end_mono_ns"].as_u64().unwrap(),
+    );
+    assert_eq!(core["gc"]["pauses_truncated"], false, "every pause listed");
+    let overlap = |a: u64, b: u64| b.min(w1).saturating_sub(a.max(w0));
+    let (mut lo, mut hi) = (0u64, 0u64);
+    for p in core["gc"]["pauses"].as_array().unwrap() {
+        let (t0, dur, end) = (
+            p[0].as_u64().unwrap(),
+            p[1].as_u64().unwrap(),
+            p[6].as_u64().unwrap(),
+        );
+        lo += overlap(t0, t0 + dur);
+        hi += overlap(t0, end.max(t0 + dur));
+    }
+    let wall = (w1 - w0) as f64;
+    let (lo, hi) = (lo as f64 / wall, hi as f64 / wall);
+    let from = format!("{:.9}", w0.saturating_sub(base) as f64 / 1e9);
+    let to = format!("{:.9}", w1.saturating_sub(base) as f64 / 1e9);
+    let o = enginescope(&[
+        "report",
+        esrec.to_str().unwrap(),
+        "--format",
+        "json",
+        "--from",
+        &from,
+        "--to",
+        &to,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let windowed: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let gc = windowed["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| f["kind"] == "gc_pressure" && f["pid"] == core["pid"])
+        .unwrap_or_else(|| panic!("a GC finding for the EngineCore in its window"));
+    let got = gc["score"].as_f64().unwrap();
+    eprintln!(
+        "GC finding {got:.4} of the engine's window; its callbacks {lo:.4} start to stop, {hi:.4} to the stop callback's end"
+    );
+    assert!(
+        got >= 0.9 * lo && got <= 1.1 * hi,
+        "GC finding {got:.4} of the engine's window, truth {lo:.4}-{hi:.4}"
+    );
+}
+
 #[test]
 fn demo_finds_the_three_problems_and_the_fix_shows() {
     let i = interp("pyenv-3.12");
@@ -515,20 +574,13 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
          (r {r:.2} over {n} intervals, allowed {:.0}%)",
         tol * 100.0
     );
-    let gc = found
-        .iter()
-        .find(|f| f["kind"] == "gc_pressure" && f["pid"] == core["pid"])
-        .unwrap_or_else(|| panic!("a GC finding for the EngineCore: {found:#?}"));
-    // The finding's share is of the recording, the truth's of the engine's window inside it;
-    // the engine serves its load at the same pace before, during and after its window, so
-    // the two shares are of the same steady state.
-    let got = gc["score"].as_f64().unwrap();
-    let want = core["gc"]["share_of_wall"].as_f64().unwrap();
-    eprintln!("GC finding {got:.4} of the recording; truth {want:.4} of the engine's window");
     assert!(
-        (got - want).abs() <= 0.1 * want,
-        "GC finding {got:.4} of the recording, truth {want:.4} of the engine's window"
+        found
+            .iter()
+            .any(|f| f["kind"] == "gc_pressure" && f["pid"] == core["pid"]),
+        "a GC finding for the EngineCore: {found:#?}"
     );
+    check_gc_share(&rec, &core, &slow.join("demo.esrec"));
     for f in [
         "report.md",
         "report.json",

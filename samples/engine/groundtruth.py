@@ -151,7 +151,8 @@ class GcMonitor:
 
     def __init__(self, cap=200000):
         self.cap = cap
-        self.rows = []  # (start_ns, dur_ns, generation, native_id, collected, cpu_ns)
+        self.rows = []  # (start_ns, dur_ns, generation, native_id, collected, cpu_ns,
+        #              stop_callback_end_ns)
         self.total_pauses = 0
         self._t0 = 0
         self._c0 = 0
@@ -170,8 +171,12 @@ class GcMonitor:
             c = tcpu()
             self.total_pauses += 1
             if len(rows) < cap:
-                rows.append((self._t0, t - self._t0, info["generation"], native_id(),
-                             info.get("collected", 0), c - self._c0))
+                row = (self._t0, t - self._t0, info["generation"], native_id(),
+                       info.get("collected", 0), c - self._c0)
+                # The stop callback's last clock read: its own calls above are points where
+                # the interpreter hands the GIL to a thread that asked for it, so the collector
+                # (its function, as a probe on it sees it) can return milliseconds after `t`.
+                rows.append(row + (mono(),))
 
         self._cb = on_gc
         gc.callbacks.append(on_gc)
@@ -207,7 +212,7 @@ class GcMonitor:
             "by_thread": list(by_thread.values()),
             "pauses_total_lifetime": self.total_pauses,
             "pause_columns": ["start_ns", "dur_ns", "generation", "native_id", "collected",
-                              "cpu_ns"],
+                              "cpu_ns", "stop_callback_end_ns"],
             "pauses": [list(r) for r in inwin[:list_cap]],
             "pauses_truncated": len(inwin) > list_cap,
         }
