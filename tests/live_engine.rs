@@ -200,14 +200,7 @@ fn check_slow(rec: &Recording, tdir: &Path) {
         );
         // Every call counted, but for calls the recorder itself flagged (an unclassifiable
         // edge, a pop without a push, a push never popped); a silent loss fails.
-        let flagged: u64 = [
-            "probe_ambiguous_edges",
-            "probe_unmatched_returns",
-            "probe_calls_unfinished",
-        ]
-        .iter()
-        .map(|k| rec.counters.get(*k).copied().unwrap_or(0))
-        .sum();
+        let flagged = common::flagged_calls(rec);
         assert!(
             n_ours.abs_diff(n_theirs) as u64 <= flagged,
             "{function}: {n_ours} calls counted, the engine's {n_theirs} ({flagged} flagged; counters {:?})",

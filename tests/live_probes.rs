@@ -353,14 +353,7 @@ fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str
         // Calls the recorder itself flagged: an edge it could not classify (another reference
         // to the code object changed its count between the traps), a pop with no push, a push
         // never popped. A call lost or mistimed without a counted reason fails.
-        let flagged = [
-            "probe_ambiguous_edges",
-            "probe_unmatched_returns",
-            "probe_calls_unfinished",
-        ]
-        .iter()
-        .map(|k| r.counters.get(*k).copied().unwrap_or(0) as usize)
-        .sum::<usize>();
+        let flagged = common::flagged_calls(&r) as usize;
         let under = SLACK + r.counters.get("probe_trap_cost_ns").copied().unwrap_or(0);
         let oc = outer_calls(truth, function);
         let bodies: Vec<&(u64, u64)> = tc.iter().filter(inside).collect();
@@ -1011,14 +1004,7 @@ fn an_agent_gives_a_recording_its_debug_registers_pyenv_312() {
         assert!(n_truth > 100, "{label} {function}: {n_truth} calls");
         // Every call timed, but those the recorder itself flagged (an edge it could not
         // classify, a pop with no push, a push never popped), as the other tests here allow.
-        let flagged = [
-            "probe_ambiguous_edges",
-            "probe_unmatched_returns",
-            "probe_calls_unfinished",
-        ]
-        .iter()
-        .map(|k| r.counters.get(*k).copied().unwrap_or(0) as usize)
-        .sum::<usize>();
+        let flagged = common::flagged_calls(&r) as usize;
         assert!(
             n_rec <= n_truth && n_rec + flagged >= n_truth,
             "{label} {function}: {n_rec} calls timed of {n_truth} ({flagged} flagged)"

@@ -214,9 +214,8 @@ impl<'a> Recorder<'a> {
             }),
         }
         // Allowed at all (a container may refuse it): then regained after a busy spell.
-        let can_realtime = self.realtime;
-        self.can_realtime = can_realtime;
-        let _normal = can_realtime.then_some(Normal);
+        self.can_realtime = self.realtime;
+        let _normal = self.can_realtime.then_some(Normal);
         let mut quiet_seconds = 0u32;
         let mut cpu_mark = crate::sys::thread_cpu_ns();
         if let Some(plan) = self.opts.cost.clone() {
@@ -269,7 +268,7 @@ impl<'a> Recorder<'a> {
                     self.say(|| {
                         format!("the recording loop was busy {busy:?} of the last second: back to normal priority")
                     });
-                } else if !self.realtime && can_realtime && !self.realtime_off {
+                } else if !self.realtime && self.can_realtime && !self.realtime_off {
                     // Its CPU time, not its wall time: at normal priority on a busy machine
                     // the wall time of its work is mostly waiting to run.
                     let cpu = crate::sys::thread_cpu_ns();

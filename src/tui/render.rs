@@ -40,15 +40,20 @@ pub fn pct(x: f64) -> String {
 
 /// `850 µs`, `12.3 ms`, `1.50 s`.
 pub fn dur(ns: u64) -> String {
-    let ns = ns as f64;
+    let (unit, scale, prec) = dur_unit(ns as f64);
+    format!("{:.prec$} {unit}", ns as f64 / scale)
+}
+
+/// The unit a duration of `ns` is shown in: its name, ns per unit, decimals.
+fn dur_unit(ns: f64) -> (&'static str, f64, usize) {
     if ns < 1e3 {
-        format!("{ns:.0} ns")
+        ("ns", 1.0, 0)
     } else if ns < 1e6 {
-        format!("{:.0} µs", ns / 1e3)
+        ("µs", 1e3, 0)
     } else if ns < 1e9 {
-        format!("{:.1} ms", ns / 1e6)
+        ("ms", 1e6, 1)
     } else {
-        format!("{:.2} s", ns / 1e9)
+        ("s", 1e9, 2)
     }
 }
 
@@ -60,15 +65,7 @@ pub(crate) fn dur_pm(ns: u64, interval_ms: Option<[f64; 2]>) -> String {
     };
     let v = ns as f64;
     let half = (v - lo * 1e6).max(hi * 1e6 - v).max(0.0);
-    let (unit, scale, prec) = if v < 1e3 {
-        ("ns", 1.0, 0)
-    } else if v < 1e6 {
-        ("µs", 1e3, 0)
-    } else if v < 1e9 {
-        ("ms", 1e6, 1)
-    } else {
-        ("s", 1e9, 2)
-    };
+    let (unit, scale, prec) = dur_unit(v);
     format!("{:.prec$} {unit} ±{:.prec$}", v / scale, half / scale)
 }
 

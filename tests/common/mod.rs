@@ -635,3 +635,17 @@ pub fn tool_binary(name: &str, package: &str) -> Option<std::path::PathBuf> {
     }
     found
 }
+
+/// Probed calls the recorder itself flagged as not timed: an edge it could not classify
+/// (another reference to the code object changed its count between the traps), a pop with no
+/// push, a push never popped. A call lost or mistimed without one of these reasons is a defect.
+pub fn flagged_calls(rec: &enginescope::record::Recording) -> u64 {
+    [
+        "probe_ambiguous_edges",
+        "probe_unmatched_returns",
+        "probe_calls_unfinished",
+    ]
+    .iter()
+    .map(|k| rec.counters.get(*k).copied().unwrap_or(0))
+    .sum()
+}
