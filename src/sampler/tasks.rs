@@ -73,10 +73,24 @@ impl TaskReaders {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
         let (s, c, p) = (stop.clone(), counters.clone(), self.paused.clone());
+        // A thread's name holds 15 bytes: "es-task-" and a pid of up to 7 digits (the
+        // kernel's largest pid_max) fit, so that the reader of each process can be told.
+        let name = format!("es-task-{pid}");
         let handle = std::thread::Builder::new()
-            .name(format!("es-tasks-{pid}"))
+            .name(name.clone())
             .spawn(move || read_loop(pid, start_ns, &tx, &s, &p, &c))
             .ok();
+        // The new thread names itself when it first runs, which on a loaded machine can be
+        // milliseconds later: until then it shows as this one (`es-recorder`). Named from here
+        // too, it is one process's reader to whoever looks from the start.
+        if let (Some(h), Ok(c)) = (&handle, std::ffi::CString::new(name)) {
+            use std::os::unix::thread::JoinHandleExt;
+            // SAFETY: the thread is not joined yet (its handle is held), and the name is
+            // NUL-terminated and at most 15 bytes.
+            unsafe {
+                libc::pthread_setname_np(h.as_pthread_t(), c.as_ptr());
+            }
+        }
         self.readers.insert(
             pid,
             Reader {
