@@ -198,6 +198,13 @@ impl Strata {
 /// it watched while it calls more); a count scaled by the whole span's share would then be low.
 pub(crate) const STRATUM_NS: u64 = 2_000_000_000;
 
+/// What an estimate `v` prints after its ±: the larger side of its interval `[lo, hi]` (one
+/// figure for an interval that need not be symmetric, never negative). `report`, `diff`, `top`
+/// and its headline print their error bars with it.
+pub fn larger_side(v: f64, [lo, hi]: [f64; 2]) -> f64 {
+    (v - lo).max(hi - v).max(0.0)
+}
+
 /// 95% intervals of a row estimated from part of the window (an exact probe watched in
 /// phases, or taking turns for its thread's debug registers).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]

@@ -6,6 +6,7 @@ use crossterm::event::{KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 
 use super::model::{EngineMetrics, Group, ProcessRow, Snapshot, Stats, ThreadRow};
 use super::window::ThreadKey;
+use crate::estimate::larger_side;
 
 /// The views Tab cycles through. A thread's detail opens over `Threads` with Enter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,9 +235,9 @@ pub(crate) fn process_headline(
             format!("{name} p50 {p50:.2}ms{ago}")
         } else if let Some(u) = &l.interval {
             // Watched for part of the window: ± the larger side of each 95% interval.
-            let p50_pm = (p50 - u.p50_ms[0]).max(u.p50_ms[1] - p50).max(0.0);
+            let p50_pm = larger_side(p50, u.p50_ms);
             let c = l.calls.max(1) as f64;
-            let per_s_pm = (c - u.calls[0]).max(u.calls[1] - c).max(0.0) * l.calls_per_s / c;
+            let per_s_pm = larger_side(c, u.calls) * l.calls_per_s / c;
             format!(
                 "{name} p50 {p50:.2} ms ±{p50_pm:.2}, {:.0}/s ±{per_s_pm:.0}{ago}",
                 l.calls_per_s

@@ -11,6 +11,7 @@ use ratatui::Frame;
 
 use super::app::{Row, SortKey, Ui, View, TABS};
 use super::model::{EngineMetrics, MetricView, ProcessRow, Snapshot, Stats, ThreadRow};
+use crate::estimate::larger_side;
 
 /// Where the data comes from and how fast it is drawn: the header line.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -64,7 +65,7 @@ pub(crate) fn dur_pm(ns: u64, interval_ms: Option<[f64; 2]>) -> String {
         return dur(ns);
     };
     let v = ns as f64;
-    let half = (v - lo * 1e6).max(hi * 1e6 - v).max(0.0);
+    let half = larger_side(v, [lo * 1e6, hi * 1e6]);
     let (unit, scale, prec) = dur_unit(v);
     format!("{:.prec$} {unit} ±{:.prec$}", v / scale, half / scale)
 }
@@ -72,9 +73,9 @@ pub(crate) fn dur_pm(ns: u64, interval_ms: Option<[f64; 2]>) -> String {
 /// A rate with the larger side of its 95% interval (`[lo, hi]` over `span_s`): `180.3 ±7.2`.
 pub(crate) fn rate_pm(per_s: f64, calls: u64, interval: Option<[f64; 2]>) -> String {
     match interval {
-        Some([lo, hi]) if calls > 0 => {
+        Some(ci) if calls > 0 => {
             let c = calls as f64;
-            let half = (c - lo).max(hi - c).max(0.0) * per_s / c;
+            let half = larger_side(c, ci) * per_s / c;
             format!("{per_s:.1} ±{half:.1}")
         }
         _ => format!("{per_s:.1}"),
@@ -912,8 +913,15 @@ fn draw_latency(f: &mut Frame, area: Rect, app: &App) {
             .cmp(&a.p99_ns)
             .then((a.probe, a.tid).cmp(&(b.probe, b.tid)))
     });
-    // Room for the ± of estimates only where a row has them.
+    // Room for the ± of estimates only where a row has them, and for the longest method
+    // (`exact, 23% of the window` says what share the figures come from: never cut).
     let estimates = rows.iter().any(|r| r.interval.is_some());
+    let method_width = rows
+        .iter()
+        .map(|r| r.method.chars().count())
+        .max()
+        .unwrap_or(0)
+        .clamp(6, 32) as u16;
     let table_rows: Vec<TRow> = rows
         .iter()
         .map(|r| {
@@ -937,7 +945,7 @@ fn draw_latency(f: &mut Frame, area: Rect, app: &App) {
             [
                 Constraint::Fill(1),
                 Constraint::Length(24),
-                Constraint::Length(8),
+                Constraint::Length(method_width),
                 Constraint::Length(if estimates { 13 } else { 9 }),
                 Constraint::Length(if estimates { 15 } else { 9 }),
                 Constraint::Length(if estimates { 15 } else { 9 }),
@@ -1342,8 +1350,11 @@ mod tests {
             method: "phases".into(),
             phases: 5,
         });
+        a.snap.latency[0].method = "exact, 23% of the window".into();
         let scr = screen(&a, 140, 10);
         let r = row_with(&scr, "Worker.execute_model");
+        // The method whole: the share of the window the figures come from.
+        assert!(r.contains("exact, 23% of the window"), "{r}");
         assert!(r.contains("10.0 ±2.5"), "{r}");
         assert!(r.contains("44.0 ms ±2.0"), "{r}");
         assert!(r.contains("48.0 ms ±1.0"), "{r}");

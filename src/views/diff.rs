@@ -953,7 +953,9 @@ fn cell(f: &Figure, prec: usize) -> String {
     };
     // An estimate says how sure it is: ± the larger side of its 95% interval.
     let pm = |v: Option<f64>, ci: Option<[f64; 2]>| match (v, ci) {
-        (Some(x), Some([lo, hi])) => format!("{x:.prec$} ±{:.prec$}", (x - lo).max(hi - x)),
+        (Some(x), Some(ci)) => {
+            format!("{x:.prec$} ±{:.prec$}", crate::estimate::larger_side(x, ci))
+        }
         (v, _) => n(v),
     };
     let text = format!(

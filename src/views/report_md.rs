@@ -632,7 +632,7 @@ impl Report {
             let l = &f.latency_ms;
             // An estimate says how sure it is: ± the larger side of its 95% interval.
             let pm = |v: f64, ci: Option<[f64; 2]>, prec: usize| match ci {
-                Some([lo, hi]) => format!("{v:.prec$} ±{:.prec$}", (v - lo).max(hi - v).max(0.0)),
+                Some(ci) => format!("{v:.prec$} ±{:.prec$}", crate::estimate::larger_side(v, ci)),
                 None => format!("{v:.prec$}"),
             };
             let u = f.uncertainty.as_ref();
@@ -640,7 +640,7 @@ impl Report {
                 Some(u) => format!(
                     "{} ±{:.0}",
                     f.calls,
-                    (f.calls as f64 - u.calls[0]).max(u.calls[1] - f.calls as f64)
+                    crate::estimate::larger_side(f.calls as f64, u.calls)
                 ),
                 None => f.calls.to_string(),
             };
