@@ -510,8 +510,21 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
     // behind _evict_to_fit, the EngineCore's GC, and a MessageQueue call's per-request cost
     // (the demo's load sweeps its concurrency, so it shows). The EngineCore's output thread
     // also waits for the GIL behind the busy loop (8-24% of the recording over runs), but off
-    // the step loop and busy a tenth of the time: it ranks after them.
-    let first3: Vec<&serde_json::Value> = found.iter().take(3).collect();
+    // the step loop and busy a tenth of the time: it ranks after them. Only a stall of the API
+    // server's event loop may come before them: on a loaded machine (a CPU hog beside the
+    // test) the server really stalls, for longer than a seeded problem costs its thread (once
+    // in 20 runs beside a hog).
+    let engine = |f: &&serde_json::Value| f["pid"] == core["pid"] || f["pid"] == worker["pid"];
+    let first3: Vec<&serde_json::Value> = found.iter().filter(engine).take(3).collect();
+    let third = first3
+        .last()
+        .and_then(|l| found.iter().position(|f| f == *l));
+    for f in found.iter().take(third.unwrap_or(0)) {
+        assert!(
+            engine(&f) || f["kind"] == "event_loop_stall",
+            "only the seed's three and a stall of the API server's loop before the third: {found:#?}"
+        );
+    }
     let is = |f: &serde_json::Value, kind: &str, pid: &serde_json::Value| {
         f["kind"] == kind && f["pid"] == *pid
     };
@@ -548,8 +561,9 @@ fn demo_finds_the_three_problems_and_the_fix_shows() {
         })
         .unwrap();
     let got = growth["evidence"]["slope_ms_per_request"].as_f64().unwrap() * 1e6;
-    // The finding's slope is a least-squares fit over the window's scrape intervals (tens of
-    // points): its relative standard error is sqrt((1 - r²) / (n - 2)) / r, about 20% at r 0.78
+    // The finding's slope is a line fitted over the window's scrape intervals (tens of points;
+    // Theil-Sen, whose error is near least squares' on a clean line): its relative standard
+    // error is about sqrt((1 - r²) / (n - 2)) / r, about 20% at r 0.78
     // over 19 intervals (CI on an AMD EPYC VM beside a parallel test read +31%). Held to three
     // of those, within 25% to 50%.
     let r = growth["evidence"]["r"].as_f64().unwrap_or(0.0);
