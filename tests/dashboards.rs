@@ -294,8 +294,11 @@ fn dashboards_are_valid_and_query_exported_metrics() {
         "enginescope_thread_offcpu_seconds_total",
         "enginescope_gc_pause_seconds_bucket",
         "enginescope_probe_call_duration_seconds_bucket",
-        // Calls per second under the probe budget are the calls timed over the time watched.
+        // Calls per second under the probe budget are the calls timed over the time watched,
+        // less each phase's mean call duration.
         "enginescope_probe_watched_seconds_total",
+        "enginescope_probe_watch_phases_total",
+        "enginescope_probe_call_duration_seconds_sum",
         "enginescope_samples_lost_total",
         "enginescope_probe_errors_total",
     ] {

@@ -59,6 +59,11 @@ pub const FAMILIES: &[(&str, &str, &[&str])] = &[
         "counter",
         &["engine", "role", "function", "method"],
     ),
+    (
+        "enginescope_probe_watch_phases",
+        "counter",
+        &["engine", "role", "function", "method"],
+    ),
     ("enginescope_samples_lost", "counter", &[]),
     ("enginescope_recorder_errors", "counter", &["kind"]),
     ("enginescope_probe_errors", "counter", &["kind"]),
@@ -189,6 +194,7 @@ pub struct Metrics {
     pub gc_collected: Family<GcLabels, Counter>,
     pub probe_duration: HistogramFamily<ProbeLabels>,
     pub probe_watched: Family<ProbeLabels, Seconds>,
+    pub probe_phases: Family<ProbeLabels, Counter>,
     pub samples_lost: Counter,
     pub recorder_errors: Family<KindLabels, Counter>,
     pub probe_errors: Family<KindLabels, Counter>,
@@ -225,6 +231,7 @@ impl Metrics {
             gc_collected: Family::default(),
             probe_duration: Family::new_with_constructor(call_histogram),
             probe_watched: Family::default(),
+            probe_phases: Family::default(),
             samples_lost: Counter::default(),
             recorder_errors: Family::default(),
             probe_errors: Family::default(),
@@ -309,6 +316,11 @@ fn register_targets(reg: &mut Registry, c: Metrics) {
             "enginescope_probe_watched_seconds",
             "Seconds an exact probe watched its threads' calls, summed over the threads (under --probe-budget a share of the time, else all of it): its call histogram holds only the calls inside them, so for a function one thread calls, rate(..._count) / rate(this) is its calls per second",
             c.probe_watched,
+        );
+    reg.register(
+            "enginescope_probe_watch_phases",
+            "Watches an exact probe began on its threads (its on-phases under --probe-budget): a call is timed only when it lies wholly inside one, so each phase of L seconds times the calls of d seconds that began in its first L - d; the calls per second of a function one thread calls are rate(..._count) / (rate(enginescope_probe_watched_seconds_total) - rate(this) * rate(..._sum) / rate(..._count))",
+            c.probe_phases,
         );
 }
 
@@ -545,13 +557,25 @@ pub struct Aggregator {
     /// since the segment's start) up to which their watched time is counted.
     watching: HashMap<(u32, i32), u64>,
     /// The latest event time read from this segment (ns since its start): open watches are
-    /// counted up to it.
+    /// counted up to it (raw events).
     seen_up_to: u64,
+    /// The segments hold aggregated intervals (`--profile-seconds`, the default) rather than
+    /// raw events: their calls are read when their interval ends, so watched time is counted
+    /// up to the last interval's end, not up to the latest watch edge.
+    aggregated: bool,
+    /// Watch edges read but past what the calls read cover yet (aggregated segments).
+    pending_watches: Vec<crate::record::ProbeWatch>,
+    /// This segment continues a rotated one: its `on` edges at time 0 restate the watches
+    /// open at the rotation (the same phases, not new ones).
+    continued: bool,
     /// Whether a process is still there (`/proc/PID`; a test's fake one in unit tests).
     alive: fn(i32) -> bool,
     /// The recorder's backend, from the latest segment's header.
     backend: String,
 }
+
+/// Watch edges held back for the calls to catch up with, at most (aggregated segments).
+const MAX_PENDING_WATCHES: usize = 1 << 16;
 
 impl Aggregator {
     pub fn new(m: Metrics, limits: Limits) -> Self {
@@ -572,9 +596,18 @@ impl Aggregator {
             tick: 0,
             watching: HashMap::new(),
             seen_up_to: 0,
+            aggregated: false,
+            pending_watches: Vec::new(),
+            continued: false,
             alive: |pid| std::path::Path::new(&format!("/proc/{pid}")).exists(),
             backend: String::new(),
         }
+    }
+
+    /// The segments are aggregated (`--profile-seconds`) rather than raw events.
+    pub fn aggregated(mut self, yes: bool) -> Self {
+        self.aggregated = yes;
+        self
     }
 
     /// A new segment begins: its tables are read afresh. `same_run`: it continues the previous
@@ -584,6 +617,8 @@ impl Aggregator {
         self.seg = SegmentTables::default();
         // A segment begins with an `on` edge for every watch open at its start.
         self.watching.clear();
+        self.pending_watches.clear();
+        self.continued = same_run;
         self.seen_up_to = 0;
         if !same_run {
             self.last_counters.clear();
@@ -908,11 +943,36 @@ impl Aggregator {
         Some(o)
     }
 
-    /// The exact probes' watch edges read since the last call: each watch's time counts into
-    /// `enginescope_probe_watched_seconds` when it ends, and a watch still open up to the
-    /// latest event read (so the series advances with the calls it scales).
+    /// The exact probes' watch edges read so far, up to what the calls read cover: each
+    /// watch's time counts into `enginescope_probe_watched_seconds` when it ends, and a watch
+    /// still open up to that point, so that the series advances with the calls it scales and
+    /// the one over the other is the calls' rate at any moment. Raw events cover up to the
+    /// latest event read; aggregated segments up to their last interval's end (their calls
+    /// come when it ends, every `--profile-seconds`, while the edges are written as they
+    /// happen: counted up to the edges, a 6 s span between two scrapes read 0 calls in 1.8 s
+    /// watched).
     fn apply_watches(&mut self, r: &mut Recording) {
-        let mut edges = std::mem::take(&mut r.probe_watches);
+        self.pending_watches.append(&mut r.probe_watches);
+        self.pending_watches.sort_by_key(|w| w.t_ns);
+        let mut horizon = if self.aggregated {
+            r.profile_intervals.last().map_or(0, |&(_, end)| end)
+        } else {
+            self.pending_watches
+                .last()
+                .map_or(self.seen_up_to, |w| w.t_ns.max(self.seen_up_to))
+        };
+        // Bounded: a segment whose events stop (no interval written) keeps the latest edges.
+        if let Some(w) = self
+            .pending_watches
+            .len()
+            .checked_sub(MAX_PENDING_WATCHES)
+            .and_then(|i| self.pending_watches.get(i))
+        {
+            horizon = horizon.max(w.t_ns);
+        }
+        let ready = self.pending_watches.partition_point(|w| w.t_ns <= horizon);
+        let edges: Vec<crate::record::ProbeWatch> = self.pending_watches.drain(..ready).collect();
+        self.seen_up_to = self.seen_up_to.max(horizon);
         let r: &Recording = r;
         let add = |a: &mut Self, probe: u32, ns: u64| {
             if ns > 0 {
@@ -922,18 +982,22 @@ impl Aggregator {
                 }
             }
         };
-        edges.sort_by_key(|w| w.t_ns);
         for w in &edges {
-            self.seen_up_to = self.seen_up_to.max(w.t_ns);
             let key = (w.probe, w.tid);
             if let Some(since) = self.watching.remove(&key) {
                 add(self, w.probe, w.t_ns.saturating_sub(since));
             }
             if w.on {
-                self.watching.insert(key, w.t_ns);
+                // A segment restates the watches open at its start: the same phase.
+                let restated = self.continued && w.t_ns == 0;
+                if self.watching.insert(key, w.t_ns).is_none() && !restated {
+                    if let Some(l) = self.probe_labels(r, w.probe, 0.0) {
+                        self.m.probe_phases.get_or_create(&l).inc();
+                    }
+                }
             }
         }
-        let up_to = self.seen_up_to;
+        let up_to = horizon;
         let open: Vec<((u32, i32), u64)> = self.watching.iter().map(|(&k, &v)| (k, v)).collect();
         for ((probe, tid), since) in open {
             if up_to > since {
@@ -1024,6 +1088,7 @@ impl Aggregator {
         for l in self.probes.tick() {
             self.m.probe_duration.remove(&l);
             self.m.probe_watched.remove(&l);
+            self.m.probe_phases.remove(&l);
         }
         let idle = self.limits.idle_ticks;
         for l in self.other_threads.expire(self.tick, idle) {
@@ -1039,6 +1104,7 @@ impl Aggregator {
         for l in self.other_probes.expire(self.tick, idle) {
             self.m.probe_duration.remove(&l);
             self.m.probe_watched.remove(&l);
+            self.m.probe_phases.remove(&l);
         }
         for l in self.gc_sets.expire(self.tick, idle) {
             self.m.gc_pause.remove(&l);
@@ -1423,6 +1489,13 @@ mod tests {
             )
             .unwrap_or(0.0)
         };
+        let phases = |reg: &Registry| {
+            value(
+                &encode(reg),
+                r#"enginescope_probe_watch_phases_total{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}"#,
+            )
+            .unwrap_or(0.0)
+        };
         let mut r = segment();
         // Watched 1-3 s, then from 5 s on; events read up to 8 s.
         r.probe_watches = vec![edge(s, true), edge(3 * s, false), edge(5 * s, true)];
@@ -1436,6 +1509,7 @@ mod tests {
         r.samples.push(sample(8 * s));
         a.apply(&mut r);
         assert!((watched(&reg) - 5.0).abs() < 1e-9, "{}", watched(&reg));
+        assert_eq!(phases(&reg), 2.0);
         // The watch ends at 9 s: one more second, nothing counted twice.
         r.probe_watches.push(edge(9 * s, false));
         r.samples.push(sample(12 * s));
@@ -1448,7 +1522,47 @@ mod tests {
         r.samples.push(sample(2 * s));
         a.apply(&mut r);
         assert!((watched(&reg) - 8.0).abs() < 1e-9, "{}", watched(&reg));
+        // The watch open at the rotation is not a new phase; one begun after it is.
+        assert_eq!(phases(&reg), 2.0);
+        r.probe_watches = vec![edge(3 * s, false), edge(4 * s, true)];
+        r.samples.push(sample(5 * s));
+        a.apply(&mut r);
+        assert_eq!(phases(&reg), 3.0);
         assert!(encode(&reg).contains("enginescope_probe_call_duration_seconds_count"));
+
+        // Aggregated segments: the calls come when their interval ends, the edges as they
+        // happen; watched time follows the calls.
+        let (m, reg) = Metrics::new();
+        let mut a = Aggregator::new(m, Limits::default()).aggregated(true);
+        let calls = |reg: &Registry| {
+            value(
+                &encode(reg),
+                r#"enginescope_probe_call_duration_seconds_count{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}"#,
+            )
+            .unwrap_or(0.0)
+        };
+        let mut r = segment();
+        r.probe_watches = vec![edge(s, true), edge(3 * s, false), edge(5 * s, true)];
+        r.samples.push(sample(8 * s));
+        a.apply(&mut r);
+        assert_eq!((watched(&reg), calls(&reg)), (0.0, 0.0));
+        // The first interval (0-6 s) ends: its call, and watched 1-3 s and 5-6 s.
+        r.profile_intervals.push((0, 6 * s));
+        r.calls.push(FunctionCall {
+            probe: 0,
+            pid: 1,
+            tid: 10,
+            start_ns: 2 * s,
+            dur_ns: s / 1000,
+        });
+        r.probe_watches.push(edge(9 * s, false));
+        a.apply(&mut r);
+        assert!((watched(&reg) - 3.0).abs() < 1e-9, "{}", watched(&reg));
+        assert_eq!(calls(&reg), 1.0);
+        // The next (6-12 s): the watch that ended at 9 s, 3 s more.
+        r.profile_intervals.push((6 * s, 12 * s));
+        a.apply(&mut r);
+        assert!((watched(&reg) - 6.0).abs() < 1e-9, "{}", watched(&reg));
     }
 
     #[test]

@@ -138,7 +138,8 @@ pub fn run(opts: &AgentOptions) -> anyhow::Result<()> {
         pol.max_segments
     );
     let mode = if opts.record.vllm { "vllm" } else { "pid" };
-    let mut agg = Aggregator::new(m.clone(), opts.limits);
+    let mut agg =
+        Aggregator::new(m.clone(), opts.limits).aggregated(opts.record.aggregate.is_some());
     let rec_opts = RecordOptions {
         duration: None,
         ..opts.record.clone()
