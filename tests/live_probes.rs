@@ -186,18 +186,6 @@ fn wpct(v: &mut [(u64, f64)], q: f64) -> f64 {
     f64::NAN
 }
 
-/// The consumer process `samples/mq_pipeline.py` forks.
-fn consumer_of(w: &Workload) -> i32 {
-    children_of(w.pid)
-        .into_iter()
-        .find(|&c| {
-            std::fs::read(format!("/proc/{c}/cmdline"))
-                .map(|b| String::from_utf8_lossy(&b).contains("mq_pipeline"))
-                .unwrap_or(false)
-        })
-        .expect("consumer process")
-}
-
 /// `budget`: `--probe-budget` (percent), with a longer window; `share`: every budgeted thread
 /// watched that share of the time instead (`ENGINESCOPE_PROBE_SHARE`, with a budget).
 fn check_with(label: &str, extra: bool, budget: Option<&str>, share: Option<&str>) {

@@ -158,6 +158,18 @@ impl Drop for Workload {
     }
 }
 
+/// The consumer process `samples/mq_pipeline.py` forks.
+pub fn consumer_of(w: &Workload) -> i32 {
+    children_of(w.pid)
+        .into_iter()
+        .find(|&c| {
+            std::fs::read(format!("/proc/{c}/cmdline"))
+                .map(|b| String::from_utf8_lossy(&b).contains("mq_pipeline"))
+                .unwrap_or(false)
+        })
+        .expect("consumer process")
+}
+
 pub fn children_of(pid: i32) -> Vec<i32> {
     let mut out = Vec::new();
     if let Ok(rd) = std::fs::read_dir("/proc") {
