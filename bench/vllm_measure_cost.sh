@@ -9,8 +9,11 @@
 # time the probes are watched, `ENGINESCOPE_PROBE_SHARE`): how a part's cost grows with it.
 # PIN=0 leaves everything unpinned (the engine shares both CPUs with the load and enginescope,
 # as on a machine nobody arranged: what the `realtime` part is for; far noisier).
+# ES_CPU=0 (pinned only) puts enginescope on the engine's CPU instead of the load's: the
+# recording loop then takes its CPU from the engine's threads, the worst case of sharing
+# (what the `realtime` part measures with the pinned engine's low noise).
 # Env: PORT (8160), C (16), MAXTOK (128), PAIRS (60), PART_PAIRS (20), SLICE (1.5),
-# PARTS, SHARES ("budget"), PIN (1), SERVE_ARGS, OUT.
+# PARTS, SHARES ("budget"), PIN (1), ES_CPU (1), SERVE_ARGS, OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 H=${HARNESS:-/work/shared/harness/vllm-cpu}
@@ -20,10 +23,10 @@ PAIRS=${PAIRS:-60} PART_PAIRS=${PART_PAIRS:-20} SLICE=${SLICE:-1.5}
 OUT=${OUT:-$(mktemp -d)}
 ES=target/release/enginescope
 if [ "${PIN:-1}" = 0 ]; then
-  cpu1=()
+  cpu1=() es_cpu=()
   PID=$(LOGDIR="$OUT" bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
 else
-  cpu1=(taskset -c 1)
+  cpu1=(taskset -c 1) es_cpu=(taskset -c "${ES_CPU:-1}")
   PID=$(VLLM_CPU_OMP_THREADS_BIND=0 LOGDIR="$OUT" taskset -c 0 bash "$H/serve.sh" "$PORT" ${SERVE_ARGS:-} | tail -1)
 fi
 LOAD=""
@@ -44,7 +47,7 @@ if [ -n "${PARTS:-}" ]; then
     for p in $PARTS; do args+=(--cost-part "$p"); done
     if [ "$SHARE" = budget ]; then share_env=(); else share_env=(ENGINESCOPE_PROBE_SHARE="$SHARE"); fi
     echo "== probe share: $SHARE"
-    env "${share_env[@]}" "${cpu1[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost \
+    env "${share_env[@]}" "${es_cpu[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost \
       "${args[@]}" --cost-pairs "$PAIRS" --cost-slice "$SLICE" -o "$OUT/share-$SHARE.esrec" \
       2> "$OUT/share-$SHARE.log"
     kill -TERM "$LOAD" 2>/dev/null || true
@@ -54,11 +57,11 @@ if [ -n "${PARTS:-}" ]; then
   exit 0
 fi
 load $((30 + 2 * PAIRS * ${SLICE%.*} + 2 * PAIRS)) all
-"${cpu1[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-pairs "$PAIRS" \
+"${es_cpu[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-pairs "$PAIRS" \
   --cost-slice "$SLICE" -o "$OUT/everything.esrec" 2> "$OUT/everything.log"
 kill -TERM "$LOAD" 2>/dev/null || true
 wait "$LOAD" 2>/dev/null || true
 load 600 parts
-"${cpu1[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-each-part \
+"${es_cpu[@]}" "$ES" record --vllm --engine-pid "$PID" --measure-cost --cost-each-part \
   --cost-pairs "$PART_PAIRS" --cost-slice "$SLICE" -o "$OUT/parts.esrec" 2> "$OUT/parts.log"
 echo "recordings and logs in $OUT"
