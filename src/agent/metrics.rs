@@ -1482,20 +1482,18 @@ mod tests {
             flags: 0,
             weight_ns: 1,
         };
-        let watched = |reg: &Registry| {
+        // A series of the probe's, 0 until it exists.
+        let series = |reg: &Registry, family: &str| {
             value(
                 &encode(reg),
-                r#"enginescope_probe_watched_seconds_total{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}"#,
+                &format!(
+                    r#"{family}{{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}}"#
+                ),
             )
             .unwrap_or(0.0)
         };
-        let phases = |reg: &Registry| {
-            value(
-                &encode(reg),
-                r#"enginescope_probe_watch_phases_total{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}"#,
-            )
-            .unwrap_or(0.0)
-        };
+        let watched = |reg: &Registry| series(reg, "enginescope_probe_watched_seconds_total");
+        let phases = |reg: &Registry| series(reg, "enginescope_probe_watch_phases_total");
         let mut r = segment();
         // Watched 1-3 s, then from 5 s on; events read up to 8 s.
         r.probe_watches = vec![edge(s, true), edge(3 * s, false), edge(5 * s, true)];
@@ -1534,13 +1532,7 @@ mod tests {
         // happen; watched time follows the calls.
         let (m, reg) = Metrics::new();
         let mut a = Aggregator::new(m, Limits::default()).aggregated(true);
-        let calls = |reg: &Registry| {
-            value(
-                &encode(reg),
-                r#"enginescope_probe_call_duration_seconds_count{engine="",role="pid1",function="MessageQueue.dequeue",method="exact"}"#,
-            )
-            .unwrap_or(0.0)
-        };
+        let calls = |reg: &Registry| series(reg, "enginescope_probe_call_duration_seconds_count");
         let mut r = segment();
         r.probe_watches = vec![edge(s, true), edge(3 * s, false), edge(5 * s, true)];
         r.samples.push(sample(8 * s));
