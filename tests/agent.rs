@@ -2300,7 +2300,7 @@ fn push_to_pyroscope_ingest_follows_the_protocol_and_survives_a_dead_backend() {
 /// overview dashboard computes them. Checked against samples/mq_pipeline.py's own timers over
 /// the same span (6 s between two scrapes, the probes forced to watch 30% of the time), for the
 /// producer's `MessageQueue.enqueue` and the consumer's `dequeue` (a blocking read: its calls
-/// last most of a step, and count / watched alone read it 6-9% low in seven runs): within 10%.
+/// last most of a step, and count / watched alone read it 6-10% low in nine quiet runs): within 10%.
 /// The pipeline's calls are paced, one a step, so a phase times its span's calls to within one
 /// (about 1% over the span's 30 phases; the dashboard's band, the timed calls' Poisson error,
 /// is the wider one a load of random arrivals needs): in 5 runs on a quiet machine within 3%;
