@@ -2400,14 +2400,9 @@ fn budgeted_probe_rates_are_calls_over_watched_seconds() {
         let span_s = (t1 - t0) as f64 / 1e9;
         // The truth's calls that began in the span (the agent's figures trail each scrape by
         // up to an interval and its poll: at a steady rate the rate over the span holds).
-        let calls = truth["calls"][function]
-            .as_array()
-            .unwrap()
+        let calls = truth_calls(truth, function)
             .iter()
-            .filter(|c| {
-                let s = c[1].as_u64().unwrap();
-                s >= t0 && s < t1
-            })
+            .filter(|c| c.0 >= t0 && c.0 < t1)
             .count() as f64;
         let truth_rate = calls / span_s;
         // Each phase times the calls that began in its first L - d seconds.

@@ -17,29 +17,11 @@ use common::*;
 use enginescope::record::Recording;
 use std::time::Duration;
 
-/// Calls of `function` in the truth, timed in its body: (start, dur), ns, CLOCK_MONOTONIC.
-fn truth_calls(truth: &serde_json::Value, function: &str) -> Vec<(u64, u64)> {
-    timed_calls(truth, "calls", function)
-}
-
 /// The same calls timed by their callers around the call expression ("outer_calls"): set-up,
 /// return, the probe's own traps and a collection run on entry included. A recorded call's
 /// span lies between its body's time and this one.
 fn outer_calls(truth: &serde_json::Value, function: &str) -> Vec<(u64, u64)> {
     timed_calls(truth, "outer_calls", function)
-}
-
-fn timed_calls(truth: &serde_json::Value, key: &str, function: &str) -> Vec<(u64, u64)> {
-    let mut v: Vec<(u64, u64)> = truth[key][function]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|c| (c[1].as_u64().unwrap(), c[2].as_u64().unwrap()))
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v
 }
 
 /// Move `edge` into the middle of the gap between the truth calls around it, so that a call's

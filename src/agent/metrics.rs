@@ -997,12 +997,11 @@ impl Aggregator {
                 }
             }
         }
-        let up_to = horizon;
         let open: Vec<((u32, i32), u64)> = self.watching.iter().map(|(&k, &v)| (k, v)).collect();
         for ((probe, tid), since) in open {
-            if up_to > since {
-                add(self, probe, up_to - since);
-                self.watching.insert((probe, tid), up_to);
+            if horizon > since {
+                add(self, probe, horizon - since);
+                self.watching.insert((probe, tid), horizon);
             }
         }
     }

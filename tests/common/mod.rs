@@ -158,6 +158,26 @@ impl Drop for Workload {
     }
 }
 
+/// Calls of `function` in a workload's truth (samples/mq_pipeline.py), timed in its body:
+/// (start, dur), ns, CLOCK_MONOTONIC, in order.
+pub fn truth_calls(truth: &serde_json::Value, function: &str) -> Vec<(u64, u64)> {
+    timed_calls(truth, "calls", function)
+}
+
+/// The calls of `function` under `key` of the truth ("calls", "outer_calls"), in order.
+pub fn timed_calls(truth: &serde_json::Value, key: &str, function: &str) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = truth[key][function]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|c| (c[1].as_u64().unwrap(), c[2].as_u64().unwrap()))
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
 /// The consumer process `samples/mq_pipeline.py` forks.
 pub fn consumer_of(w: &Workload) -> i32 {
     children_of(w.pid)
