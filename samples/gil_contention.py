@@ -32,8 +32,11 @@ stop right after it ends, so whatever a profiler attached at READY counts of the
 GIL waits lies in the window, give or take the one step and the one put that straddle its end.
 The truth then has each worker's CPU time from the start of the window to the end of its loop
 (`threads[].active_cpu_s`), and the writer's GIL wait bracketed like the launcher's:
-`writer.gil_wait_lower_s` = its puts' wall - CPU less its run-queue time in the window (GIL
-waits inside `put`, none after its sleeps counted), `writer.gil_wait_upper_s` = its puts' wall -
+`writer.gil_wait_lower_s` = its puts' wall - CPU less its run-queue time in the window and
+less the machine's steal during its puts (`writer.steal_in_puts_s`, all CPUs, read around every
+put: a bound on what the hypervisor took while the writer ran, which its CPU clock leaves out;
+0 on a quiet host) (GIL waits inside `put`, none after its sleeps counted),
+`writer.gil_wait_upper_s` = its puts' wall -
 CPU plus its sleeps' overshoot beyond the requested time (every moment it was neither computing
 nor in the requested sleep, run queue and timer slack included).
 
@@ -134,7 +137,7 @@ Truth JSON (window figures only; steps and puts that straddle an edge count pro 
                 "step_columns", "steps_list": [[...], ...]},
    "writer": {"native_id", "puts", "puts_per_s", "put_cpu_ms_mean", "evict_cpu_ms_mean",
               "evict_wall_ms_mean", "evict_cpu_s", "gil_wait_in_put_s", "sleep_overshoot_s",
-              "gil_wait_lower_s", "gil_wait_upper_s", "put_columns",
+              "steal_in_puts_s", "gil_wait_lower_s", "gil_wait_upper_s", "put_columns",
               "puts_list": [[...], ...]},
    "gil_holder": {"thread", "native_id", "function", "caller", "file", "share_of_holder_cpu",
                   "waiter_function"}}
@@ -218,6 +221,26 @@ def steal_ns():
         return int(fields[8]) * 1000000000 // os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+
+
+class StealClock:
+    """The machine's steal (/proc/stat), read from a descriptor kept open (~15 µs a reading, so
+    the writer can read it around every put); ns, None where unavailable."""
+
+    def __init__(self):
+        try:
+            self.fd = os.open("/proc/stat", os.O_RDONLY)
+        except OSError:
+            self.fd = None
+        self.tick_ns = 1000000000 // os.sysconf("SC_CLK_TCK")
+
+    def read(self):
+        if self.fd is None:
+            return None
+        try:
+            return int(os.pread(self.fd, 256, 0).split(None, 9)[8]) * self.tick_ns
+        except (OSError, ValueError, IndexError):
+            return None
 
 
 def blocks():
@@ -363,6 +386,7 @@ def launcher_loop(rec):
 
 def writer_loop(rec):
     store = AuxOutputStore(STORE_CAPACITY)
+    steal = StealClock()
     rng = rec.rng
     items = rec.items
     ARRIVED.release()
@@ -378,10 +402,15 @@ def writer_loop(rec):
         elif now - next_t > 25 * MS:
             next_t = now  # far behind: no burst of puts to catch up
         evict_ns = rng.randint(*EVICT_CPU_NS)
+        # The steal is read inside the put's timing: a read drops the GIL, and taking it back
+        # is a GIL wait the put's wall - CPU must count (outside, it would be in no figure).
         t0 = mono(); c0 = tcpu()
+        s0 = steal.read()
         e0, e1, ce0, ce1 = store.put(b"x" * 64, evict_ns)
+        s1 = steal.read()
         c1 = tcpu(); t1 = mono()
-        items.append((t0, t1, c0, c1, e0, e1, ce0, ce1))
+        stolen = None if s0 is None or s1 is None else s1 - s0
+        items.append((t0, t1, c0, c1, e0, e1, ce0, ce1, stolen))
     rec.active_cpu1 = tcpu()
 
 
@@ -564,13 +593,18 @@ def r_known(rec):
 
 def writer_doc(rec, start, end):
     puts = 0.0
-    put_cpu = evict_cpu = evict_wall = wait = 0.0
+    put_cpu = evict_cpu = evict_wall = wait = stolen = 0.0
+    steal_known = True
     rows = []
-    for t0, t1, c0, c1, e0, e1, ce0, ce1 in rec.items:
+    for t0, t1, c0, c1, e0, e1, ce0, ce1, st in rec.items:
         f = overlap(t0, t1, start, end)
         if f <= 0:
             continue
         puts += f
+        if st is None:
+            steal_known = False
+        else:
+            stolen += st * f
         put_cpu += (c1 - c0) * f
         evict_cpu += (ce1 - ce0) * f
         evict_wall += (e1 - e0) * f
@@ -591,6 +625,7 @@ def writer_doc(rec, start, end):
         "evict_wall_ms_mean": round(evict_wall / n / 1e6, 4),
         "evict_cpu_s": round(evict_cpu / 1e9, 6),
         "gil_wait_in_put_s": round(wait / 1e9, 6),
+        "steal_in_puts_s": round(stolen / 1e9, 6) if steal_known else None,
         "sleep_overshoot_s": round(overshoot / 1e9, 6),
         "put_columns": ["start_ns", "put_wall_ns", "put_cpu_ns", "evict_wall_ns", "evict_cpu_ns",
                         "in_window"],
@@ -689,7 +724,8 @@ def main():
     lrq = None if rq0[1] is None or rq1[1] is None else rq1[1] - rq0[1]
     wdoc = writer_doc(writer, start, end)
     wrq = None if rq0[2] is None or rq1[2] is None else rq1[2] - rq0[2]
-    wdoc["gil_wait_lower_s"] = round(max(0.0, wdoc["gil_wait_in_put_s"] - (wrq or 0) / 1e9), 6)
+    wdoc["gil_wait_lower_s"] = round(max(0.0, wdoc["gil_wait_in_put_s"] - (wrq or 0) / 1e9
+                                         - (wdoc["steal_in_puts_s"] or 0.0)), 6)
     wdoc["gil_wait_upper_s"] = round(wdoc["gil_wait_in_put_s"] + wdoc["sleep_overshoot_s"], 6)
     writer_cpu = (cpu1[2] - cpu0[2]) or 1
     doc = {

@@ -152,8 +152,10 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
     }
     let mut agent = Agent::start(&args);
     agent.wait_line("sampling started", Duration::from_secs(30));
+    let steal_before = common::cpu::steal_s();
     w.go();
     let st = w.child.wait().unwrap();
+    let stolen_s = common::cpu::steal_s() - steal_before;
     assert!(st.success(), "workload failed: {st:?}");
     let truth = read_json(&w.dir.join("truth.json"));
     agent.wait_line("every --pid target has exited", Duration::from_secs(30));
@@ -251,7 +253,7 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
         let in_cpu = seg.cpu_in.get(n).copied().unwrap_or(0.0);
         let in_off = seg.offcpu_in.get(n).copied().unwrap_or(0.0);
         report.push(format!(
-            "{n}: exported cpu {got_cpu:.3} s (segments {seg_cpu:.3}), off {got_off:.3} (segments {seg_off:.3}); in window cpu {in_cpu:.3} (truth {truth_cpu:.3}), off {in_off:.3} (truth {truth_off:.3}) of {wall:.3} s"
+            "{n}: exported cpu {got_cpu:.3} s (segments {seg_cpu:.3}), off {got_off:.3} (segments {seg_off:.3}); in window cpu {in_cpu:.3} (truth {truth_cpu:.3}), off {in_off:.3} (truth {truth_off:.3}) of {wall:.3} s; machine steal {stolen_s:.3} s"
         ));
         if (got_cpu - seg_cpu).abs() > 1e-6 || (got_off - seg_off).abs() > 1e-6 {
             failures.push(format!("{n}: exported counters differ from the segments"));
@@ -259,8 +261,16 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
         if (in_cpu - truth_cpu).abs() / wall > 0.03 + edge_s / wall {
             failures.push(format!("{n}: on-CPU share off by more than 3 points"));
         }
-        if (in_off - truth_off).abs() / wall > 0.03 + edge_s / wall {
-            failures.push(format!("{n}: off-CPU share off by more than 3 points"));
+        // The hypervisor's steal while a thread ran is in neither recorded figure (no switch,
+        // no CPU time) and in the truth's off-CPU (wall less CPU time): the recorded off-CPU
+        // may read low by up to the machine's steal over the run (all CPUs: a bound, 0 on a
+        // quiet host), as in tests/live_record.rs.
+        let off_err = (in_off - truth_off) / wall;
+        let tol = 0.03 + edge_s / wall;
+        if off_err > tol || off_err < -tol - stolen_s / wall {
+            failures.push(format!(
+                "{n}: off-CPU share off by more than 3 points (and the machine's steal)"
+            ));
         }
         // Outside the window the workload only started up and wound down: well under 0.5 s.
         if got_cpu < in_cpu - 1e-6 || got_cpu - in_cpu > 0.5 + edge_s {
