@@ -42,8 +42,8 @@ Problems (threads named through /proc/self/task/TID/comm, so a profiler reports 
              thread CPU and batch size over the window, and the least-squares slope of the
              median CPU per batch size (ns per request), as the bundled engine fits its own.
   none       `compute` does arithmetic in `crunch()` in slices of 5 ms with 5 ms sleeps between;
-             `idle` sleeps. Nothing to find: no thread waits for another, no GC to speak of, no
-             polling, no serialization.
+             `idle` sleeps through the window (one wait on an event). Nothing to find: no thread
+             waits for another, no GC to speak of, no polling, no serialization.
 
 Protocol as in cpu_mix.py: READY on stdout once every thread runs its steady loop; with
 --go-fifo the window starts once a line is read there, else at READY; it lasts --duration
@@ -388,8 +388,11 @@ def compute(me):
 
 
 def idle(me):
-    while not STOP.is_set():
-        time.sleep(0.05)
+    # Asleep the whole window, woken once at its end. Sleeping in a loop, it would wake into
+    # the GIL that `compute` holds half the time and wait for it each time (a wake every
+    # 50 ms: ~100 waits of ~2.5 ms in a 4 s window, 6.1% of it in one CI run, over the
+    # gil_contention threshold: contention by construction, in a workload meant to have none).
+    STOP.wait()
 
 
 PROBLEMS = {
