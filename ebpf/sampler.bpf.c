@@ -749,7 +749,7 @@ int on_sample(struct bpf_perf_event_data *ctx)
 }
 
 /* A record with no stack: a switch-in, or a switch-out of a still-runnable thread. */
-static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u32 tid)
+static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u32 tid, __u64 ip)
 {
     struct es_event_header h = {
         .kind = kind,
@@ -759,7 +759,7 @@ static __always_inline void submit_header(__u8 kind, __u8 flags, __u32 tgid, __u
         .tid = tid,
         .cpu = bpf_get_smp_processor_id(),
         .time_ns = bpf_ktime_get_ns(),
-        .ip = 0,
+        .ip = ip,
     };
     if (bpf_ringbuf_output(&events, &h, sizeof(h), BPF_RB_NO_WAKEUP))
         count(ES_C_RINGBUF_FULL);
@@ -924,16 +924,18 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
                 gil_wait_begins(t, prev_tgid, tid);
             if (!offcpu) {
                 /* GIL waits only. */
-            } else if (!asleep) {
-                /* Runs in prev's context: its memory is the current address space. */
-                count(ES_C_SWITCH_OUT);
-                if ((!preempt && in_sched_yield()) || (t->flags & ES_TARGET_PREEMPT_LAST))
-                    submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid);
-                else
-                    record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, ES_EV_PREEMPTED, 0);
             } else {
+                /* The runtime as the scheduler has just brought it up to date (ip): with the
+                 * switch-in's, what the thread ran of the time it was on its CPU. */
+                __u64 runtime = BPF_CORE_READ(prev, se.sum_exec_runtime);
                 count(ES_C_SWITCH_OUT);
-                record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, 0, 0, 0);
+                if (asleep)
+                    record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, runtime, 0, 0);
+                else if ((!preempt && in_sched_yield()) || (t->flags & ES_TARGET_PREEMPT_LAST))
+                    /* Runs in prev's context: its memory is the current address space. */
+                    submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid, runtime);
+                else
+                    record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, runtime, ES_EV_PREEMPTED, 0);
             }
         }
     }
@@ -946,11 +948,11 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
             return 0;
         if (t->flags & ES_TARGET_OFFCPU) {
             count(ES_C_SWITCH_IN);
-            submit_header(ES_EV_SWITCH_IN, 0, next_tgid, tid);
+            submit_header(ES_EV_SWITCH_IN, 0, next_tgid, tid, BPF_CORE_READ(next, se.sum_exec_runtime));
         }
         if ((t->flags & ES_TARGET_GIL) && bpf_map_lookup_elem(&gil_waiting, &tid)) {
             bpf_map_delete_elem(&gil_waiting, &tid);
-            submit_header(ES_EV_GIL_WAIT_END, 0, next_tgid, tid);
+            submit_header(ES_EV_GIL_WAIT_END, 0, next_tgid, tid, 0);
         }
     }
     return 0;

@@ -95,8 +95,9 @@ struct es_frame {
 enum es_event_kind {
     ES_EV_SAMPLE = 1,     /* cpu-clock sample of a target thread: ip = its runtime
                            * (task->se.sum_exec_runtime, ns) */
-    ES_EV_SWITCH_OUT = 2, /* target thread switched out: time, state, Python stack */
-    ES_EV_SWITCH_IN = 3,  /* target thread switched back in */
+    ES_EV_SWITCH_OUT = 2, /* target thread switched out: time, state, Python stack; ip = its
+                           * runtime (as for ES_EV_SAMPLE, brought up to date by the switch) */
+    ES_EV_SWITCH_IN = 3,  /* target thread switched back in: ip = its runtime */
     ES_EV_GIL_WAIT_START = 4, /* futex wait on the GIL begins: ip = holder tstate, cpu = offset
                                * in the GIL struct, frames = the holder's Python stack */
     ES_EV_GIL_WAIT_END = 5,   /* that futex wait returned */

@@ -47,6 +47,8 @@ pub struct ThreadAcc {
     pub off_ns: u64,
     /// Of which preempted (runnable, not blocked).
     pub off_preempted_ns: u64,
+    /// Of which taken by the hypervisor while on CPU (`OffCpu::stolen`; part of preempted).
+    pub off_stolen_ns: u64,
     /// Exact GIL waits (not switch waits).
     pub gil_wait_ns: u64,
     /// GIL waits counted (each once, where it began).
@@ -78,6 +80,7 @@ impl ThreadAcc {
         ThreadAcc {
             off_ns: ns,
             off_preempted_ns: if o.preempted { ns } else { 0 },
+            off_stolen_ns: if o.stolen { ns } else { 0 },
             ..ThreadAcc::default()
         }
     }
@@ -117,6 +120,7 @@ impl Acc for ThreadAcc {
         self.samples += o.samples;
         self.off_ns += o.off_ns;
         self.off_preempted_ns += o.off_preempted_ns;
+        self.off_stolen_ns += o.off_stolen_ns;
         self.gil_wait_ns += o.gil_wait_ns;
         self.gil_waits += o.gil_waits;
         self.switch_wait_ns += o.switch_wait_ns;
@@ -131,6 +135,7 @@ impl Acc for ThreadAcc {
         self.samples -= o.samples;
         self.off_ns -= o.off_ns;
         self.off_preempted_ns -= o.off_preempted_ns;
+        self.off_stolen_ns -= o.off_stolen_ns;
         self.gil_wait_ns -= o.gil_wait_ns;
         self.gil_waits -= o.gil_waits;
         self.switch_wait_ns -= o.switch_wait_ns;
@@ -575,6 +580,7 @@ mod tests {
             dur_ns: 9,
             stack: 0,
             preempted: true,
+            stolen: false,
         };
         let gc = GcPause {
             pid: 1,

@@ -261,16 +261,11 @@ fn agent_matches_truth(profile_seconds: Option<f64>) {
         if (in_cpu - truth_cpu).abs() / wall > 0.03 + edge_s / wall {
             failures.push(format!("{n}: on-CPU share off by more than 3 points"));
         }
-        // The hypervisor's steal while a thread ran is in neither recorded figure (no switch,
-        // no CPU time) and in the truth's off-CPU (wall less CPU time): the recorded off-CPU
-        // may read low by up to the machine's steal over the run (all CPUs: a bound, 0 on a
-        // quiet host), as in tests/live_record.rs.
-        let off_err = (in_off - truth_off) / wall;
-        let tol = 0.03 + edge_s / wall;
-        if off_err > tol || off_err < -tol - stolen_s / wall {
-            failures.push(format!(
-                "{n}: off-CPU share off by more than 3 points (and the machine's steal)"
-            ));
+        // The truth's off-CPU is wall less CPU time: it holds what the hypervisor took while
+        // the thread ran, which the recording has as stolen intervals (the machine's steal is
+        // in the message, for a miss).
+        if (in_off - truth_off).abs() / wall > 0.03 + edge_s / wall {
+            failures.push(format!("{n}: off-CPU share off by more than 3 points"));
         }
         // Outside the window the workload only started up and wound down: well under 0.5 s.
         if got_cpu < in_cpu - 1e-6 || got_cpu - in_cpu > 0.5 + edge_s {

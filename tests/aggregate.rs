@@ -92,6 +92,7 @@ fn aggregated_recordings_report_what_the_raw_ones_do() {
                 "native_s",
                 "offcpu_s",
                 "offcpu_preempted_s",
+                "offcpu_stolen_s",
                 "gil_held_s",
                 "gil_wait_s",
                 "gil_waits",

@@ -142,6 +142,7 @@ fn write_fixture(path: &Path, finish: bool) {
         dur_ns: 50 * u64::from(MS),
         stack: s_wait,
         preempted: false,
+        stolen: false,
     })
     .unwrap();
     w.offcpu(&OffCpu {
@@ -151,6 +152,7 @@ fn write_fixture(path: &Path, finish: bool) {
         dur_ns: 25 * u64::from(MS),
         stack: s_wait,
         preempted: true,
+        stolen: false,
     })
     .unwrap();
     w.counters(&BTreeMap::from([
@@ -650,7 +652,7 @@ fn report_json_numbers_are_exact() {
     assert_eq!(
         v["totals"],
         serde_json::json!({"samples": 479, "cpu_s": 0.529, "python_s": 0.409, "native_s": 0.12, "offcpu_s": 0.075,
-                           "gil_held_s": 0.4, "gil_wait_s": 0.0, "gil_switch_wait_s": 0.0, "gc_s": 0.0})
+                           "offcpu_stolen_s": 0.0, "gil_held_s": 0.4, "gil_wait_s": 0.0, "gil_switch_wait_s": 0.0, "gc_s": 0.0})
     );
 
     let threads = v["threads"].as_array().unwrap();
@@ -668,7 +670,7 @@ fn report_json_numbers_are_exact() {
         serde_json::json!({
             "pid": 100, "tid": 101, "name": "MainThread", "os_name": "MainThread",
             "cpu_s": 0.4, "samples": 400,
-            "python_s": 0.3, "native_s": 0.1, "offcpu_s": 0.075, "offcpu_preempted_s": 0.025,
+            "python_s": 0.3, "native_s": 0.1, "offcpu_s": 0.075, "offcpu_preempted_s": 0.025, "offcpu_stolen_s": 0.0,
             "gil_held_share": 0.75, "gc_share": 0.0, "gil_held_s": 0.3, "gil_wait_s": 0.0,
             "gil_waits": 0, "gil_switch_wait_s": 0.0, "gc_s": 0.0, "gc_pauses": 0,
         })
@@ -1083,6 +1085,7 @@ fn write_gil_fixture(path: &Path, finish: bool) {
         dur_ns: 2_980_000,
         stack: s_exec,
         preempted: false,
+        stolen: false,
     })
     .unwrap();
     for i in 0..15u64 {

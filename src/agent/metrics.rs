@@ -41,6 +41,7 @@ pub const FAMILIES: &[(&str, &str, &[&str])] = &[
         THREAD,
     ),
     ("enginescope_thread_offcpu_seconds", "counter", THREAD),
+    ("enginescope_thread_stolen_seconds", "counter", THREAD),
     (
         "enginescope_function_cpu_seconds",
         "counter",
@@ -188,6 +189,7 @@ pub struct Metrics {
     pub thread_gil_wait: Family<ThreadLabels, Seconds>,
     pub thread_gil_switch_wait: Family<ThreadLabels, Seconds>,
     pub thread_offcpu: Family<ThreadLabels, Seconds>,
+    pub thread_stolen: Family<ThreadLabels, Seconds>,
     pub function_cpu: Family<FunctionLabels, Seconds>,
     pub samples: Family<ProcessLabels, Counter>,
     pub gc_pause: HistogramFamily<GcLabels>,
@@ -225,6 +227,7 @@ impl Metrics {
             thread_gil_wait: Family::default(),
             thread_gil_switch_wait: Family::default(),
             thread_offcpu: Family::default(),
+            thread_stolen: Family::default(),
             function_cpu: Family::default(),
             samples: Family::default(),
             gc_pause: Family::new_with_constructor(gc_histogram),
@@ -288,8 +291,13 @@ fn register_targets(reg: &mut Registry, c: Metrics) {
         );
     reg.register(
             "enginescope_thread_offcpu_seconds",
-            "Time threads spent off CPU, blocked or preempted (exact: sched_switch, counted when each interval ends)",
+            "Time threads spent off CPU, blocked or preempted (exact: sched_switch, counted when each interval ends), and taken by the hypervisor while on CPU (enginescope_thread_stolen_seconds)",
             c.thread_offcpu,
+        );
+    reg.register(
+            "enginescope_thread_stolen_seconds",
+            "Part of the off-CPU time the hypervisor took while the thread was on its (virtual) CPU: its runtime stood still with no switch (steal; on kernels that account interrupts apart, interrupts too); 0 with the memory backend",
+            c.thread_stolen,
         );
     reg.register(
             "enginescope_function_cpu_seconds",
@@ -866,6 +874,9 @@ impl Aggregator {
             // blocked thread's series alive, but every idle thread has it, so it ranks last.
             let t = self.thread_labels(o.pid, o.tid, secs * 1e-6);
             self.m.thread_offcpu.get_or_create(&t).inc_by(secs);
+            if o.stolen {
+                self.m.thread_stolen.get_or_create(&t).inc_by(secs);
+            }
         }
         for g in std::mem::take(&mut r.gil_waits) {
             // A forced-switch handshake (the dropping thread waiting for the taker) is not a
@@ -1080,6 +1091,7 @@ impl Aggregator {
             self.m.thread_gil_wait.remove(&l);
             self.m.thread_gil_switch_wait.remove(&l);
             self.m.thread_offcpu.remove(&l);
+            self.m.thread_stolen.remove(&l);
         }
         for l in self.functions.tick() {
             self.m.function_cpu.remove(&l);
@@ -1096,6 +1108,7 @@ impl Aggregator {
             self.m.thread_gil_wait.remove(&l);
             self.m.thread_gil_switch_wait.remove(&l);
             self.m.thread_offcpu.remove(&l);
+            self.m.thread_stolen.remove(&l);
         }
         for l in self.other_functions.expire(self.tick, idle) {
             self.m.function_cpu.remove(&l);
@@ -1188,9 +1201,20 @@ mod tests {
             pid: 10,
             tid: 11,
             start_ns: 0,
-            dur_ns: 2_500_000_000,
+            dur_ns: 2_000_000_000,
             stack: 0,
             preempted: false,
+            stolen: false,
+        });
+        // Half a second the hypervisor took while it ran: off CPU, and stolen.
+        r.offcpu.push(OffCpu {
+            pid: 10,
+            tid: 11,
+            start_ns: 2_000_000_000,
+            dur_ns: 500_000_000,
+            stack: 1,
+            preempted: true,
+            stolen: true,
         });
         r.gil_waits.push(GilWait {
             pid: 10,
@@ -1265,6 +1289,7 @@ mod tests {
         assert!((v(&format!("enginescope_thread_cpu_seconds_total{th}")) - 1.0).abs() < 1e-9);
         assert!((v(&format!("enginescope_thread_gil_held_seconds_total{th}")) - 0.4).abs() < 1e-9);
         assert!((v(&format!("enginescope_thread_offcpu_seconds_total{th}")) - 2.5).abs() < 1e-9);
+        assert!((v(&format!("enginescope_thread_stolen_seconds_total{th}")) - 0.5).abs() < 1e-9);
         assert!((v(&format!("enginescope_thread_gil_wait_seconds_total{th}")) - 0.3).abs() < 1e-9);
         assert!(
             (v(&format!(

@@ -151,6 +151,11 @@ pub struct OffCpu {
     pub stack: u32,
     /// 0 = blocked (sleeping, waiting), 1 = preempted (still runnable when switched out).
     pub preempted: bool,
+    /// Not a switch: time the hypervisor ran something else on the thread's vCPU while the
+    /// thread was on it (its runtime stood still), gathered over a stay on its CPU and placed
+    /// at the stay's end, `stack` what it ran (`preempted` too: runnable, not running). With
+    /// on-CPU time and the other intervals it makes up the thread's time.
+    pub stolen: bool,
 }
 
 /// One interval a thread spent blocked on the GIL (a futex wait inside the GIL's struct),
@@ -630,6 +635,7 @@ mod tests {
                 dur_ns: d,
                 stack: 0,
                 preempted: false,
+                stolen: false,
             });
         }
         r.metrics.push(MetricPoint {

@@ -102,6 +102,8 @@ pub(crate) struct OffCpuKey {
     pub tid: i32,
     pub stack: u32,
     pub preempted: bool,
+    /// Taken by the hypervisor while on CPU (`OffCpu::stolen`).
+    pub stolen: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

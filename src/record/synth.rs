@@ -120,6 +120,7 @@ impl Rec {
             dur_ns: dur,
             stack,
             preempted,
+            stolen: false,
         });
     }
 

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::gc::GcTracing;
+use super::pipeline::OnCpu;
 use super::probes::Probes;
 use super::runtime_weight::RuntimeWeights;
 use super::source::Source;
@@ -471,6 +472,8 @@ struct Prepared {
     tid: i32,
     time_ns: u64,
     flags: u8,
+    /// The thread's scheduler runtime at `time_ns` (samples and switches; 0: not carried).
+    runtime_ns: u64,
     body: Body,
 }
 
@@ -592,11 +595,16 @@ fn prepare(
         kind::GC_EDGE => Body::GcEdge(h.ip as i64, abi::parse_gc_stats(bytes)?),
         _ => return None,
     };
+    let runtime_ns = match h.kind {
+        kind::SAMPLE | kind::SWITCH_OUT | kind::SWITCH_IN => h.ip,
+        _ => 0,
+    };
     Some(Prepared {
         pid,
         tid,
         time_ns: h.time_ns,
         flags: h.flags,
+        runtime_ns,
         body,
     })
 }
@@ -615,6 +623,7 @@ fn apply(
         tid,
         time_ns,
         flags: ev_flags,
+        runtime_ns,
         body,
     } = p;
     match body {
@@ -635,20 +644,26 @@ fn apply(
                 _ => (pipe.writer.intern_stack(&python)?, false),
             };
             if switch_out {
+                pipe.runtime_at(pid, tid, time_ns, runtime_ns, OnCpu::Leaves)?;
                 pipe.switch_out(pid, tid, time_ns, s, ev_flags & abi::ev::PREEMPTED != 0)?;
             } else {
                 let fl = sample_flags(ev_flags) | if nf { flags::NATIVE_FRAMES } else { 0 };
                 pipe.sample(pid, tid, time_ns, s, fl, weight_ns)?;
+                pipe.runtime_at(pid, tid, time_ns, runtime_ns, OnCpu::Runs)?;
             }
             probes.stack(pid, tid, time_ns, &python, switch_out, pipe)
         }
         Body::Preempted { preempted } => {
             // Its latest known stack.
             let s = pipe.last_stack(pid, tid);
+            pipe.runtime_at(pid, tid, time_ns, runtime_ns, OnCpu::Leaves)?;
             pipe.switch_out(pid, tid, time_ns, s, preempted)
         }
         Body::ProbeHit(ip, frame) => probes.hit(pid, tid, time_ns, ip, frame, pipe),
-        Body::SwitchIn => pipe.switch_in(pid, tid, time_ns),
+        Body::SwitchIn => {
+            pipe.switch_in(pid, tid, time_ns)?;
+            pipe.runtime_at(pid, tid, time_ns, runtime_ns, OnCpu::Enters)
+        }
         Body::GilWaitStart { holder_tid, python } => {
             let s = pipe.writer.intern_stack(&python)?;
             let switch_wait = ev_flags & abi::ev::SWITCH_WAIT != 0;
@@ -703,6 +718,8 @@ impl Source for BpfSource {
         targets: &mut Targets,
         pipe: &mut Pipeline,
     ) -> anyhow::Result<Vec<(i32, anyhow::Error)>> {
+        // Steal is measured per stay on a CPU, which only switch records bound.
+        pipe.measure_steal = self.tracing.offcpu;
         // Stacks at start, for threads that are blocked when we begin.
         let initial = crate::sys::steps::step("initial_stacks");
         for t in targets.iter_mut() {
@@ -913,6 +930,7 @@ impl Source for BpfSource {
             "offcpu_switch_ins_unpaired".into(),
             pipe.written.switch_ins_unpaired,
         );
+        out.insert("offcpu_stolen_intervals".into(), pipe.written.stolen);
         out.insert(
             "gc_watch_attach_failures".into(),
             self.probes.n.gc_attach_failures,

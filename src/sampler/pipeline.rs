@@ -21,6 +21,39 @@ struct ThreadTimeline {
     last_stack: u32,
 }
 
+/// Where a thread's runtime was read ([`Pipeline::runtime_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnCpu {
+    /// Switched in: on its CPU from here.
+    Enters,
+    /// Sampled on its CPU (the runtime as of the last tick: it lags by up to one).
+    Runs,
+    /// Switched out (the runtime brought up to date by the switch).
+    Leaves,
+}
+
+/// What the hypervisor took from a thread while it was on its (virtual) CPU, so far: the
+/// clock it spent there less the runtime the scheduler gave it.
+#[derive(Default)]
+struct Stolen {
+    /// The last reading on the current stay on a CPU, begun by a switch-in: (absolute time,
+    /// runtime). None between a switch-out and the next switch-in.
+    since: Option<(u64, u64)>,
+    /// Taken since the last interval written, ns (signed: a sample's runtime lags by up to a
+    /// tick, which the next reading gives back).
+    pending: i64,
+}
+
+/// Steal is written as an interval once this much has gathered (or when the thread leaves its
+/// CPU): an interval per sample would be a record per sample.
+const STOLEN_MIN_NS: i64 = 1_000_000;
+
+/// The most a sample's runtime lags (the scheduler brings it up to date at each tick): one
+/// tick at the lowest `CONFIG_HZ` (100). On a stay, what has gathered since its switch-in is
+/// the steal plus the current sample's lag: a sample writes only what exceeds this, the
+/// switch-out (exact) the rest.
+const RUNTIME_LAG_MAX_NS: i64 = 10_000_000;
+
 /// A GIL wait that has begun and not yet ended.
 struct PendingGilWait {
     start_ns: u64,
@@ -56,6 +89,8 @@ pub struct Written {
     pub switch_ins_missed: u64,
     /// Switch-ins of a thread already seen with no switch-out before them.
     pub switch_ins_unpaired: u64,
+    /// Intervals of what the hypervisor took from a thread on its CPU ([`Pipeline::runtime_at`]).
+    pub stolen: u64,
 }
 
 pub struct Pipeline<W: Sink = RecordingWriter> {
@@ -82,6 +117,9 @@ pub struct Pipeline<W: Sink = RecordingWriter> {
     timelines: HashMap<(i32, i32), ThreadTimeline>,
     gil_waits: HashMap<(i32, i32), PendingGilWait>,
     gc: HashMap<i32, PendingGc>,
+    stolen: HashMap<(i32, i32), Stolen>,
+    /// Switch-ins and switch-outs come with the thread's runtime ([`Self::runtime_at`]).
+    pub measure_steal: bool,
 }
 
 impl<W: Sink> Pipeline<W> {
@@ -98,6 +136,8 @@ impl<W: Sink> Pipeline<W> {
             timelines: HashMap::new(),
             gil_waits: HashMap::new(),
             gc: HashMap::new(),
+            stolen: HashMap::new(),
+            measure_steal: false,
         }
     }
 
@@ -122,6 +162,78 @@ impl<W: Sink> Pipeline<W> {
         self.start_ns = start_ns;
         self.window_ns = start_ns;
         self.pre_window = false;
+        // What was taken before the window is not the window's.
+        self.stolen.clear();
+    }
+
+    /// A thread's scheduler runtime (`runtime_ns`, 0: unknown) read at `t_ns` while it was on
+    /// its CPU, or as it entered or left it. The runtime leaves out what the hypervisor ran
+    /// instead while the vCPU was the thread's (and, on kernels that account interrupts apart,
+    /// interrupts): between two readings on one stay on a CPU, the clock less the runtime is
+    /// what was taken. No switch shows it and no CPU time counts it, yet the thread waited:
+    /// it is written as an off-CPU interval marked stolen (and preempted: runnable, not
+    /// running), at the end of the stretch where it was taken, so that on-CPU, off-CPU and
+    /// stolen make up the thread's time.
+    pub(crate) fn runtime_at(
+        &mut self,
+        pid: i32,
+        tid: i32,
+        t_ns: u64,
+        runtime_ns: u64,
+        at: OnCpu,
+    ) -> anyhow::Result<()> {
+        if runtime_ns == 0 || !self.measure_steal {
+            return Ok(());
+        }
+        let in_window = self.in_window(t_ns);
+        let s = self.stolen.entry((pid, tid)).or_default();
+        if let (Some((t0, r0)), true) = (s.since, at != OnCpu::Enters) {
+            let clock = t_ns.saturating_sub(t0) as i64;
+            let ran = runtime_ns.saturating_sub(r0) as i64;
+            // A new thread with the id of a gone one reads a lower runtime: nothing counted.
+            if runtime_ns >= r0 {
+                // A runtime ahead of the clock (they tick apart) is given back later, within
+                // a bound.
+                s.pending = (s.pending + clock - ran).max(-STOLEN_MIN_NS);
+            }
+        }
+        // A stay is measured from its switch-in only: a thread's samples alone (running since
+        // before the recording, or not yet known to the kernel side, which then sends no
+        // switches for it) would count its time off CPU in between as taken.
+        s.since = match at {
+            OnCpu::Leaves => None,
+            OnCpu::Enters => Some((t_ns, runtime_ns)),
+            OnCpu::Runs => s.since.map(|_| (t_ns, runtime_ns)),
+        };
+        // What is certainly stolen: all of it when the runtime is exact (a switch), less the
+        // sample's lag otherwise.
+        let certain = match at {
+            OnCpu::Leaves => s.pending,
+            OnCpu::Runs => s.pending - RUNTIME_LAG_MAX_NS,
+            OnCpu::Enters => 0,
+        };
+        let due = match at {
+            OnCpu::Leaves => certain > 0,
+            OnCpu::Runs | OnCpu::Enters => certain >= STOLEN_MIN_NS,
+        };
+        if !due || !in_window {
+            return Ok(());
+        }
+        s.pending -= certain;
+        let ns = certain as u64;
+        let end = self.rel(t_ns);
+        let start = self.rel(t_ns.saturating_sub(ns).max(self.window_ns));
+        let stack = self.last_stack(pid, tid);
+        self.written.stolen += 1;
+        self.writer.offcpu(&OffCpu {
+            pid,
+            tid,
+            start_ns: start,
+            dur_ns: end.saturating_sub(start),
+            stack,
+            preempted: true,
+            stolen: true,
+        })
     }
 
     /// A timer sample of a thread, standing for `weight_ns` of its CPU time (the period, less
@@ -200,6 +312,7 @@ impl<W: Sink> Pipeline<W> {
             dur_ns,
             stack,
             preempted: false,
+            stolen: false,
         })
     }
 
@@ -267,6 +380,7 @@ impl<W: Sink> Pipeline<W> {
             dur_ns: end.saturating_sub(start),
             stack,
             preempted,
+            stolen: false,
         })
     }
 
@@ -498,6 +612,7 @@ impl<W: Sink> Pipeline<W> {
         let end = self.rel(end_ns);
         self.timelines
             .retain(|&(pid, tid), _| thread_alive(pid, tid));
+        self.stolen.retain(|&(pid, tid), _| thread_alive(pid, tid));
         self.gil_waits
             .retain(|&(pid, tid), _| thread_alive(pid, tid));
         self.gc.retain(|&pid, _| process_alive(pid));
@@ -596,6 +711,77 @@ mod tests {
                 _ => None,
             })
             .collect()
+    }
+
+    /// (tid, start, dur, stack) of the stolen intervals.
+    fn stolen(events: &[Event]) -> Vec<(i32, u64, u64, u32)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::OffCpu(o) if o.stolen => {
+                    assert!(o.preempted, "stolen is preempted too");
+                    Some((o.tid, o.start_ns, o.dur_ns, o.stack))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn steal_is_a_stays_clock_less_its_runtime() {
+        let mut p = pipe();
+        p.measure_steal = true;
+        let t0 = p.start_ns;
+        let r0 = 5_000 * MS;
+        // A stay of 40 ms that ran 30: 10 ms taken, written at the switch-out, before it.
+        p.switch_in(1, 10, t0 + 10 * MS).unwrap();
+        p.runtime_at(1, 10, t0 + 10 * MS, r0, OnCpu::Enters)
+            .unwrap();
+        p.sample(1, 10, t0 + 20 * MS, 7, 0, 10 * MS).unwrap();
+        // The sample's runtime lags (a tick): nothing certain yet.
+        p.runtime_at(1, 10, t0 + 20 * MS, r0 + 4 * MS, OnCpu::Runs)
+            .unwrap();
+        assert!(stolen(&p.writer).is_empty());
+        p.runtime_at(1, 10, t0 + 50 * MS, r0 + 30 * MS, OnCpu::Leaves)
+            .unwrap();
+        p.switch_out(1, 10, t0 + 50 * MS, 8, false).unwrap();
+        assert_eq!(stolen(&p.writer), [(10, 40 * MS, 10 * MS, 7)]);
+        // Off CPU in between is not taken: the next stay starts at its switch-in, and samples
+        // of a thread with no switch-in seen (12) count nothing.
+        p.switch_in(1, 10, t0 + 80 * MS).unwrap();
+        p.runtime_at(1, 10, t0 + 80 * MS, r0 + 30 * MS, OnCpu::Enters)
+            .unwrap();
+        p.runtime_at(1, 12, t0 + 80 * MS, r0, OnCpu::Runs).unwrap();
+        p.runtime_at(1, 12, t0 + 180 * MS, r0 + MS, OnCpu::Runs)
+            .unwrap();
+        // A long stay with a third taken: samples write what exceeds the most a runtime lags,
+        // the switch-out the rest; the sum is exact.
+        for i in 1..=30u64 {
+            p.runtime_at(
+                1,
+                10,
+                t0 + (80 + 10 * i) * MS,
+                r0 + (30 + 7 * i) * MS,
+                OnCpu::Runs,
+            )
+            .unwrap();
+        }
+        p.runtime_at(1, 10, t0 + 390 * MS, r0 + 240 * MS, OnCpu::Leaves)
+            .unwrap();
+        let s = stolen(&p.writer);
+        assert!(s.len() > 2, "{s:?}");
+        assert!(s.iter().all(|x| x.0 == 10));
+        let after: u64 = s[1..].iter().map(|x| x.2).sum();
+        assert_eq!(after, 310 * MS - 210 * MS);
+        assert_eq!(p.written.stolen, s.len() as u64);
+        // Not measured without switch records.
+        let mut q = pipe();
+        q.switch_in(1, 10, t0 + 10 * MS).unwrap();
+        q.runtime_at(1, 10, t0 + 10 * MS, r0, OnCpu::Enters)
+            .unwrap();
+        q.runtime_at(1, 10, t0 + 50 * MS, r0 + 10 * MS, OnCpu::Leaves)
+            .unwrap();
+        assert!(stolen(&q.writer).is_empty());
     }
 
     #[test]

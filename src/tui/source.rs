@@ -282,6 +282,7 @@ mod tests {
             dur_ns: 7_500,
             stack: 0,
             preempted: false,
+            stolen: false,
         });
         r.end = Some(crate::record::EndInfo {
             duration_ns: 10_000,

@@ -405,6 +405,7 @@ mod tests {
             dur_ns: 3,
             stack: 0,
             preempted: false,
+            stolen: false,
         };
         let r = runs(&refs, &[&off]);
         let shape: Vec<(u64, u64, u64)> =
@@ -423,6 +424,7 @@ mod tests {
             dur_ns,
             stack: 0,
             preempted: false,
+            stolen: false,
         }
     }
 

@@ -55,6 +55,10 @@
 //!   over the recording.
 //! - the fleet's situations (`views::fleet`: `kv_memory_wall`, `queue_while_others_idle`,
 //!   `ttft_outlier`), scored by the share of the recording they lasted.
+//! - `vcpu_steal`: the hypervisor took [`STEAL_MIN_SHARE`] or more of a thread's time while it
+//!   was on its vCPU (the report's stolen off-CPU time: no switch, its runtime stood still);
+//!   the thread that lost most, and how many others lost as much. The machine's condition, not
+//!   the program's: context, at [`MIN_SCORE`], saying that time-based figures carry it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -95,6 +99,8 @@ pub const MIN_SCORE: f64 = 0.01;
 /// A thread of an engine process off its step loop idle more than this share of the
 /// recording keeps up with its work: its GIL waits are latency, not throughput.
 pub(crate) const KEEPS_UP_IDLE: f64 = 0.1;
+/// A thread losing this share of the recording or more to the hypervisor's steal.
+pub(crate) const STEAL_MIN_SHARE: f64 = 0.05;
 /// Findings listed first in Markdown and on `top`'s line.
 pub const TOP: usize = 5;
 
@@ -158,6 +164,7 @@ pub fn findings(rec: &Recording, sel: &Selection, r: &Report) -> Vec<Finding> {
     lock_contention(rec, r, &mut out);
     per_request_growth(rec, sel, r, &mut out);
     step_anatomy(rec, r, &anatomies, &mut out);
+    vcpu_steal(rec, r, &mut out);
     for s in &r.api_server_stalls.servers {
         let stalled_s = s.stalled_s;
         if s.stalls == 0 || r.duration_s <= 0.0 {
@@ -737,6 +744,58 @@ fn busy_spin(rec: &Recording, sel: &Selection, r: &Report, out: &mut Vec<Finding
             see: format!("Top functions: {} (tid {}, pid {})", t.name, t.tid, t.pid),
         });
     }
+}
+
+fn vcpu_steal(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
+    if r.duration_s <= 0.0 {
+        return;
+    }
+    let share = |t: &super::report::ThreadRow| t.offcpu_stolen_s / r.duration_s;
+    let mut hit: Vec<&super::report::ThreadRow> = r
+        .threads
+        .iter()
+        .filter(|t| share(t) >= STEAL_MIN_SHARE)
+        .collect();
+    hit.sort_by(|a, b| {
+        b.offcpu_stolen_s
+            .total_cmp(&a.offcpu_stolen_s)
+            .then((a.pid, a.tid).cmp(&(b.pid, b.tid)))
+    });
+    let Some(t) = hit.first() else {
+        return;
+    };
+    let others = hit.len() - 1;
+    out.push(Finding {
+        kind: "vcpu_steal".into(),
+        score: MIN_SCORE,
+        pid: t.pid,
+        tid: Some(t.tid),
+        thread: t.name.clone(),
+        function: String::new(),
+        verdict: format!(
+            "the hypervisor took {} of the recording from {} while it was on its vCPU ({:.3} s of steal: runnable, not running){}: time figures on this machine (step latency, throughput, a before/after) carry it; compare runs on one host at one load, or use dedicated vCPUs",
+            pct(share(t)),
+            who(rec, &t.name, t.pid, t.tid),
+            t.offcpu_stolen_s,
+            if others > 0 {
+                format!(", and {} or more from {others} other thread(s)", pct(STEAL_MIN_SHARE))
+            } else {
+                String::new()
+            }
+        ),
+        evidence: [
+            ("stolen_s".to_string(), json!(t.offcpu_stolen_s)),
+            ("stolen_share".to_string(), json!(share(t))),
+            ("threads".to_string(), json!(hit.len())),
+            (
+                "all_threads_stolen_s".to_string(),
+                json!(r.totals.offcpu_stolen_s),
+            ),
+        ]
+        .into_iter()
+        .collect(),
+        see: "Threads".into(),
+    });
 }
 
 fn lock_contention(rec: &Recording, r: &Report, out: &mut Vec<Finding>) {
@@ -1544,6 +1603,7 @@ mod tests {
                 dur_ns: 10 * MS,
                 stack: 3,
                 preempted: true,
+                stolen: false,
             });
         }
         let f = run(&rec);
@@ -1559,6 +1619,45 @@ mod tests {
             o.preempted = false;
         }
         assert!(run(&rec).iter().all(|f| f.kind != "busy_spin"));
+    }
+
+    #[test]
+    fn steal_is_context_naming_the_thread_that_lost_most() {
+        // Thread 1 on CPU 3 s of 10 and 1 s taken from it by the hypervisor; thread 2 0.2 s.
+        let mut rec = base();
+        samples(&mut rec, 1, 3, 300, 0, 0);
+        samples(&mut rec, 2, 0, 100, 0, 0);
+        let stolen = |tid: i32, n: u64| {
+            (0..n).map(move |i| OffCpu {
+                pid: 1,
+                tid,
+                start_ns: i * 100 * MS,
+                dur_ns: 10 * MS,
+                stack: 3,
+                preempted: true,
+                stolen: true,
+            })
+        };
+        rec.offcpu.extend(stolen(1, 100));
+        rec.offcpu.extend(stolen(2, 20));
+        let f = run(&rec);
+        let g = f
+            .iter()
+            .find(|f| f.kind == "vcpu_steal")
+            .expect("a finding");
+        assert_eq!((g.tid, g.score), (Some(1), MIN_SCORE));
+        assert!(
+            g.verdict.contains("took 10.0% of the recording"),
+            "{}",
+            g.verdict
+        );
+        assert!(!g.verdict.contains("other thread"), "{}", g.verdict);
+        assert!((g.evidence["all_threads_stolen_s"].as_f64().unwrap() - 1.2).abs() < 1e-9);
+        // Preempted by another process instead: no steal.
+        for o in &mut rec.offcpu {
+            o.stolen = false;
+        }
+        assert!(run(&rec).iter().all(|f| f.kind != "vcpu_steal"));
     }
 
     #[test]

@@ -223,6 +223,9 @@ pub struct Totals {
     pub python_s: f64,
     pub native_s: f64,
     pub offcpu_s: f64,
+    /// Of which taken by the hypervisor while threads ran (`ThreadRow::offcpu_stolen_s`).
+    #[serde(default)]
+    pub offcpu_stolen_s: f64,
     pub gil_held_s: f64,
     pub gil_wait_s: f64,
     pub gil_switch_wait_s: f64,
@@ -249,6 +252,11 @@ pub struct ThreadRow {
     pub offcpu_s: f64,
     /// Part of `offcpu_s` where the thread was preempted (runnable), s.
     pub offcpu_preempted_s: f64,
+    /// Part of `offcpu_preempted_s` the hypervisor took while the thread was on its (virtual)
+    /// CPU: no switch shows it, the thread's runtime stood still (steal; on kernels that
+    /// account interrupts apart, interrupts too), s. 0 with the memory backend.
+    #[serde(default)]
+    pub offcpu_stolen_s: f64,
     /// Share of on-CPU time holding the GIL, 0..1.
     pub gil_held_share: f64,
     /// Share of on-CPU time during a garbage collection, 0..1.
@@ -676,12 +684,20 @@ impl Report {
         let _ = writeln!(s, "- **Selection:** {}", md(&self.selection));
         let _ = writeln!(
             s,
-            "- **Totals:** {} samples, {:.3} s on CPU ({:.3} s Python, {:.3} s native), {:.3} s off CPU",
+            "- **Totals:** {} samples, {:.3} s on CPU ({:.3} s Python, {:.3} s native), {:.3} s off CPU{}",
             self.totals.samples,
             self.totals.cpu_s,
             self.totals.python_s,
             self.totals.native_s,
-            self.totals.offcpu_s
+            self.totals.offcpu_s,
+            if self.shows_steal() {
+                format!(
+                    " (of which {:.3} s taken by the hypervisor while threads were on CPU: steal)",
+                    self.totals.offcpu_stolen_s
+                )
+            } else {
+                String::new()
+            }
         );
         if self.truncated {
             let _ = writeln!(
@@ -704,18 +720,30 @@ impl Report {
         }
     }
 
+    /// Whether the hypervisor's steal is worth saying: at least 1 ms and 1% of the CPU time.
+    fn shows_steal(&self) -> bool {
+        self.totals.offcpu_stolen_s >= 0.001
+            && self.totals.offcpu_stolen_s >= 0.01 * self.totals.cpu_s
+    }
+
     /// The "Threads" table.
     fn threads_markdown(&self, s: &mut String) {
+        let steal = self.shows_steal();
         let _ = writeln!(s, "\n## Threads\n");
         let _ = writeln!(
             s,
-            "| pid | process | tid | thread | CPU s | samples | Python s | native s | off-CPU s | GIL held | GC |"
+            "| pid | process | tid | thread | CPU s | samples | Python s | native s | off-CPU s |{} GIL held | GC |",
+            if steal { " of it stolen s |" } else { "" }
         );
-        let _ = writeln!(s, "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+        let _ = writeln!(
+            s,
+            "|---:|---|---:|---|---:|---:|---:|---:|---:|{}---:|---:|",
+            if steal { "---:|" } else { "" }
+        );
         for t in &self.threads {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {:.3} | {} | {:.3} | {:.3} | {:.3} | {:.1}% | {:.1}% |",
+                "| {} | {} | {} | {} | {:.3} | {} | {:.3} | {:.3} | {:.3} |{} {:.1}% | {:.1}% |",
                 t.pid,
                 md(self.process_name(t.pid)),
                 t.tid,
@@ -725,6 +753,11 @@ impl Report {
                 t.python_s,
                 t.native_s,
                 t.offcpu_s,
+                if steal {
+                    format!(" {:.3} |", t.offcpu_stolen_s)
+                } else {
+                    String::new()
+                },
                 t.gil_held_share * 100.0,
                 t.gc_share * 100.0
             );
@@ -1237,7 +1270,7 @@ fn thread_rows(
     threads: BTreeMap<(i32, i32), ThreadAcc>,
 ) -> (Vec<(u64, ThreadRow)>, Totals) {
     let mut totals = Totals::default();
-    let (mut cpu, mut native, mut off) = (0u64, 0u64, 0u64);
+    let (mut cpu, mut native, mut off, mut stolen) = (0u64, 0u64, 0u64, 0u64);
     let (mut gil_held, mut gil_wait, mut gil_switch, mut gc_ns) = (0u64, 0u64, 0u64, 0u64);
     let mut rows: Vec<(u64, ThreadRow)> = threads
         .into_iter()
@@ -1246,6 +1279,7 @@ fn thread_rows(
             cpu += t.cpu_ns;
             native += t.native_ns;
             off += t.off_ns;
+            stolen += t.off_stolen_ns;
             gil_held += t.gil_held_ns;
             gil_wait += t.gil_wait_ns;
             gil_switch += t.switch_wait_ns;
@@ -1263,6 +1297,7 @@ fn thread_rows(
                     native_s: secs(t.native_ns),
                     offcpu_s: secs(t.off_ns),
                     offcpu_preempted_s: secs(t.off_preempted_ns),
+                    offcpu_stolen_s: secs(t.off_stolen_ns),
                     gil_held_share: share(t.gil_held_ns, t.cpu_ns),
                     gc_share: share(t.gc_cpu_ns, t.cpu_ns),
                     gil_held_s: secs(t.gil_held_ns),
@@ -1280,6 +1315,7 @@ fn thread_rows(
     totals.python_s = secs(cpu - native);
     totals.native_s = secs(native);
     totals.offcpu_s = secs(off);
+    totals.offcpu_stolen_s = secs(stolen);
     totals.gil_held_s = secs(gil_held);
     totals.gil_wait_s = secs(gil_wait);
     totals.gil_switch_wait_s = secs(gil_switch);

@@ -1083,6 +1083,7 @@ mod tests {
             dur_ns: dur,
             stack: 0,
             preempted,
+            stolen: false,
         };
         let off = [
             o(100, 10, false), // half in GIL waits: Gil
@@ -1219,6 +1220,7 @@ mod tests {
                 dur_ns: dur,
                 stack,
                 preempted,
+                stolen: false,
             })
         };
         off(t - 50 * ms, 50 * ms, false, 2); // idle before
@@ -1319,6 +1321,7 @@ mod tests {
             dur_ns: 50 * ms,
             stack: 2,
             preempted: false,
+            stolen: false,
         });
         rec.gil_waits.push(GilWait {
             pid: 7,

@@ -435,6 +435,7 @@ pub(crate) mod tests {
                 dur_ns: 60 * MS,
                 stack: s,
                 preempted: false,
+                stolen: false,
             });
             few.wakes.push(Wake {
                 t_ns: t + 60 * MS,

@@ -144,6 +144,21 @@ impl Layout for SampleRec {
     }
 }
 
+/// An off-CPU interval's state byte: 0 blocked, 1 preempted, 2 taken by the hypervisor while
+/// on CPU (stolen; older readers read any non-zero byte as preempted, which it also is).
+fn off_state(preempted: bool, stolen: bool) -> u8 {
+    if stolen {
+        2
+    } else {
+        u8::from(preempted)
+    }
+}
+
+/// (preempted, stolen) of a state byte.
+fn off_state_of(b: u8) -> (bool, bool) {
+    (b != 0, b == 2)
+}
+
 /// Record 7.
 impl Layout for OffCpu {
     const TAG: u8 = tag::OFFCPU;
@@ -153,16 +168,20 @@ impl Layout for OffCpu {
         put_i32(out, self.pid);
         put_i32(out, self.tid);
         put_varint(out, u64::from(self.stack));
-        out.push(u8::from(self.preempted));
+        out.push(off_state(self.preempted, self.stolen));
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
+        let (start_ns, dur_ns, pid, tid) = (c.varint()?, c.varint()?, c.i32()?, c.i32()?);
+        let stack = c.varint()? as u32;
+        let (preempted, stolen) = off_state_of(c.u8()?);
         Ok(OffCpu {
-            start_ns: c.varint()?,
-            dur_ns: c.varint()?,
-            pid: c.i32()?,
-            tid: c.i32()?,
-            stack: c.varint()? as u32,
-            preempted: c.u8()? != 0,
+            start_ns,
+            dur_ns,
+            pid,
+            tid,
+            stack,
+            preempted,
+            stolen,
         })
     }
 }
@@ -372,17 +391,20 @@ impl Layout for OffCpuSumRec {
         put_i32(out, k.pid);
         put_i32(out, k.tid);
         put_varint(out, u64::from(k.stack));
-        out.push(u8::from(k.preempted));
+        out.push(off_state(k.preempted, k.stolen));
         put_varint(out, self.count);
         put_varint(out, self.dur_ns);
     }
     fn get(c: &mut Cur<'_>) -> anyhow::Result<Self> {
+        let (pid, tid, stack) = (c.i32()?, c.i32()?, c.varint()? as u32);
+        let (preempted, stolen) = off_state_of(c.u8()?);
         Ok(OffCpuSumRec {
             key: OffCpuKey {
-                pid: c.i32()?,
-                tid: c.i32()?,
-                stack: c.varint()? as u32,
-                preempted: c.u8()? != 0,
+                pid,
+                tid,
+                stack,
+                preempted,
+                stolen,
             },
             count: c.varint()?,
             dur_ns: c.varint()?,
@@ -618,6 +640,16 @@ mod tests {
             tid: 2,
             stack: 3,
             preempted: true,
+            stolen: false,
+        });
+        roundtrip(OffCpu {
+            start_ns: 5,
+            dur_ns: 1_000_000,
+            pid: 1,
+            tid: 2,
+            stack: 3,
+            preempted: true,
+            stolen: true,
         });
         roundtrip(GilWait {
             start_ns: 5,
@@ -681,7 +713,8 @@ mod tests {
                 pid: 1,
                 tid: 2,
                 stack: 3,
-                preempted: false,
+                preempted: true,
+                stolen: true,
             },
             count: 5,
             dur_ns: 6,

@@ -437,6 +437,7 @@ mod tests {
             dur_ns: 10,
             stack: s3,
             preempted: false,
+            stolen: false,
         })
         .unwrap();
         let gw = GilWait {
@@ -884,6 +885,7 @@ mod tests {
                 dur_ns: if long { 5 * ms } else { rnd() % 300_000 },
                 stack,
                 preempted: rnd() % 4 == 0,
+                stolen: false,
             })
             .unwrap();
             w.gil_wait(&GilWait {
@@ -946,6 +948,7 @@ mod tests {
             tid: 7,
             stack,
             preempted: false,
+            stolen: false,
         };
         // Between the samples at 0 and 100 ms: seven blocks, the fifth in a lock; one short
         // block (summed as before); then one block after the last sample.

@@ -315,6 +315,7 @@ impl RecordingReader {
                 dur_ns,
                 stack: a.key.stack,
                 preempted: a.key.preempted,
+                stolen: a.key.stolen,
             });
         }
         Ok(())

@@ -145,7 +145,11 @@ impl LoopHold {
         // The held one is between two others now: into the run it continues, or a new one.
         let mid = self.held.replace(o)?;
         match self.merged.as_mut() {
-            Some((m, n)) if m.stack == mid.stack && m.preempted == mid.preempted => {
+            Some((m, n))
+                if m.stack == mid.stack
+                    && m.preempted == mid.preempted
+                    && m.stolen == mid.stolen =>
+            {
                 m.dur_ns = m.dur_ns.saturating_add(mid.dur_ns);
                 *n += 1;
                 None
@@ -748,6 +752,7 @@ impl RecordingWriter {
                     tid: o.tid,
                     stack: o.stack,
                     preempted: o.preempted,
+                    stolen: o.stolen,
                 },
                 o.dur_ns,
             );
