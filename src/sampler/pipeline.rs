@@ -39,13 +39,18 @@ struct Stolen {
     /// The last reading on the current stay on a CPU, begun by a switch-in: (absolute time,
     /// runtime). None between a switch-out and the next switch-in.
     since: Option<(u64, u64)>,
+    /// Where the current stay's time not yet given to a stolen interval begins (absolute):
+    /// its switch-in, then the end of the last one written. Stolen intervals lie inside the
+    /// stays, so that one thread's off-CPU intervals never overlap.
+    free_from: u64,
     /// Taken since the last interval written, ns (signed: a sample's runtime lags by up to a
     /// tick, which the next reading gives back).
     pending: i64,
 }
 
-/// Steal is written as an interval once this much has gathered (or when the thread leaves its
-/// CPU): an interval per sample would be a record per sample.
+/// Steal is written as an interval once this much has gathered (what less has gathered by a
+/// switch-out waits for the next stays'): an interval per stay would be a record for most
+/// switches on a VM with a little steal.
 const STOLEN_MIN_NS: i64 = 1_000_000;
 
 /// The most a sample's runtime lags (the scheduler brings it up to date at each tick): one
@@ -172,8 +177,8 @@ impl<W: Sink> Pipeline<W> {
     /// interrupts): between two readings on one stay on a CPU, the clock less the runtime is
     /// what was taken. No switch shows it and no CPU time counts it, yet the thread waited:
     /// it is written as an off-CPU interval marked stolen (and preempted: runnable, not
-    /// running), at the end of the stretch where it was taken, so that on-CPU, off-CPU and
-    /// stolen make up the thread's time.
+    /// running) inside the stay where it was taken, so that on-CPU, off-CPU and stolen make
+    /// up the thread's time, and a thread's off-CPU intervals never overlap.
     pub(crate) fn runtime_at(
         &mut self,
         pid: i32,
@@ -200,6 +205,10 @@ impl<W: Sink> Pipeline<W> {
         // A stay is measured from its switch-in only: a thread's samples alone (running since
         // before the recording, or not yet known to the kernel side, which then sends no
         // switches for it) would count its time off CPU in between as taken.
+        let on_stay = s.since.is_some() || at == OnCpu::Enters;
+        if at == OnCpu::Enters {
+            s.free_from = t_ns;
+        }
         s.since = match at {
             OnCpu::Leaves => None,
             OnCpu::Enters => Some((t_ns, runtime_ns)),
@@ -212,17 +221,22 @@ impl<W: Sink> Pipeline<W> {
             OnCpu::Runs => s.pending - RUNTIME_LAG_MAX_NS,
             OnCpu::Enters => 0,
         };
-        let due = match at {
-            OnCpu::Leaves => certain > 0,
-            OnCpu::Runs | OnCpu::Enters => certain >= STOLEN_MIN_NS,
-        };
-        if !due || !in_window {
+        // Placed from the start of what this stay has not given yet (where in the stay the
+        // hypervisor took it is not known): more than the stay holds waits for the next ones.
+        let from = s.free_from.max(self.window_ns);
+        let ns = certain.min(t_ns.saturating_sub(from) as i64);
+        if certain < STOLEN_MIN_NS || ns <= 0 || !on_stay || !in_window {
             return Ok(());
         }
-        s.pending -= certain;
-        let ns = certain as u64;
-        let end = self.rel(t_ns);
-        let start = self.rel(t_ns.saturating_sub(ns).max(self.window_ns));
+        s.pending -= ns;
+        s.free_from = from + ns as u64;
+        self.write_stolen(pid, tid, from, ns as u64)
+    }
+
+    /// Write `ns` taken from a thread as a stolen interval from `from_ns` (absolute).
+    fn write_stolen(&mut self, pid: i32, tid: i32, from_ns: u64, ns: u64) -> anyhow::Result<()> {
+        let start = self.rel(from_ns);
+        let end = start + ns;
         let stack = self.last_stack(pid, tid);
         self.written.stolen += 1;
         self.writer.offcpu(&OffCpu {
@@ -733,7 +747,8 @@ mod tests {
         p.measure_steal = true;
         let t0 = p.start_ns;
         let r0 = 5_000 * MS;
-        // A stay of 40 ms that ran 30: 10 ms taken, written at the switch-out, before it.
+        // A stay of 40 ms that ran 30: 10 ms taken, written at the switch-out, from the stay's
+        // start.
         p.switch_in(1, 10, t0 + 10 * MS).unwrap();
         p.runtime_at(1, 10, t0 + 10 * MS, r0, OnCpu::Enters)
             .unwrap();
@@ -745,7 +760,7 @@ mod tests {
         p.runtime_at(1, 10, t0 + 50 * MS, r0 + 30 * MS, OnCpu::Leaves)
             .unwrap();
         p.switch_out(1, 10, t0 + 50 * MS, 8, false).unwrap();
-        assert_eq!(stolen(&p.writer), [(10, 40 * MS, 10 * MS, 7)]);
+        assert_eq!(stolen(&p.writer), [(10, 10 * MS, 10 * MS, 7)]);
         // Off CPU in between is not taken: the next stay starts at its switch-in, and samples
         // of a thread with no switch-in seen (12) count nothing.
         p.switch_in(1, 10, t0 + 80 * MS).unwrap();
@@ -774,6 +789,30 @@ mod tests {
         let after: u64 = s[1..].iter().map(|x| x.2).sum();
         assert_eq!(after, 310 * MS - 210 * MS);
         assert_eq!(p.written.stolen, s.len() as u64);
+        // Stays with a little taken each: written once a millisecond has gathered, inside the
+        // stay that has it (never over the thread's off-CPU intervals); less waits.
+        let before = stolen(&p.writer).len();
+        let mut r = r0 + 240 * MS;
+        for i in 0..5u64 {
+            let t = t0 + (400 + 10 * i) * MS;
+            p.runtime_at(1, 10, t, r, OnCpu::Enters).unwrap();
+            r += 5 * MS - 400_000;
+            p.runtime_at(1, 10, t + 5 * MS, r, OnCpu::Leaves).unwrap();
+        }
+        let s = stolen(&p.writer);
+        assert_eq!(s.len(), before + 1, "{s:?}");
+        assert_eq!(s[before].2, 1_200_000);
+        assert_eq!(s[before].1, 420 * MS);
+        // More than a stay holds: what it holds, the rest later.
+        p.runtime_at(1, 10, t0 + 600 * MS, r, OnCpu::Enters)
+            .unwrap();
+        p.runtime_at(1, 10, t0 + 602 * MS, r + MS / 2, OnCpu::Leaves)
+            .unwrap();
+        let s = stolen(&p.writer);
+        assert_eq!(
+            s[before + 1].1..s[before + 1].1 + s[before + 1].2,
+            600 * MS..602 * MS
+        );
         // Not measured without switch records.
         let mut q = pipe();
         q.switch_in(1, 10, t0 + 10 * MS).unwrap();
