@@ -20,9 +20,20 @@ fn fifty_processes_recorded_at_once() {
     if !available(&i) {
         return;
     }
+    // Each runs until the test kills it: starting fifty on two busy CPUs (each waits for the
+    // one before it to be READY) took over the minute they used to run, and the first had
+    // exited before the recorder attached to it ("process has exited").
+    let starting = Instant::now();
     let targets: Vec<Workload> = (0..50)
-        .map(|_| start(&i, "cpu_bound.py", &["--threads", "1", "--duration", "60"]))
+        .map(|_| {
+            start(
+                &i,
+                "cpu_bound.py",
+                &["--threads", "1", "--duration", "3600"],
+            )
+        })
         .collect();
+    eprintln!("fifty: started in {:?}", starting.elapsed());
     let pids: Vec<i32> = targets.iter().map(|w| w.pid).collect();
     let list = pids
         .iter()
