@@ -21,6 +21,25 @@ struct ThreadTimeline {
     last_stack: u32,
 }
 
+/// What kind of off-CPU interval [`Pipeline::write_offcpu`] writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Off {
+    Blocked,
+    Preempted,
+    /// Taken by the hypervisor while on CPU (preempted too).
+    Stolen,
+}
+
+impl Off {
+    fn switched(preempted: bool) -> Off {
+        if preempted {
+            Off::Preempted
+        } else {
+            Off::Blocked
+        }
+    }
+}
+
 /// Where a thread's runtime was read ([`Pipeline::runtime_at`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnCpu {
@@ -230,24 +249,9 @@ impl<W: Sink> Pipeline<W> {
         }
         s.pending -= ns;
         s.free_from = from + ns as u64;
-        self.write_stolen(pid, tid, from, ns as u64)
-    }
-
-    /// Write `ns` taken from a thread as a stolen interval from `from_ns` (absolute).
-    fn write_stolen(&mut self, pid: i32, tid: i32, from_ns: u64, ns: u64) -> anyhow::Result<()> {
-        let start = self.rel(from_ns);
-        let end = start + ns;
+        let start = self.rel(from);
         let stack = self.last_stack(pid, tid);
-        self.written.stolen += 1;
-        self.writer.offcpu(&OffCpu {
-            pid,
-            tid,
-            start_ns: start,
-            dur_ns: end.saturating_sub(start),
-            stack,
-            preempted: true,
-            stolen: true,
-        })
+        self.write_offcpu(pid, tid, (start, start + ns as u64), stack, Off::Stolen)
     }
 
     /// A timer sample of a thread, standing for `weight_ns` of its CPU time (the period, less
@@ -371,30 +375,35 @@ impl<W: Sink> Pipeline<W> {
         };
         let t = self.rel(t_ns);
         self.written.switch_ins_missed += 1;
-        self.write_offcpu(pid, tid, (start, t), stack, preempted)
+        self.write_offcpu(pid, tid, (start, t), stack, Off::switched(preempted))
     }
 
-    /// Write the off-CPU interval `[start, end)` (relative times).
+    /// Write the off-CPU interval `[start, end)` (relative times), counted as an interval or
+    /// as steal.
     fn write_offcpu(
         &mut self,
         pid: i32,
         tid: i32,
         (start, end): (u64, u64),
         stack: u32,
-        preempted: bool,
+        off: Off,
     ) -> anyhow::Result<()> {
         if self.pre_window {
             return Ok(());
         }
-        self.written.offcpu += 1;
+        if off == Off::Stolen {
+            self.written.stolen += 1;
+        } else {
+            self.written.offcpu += 1;
+        }
         self.writer.offcpu(&OffCpu {
             pid,
             tid,
             start_ns: start,
             dur_ns: end.saturating_sub(start),
             stack,
-            preempted,
-            stolen: false,
+            preempted: off != Off::Blocked,
+            stolen: off == Off::Stolen,
         })
     }
 
@@ -416,7 +425,7 @@ impl<W: Sink> Pipeline<W> {
         };
         match iv {
             Some((start, stack, preempted)) => {
-                self.write_offcpu(pid, tid, (start, t), stack, preempted)
+                self.write_offcpu(pid, tid, (start, t), stack, Off::switched(preempted))
             }
             None => Ok(()),
         }
@@ -597,7 +606,7 @@ impl<W: Sink> Pipeline<W> {
         }
         open.sort_by_key(|x| (x.0, x.1));
         for (pid, tid, start, stack, preempted) in open {
-            self.write_offcpu(pid, tid, (start, end), stack, preempted)?;
+            self.write_offcpu(pid, tid, (start, end), stack, Off::switched(preempted))?;
         }
         Ok(())
     }
