@@ -210,22 +210,12 @@ def runq_ns(native_id):
         return None
 
 
-def steal_ns():
+class StealClock:
     """Time the hypervisor ran something else while this machine's CPUs had work (the `steal`
     column of /proc/stat, all CPUs together), ns; None where unavailable. A thread's CPU clock
     does not advance while its vCPU is stolen, so wall - CPU counts it although the thread was
-    not waiting for anything."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) * 1000000000 // os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class StealClock:
-    """The machine's steal (/proc/stat), read from a descriptor kept open (~15 µs a reading, so
-    the writer can read it around every put); ns, None where unavailable."""
+    not waiting for anything. Read from a descriptor kept open (~15 µs a reading, so the writer
+    can read it around every put; pread serves every thread)."""
 
     def __init__(self):
         try:
@@ -241,6 +231,9 @@ class StealClock:
             return int(os.pread(self.fd, 256, 0).split(None, 9)[8]) * self.tick_ns
         except (OSError, ValueError, IndexError):
             return None
+
+
+STEAL = StealClock()
 
 
 def blocks():
@@ -386,7 +379,6 @@ def launcher_loop(rec):
 
 def writer_loop(rec):
     store = AuxOutputStore(STORE_CAPACITY)
-    steal = StealClock()
     rng = rec.rng
     items = rec.items
     ARRIVED.release()
@@ -405,9 +397,9 @@ def writer_loop(rec):
         # The steal is read inside the put's timing: a read drops the GIL, and taking it back
         # is a GIL wait the put's wall - CPU must count (outside, it would be in no figure).
         t0 = mono(); c0 = tcpu()
-        s0 = steal.read()
+        s0 = STEAL.read()
         e0, e1, ce0, ce1 = store.put(b"x" * 64, evict_ns)
-        s1 = steal.read()
+        s1 = STEAL.read()
         c1 = tcpu(); t1 = mono()
         stolen = None if s0 is None or s1 is None else s1 - s0
         items.append((t0, t1, c0, c1, e0, e1, ce0, ce1, stolen))
@@ -693,12 +685,12 @@ def main():
     start = mono()
     cpu0 = read_clocks(recs)
     rq0 = read_runq(recs)
-    st0 = steal_ns()
+    st0 = STEAL.read()
     WINDOW.set()
     hold_window(start + int(args.duration * 1e9))
     cpu1 = read_clocks(recs)
     rq1 = read_runq(recs)
-    st1 = steal_ns()
+    st1 = STEAL.read()
     end = mono()
 
     STOP.set()
