@@ -699,7 +699,8 @@ mod tests {
         let mut series = HashMap::new();
         let mut scrapes: Vec<Vec<MetricPoint>> = Vec::new();
         let mut errors = Vec::new();
-        for ev in rx.iter() {
+        // Bounded: a scraper that stops sending fails the test instead of hanging it.
+        while let Ok(ev) = rx.recv_timeout(Duration::from_secs(60)) {
             match ev {
                 ScrapeEvent::Series(s) => {
                     series.insert(s.id, s);
@@ -716,6 +717,11 @@ mod tests {
                 break;
             }
         }
+        assert!(
+            scrapes.len() >= 3 && errors.len() >= 3,
+            "no event for 60 s: {} scrapes, errors {errors:?}",
+            scrapes.len()
+        );
         let t0 = Instant::now();
         scraper.stop();
         assert!(
@@ -763,6 +769,16 @@ mod tests {
         let (release, released) = mpsc::channel::<()>();
         let sh = std::thread::spawn(move || {
             let (mut s, _) = stuck.accept().unwrap();
+            // Read the request first: closing a socket with unread bytes sends a reset, which
+            // can reach the client before it has read the answer (an error, not a scrape).
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(k) => got.extend_from_slice(&buf[..k]),
+                }
+            }
             let _ = released.recv();
             let body = "vllm:num_requests_waiting 3\n";
             let _ = write!(
@@ -779,7 +795,14 @@ mod tests {
         .unwrap();
         let mut fast = 0;
         let mut stuck_points = 0;
-        for ev in rx.iter() {
+        let mut errors = Vec::new();
+        // Bounded: an answer that never arrives fails the test instead of hanging it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+            let Ok(ev) = rx.recv_timeout(left) else { break };
+            if let ScrapeEvent::Error(e) = &ev {
+                errors.push(format!("{}: {}", e.engine, e.error));
+            }
             if let ScrapeEvent::Points(p) = &ev {
                 if p.len() == 1 {
                     stuck_points += 1;
@@ -791,7 +814,11 @@ mod tests {
                 }
             }
         }
-        assert!(fast >= 3 && stuck_points == 1, "{fast} {stuck_points}");
+        assert!(
+            fast >= 3 && stuck_points == 1,
+            "{fast} scrapes of the fast engine, {stuck_points} of the stuck one; errors: {errors:?}"
+        );
+        drop(rx);
         scraper.stop();
         sh.join().unwrap();
         let _ = ureq::get(&url.replace("/metrics", "/stop")).call();
