@@ -7,6 +7,7 @@ pub mod agent;
 pub mod cpu;
 pub mod probe_truth;
 pub mod tmux;
+pub mod watchdog;
 
 /// The interpreter matrix written once: one `#[test]` per row, named as given, each calling
 /// `check` with the row's arguments (an interpreter label of [`interp`] first, such as
@@ -326,12 +327,22 @@ pub fn host_tid(pid: i32, ns_tid: i32) -> Option<i32> {
     None
 }
 
-/// Run the enginescope binary.
+/// Run the enginescope binary (killed, with its threads' kernel stacks printed, if it runs
+/// past [`watchdog::default_limit`]).
 pub fn enginescope(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_enginescope"))
+    let child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
         .args(args)
-        .output()
-        .expect("run enginescope")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run enginescope");
+    let _dog = watchdog::watch(
+        child.id(),
+        &format!("enginescope {}", args.join(" ")),
+        watchdog::default_limit(),
+    );
+    child.wait_with_output().expect("run enginescope")
 }
 
 pub fn read_json(p: &Path) -> serde_json::Value {
@@ -358,6 +369,7 @@ pub struct Recorder {
     pub early_stderr: String,
     /// What [`Self::start`] read that [`Self::wait_for_lines`] has not looked at yet.
     unscanned: String,
+    _watchdog: watchdog::Watchdog,
 }
 
 impl Recorder {
@@ -376,6 +388,11 @@ impl Recorder {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn enginescope record");
+        let _watchdog = watchdog::watch(
+            child.id(),
+            &format!("enginescope record {}", args.join(" ")),
+            watchdog::default_limit(),
+        );
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
         let mut early = String::new();
         loop {
@@ -395,6 +412,7 @@ impl Recorder {
             stderr,
             unscanned: early.clone(),
             early_stderr: early,
+            _watchdog,
         }
     }
 
