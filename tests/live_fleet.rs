@@ -252,9 +252,19 @@ fn skewed_fleet_rates_imbalance_and_detectors() {
                 "{} {}: mean {mean:.3} ms (truth {truth_mean:.3}), p50 {:?} in {:?} (truth {:?}), p90 {:?} in {:?} (truth {:?}), {} observed ({} in the truth)",
                 ids[i], family.name, l.p50, l.p50_bucket, ms("p50"), l.p90, l.p90_bucket, ms("p90"), l.count, tr["count"]
             );
+            // The histogram's window is interpolated between scrapes: an observation in the
+            // scrape interval at either edge can count in one window and not the other. With
+            // ~25 requests one such observation moves the mean by up to its spread over the
+            // count (a CI run read 23 observed against 24 in the truth, the missing one its
+            // 450 ms outlier: 99.1 ms against 114.0), so each observation the counts differ
+            // by (a part of one counts whole) may shift the mean that much beyond the 5%.
+            let n_truth = tr["count"].as_f64().expect("truth count");
+            let spread = ms("max").expect("truth max") - ms("min").expect("truth min");
+            let edge = (l.count - n_truth).abs().ceil();
+            let allowed = 0.05 * truth_mean + edge * spread / n_truth.max(1.0);
             assert!(
-                (mean / truth_mean - 1.0).abs() <= 0.05,
-                "{} {}: mean {mean} vs truth {truth_mean}",
+                (mean - truth_mean).abs() <= allowed,
+                "{} {}: mean {mean:.3} vs truth {truth_mean:.3} (allowed {allowed:.3} ms: 5% and {edge} edge observations of spread {spread:.3} ms over {n_truth})",
                 ids[i],
                 family.name
             );
