@@ -112,9 +112,30 @@ static __always_inline void count(__u32 which)
  * most of what a switch-out does in an engine that switches thousands of times a second. A
  * chunk that cannot be read whole (an object at the end of a mapping) is read field by field. */
 #define ES_CHUNK 128
+/* 3.11+ keeps a thread's frames on its data stack, each caller just below its callee, a few
+ * hundred bytes apiece: one copy of the bytes below a frame holds the chunks of its callers
+ * too. A walk copies at most ES_WIN bytes at a time, never below the page of the frame it
+ * needs (that page is mapped: its chunk is in it), so one copy per page of stack replaces one
+ * per frame (an engine's stack of 30-40 frames spans two or three pages). */
+#define ES_WIN 4096
+#define ES_PAGE 4096ull
+/* Code objects a walk met lately, in front of `code_seen` (below): a direct-mapped table in
+ * each CPU's buffer, looked up by indexing where `code_seen` costs a hash lookup per frame
+ * (most of a walk's time once its frames came in a copy or two). An entry holds what
+ * `code_seen` held when it was copied, its read time included, so it ages out as that does. */
+#define ES_CODE_CACHE 256
+struct es_code_slot {
+    __u64 code;
+    __u64 t_ns;
+    __u32 tgid;
+    __u32 code_id;
+    __u32 is_code;
+    __u32 pad;
+};
 struct walk_buf {
-    __u8 frame[ES_CHUNK + 8];
     __u8 code[ES_CHUNK + 8];
+    __u8 win[ES_WIN + ES_CHUNK + 8];
+    struct es_code_slot cache[ES_CODE_CACHE];
 };
 
 /* One per event buffer slot (a sample can interrupt a program that walks with IRQs on). */
@@ -124,6 +145,61 @@ struct {
     __type(key, __u32);
     __type(value, struct walk_buf);
 } walk_bufs SEC(".maps");
+
+/* What a walk's window holds: the user bytes [lo, hi) at walk_buf.win; `last` is the frame read
+ * before (0 at the top). */
+struct es_win {
+    __u64 lo, hi, last;
+    __u8 on; /* frames lie on a data stack (3.11+) */
+};
+
+/* Where the ES_CHUNK bytes at `frame + flo` lie in the window (an offset into walk_buf.win), -1
+ * when they cannot be read whole. From the window when they lie in it; else copied into it,
+ * with the bytes below them down to their page's start (at most ES_WIN) when the frame is the
+ * top or lies just below the frame before (a data stack), alone otherwise (3.10's heap frames,
+ * a generator's frame) or when the wider copy fails. A function of its own, verified once:
+ * inline, the window's bounds (which every frame of the loop changes) kept the verifier from
+ * ever finding two states alike. */
+__noinline int frame_window(struct walk_buf *b, struct es_win *win, __u64 frame, __u32 flo)
+{
+    if (!b || !win)
+        return -1;
+    __u64 at = frame + flo;
+    if (at < win->lo || at + ES_CHUNK > win->hi) {
+        __u64 last = win->last;
+        __u64 lo = at, len = ES_CHUNK;
+        count(ES_C_FRAME_COPIES);
+        if (win->on && (last == 0 || (frame < last && last - frame < ES_WIN))) {
+            __u64 hi = at + ES_CHUNK;
+            lo = at & ~(ES_PAGE - 1);
+            if (hi - lo > ES_WIN)
+                lo = hi - ES_WIN;
+            len = hi - lo;
+        }
+        if (len > ES_WIN || len < ES_CHUNK)
+            len = ES_CHUNK;
+        if (bpf_probe_read_user(b->win, len, (void *)lo)) {
+            lo = at;
+            len = ES_CHUNK;
+            if (bpf_probe_read_user(b->win, ES_CHUNK, (void *)at)) {
+                win->lo = 0;
+                win->hi = 0;
+                return -1;
+            }
+        }
+        win->lo = lo;
+        win->hi = lo + len;
+    }
+    return (int)((at - win->lo) & (ES_WIN - 1));
+}
+
+static __always_inline const __u8 *frame_bytes(struct walk_buf *b, struct es_win *win, __u64 frame, __u32 flo)
+{
+    int off = frame_window(b, win, frame, flo);
+    if (off < 0)
+        return 0;
+    return b->win + (off & (ES_WIN - 1));
+}
 
 static __always_inline __u64 ld64(const __u8 *b, __u32 off)
 {
@@ -161,6 +237,7 @@ struct walk_ctx {
     __u8 hash_ok;
     /* The top frame's address and instruction (a quick test before the whole identity). */
     __u64 top, top_instr;
+    struct es_win win;
 };
 
 /* A stack's identity, with its top frame's address and instruction. */
@@ -281,15 +358,41 @@ struct es_code_io {
     __u32 pad;
 };
 
+/* Copy what `code_seen` holds of a code object into the walk buffer's table. */
+static __always_inline void keep_code(struct es_code_slot *slot, __u64 code, __u32 tgid,
+                                      const struct es_code_seen *seen)
+{
+    if (!slot)
+        return;
+    slot->code = code;
+    slot->t_ns = seen->t_ns;
+    slot->tgid = tgid;
+    slot->code_id = seen->code_id;
+    slot->is_code = seen->is_code;
+}
+
 __noinline int code_info(const struct es_target *t, struct walk_buf *b, __u64 code, struct es_code_io *io)
 {
     if (!t || !io)
         return -1;
     __u64 now = io->now;
     __u32 tgid = io->tgid, clo = io->clo;
+    struct es_code_slot *slot = 0;
+    if (b) {
+        slot = &b->cache[((code >> 4) ^ (code >> 12) ^ tgid) & (ES_CODE_CACHE - 1)];
+        if (slot->code == code && slot->tgid == tgid && now - slot->t_ns < ES_CODE_SEEN_NS) {
+            if (!slot->is_code) {
+                count(ES_C_SKIPPED_NONCODE);
+                return 0;
+            }
+            io->code_id = slot->code_id;
+            return 1;
+        }
+    }
     struct es_code_key ck = { .code = code, .tgid = tgid, .pad = 0 };
     struct es_code_seen *seen = bpf_map_lookup_elem(&code_seen, &ck);
     if (seen && now - seen->t_ns < ES_CODE_SEEN_NS) {
+        keep_code(slot, code, tgid, seen);
         if (!seen->is_code) {
             count(ES_C_SKIPPED_NONCODE);
             return 0;
@@ -315,6 +418,7 @@ __noinline int code_info(const struct es_target *t, struct walk_buf *b, __u64 co
             if (type) {
                 fresh.is_code = 0;
                 bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
+                keep_code(slot, code, tgid, &fresh);
             }
             return 0;
         }
@@ -330,6 +434,7 @@ __noinline int code_info(const struct es_target *t, struct walk_buf *b, __u64 co
     io->code_id = (__u32)firstlineno ^ (__u32)(name >> 4);
     fresh.code_id = io->code_id;
     bpf_map_update_elem(&code_seen, &ck, &fresh, BPF_ANY);
+    keep_code(slot, code, tgid, &fresh);
     return 1;
 }
 
@@ -341,15 +446,15 @@ static long walk_one(__u64 index, void *data)
     __u64 frame = w->frame, prev = 0, code = 0;
     if (frame == 0)
         return 1;
-    int fc = w->flo != ES_NO_CHUNK && b &&
-             bpf_probe_read_user(b->frame, ES_CHUNK, (void *)(frame + w->flo)) == 0;
-    if (fc) {
-        prev = ld64(b->frame, t->frame_previous - w->flo);
-        code = ld64(b->frame, t->frame_code - w->flo);
-        w->hash = mix_frame(t, b->frame, w->flo, w->hash, frame);
+    const __u8 *fb = w->flo != ES_NO_CHUNK && b ? frame_bytes(b, &w->win, frame, w->flo) : 0;
+    w->win.last = frame;
+    if (fb) {
+        prev = ld64(fb, t->frame_previous - w->flo);
+        code = ld64(fb, t->frame_code - w->flo);
+        w->hash = mix_frame(t, fb, w->flo, w->hash, frame);
         if (index == 0) {
             w->top = frame;
-            w->top_instr = chunk_instr(t, b->frame, w->flo);
+            w->top_instr = chunk_instr(t, fb, w->flo);
         }
     } else {
         w->hash_ok = 0;
@@ -363,8 +468,8 @@ static long walk_one(__u64 index, void *data)
     w->frame = prev;
     if (t->frame_owner >= 0) {
         __u8 owner = 0;
-        if (fc) {
-            owner = ld8(b->frame, (__u32)t->frame_owner - w->flo);
+        if (fb) {
+            owner = ld8(fb, (__u32)t->frame_owner - w->flo);
         } else if (bpf_probe_read_user(&owner, 1, (void *)(frame + t->frame_owner))) {
             w->flags |= ES_EV_PARTIAL;
             count(ES_C_READ_FRAME_ERR);
@@ -396,15 +501,15 @@ static long walk_one(__u64 index, void *data)
     }
     if (t->frame_kind == 0) {
         __s32 lasti = -1;
-        if (fc)
-            lasti = (__s32)ld32(b->frame, t->frame_instr - w->flo);
+        if (fb)
+            lasti = (__s32)ld32(fb, t->frame_instr - w->flo);
         else if (bpf_probe_read_user(&lasti, sizeof(lasti), (void *)(frame + t->frame_instr)))
             lasti = -1;
         offset = lasti < 0 ? -1 : lasti * 2;
     } else {
         __u64 instr = 0;
-        if (fc) {
-            instr = ld64(b->frame, t->frame_instr - w->flo);
+        if (fb) {
+            instr = ld64(fb, t->frame_instr - w->flo);
             offset = (__s32)(instr - (code + t->code_adaptive));
         } else if (bpf_probe_read_user(&instr, sizeof(instr), (void *)(frame + t->frame_instr)) == 0) {
             offset = (__s32)(instr - (code + t->code_adaptive));
@@ -412,8 +517,8 @@ static long walk_one(__u64 index, void *data)
     }
     if ((t->flags & ES_TARGET_USTACK) && t->frame_is_entry >= 0 && offset >= 0) {
         __u8 entry = 0;
-        if (fc)
-            entry = ld8(b->frame, (__u32)t->frame_is_entry - w->flo);
+        if (fb)
+            entry = ld8(fb, (__u32)t->frame_is_entry - w->flo);
         else if (bpf_probe_read_user(&entry, 1, (void *)(frame + t->frame_is_entry)))
             entry = 0;
         if (entry)
@@ -449,12 +554,18 @@ static __always_inline int top_frame(const struct es_target *t, __u64 tstate, __
 
 /* Fill ev->frames with the current thread's Python stack; returns the flags. `slot`: the
  * caller's event buffer slot (its chunk buffers). `*hash` is the stack's identity, 0 when it
- * is not known (a frame read by field, an error, a stack cut short). */
+ * is not known (a frame read by field, an error, a stack cut short). `win`: what the slot's
+ * window holds already (same_stack's copies of this stack, this instant), or NULL. */
 static __always_inline __u8 walk_stack(const struct es_target *t, __u64 tstate, struct es_event *ev, __u32 slot,
-                                       struct es_walk_id *id)
+                                       struct es_walk_id *id, const struct es_win *win)
 {
     struct walk_ctx w = { .t = t, .ev = ev, .frame = 0, .n = 0, .flags = 0, .hash = 1, .hash_ok = 1,
                           .now = bpf_ktime_get_ns(), .tgid = ev->h.tgid };
+    if (win) {
+        w.win.lo = win->lo;
+        w.win.hi = win->hi;
+    }
+    w.win.on = t->frame_kind == 1;
     id->hash = 0;
     w.buf = bpf_map_lookup_elem(&walk_bufs, &slot);
     w.flo = frame_chunk(t);
@@ -488,6 +599,7 @@ struct hash_ctx {
     __u64 hash;
     __u32 flo;
     __u8 ok;
+    struct es_win win;
 };
 
 static long hash_one(__u64 index, void *data)
@@ -497,31 +609,40 @@ static long hash_one(__u64 index, void *data)
     if (frame == 0)
         return 1;
     struct walk_buf *b = c->buf;
-    if (!b || bpf_probe_read_user(b->frame, ES_CHUNK, (void *)(frame + c->flo))) {
+    const __u8 *fb = b ? frame_bytes(b, &c->win, frame, c->flo) : 0;
+    c->win.last = frame;
+    if (!fb) {
         c->ok = 0;
         return 1;
     }
     const struct es_target *t = c->t;
-    c->hash = mix_frame(t, b->frame, c->flo, c->hash, frame);
-    c->frame = ld64(b->frame, t->frame_previous - c->flo);
+    c->hash = mix_frame(t, fb, c->flo, c->hash, frame);
+    c->frame = ld64(fb, t->frame_previous - c->flo);
     return 0;
 }
 
-/* Whether the thread's stack has identity `last` (what walk_stack would give it), reading one
- * chunk per frame and nothing of the code objects; a different top frame or instruction, the
- * common case, is told from the first chunk. */
+/* Whether the thread's stack has identity `last` (what walk_stack would give it), reading each
+ * frame's chunk (through the window) and nothing of the code objects; a different top frame or
+ * instruction, the common case, is told from the first chunk. `*win`: what the slot's window
+ * holds afterwards, for the walk that follows a difference. */
 static __always_inline int same_stack(const struct es_target *t, __u64 tstate, __u32 slot,
-                                      const struct es_walk_id *last)
+                                      const struct es_walk_id *last, struct es_win *win)
 {
     struct hash_ctx c = { .t = t, .frame = 0, .hash = 1, .ok = 1 };
+    c.win.on = t->frame_kind == 1;
     c.flo = frame_chunk(t);
     c.buf = bpf_map_lookup_elem(&walk_bufs, &slot);
     if (c.flo == ES_NO_CHUNK || !c.buf || !top_frame(t, tstate, &c.frame) || c.frame != last->top)
         return 0;
-    if (bpf_probe_read_user(c.buf->frame, ES_CHUNK, (void *)(c.frame + c.flo)) ||
-        chunk_instr(t, c.buf->frame, c.flo) != last->top_instr)
+    /* The top's bytes (with the window below them, which the walk then reads from). */
+    const __u8 *top = frame_bytes(c.buf, &c.win, c.frame, c.flo);
+    win->lo = c.win.lo;
+    win->hi = c.win.hi;
+    if (!top || chunk_instr(t, top, c.flo) != last->top_instr)
         return 0;
     bpf_loop(ES_MAX_FRAMES + 32, hash_one, &c, 0);
+    win->lo = c.win.lo;
+    win->hi = c.win.hi;
     return c.ok && c.frame == 0 && c.hash == last->hash;
 }
 
@@ -697,9 +818,10 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
         /* A thread switched out where it was when its stack was last walked (blocked again
          * in the same call, preempted in the same loop) sends no frames: user space gives it
          * that stack. Not with native stacks, which may differ below the same Python frames. */
+        struct es_win win = {};
         if (kind == ES_EV_SWITCH_OUT && !(t->flags & (ES_TARGET_KSTACK | ES_TARGET_USTACK))) {
             const struct es_walk_id *last = bpf_map_lookup_elem(&last_walk, &tid);
-            if (last && same_stack(t, th->tstate, slot, last)) {
+            if (last && same_stack(t, th->tstate, slot, last, &win)) {
                 count(ES_C_SAME_STACK);
                 ev->h.flags = flags | ES_EV_SAME_STACK;
                 if (bpf_ringbuf_output(&events, &ev->h, sizeof(ev->h), BPF_RB_NO_WAKEUP))
@@ -708,7 +830,7 @@ static __always_inline void record_current(void *ctx, __u32 slot, __u8 kind, con
             }
         }
         struct es_walk_id id = {};
-        flags |= walk_stack(t, th->tstate, ev, slot, &id);
+        flags |= walk_stack(t, th->tstate, ev, slot, &id, &win);
         flags |= gil_gc_flags(t, th->tstate);
         if (id.hash)
             bpf_map_update_elem(&last_walk, &tid, &id, BPF_ANY);
@@ -883,7 +1005,7 @@ static __always_inline void gil_wait_begins(const struct es_target *t, __u32 tgi
     ev->h.ip = holder;
     if (holder) {
         struct es_walk_id id = {};
-        flags |= walk_stack(t, holder, ev, slot, &id) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+        flags |= walk_stack(t, holder, ev, slot, &id, 0) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
     }
     ev->h.flags = flags;
     submit(ev);
@@ -1014,7 +1136,7 @@ int BPF_PROG(on_waking, struct task_struct *p)
     ev->h.ip = waker;
     ev->h.nframes = 0;
     struct es_walk_id id = {};
-    ev->h.flags = walk_stack(t, ht->tstate, ev, slot, &id) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    ev->h.flags = walk_stack(t, ht->tstate, ev, slot, &id, 0) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
     submit(ev);
     return 0;
 }

@@ -4,7 +4,7 @@
 #ifndef ENGINESCOPE_SAMPLER_H
 #define ENGINESCOPE_SAMPLER_H
 
-#define ES_ABI_VERSION 8
+#define ES_ABI_VERSION 9
 #define ES_MAX_FRAMES 128
 #define ES_MAX_TARGETS 256
 #define ES_MAX_THREADS 16384
@@ -211,6 +211,7 @@ enum es_counter {
     ES_C_SAME_STACK,         /* switch-outs sent without frames: the stack last walked */
     ES_C_WAKES,              /* wake-ups of a target thread by another of its threads (futex) */
     ES_C_CODE_READS,         /* code objects read by walks (not remembered from one lately) */
+    ES_C_FRAME_COPIES,       /* copies of frames' bytes from user memory by walks (a window or a chunk) */
     ES_C_COUNT,
 };
 

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-pub const ABI_VERSION: u32 = 8;
+pub const ABI_VERSION: u32 = 9;
 pub const MAX_FRAMES: usize = 128;
 pub const MAX_KFRAMES: usize = 64;
 pub const USTACK_MAX: usize = 16384;
@@ -178,6 +178,7 @@ pub const COUNTER_NAMES: &[&str] = &[
     "bpf_same_stack_switch_outs",
     "bpf_wakes",
     "bpf_code_reads",
+    "bpf_frame_copies",
 ];
 
 /// `struct es_native` after its header (offsets of its fields in the record).
