@@ -1827,15 +1827,23 @@ fn go_pprof_top(go: &Path, source: &str, index: &str, tmp: &Path) -> (f64, Strin
         out.status.success(),
         "go tool pprof {source}: {err}\n{text}"
     );
+    // pprof scales each figure to its own unit (measurement.ScaledLabel): a small total
+    // reads in microseconds, a long one in minutes.
     let secs = |v: &str| -> f64 {
         let v = v.trim();
-        if let Some(ms) = v.strip_suffix("ms") {
-            ms.parse::<f64>().unwrap() / 1e3
-        } else if let Some(s) = v.strip_suffix('s') {
-            s.parse::<f64>().unwrap()
-        } else {
-            panic!("a duration in go tool pprof's output: {v:?}\n{text}")
-        }
+        let units = [
+            ("ns", 1e-9),
+            ("us", 1e-6),
+            ("µs", 1e-6),
+            ("ms", 1e-3),
+            ("mins", 60.0),
+            ("hrs", 3600.0),
+            ("s", 1.0),
+        ];
+        units
+            .iter()
+            .find_map(|(u, scale)| Some(v.strip_suffix(u)?.parse::<f64>().ok()? * scale))
+            .unwrap_or_else(|| panic!("a duration in go tool pprof's output: {v:?}\n{text}"))
     };
     let total = text
         .lines()
