@@ -146,8 +146,8 @@ struct {
     __type(value, struct walk_buf);
 } walk_bufs SEC(".maps");
 
-/* What a walk's window holds: the user bytes [lo, hi) at walk_buf.win; `last` is the frame read
- * before (0 at the top). */
+/* What a walk's window holds: the user bytes [lo, hi) at walk_buf.win; `last` is the frame
+ * frame_window was last asked for (0 at the top). */
 struct es_win {
     __u64 lo, hi, last;
     __u8 on; /* frames lie on a data stack (3.11+) */
@@ -165,8 +165,9 @@ __noinline int frame_window(struct walk_buf *b, struct es_win *win, __u64 frame,
     if (!b || !win)
         return -1;
     __u64 at = frame + flo;
+    __u64 last = win->last;
+    win->last = frame;
     if (at < win->lo || at + ES_CHUNK > win->hi) {
-        __u64 last = win->last;
         __u64 lo = at, len = ES_CHUNK;
         count(ES_C_FRAME_COPIES);
         if (win->on && (last == 0 || (frame < last && last - frame < ES_WIN))) {
@@ -447,7 +448,6 @@ static long walk_one(__u64 index, void *data)
     if (frame == 0)
         return 1;
     const __u8 *fb = w->flo != ES_NO_CHUNK && b ? frame_bytes(b, &w->win, frame, w->flo) : 0;
-    w->win.last = frame;
     if (fb) {
         prev = ld64(fb, t->frame_previous - w->flo);
         code = ld64(fb, t->frame_code - w->flo);
@@ -610,7 +610,6 @@ static long hash_one(__u64 index, void *data)
         return 1;
     struct walk_buf *b = c->buf;
     const __u8 *fb = b ? frame_bytes(b, &c->win, frame, c->flo) : 0;
-    c->win.last = frame;
     if (!fb) {
         c->ok = 0;
         return 1;
