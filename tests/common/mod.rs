@@ -328,7 +328,7 @@ pub fn host_tid(pid: i32, ns_tid: i32) -> Option<i32> {
 }
 
 /// Run the enginescope binary (killed, with its threads' kernel stacks printed, if it runs
-/// past [`watchdog::default_limit`]).
+/// past the [`watchdog`]'s limit).
 pub fn enginescope(args: &[&str]) -> std::process::Output {
     let child = Command::new(env!("CARGO_BIN_EXE_enginescope"))
         .args(args)
@@ -337,11 +337,7 @@ pub fn enginescope(args: &[&str]) -> std::process::Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run enginescope");
-    let _dog = watchdog::watch(
-        child.id(),
-        &format!("enginescope {}", args.join(" ")),
-        watchdog::default_limit(),
-    );
+    let _dog = watchdog::watch(child.id(), &format!("enginescope {}", args.join(" ")));
     child.wait_with_output().expect("run enginescope")
 }
 
@@ -391,7 +387,6 @@ impl Recorder {
         let _watchdog = watchdog::watch(
             child.id(),
             &format!("enginescope record {}", args.join(" ")),
-            watchdog::default_limit(),
         );
         let mut stderr = BufReader::new(child.stderr.take().unwrap());
         let mut early = String::new();

@@ -9,8 +9,8 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-/// The default limit, or `ES_TEST_HANG_S` seconds.
-pub fn default_limit() -> Duration {
+/// The limit: 900 s, or `ES_TEST_HANG_S` seconds.
+fn limit() -> Duration {
     let s = std::env::var("ES_TEST_HANG_S")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
@@ -23,11 +23,12 @@ pub struct Watchdog {
     _disarm: mpsc::Sender<()>,
 }
 
-/// Watch `pid` (`what` names it in the message): past `limit`, print its threads' state and
+/// Watch `pid` (`what` names it in the message): past the limit, print its threads' state and
 /// kernel stacks, then SIGKILL it.
-pub fn watch(pid: u32, what: &str, limit: Duration) -> Watchdog {
+pub fn watch(pid: u32, what: &str) -> Watchdog {
     let (tx, rx) = mpsc::channel::<()>();
     let what = what.to_string();
+    let limit = limit();
     std::thread::spawn(move || {
         if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
             eprintln!(
@@ -44,7 +45,7 @@ pub fn watch(pid: u32, what: &str, limit: Duration) -> Watchdog {
 }
 
 /// Each thread's name, state, wait channel and kernel stack (`/proc/PID/task/TID/...`).
-pub fn threads_report(pid: u32) -> String {
+fn threads_report(pid: u32) -> String {
     let mut out = String::new();
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return format!("  (/proc/{pid}/task unreadable: the process is gone)\n");
