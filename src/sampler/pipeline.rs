@@ -144,6 +144,8 @@ pub struct Pipeline<W: Sink = RecordingWriter> {
     stolen: HashMap<(i32, i32), Stolen>,
     /// Switch-ins and switch-outs come with the thread's runtime ([`Self::runtime_at`]).
     pub measure_steal: bool,
+    /// Switch tracing is off (`record --measure-cost`'s arms): see [`Self::pause_switches`].
+    switches_paused: bool,
 }
 
 impl<W: Sink> Pipeline<W> {
@@ -162,6 +164,7 @@ impl<W: Sink> Pipeline<W> {
             gc: HashMap::new(),
             stolen: HashMap::new(),
             measure_steal: false,
+            switches_paused: false,
         }
     }
 
@@ -190,6 +193,55 @@ impl<W: Sink> Pipeline<W> {
         self.stolen.clear();
     }
 
+    /// Switch tracing goes off at `edge_ns` (absolute; `record --measure-cost`'s arms). What it
+    /// saw ends there: an interval still open (a thread off CPU or waiting for the GIL) is
+    /// written up to the edge, since neither its end nor what the thread did until switches are
+    /// traced again will be known; and a stay on a CPU is forgotten, since without its
+    /// switch-out a thread's time asleep would read as taken by the hypervisor. Until
+    /// [`Self::resume_switches`], switch events (late ones from before the edge) are dropped
+    /// and samples measure no steal.
+    pub(crate) fn pause_switches(&mut self, edge_ns: u64) -> anyhow::Result<()> {
+        self.switches_paused = true;
+        let edge = self.rel(edge_ns);
+        let mut open: Vec<(i32, i32, u64, u32, bool)> = self
+            .timelines
+            .iter_mut()
+            .filter_map(|(&(pid, tid), tl)| {
+                let (start, stack, preempted) = tl.pending_out.take()?;
+                Some((pid, tid, start, stack, preempted))
+            })
+            .collect();
+        open.sort_unstable();
+        for (pid, tid, start, stack, preempted) in open {
+            self.write_offcpu(
+                pid,
+                tid,
+                (start, edge.max(start)),
+                stack,
+                Off::switched(preempted),
+            )?;
+        }
+        let mut waits: Vec<((i32, i32), PendingGilWait)> = self.gil_waits.drain().collect();
+        waits.sort_unstable_by_key(|&(k, _)| k);
+        for ((pid, tid), w) in waits {
+            self.write_gil_wait(pid, tid, &w, edge.max(w.start_ns))?;
+        }
+        self.stolen.clear();
+        Ok(())
+    }
+
+    /// Whether switch tracing is off ([`Self::pause_switches`]).
+    pub(crate) fn switches_paused(&self) -> bool {
+        self.switches_paused
+    }
+
+    /// Switch tracing is on again: intervals begin at the switch-outs that follow, stays at the
+    /// switch-ins.
+    pub(crate) fn resume_switches(&mut self) {
+        self.switches_paused = false;
+        self.stolen.clear();
+    }
+
     /// A thread's scheduler runtime (`runtime_ns`, 0: unknown) read at `t_ns` while it was on
     /// its CPU, or as it entered or left it. The runtime leaves out what the hypervisor ran
     /// instead while the vCPU was the thread's (and, on kernels that account interrupts apart,
@@ -206,7 +258,7 @@ impl<W: Sink> Pipeline<W> {
         runtime_ns: u64,
         at: OnCpu,
     ) -> anyhow::Result<()> {
-        if runtime_ns == 0 || !self.measure_steal {
+        if runtime_ns == 0 || !self.measure_steal || self.switches_paused {
             return Ok(());
         }
         let in_window = self.in_window(t_ns);
@@ -342,6 +394,9 @@ impl<W: Sink> Pipeline<W> {
         stack: u32,
         preempted: bool,
     ) -> anyhow::Result<()> {
+        if self.switches_paused {
+            return Ok(());
+        }
         self.end_missed_switch_in(pid, tid, t_ns)?;
         let t = self.rel(t_ns);
         if let Some(w) = self.gil_waits.get_mut(&(pid, tid)) {
@@ -408,6 +463,9 @@ impl<W: Sink> Pipeline<W> {
     }
 
     pub(crate) fn switch_in(&mut self, pid: i32, tid: i32, t_ns: u64) -> anyhow::Result<()> {
+        if self.switches_paused {
+            return Ok(());
+        }
         let t = self.rel(t_ns);
         let tl = self.timelines.entry((pid, tid)).or_default();
         let first = !tl.seen_event;
@@ -449,6 +507,9 @@ impl<W: Sink> Pipeline<W> {
         holder_stack: u32,
         switch_wait: bool,
     ) {
+        if self.switches_paused {
+            return;
+        }
         let start_ns = self.rel(t_ns);
         self.gil_waits.insert(
             (pid, tid),
@@ -830,6 +891,60 @@ mod tests {
         q.runtime_at(1, 10, t0 + 50 * MS, r0 + 10 * MS, OnCpu::Leaves)
             .unwrap();
         assert!(stolen(&q.writer).is_empty());
+    }
+
+    /// `record --measure-cost`'s arms with switch tracing off: a thread that goes to sleep and
+    /// wakes unseen, sampled meanwhile, reads its sleep as clock less runtime. None of it is
+    /// steal, and nothing is written inside the hole but what the edge cut.
+    #[test]
+    fn no_interval_or_steal_inside_a_hole_in_switch_tracing() {
+        let mut p = pipe();
+        p.measure_steal = true;
+        let t0 = p.start_ns;
+        let r0 = 5_000 * MS;
+        // Thread 10 on its CPU from 10 ms; thread 11 asleep from 20 ms; 11 waits for the GIL.
+        p.switch_in(1, 10, t0 + 10 * MS).unwrap();
+        p.runtime_at(1, 10, t0 + 10 * MS, r0, OnCpu::Enters)
+            .unwrap();
+        p.switch_out(1, 11, t0 + 20 * MS, 9, false).unwrap();
+        p.gil_wait_start(1, 12, t0 + 25 * MS, 10, 7, true);
+        // Off at 30 ms: the open interval and the GIL wait end there.
+        p.pause_switches(t0 + 30 * MS).unwrap();
+        assert!(p.switches_paused());
+        assert_eq!(offcpu(&p.writer), [(11, 20 * MS, 10 * MS, 9, false)]);
+        let gil: Vec<(i32, u64, u64)> = p
+            .writer
+            .iter()
+            .filter_map(|e| match e {
+                Event::GilWait(g) => Some((g.tid, g.start_ns, g.dur_ns)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(gil, [(12, 25 * MS, 5 * MS)]);
+        // In the hole: 10 sleeps 100 ms of every 110 unseen and is sampled when it runs; a late
+        // switch event from before the edge is dropped.
+        p.switch_out(1, 10, t0 + 29 * MS, 8, false).unwrap();
+        for i in 1..=5u64 {
+            let t = t0 + (30 + 110 * i) * MS;
+            p.sample(1, 10, t, 7, 0, 10 * MS).unwrap();
+            p.runtime_at(1, 10, t, r0 + 10 * i * MS, OnCpu::Runs)
+                .unwrap();
+        }
+        assert!(!p.gil_wait_end(1, 12, t0 + 600 * MS).unwrap());
+        p.resume_switches();
+        // On again: the first switch-in is unpaired, the next switch-out begins an interval.
+        p.switch_in(1, 11, t0 + 700 * MS).unwrap();
+        p.switch_out(1, 11, t0 + 710 * MS, 9, false).unwrap();
+        p.switch_in(1, 11, t0 + 720 * MS).unwrap();
+        assert!(stolen(&p.writer).is_empty(), "{:?}", stolen(&p.writer));
+        assert_eq!(
+            offcpu(&p.writer),
+            [
+                (11, 20 * MS, 10 * MS, 9, false),
+                (11, 710 * MS, 10 * MS, 9, false)
+            ]
+        );
+        assert_eq!(p.written.samples, 5);
     }
 
     #[test]

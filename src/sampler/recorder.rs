@@ -354,7 +354,18 @@ impl<'a> Recorder<'a> {
             super::cost::Tick::Apply(mask) => (mask, false),
             super::cost::Tick::Done => (0, true),
         };
+        let switches_off = mask & crate::bpf::abi::OFF_SWITCH != 0;
+        let edge = monotonic_ns();
+        if !switches_off {
+            // Before the kernel side sends switches again: none of them is dropped.
+            self.pipe.resume_switches();
+        }
         self.source.set_off(mask, &self.targets)?;
+        if switches_off && !self.pipe.switches_paused() {
+            // What the kernel handed over before the edge, then the edge itself.
+            self.source.collect(&mut self.targets, &mut self.pipe)?;
+            self.pipe.pause_switches(edge)?;
+        }
         self.tasks.pause(mask & super::cost::OFF_TASKS != 0);
         self.hold_normal_priority(mask & super::cost::OFF_REALTIME != 0);
         let realtime = crate::sys::is_realtime_this_thread();
