@@ -1002,7 +1002,7 @@ static __always_inline void gil_wait_begins(const struct es_target *t, __u32 tgi
         }
     }
     ev->h.ip = holder;
-    if (holder) {
+    if (holder && !is_off(ES_OFF_STACKS)) {
         struct es_walk_id id = {};
         flags |= walk_stack(t, holder, ev, slot, &id, 0) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
     }
@@ -1050,9 +1050,13 @@ int BPF_PROG(on_switch, _Bool preempt, struct task_struct *prev, struct task_str
                  * switch-in's, what the thread ran of the time it was on its CPU. */
                 __u64 runtime = BPF_CORE_READ(prev, se.sum_exec_runtime);
                 count(ES_C_SWITCH_OUT);
-                if (asleep)
+                int walk = !is_off(ES_OFF_STACKS);
+                if (asleep && walk)
                     record_current(ctx, ES_SLOT_SWITCH, ES_EV_SWITCH_OUT, t, prev_tgid, tid, runtime, 0, 0);
-                else if ((!preempt && in_sched_yield()) || (t->flags & ES_TARGET_PREEMPT_LAST))
+                else if (asleep)
+                    /* The stack last walked stands for it. */
+                    submit_header(ES_EV_SWITCH_OUT, ES_EV_SAME_STACK, prev_tgid, tid, runtime);
+                else if ((!preempt && in_sched_yield()) || (t->flags & ES_TARGET_PREEMPT_LAST) || !walk)
                     /* Runs in prev's context: its memory is the current address space. */
                     submit_header(ES_EV_SWITCH_OUT, ES_EV_PREEMPTED, prev_tgid, tid, runtime);
                 else
@@ -1134,8 +1138,11 @@ int BPF_PROG(on_waking, struct task_struct *p)
     ev->h.time_ns = bpf_ktime_get_ns();
     ev->h.ip = waker;
     ev->h.nframes = 0;
-    struct es_walk_id id = {};
-    ev->h.flags = walk_stack(t, ht->tstate, ev, slot, &id, 0) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    ev->h.flags = 0;
+    if (!is_off(ES_OFF_STACKS)) {
+        struct es_walk_id id = {};
+        ev->h.flags = walk_stack(t, ht->tstate, ev, slot, &id, 0) & (ES_EV_PARTIAL | ES_EV_TRUNCATED);
+    }
     submit(ev);
     return 0;
 }

@@ -68,6 +68,9 @@ struct es_target {
 #define ES_OFF_GC 4             /* a GC's start (on_gc_enter, on_gc_write); its end is always
                                    seen, so that a collection begun while on still closes */
 #define ES_OFF_PROBE 8          /* on_probe_hit */
+#define ES_OFF_STACKS 16        /* the stack walks in the scheduler's hooks (on_switch, on_waking):
+                                   a switch-out carries the thread's last known stack, a GIL wait
+                                   and a wake no stack of the holder or waker */
 
 /* One thread: its PyThreadState, found by user space walking interp->threads. */
 struct es_thread {

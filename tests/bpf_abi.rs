@@ -38,7 +38,7 @@ int main(void) {
   F(es_native, kstack); F(es_native, ustack); S(es_native);
   printf("ES_MAX_KFRAMES=%d\nES_USTACK_MAX=%d\nES_FRAME_ENTRY=%d\n", ES_MAX_KFRAMES, ES_USTACK_MAX, ES_FRAME_ENTRY);
   printf("ES_MAX_FRAMES=%d\nES_C_COUNT=%d\nES_ABI_VERSION=%d\n", ES_MAX_FRAMES, ES_C_COUNT, ES_ABI_VERSION);
-  printf("ES_OFF_SAMPLE=%d\nES_OFF_SWITCH=%d\nES_OFF_GC=%d\nES_OFF_PROBE=%d\n", ES_OFF_SAMPLE, ES_OFF_SWITCH, ES_OFF_GC, ES_OFF_PROBE);
+  printf("ES_OFF_SAMPLE=%d\nES_OFF_SWITCH=%d\nES_OFF_GC=%d\nES_OFF_PROBE=%d\nES_OFF_STACKS=%d\n", ES_OFF_SAMPLE, ES_OFF_SWITCH, ES_OFF_GC, ES_OFF_PROBE, ES_OFF_STACKS);
   return 0;
 }
 "#,
@@ -68,6 +68,7 @@ int main(void) {
         ("ES_OFF_SWITCH", OFF_SWITCH as usize),
         ("ES_OFF_GC", OFF_GC as usize),
         ("ES_OFF_PROBE", OFF_PROBE as usize),
+        ("ES_OFF_STACKS", OFF_STACKS as usize),
         ("es_target", size_of::<EsTarget>()),
         (
             "es_target.gil_holder_addr",

@@ -5,7 +5,7 @@
 //! off, no probed call begun while the probes were off, and each of them present while on;
 //! every comparison measured with both arms of each pair, the recording loop at normal priority
 //! exactly in the arms with its real-time part off, and everything on again at the end.
-//! Cost: ~25 s (a 16 s measurement plus the engine's start).
+//! Cost: ~27 s (an 18 s measurement plus the engine's start).
 
 mod common;
 
@@ -13,7 +13,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 
 use common::*;
-use enginescope::bpf::abi::{OFF_PROBE, OFF_SAMPLE, OFF_SWITCH};
+use enginescope::bpf::abi::{OFF_PROBE, OFF_SAMPLE, OFF_STACKS, OFF_SWITCH};
 use enginescope::record::read_recording;
 use enginescope::sampler::cost::OFF_REALTIME;
 
@@ -117,6 +117,7 @@ fn measure_cost_switches_each_part_off_in_its_slices() {
             "everything",
             "sampling",
             "off-CPU and GIL",
+            "off-CPU stacks",
             "GC",
             "probes",
             "task readers",
@@ -138,8 +139,8 @@ fn measure_cost_switches_each_part_off_in_its_slices() {
         .iter()
         .map(|c| (c[0].as_u64().unwrap(), c[1].as_u64().unwrap() as u32))
         .collect();
-    // 8 comparisons x 2 pairs x 2 arms, then everything on.
-    assert_eq!(changes.len(), 33, "{changes:?}");
+    // 9 comparisons x 2 pairs x 2 arms, then everything on.
+    assert_eq!(changes.len(), 37, "{changes:?}");
     assert_eq!(changes.last().unwrap().1, 0);
     // The loop ran at normal priority exactly in the arms with its real-time part off (the
     // kernel's answer after each change), and real-time in the others (the tests run as root).
@@ -197,6 +198,12 @@ fn measure_cost_switches_each_part_off_in_its_slices() {
     assert!(
         count(OFF_SWITCH, false, &mut offcpu()) > 0,
         "no off-CPU interval while on"
+    );
+    // The stacks part leaves switch tracing on: its off arms have intervals, at the stacks
+    // last walked.
+    assert!(
+        count(OFF_STACKS, true, &mut offcpu()) > 0,
+        "no off-CPU interval while only the stack walks were off"
     );
     let calls = || rec.calls.iter().map(|c| c.start_ns);
     assert_eq!(

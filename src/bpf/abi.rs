@@ -70,6 +70,8 @@ pub const OFF_SAMPLE: u32 = 1;
 pub const OFF_SWITCH: u32 = 2;
 pub const OFF_GC: u32 = 4;
 pub const OFF_PROBE: u32 = 8;
+/// The stack walks in the scheduler's hooks: switch-outs carry the last known stack.
+pub const OFF_STACKS: u32 = 16;
 pub(crate) const TARGET_KSTACK: u32 = 8;
 pub(crate) const TARGET_USTACK: u32 = 16;
 

@@ -22,7 +22,7 @@
 
 use std::time::Duration;
 
-use crate::bpf::abi::{OFF_GC, OFF_PROBE, OFF_SAMPLE, OFF_SWITCH};
+use crate::bpf::abi::{OFF_GC, OFF_PROBE, OFF_SAMPLE, OFF_STACKS, OFF_SWITCH};
 use crate::sys::next_random;
 
 /// The asyncio task readers (user space only: not a BPF bit).
@@ -33,12 +33,15 @@ pub(crate) const OFF_TASKS: u32 = 1 << 16;
 pub const OFF_REALTIME: u32 = 1 << 17;
 /// Every part.
 pub(crate) const OFF_ALL: u32 =
-    OFF_SAMPLE | OFF_SWITCH | OFF_GC | OFF_PROBE | OFF_TASKS | OFF_REALTIME;
+    OFF_SAMPLE | OFF_SWITCH | OFF_STACKS | OFF_GC | OFF_PROBE | OFF_TASKS | OFF_REALTIME;
 
 /// The parts: the name `--cost-part` takes, the name the table prints, the mask bit.
 pub(crate) const PARTS: &[(&str, &str, u32)] = &[
     ("sampling", "sampling", OFF_SAMPLE),
     ("offcpu", "off-CPU and GIL", OFF_SWITCH),
+    // Off: switch tracing goes on, but the scheduler's hooks walk no stack (a switch-out carries
+    // the thread's last known stack): what the stacks cost of the part above.
+    ("stacks", "off-CPU stacks", OFF_STACKS),
     ("gc", "GC", OFF_GC),
     ("probes", "probes", OFF_PROBE),
     ("tasks", "task readers", OFF_TASKS),
@@ -59,14 +62,15 @@ pub(crate) struct CostArgs {
     /// With --measure-cost: seconds per slice.
     #[arg(long, default_value_t = 1.5)]
     pub cost_slice: f64,
-    /// With --measure-cost: also each part alone (sampling, off-CPU and GIL, GC, probes, task
-    /// readers, the loop's real-time priority), by leaving it out, and a null comparison
+    /// With --measure-cost: also each part alone (sampling, off-CPU and GIL, the stack walks
+    /// of off-CPU intervals, GC, probes, task readers, the loop's real-time priority), by
+    /// leaving it out, and a null comparison
     /// (nothing differs).
     #[arg(long)]
     pub cost_each_part: bool,
     /// With --measure-cost: only the named comparisons, in this order (repeat the flag):
-    /// everything, sampling, offcpu, gc, probes, tasks, realtime, null. One part's cost then gets all
-    /// the pairs instead of a sixth of them.
+    /// everything, sampling, offcpu, stacks, gc, probes, tasks, realtime, null. One part's cost
+    /// then gets all the pairs instead of a ninth of them.
     #[arg(long = "cost-part", value_name = "NAME", value_parser = part_name)]
     pub cost_parts: Vec<String>,
     /// With --measure-cost: the Prometheus counter that counts the engine's progress, summed
@@ -611,6 +615,7 @@ mod tests {
             "everything",
             "sampling",
             "offcpu",
+            "stacks",
             "gc",
             "probes",
             "tasks",
