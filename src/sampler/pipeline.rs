@@ -194,38 +194,16 @@ impl<W: Sink> Pipeline<W> {
     }
 
     /// Switch tracing goes off at `edge_ns` (absolute; `record --measure-cost`'s arms). What it
-    /// saw ends there: an interval still open (a thread off CPU or waiting for the GIL) is
-    /// written up to the edge, since neither its end nor what the thread did until switches are
+    /// saw ends there, as at the recording's end ([`Self::close`]): an interval still open (a
+    /// thread off CPU, since before the recording too, or waiting for the GIL) is written up to
+    /// the edge, since neither its end nor what the thread did until switches are
     /// traced again will be known; and a stay on a CPU is forgotten, since without its
     /// switch-out a thread's time asleep would read as taken by the hypervisor. Until
     /// [`Self::resume_switches`], switch events (late ones from before the edge) are dropped
     /// and samples measure no steal.
     pub(crate) fn pause_switches(&mut self, edge_ns: u64) -> anyhow::Result<()> {
         self.switches_paused = true;
-        let edge = self.rel(edge_ns);
-        let mut open: Vec<(i32, i32, u64, u32, bool)> = self
-            .timelines
-            .iter_mut()
-            .filter_map(|(&(pid, tid), tl)| {
-                let (start, stack, preempted) = tl.pending_out.take()?;
-                Some((pid, tid, start, stack, preempted))
-            })
-            .collect();
-        open.sort_unstable();
-        for (pid, tid, start, stack, preempted) in open {
-            self.write_offcpu(
-                pid,
-                tid,
-                (start, edge.max(start)),
-                stack,
-                Off::switched(preempted),
-            )?;
-        }
-        let mut waits: Vec<((i32, i32), PendingGilWait)> = self.gil_waits.drain().collect();
-        waits.sort_unstable_by_key(|&(k, _)| k);
-        for ((pid, tid), w) in waits {
-            self.write_gil_wait(pid, tid, &w, edge.max(w.start_ns))?;
-        }
+        self.close(edge_ns)?;
         self.stolen.clear();
         Ok(())
     }
@@ -908,10 +886,15 @@ mod tests {
             .unwrap();
         p.switch_out(1, 11, t0 + 20 * MS, 9, false).unwrap();
         p.gil_wait_start(1, 12, t0 + 25 * MS, 10, 7, true);
-        // Off at 30 ms: the open interval and the GIL wait end there.
+        // Thread 13 asleep since before the recording, with no event yet.
+        p.initial_stack(1, 13, 4);
+        // Off at 30 ms: the open intervals and the GIL wait end there.
         p.pause_switches(t0 + 30 * MS).unwrap();
         assert!(p.switches_paused());
-        assert_eq!(offcpu(&p.writer), [(11, 20 * MS, 10 * MS, 9, false)]);
+        assert_eq!(
+            offcpu(&p.writer),
+            [(11, 20 * MS, 10 * MS, 9, false), (13, 0, 30 * MS, 4, false)]
+        );
         let gil: Vec<(i32, u64, u64)> = p
             .writer
             .iter()
@@ -936,11 +919,14 @@ mod tests {
         p.switch_in(1, 11, t0 + 700 * MS).unwrap();
         p.switch_out(1, 11, t0 + 710 * MS, 9, false).unwrap();
         p.switch_in(1, 11, t0 + 720 * MS).unwrap();
+        // 13's first switch-in: its wait was written up to the edge already.
+        p.switch_in(1, 13, t0 + 730 * MS).unwrap();
         assert!(stolen(&p.writer).is_empty(), "{:?}", stolen(&p.writer));
         assert_eq!(
             offcpu(&p.writer),
             [
                 (11, 20 * MS, 10 * MS, 9, false),
+                (13, 0, 30 * MS, 4, false),
                 (11, 710 * MS, 10 * MS, 9, false)
             ]
         );
